@@ -1,0 +1,141 @@
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+/// A specialized [`Result`](std::result::Result) for pg-semaphore operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong when using pg-semaphore.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Every slot of the semaphore is held; `try_acquire` fails fast with this
+    /// (answer 429 or 503 at once).
+    #[error("no slots available: all {capacity} slots of semaphore {semaphore:?} are held")]
+    NoSlotsAvailable {
+        /// The semaphore's name.
+        semaphore: String,
+        /// The capacity the database enforced for this claim.
+        capacity: u32,
+    },
+
+    /// A waiting acquire gave up after its timeout.
+    #[error("timed out after {timeout:?} waiting for a slot of semaphore {semaphore:?}")]
+    Timeout {
+        /// The semaphore's name.
+        semaphore: String,
+        /// How long the caller was willing to wait.
+        timeout: Duration,
+    },
+
+    /// The database does not have pg-semaphore's schema.
+    #[error(
+        "pg-semaphore migrations not applied: run `pg_semaphore::migrate(&pool)` or \
+         `sqlx migrate run --source <pg-semaphore>/migrations --config <pg-semaphore>/migrations/sqlx.toml`"
+    )]
+    MigrationsMissing {
+        /// The database error that revealed it (undefined schema, table or function).
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// An argument was rejected before anything was sent to the database.
+    #[error("invalid {argument}: {reason}")]
+    InvalidArgument {
+        /// Which argument (`capacity`, `name`, `lease`, ...).
+        argument: &'static str,
+        /// What is wrong with it and what is accepted.
+        reason: String,
+    },
+
+    /// The semaphore has no row in the database (it was deleted after this
+    /// handle was built).
+    #[error("semaphore {semaphore:?} does not exist: build it with `Semaphore::builder(..).build(&pool)`")]
+    SemaphoreNotFound {
+        /// The semaphore's name.
+        semaphore: String,
+    },
+
+    /// The permit no longer held its slot when it was released: it was reaped
+    /// after its lease expired, or released by someone else (an operator).
+    ///
+    /// This is how a holder learns that others may have used the slot while it
+    /// believed it held it.
+    #[error("permit {id} of semaphore {semaphore:?} was lost: {reason}")]
+    PermitLost {
+        /// The semaphore's name.
+        semaphore: String,
+        /// The permit's id (its fencing token).
+        id: i64,
+        /// Why the slot was no longer held.
+        reason: LostReason,
+    },
+
+    /// Applying the migrations failed.
+    #[error("applying pg-semaphore migrations failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+
+    /// Any other database error (connection refused, pool timeout, ...).
+    #[error(transparent)]
+    Database(sqlx::Error),
+}
+
+/// Why a permit was found not to hold its slot any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// The lease expired and a reaper (or another claim) marked the slot timed out.
+    TimedOut {
+        /// When the slot was marked timed out (database clock).
+        at: DateTime<Utc>,
+    },
+    /// The claim had already been completed, not by this permit (for example
+    /// by an operator's forced release).
+    AlreadyReleased {
+        /// When it was completed (database clock).
+        at: DateTime<Utc>,
+    },
+    /// No claim with this id exists (its audit row was deleted).
+    Missing,
+}
+
+impl std::fmt::Display for LostReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::TimedOut { at } => write!(f, "its lease expired and it was reaped at {at}"),
+            Self::AlreadyReleased { at } => write!(f, "it was already released at {at}"),
+            Self::Missing => f.write_str("no such claim exists"),
+        }
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(error: sqlx::Error) -> Self {
+        // 3F000 invalid_schema_name, 42P01 undefined_table, 42883 undefined_function.
+        let missing = error
+            .as_database_error()
+            .and_then(|e| e.code())
+            .is_some_and(|code| matches!(&*code, "3F000" | "42P01" | "42883"));
+        if missing {
+            Error::MigrationsMissing { source: error }
+        } else {
+            Error::Database(error)
+        }
+    }
+}
+
+impl Error {
+    /// Whether the error only means "busy": no slot was free, or the wait timed out.
+    ///
+    /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Error::NoSlotsAvailable { .. } | Error::Timeout { .. })
+    }
+
+    pub(crate) fn invalid(argument: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            argument,
+            reason: reason.into(),
+        }
+    }
+}

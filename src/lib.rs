@@ -1,0 +1,86 @@
+//! Distributed concurrency control on PostgreSQL.
+//!
+//! Many processes on many machines share one PostgreSQL; pg-semaphore lets them
+//! agree that **at most N of them** talk to a fragile upstream at once, with no
+//! other infrastructure.
+//!
+//! # The semaphore
+//!
+//! A [`Semaphore`] has a name and a capacity, stored in
+//! `pgsemaphore.semaphores`. Every claim is a row in `pgsemaphore.slots`
+//! holding the lowest free slot number below the capacity; a partial unique
+//! index over live rows makes it impossible for the database to hand out a
+//! slot twice, and claims on one semaphore serialise on that semaphore's row
+//! only (never a table lock), so different semaphores never wait on each other.
+//!
+//! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
+//!   answer 429/503 at once.
+//! - [`Semaphore::acquire_timeout`] and [`Semaphore::acquire`] wait. Waiting
+//!   tasks hold no pooled connection: they sleep until a release anywhere
+//!   sends a `NOTIFY`, received by one shared `LISTEN` connection per pool,
+//!   with a slow fallback re-check in case a notification is lost.
+//! - [`Permit::release`] ends the claim (one round trip) and wakes a waiter.
+//!
+//! # Crashes and timeouts
+//!
+//! Each permit has a **lease** measured on the database clock. If its holder
+//! dies, the slot stays held until the lease expires; then the next claim on
+//! that semaphore, or a [`Reaper`] / [`reap`], marks it timed out. A holder
+//! that releases after being reaped gets [`Error::PermitLost`]: it learns
+//! that someone else may have used its slot. Dropping a [`Permit`] without
+//! releasing it schedules the release in the background (not immediate). A
+//! cancelled acquire never leaks a slot: the claim round trip runs in a
+//! spawned task that releases what it claimed if the caller has gone.
+//!
+//! # Audit log
+//!
+//! Finished claims stay in the slot table with `completed_at` or
+//! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
+//! outcomes and hold times, and a summary with p50/p95 hold time.
+//!
+//! # Migrations
+//!
+//! Run [`migrate`] at start-up, or apply `migrations/` with
+//! `sqlx migrate run --source migrations --config migrations/sqlx.toml`. Both
+//! keep their history in [`MIGRATIONS_TABLE`], apart from the application's own.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use pg_semaphore::Semaphore;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+//! pg_semaphore::migrate(&pool).await?;
+//!
+//! let sem = Semaphore::builder("payments-api", 4)
+//!     .lease(Duration::from_secs(90))
+//!     .build(&pool)
+//!     .await?;
+//! let permit = sem.acquire_timeout(Duration::from_secs(5)).await?;
+//! println!("holding slot {} (claim #{})", permit.slot(), permit.id());
+//! // ... call the upstream ...
+//! permit.release().await?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod audit;
+mod error;
+mod listener;
+mod migrate;
+mod reaper;
+mod semaphore;
+
+pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
+pub use error::{Error, LostReason, Result};
+pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
+pub use reaper::{Reaper, reap};
+pub use semaphore::{
+    Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
+    MAX_NAME_LEN, MIN_LEASE, Permit, Semaphore, SemaphoreBuilder,
+};

@@ -1,0 +1,295 @@
+//! Wake-ups for waiting acquires: one `LISTEN` connection per pool, shared by
+//! every waiting task of every semaphore built on that pool.
+//!
+//! A release (or reap, or capacity increase) runs `pg_notify('pgsemaphore', name)`.
+//! The listener task wakes *one* local waiter of that semaphore per
+//! notification (tokio's `Notify::notify_one`, FIFO); a waiter that claims and
+//! sees more free slots passes the baton on. A ticker wakes one waiter per
+//! semaphore every `fallback` interval, so a lost notification (listener
+//! reconnecting, database restart) costs at most one interval, never a hang.
+//! Waiting tasks hold no pooled connection: only the listener's own
+//! connection, opened outside the application's pool.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// The channel every pg-semaphore notification is sent on; the payload is the
+/// semaphore's name.
+pub(crate) const CHANNEL: &str = "pgsemaphore";
+
+/// How often the fallback ticker looks for semaphores that are due a re-check.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Back-off after the listener fails to (re)connect.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
+
+/// Listeners by pool (the pool's connect-options `Arc` identifies it).
+static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Listener>)>> = Mutex::new(Vec::new());
+
+/// The wake-up service of one pool. Dropping the last handle stops its tasks
+/// and closes its connection.
+pub(crate) struct Listener {
+    options: Arc<PgConnectOptions>,
+    waiters: Arc<Waiters>,
+    state: Mutex<Option<Running>>,
+}
+
+struct Running {
+    tasks: [JoinHandle<()>; 2],
+    ready: watch::Receiver<bool>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Some(running) = self.state.get_mut().ok().and_then(Option::take) {
+            for task in running.tasks {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let running = self.state.lock().map(|s| s.is_some()).unwrap_or(false);
+        f.debug_struct("Listener")
+            .field("running", &running)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Listener {
+    /// The listener shared by every semaphore built on `pool`.
+    pub(crate) fn for_pool(pool: &PgPool) -> Arc<Listener> {
+        let options = pool.connect_options();
+        let mut registry = lock(&REGISTRY);
+        registry.retain(|(_, listener)| listener.strong_count() > 0);
+        if let Some(listener) = registry
+            .iter()
+            .find(|(o, _)| Arc::ptr_eq(o, &options))
+            .and_then(|(_, l)| l.upgrade())
+        {
+            return listener;
+        }
+        let listener = Arc::new(Listener {
+            options: options.clone(),
+            waiters: Arc::new(Waiters::default()),
+            state: Mutex::new(None),
+        });
+        registry.push((options, Arc::downgrade(&listener)));
+        listener
+    }
+
+    /// Whether the `LISTEN` connection is established.
+    pub(crate) fn is_ready(&self) -> bool {
+        lock(&self.state)
+            .as_ref()
+            .is_some_and(|running| *running.ready.borrow())
+    }
+
+    /// Starts the listener if needed and waits until it listens, for at most
+    /// `patience`. A listener that cannot connect leaves waiters to the
+    /// fallback re-check, so this never fails.
+    pub(crate) async fn start(&self, patience: Duration) {
+        let mut ready = {
+            let mut state = lock(&self.state);
+            let running = state.get_or_insert_with(|| self.spawn());
+            running.ready.clone()
+        };
+        let _ = tokio::time::timeout(patience, ready.wait_for(|ready| *ready)).await;
+    }
+
+    fn spawn(&self) -> Running {
+        let (ready_tx, ready) = watch::channel(false);
+        let listen = tokio::spawn(listen(
+            (*self.options).clone(),
+            self.waiters.clone(),
+            ready_tx,
+        ));
+        let tick = tokio::spawn(tick(Arc::downgrade(&self.waiters)));
+        Running {
+            tasks: [listen, tick],
+            ready,
+        }
+    }
+
+    /// Registers a waiter for `semaphore`; the registration ends when the guard drops.
+    pub(crate) fn register(&self, semaphore: &str, fallback: Duration) -> WaiterGuard {
+        self.waiters.register(semaphore, fallback)
+    }
+}
+
+/// The `LISTEN` loop. Runs until aborted.
+async fn listen(options: PgConnectOptions, waiters: Arc<Waiters>, ready: watch::Sender<bool>) {
+    // A pool of one, apart from the application's pool, used by PgListener to reconnect.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_lazy_with(options);
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(%error, "pg-semaphore listener cannot connect; waiters fall back to polling");
+                tokio::time::sleep(RECONNECT_BACKOFF).await;
+                continue;
+            }
+        };
+        listener.ignore_pool_close_event(true);
+        if let Err(error) = listener.listen(CHANNEL).await {
+            tracing::warn!(%error, "pg-semaphore listener cannot LISTEN; waiters fall back to polling");
+            tokio::time::sleep(RECONNECT_BACKOFF).await;
+            continue;
+        }
+        let _ = ready.send(true);
+        // Anything released before LISTEN took effect is re-checked now.
+        waiters.wake_all_semaphores();
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(notification)) => waiters.wake_one(notification.payload()),
+                Ok(None) => {
+                    // The connection dropped and was re-established (and
+                    // re-LISTENed): notifications in between are lost.
+                    tracing::debug!("pg-semaphore listener reconnected");
+                    waiters.wake_all_semaphores();
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "pg-semaphore listener lost its connection");
+                    let _ = ready.send(false);
+                    tokio::time::sleep(RECONNECT_BACKOFF).await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The fallback ticker: wakes one waiter of each semaphore whose re-check is due.
+async fn tick(waiters: Weak<Waiters>) {
+    let mut interval = tokio::time::interval(TICK);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(waiters) = waiters.upgrade() else {
+            return;
+        };
+        waiters.wake_due(Instant::now());
+    }
+}
+
+/// Local waiters, per semaphore.
+#[derive(Default)]
+struct Waiters {
+    by_semaphore: Mutex<HashMap<String, Arc<Entry>>>,
+}
+
+/// The waiters of one semaphore in this process.
+pub(crate) struct Entry {
+    pub(crate) notify: Notify,
+    state: Mutex<EntryState>,
+}
+
+struct EntryState {
+    waiting: usize,
+    fallback: Duration,
+    next_check: Instant,
+}
+
+impl Waiters {
+    fn register(self: &Arc<Self>, semaphore: &str, fallback: Duration) -> WaiterGuard {
+        let mut map = lock(&self.by_semaphore);
+        let entry = map
+            .entry(semaphore.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Entry {
+                    notify: Notify::new(),
+                    state: Mutex::new(EntryState {
+                        waiting: 0,
+                        fallback,
+                        next_check: Instant::now() + fallback,
+                    }),
+                })
+            })
+            .clone();
+        {
+            let mut state = lock(&entry.state);
+            state.waiting += 1;
+            if fallback < state.fallback {
+                state.fallback = fallback;
+                state.next_check = state.next_check.min(Instant::now() + fallback);
+            }
+        }
+        WaiterGuard {
+            waiters: self.clone(),
+            semaphore: semaphore.to_owned(),
+            entry,
+        }
+    }
+
+    fn wake_one(&self, semaphore: &str) {
+        if let Some(entry) = lock(&self.by_semaphore).get(semaphore) {
+            entry.notify.notify_one();
+        }
+    }
+
+    fn wake_all_semaphores(&self) {
+        for entry in lock(&self.by_semaphore).values() {
+            entry.notify.notify_one();
+        }
+    }
+
+    fn wake_due(&self, now: Instant) {
+        for entry in lock(&self.by_semaphore).values() {
+            let mut state = lock(&entry.state);
+            if state.next_check <= now {
+                state.next_check = now + state.fallback;
+                entry.notify.notify_one();
+            }
+        }
+    }
+}
+
+/// A registered waiter. Dropping it unregisters.
+pub(crate) struct WaiterGuard {
+    waiters: Arc<Waiters>,
+    semaphore: String,
+    entry: Arc<Entry>,
+}
+
+impl WaiterGuard {
+    pub(crate) fn entry(&self) -> &Entry {
+        &self.entry
+    }
+
+    /// Whether another local task waits on the same semaphore.
+    pub(crate) fn has_company(&self) -> bool {
+        lock(&self.entry.state).waiting > 1
+    }
+}
+
+impl Drop for WaiterGuard {
+    fn drop(&mut self) {
+        let mut map = lock(&self.waiters.by_semaphore);
+        let mut state = lock(&self.entry.state);
+        state.waiting -= 1;
+        if state.waiting == 0 {
+            drop(state);
+            map.remove(&self.semaphore);
+        }
+    }
+}
+
+/// Locks a mutex, recovering from poisoning: the data here stays consistent
+/// because no code panics while holding these locks.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

@@ -1,0 +1,818 @@
+use std::fmt;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::audit::{AuditLog, Holder, Summary};
+use crate::error::{Error, LostReason, Result};
+use crate::listener::Listener;
+
+/// The largest capacity a semaphore may have (a CHECK constraint enforces it too).
+pub const MAX_CAPACITY: u32 = 100_000;
+
+/// The longest semaphore name, in characters.
+pub const MAX_NAME_LEN: usize = 200;
+
+/// The longest holder label, in characters.
+pub const MAX_HOLDER_LEN: usize = 1000;
+
+/// The shortest lease a permit may have.
+pub const MIN_LEASE: Duration = Duration::from_millis(10);
+
+/// The longest lease a permit may have (366 days).
+pub const MAX_LEASE: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
+/// The default lease: how long a permit is held before a reaper may free it.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(90);
+
+/// The default interval of the fallback re-check that covers a lost notification.
+pub const DEFAULT_FALLBACK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The claim: reaps this semaphore's expired slots and inserts the lowest free
+/// slot below capacity, in one round trip. The function body is in
+/// `migrations/20261121000001_pg_semaphore_init.sql`.
+const CLAIM: &str = "SELECT o_id, o_slot, o_created_at, o_expires_at, o_capacity, o_free \
+                     FROM pgsemaphore.claim($1, $2, $3, $4)";
+
+/// Ends a claim and notifies waiters, in one round trip.
+const RELEASE: &str = "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.release($1)";
+
+/// Creates the semaphore or updates its capacity and default lease.
+const CONFIGURE: &str = "SELECT o_capacity FROM pgsemaphore.configure($1, $2, $3)";
+
+/// Free slots right now (expired but unreaped slots count as held).
+const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaphore.slots l \
+                          WHERE l.semaphore = s.name \
+                            AND l.completed_at IS NULL AND l.timed_out_at IS NULL) \
+                         FROM pgsemaphore.semaphores s WHERE s.name = $1";
+
+/// A counting semaphore shared by every process that uses the same database.
+///
+/// At most `capacity` permits of a semaphore are held at once, across all
+/// processes and machines: the database enforces it (a partial unique index on
+/// live slots, and claims serialised on the semaphore's own row). Each permit
+/// is a row in `pgsemaphore.slots` that stays after release as an audit log.
+///
+/// `Semaphore` is a cheap handle (an [`Arc`] inside): clone it freely.
+///
+/// # Example
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use pg_semaphore::{Error, Semaphore};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+/// pg_semaphore::migrate(&pool).await?;
+/// let sem = Semaphore::builder("payments-api", 4)
+///     .lease(Duration::from_secs(90))
+///     .build(&pool)
+///     .await?;
+///
+/// match sem.try_acquire().await {
+///     Ok(permit) => {
+///         // ... call the fragile upstream ...
+///         permit.release().await?;
+///     }
+///     Err(Error::NoSlotsAvailable { .. }) => { /* answer 503 at once */ }
+///     Err(other) => return Err(other.into()),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Semaphore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    name: String,
+    capacity: u32,
+    lease: Duration,
+    holder: String,
+    fallback: Duration,
+    listener: Arc<Listener>,
+}
+
+impl fmt::Debug for Semaphore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Semaphore")
+            .field("name", &self.inner.name)
+            .field("capacity", &self.inner.capacity)
+            .field("lease", &self.inner.lease)
+            .field("holder", &self.inner.holder)
+            .field("fallback_interval", &self.inner.fallback)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`Semaphore`]; made by [`Semaphore::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.build(&pool).await`"]
+pub struct SemaphoreBuilder {
+    name: String,
+    capacity: u32,
+    lease: Duration,
+    holder: Option<String>,
+    fallback: Duration,
+}
+
+impl SemaphoreBuilder {
+    /// How long a permit is held before a reaper may free it (default
+    /// [`DEFAULT_LEASE`], between [`MIN_LEASE`] and [`MAX_LEASE`]). Stored as the
+    /// semaphore's default lease. Measured on the database clock.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The holder label recorded with every claim (default: `host:pid`).
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+
+    /// How often a waiting acquire re-checks even without a notification
+    /// (default [`DEFAULT_FALLBACK_INTERVAL`]). It only matters when a
+    /// notification is lost; one re-check per semaphore per process and interval.
+    pub fn fallback_interval(mut self, interval: Duration) -> Self {
+        self.fallback = interval;
+        self
+    }
+
+    /// Validates the settings and upserts the semaphore's row: a new semaphore
+    /// is created; an existing one takes this capacity and lease (new claims
+    /// see the new capacity; holders above a reduced capacity keep their slots
+    /// until they release).
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidArgument`] for a name that is empty, longer than
+    ///   [`MAX_NAME_LEN`] or contains NUL; a capacity of 0 or above
+    ///   [`MAX_CAPACITY`]; a lease outside [`MIN_LEASE`]..=[`MAX_LEASE`]; a
+    ///   zero fallback interval; a bad holder label. Nothing is written.
+    /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+    /// - [`Error::Database`] for connection and other database errors.
+    ///
+    /// # Cancel safety
+    ///
+    /// The upsert is one statement: cancelling either applies it or not.
+    pub async fn build(self, pool: &PgPool) -> Result<Semaphore> {
+        validate_name(&self.name)?;
+        if self.capacity == 0 || self.capacity > MAX_CAPACITY {
+            return Err(Error::invalid(
+                "capacity",
+                format!(
+                    "{} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots",
+                    self.capacity
+                ),
+            ));
+        }
+        let lease = lease_interval(self.lease)?;
+        if self.fallback.is_zero() {
+            return Err(Error::invalid(
+                "fallback_interval",
+                "must be greater than zero",
+            ));
+        }
+        let holder = match self.holder {
+            Some(holder) => {
+                validate_holder(&holder)?;
+                holder
+            }
+            None => default_holder(),
+        };
+        let capacity: i32 = sqlx::query_scalar(CONFIGURE)
+            .bind(&self.name)
+            .bind(self.capacity as i32)
+            .bind(lease)
+            .fetch_one(pool)
+            .await?;
+        tracing::debug!(semaphore = %self.name, capacity, "semaphore configured");
+        Ok(Semaphore {
+            inner: Arc::new(Inner {
+                listener: Listener::for_pool(pool),
+                pool: pool.clone(),
+                name: self.name,
+                capacity: self.capacity,
+                lease: self.lease,
+                holder,
+                fallback: self.fallback,
+            }),
+        })
+    }
+}
+
+impl Semaphore {
+    /// Starts configuring the semaphore `name` with `capacity` slots.
+    ///
+    /// Nothing is validated or written until [`SemaphoreBuilder::build`].
+    pub fn builder(name: impl Into<String>, capacity: u32) -> SemaphoreBuilder {
+        SemaphoreBuilder {
+            name: name.into(),
+            capacity,
+            lease: DEFAULT_LEASE,
+            holder: None,
+            fallback: DEFAULT_FALLBACK_INTERVAL,
+        }
+    }
+
+    /// The semaphore's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The capacity this handle configured. Another process may have changed
+    /// it since; claims always use the database's current value.
+    pub fn capacity(&self) -> u32 {
+        self.inner.capacity
+    }
+
+    /// The lease given to permits from this handle.
+    pub fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    /// The holder label recorded with claims from this handle.
+    pub fn holder(&self) -> &str {
+        &self.inner.holder
+    }
+
+    /// The pool this semaphore uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// How many slots are free right now, according to the database.
+    ///
+    /// Only a snapshot: by the time it returns another process may have
+    /// claimed or released. Slots whose lease expired but that were not reaped
+    /// yet count as held.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn available_permits(&self) -> Result<u32> {
+        let free: Option<i32> = sqlx::query_scalar(AVAILABLE)
+            .bind(&self.inner.name)
+            .fetch_optional(&self.inner.pool)
+            .await?;
+        match free {
+            Some(free) => Ok(free.max(0) as u32),
+            None => Err(self.not_found()),
+        }
+    }
+
+    /// Starts a claim with per-claim options (metadata, holder label, lease).
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let permit = sem
+    ///     .claim()
+    ///     .metadata(serde_json::json!({ "request_id": "r-42", "route": "/charge" }))
+    ///     .try_acquire()
+    ///     .await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    pub fn claim(&self) -> Claim<'_> {
+        Claim {
+            semaphore: self,
+            holder: None,
+            metadata: None,
+            lease: None,
+        }
+    }
+
+    /// Claims a slot if one is free, or fails at once.
+    ///
+    /// One round trip: the claim reaps this semaphore's expired slots first.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::NoSlotsAvailable`] when every slot is held: answer 429/503.
+    /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the claim runs in a spawned task, and a claim that
+    /// completes after the caller stopped waiting is released at once.
+    pub async fn try_acquire(&self) -> Result<Permit> {
+        self.claim().try_acquire().await
+    }
+
+    /// Waits without limit until a slot is free, then claims it.
+    ///
+    /// Waiting holds no pooled connection: the task sleeps until a release
+    /// anywhere notifies this semaphore (one shared `LISTEN` connection per
+    /// pool), with a slow fallback re-check in case a notification is lost.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`]
+    /// (a claim attempt failed; the wait stops).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping the future at any point never leaves a slot
+    /// held (see [`try_acquire`](Self::try_acquire)).
+    pub async fn acquire(&self) -> Result<Permit> {
+        self.claim().acquire().await
+    }
+
+    /// Waits up to `timeout` for a slot, then claims it.
+    ///
+    /// The timeout bounds the whole call, claim round trips included.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::Timeout`] when no slot could be claimed in time.
+    /// - As [`acquire`](Self::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`acquire`](Self::acquire).
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<Permit> {
+        self.claim().acquire_timeout(timeout).await
+    }
+
+    /// Live holders of this semaphore. See [`AuditLog::holders`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn holders(&self) -> Result<Vec<Holder>> {
+        AuditLog::new(&self.inner.pool)
+            .holders(&self.inner.name)
+            .await
+    }
+
+    /// Summary of this semaphore's claims over a time window. See [`AuditLog::summary`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a window whose end precedes its start,
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn summary(&self, window: std::ops::Range<DateTime<Utc>>) -> Result<Summary> {
+        AuditLog::new(&self.inner.pool)
+            .summary(&self.inner.name, window)
+            .await
+    }
+
+    fn not_found(&self) -> Error {
+        Error::SemaphoreNotFound {
+            semaphore: self.inner.name.clone(),
+        }
+    }
+}
+
+/// One claim's options; made by [`Semaphore::claim`].
+#[derive(Debug)]
+#[must_use = "a claim does nothing until one of its acquire methods is awaited"]
+pub struct Claim<'a> {
+    semaphore: &'a Semaphore,
+    holder: Option<String>,
+    metadata: Option<serde_json::Value>,
+    lease: Option<Duration>,
+}
+
+/// What the spawned claim task needs.
+#[derive(Clone)]
+struct ClaimArgs {
+    semaphore: Semaphore,
+    holder: String,
+    metadata: Option<serde_json::Value>,
+    lease: Option<PgInterval>,
+}
+
+impl<'a> Claim<'a> {
+    /// Overrides the holder label for this claim.
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+
+    /// JSON recorded with the claim in the audit log (request id, route, ...).
+    pub fn metadata(mut self, metadata: serde_json::Value) -> Self {
+        self.metadata = Some(metadata);
+        self
+    }
+
+    /// Overrides the lease for this claim.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// As [`Semaphore::try_acquire`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::try_acquire`], plus [`Error::InvalidArgument`] for a
+    /// bad holder label or lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::try_acquire`].
+    pub async fn try_acquire(self) -> Result<Permit> {
+        let args = self.into_args()?;
+        match claim_once(&args).await? {
+            Claimed::Permit(permit) => Ok(permit),
+            Claimed::Full { capacity } => Err(Error::NoSlotsAvailable {
+                semaphore: args.semaphore.inner.name.clone(),
+                capacity,
+            }),
+        }
+    }
+
+    /// As [`Semaphore::acquire`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::acquire`], plus [`Error::InvalidArgument`] for a bad
+    /// holder label or lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire`].
+    pub async fn acquire(self) -> Result<Permit> {
+        let args = self.into_args()?;
+        wait_and_claim(&args).await
+    }
+
+    /// As [`Semaphore::acquire_timeout`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::acquire_timeout`], plus [`Error::InvalidArgument`] for
+    /// a bad holder label or lease.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire_timeout`].
+    pub async fn acquire_timeout(self, timeout: Duration) -> Result<Permit> {
+        let args = self.into_args()?;
+        // A deadline too far to represent is no deadline.
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return wait_and_claim(&args).await;
+        };
+        match tokio::time::timeout_at(deadline, wait_and_claim(&args)).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(Error::Timeout {
+                semaphore: args.semaphore.inner.name.clone(),
+                timeout,
+            }),
+        }
+    }
+
+    fn into_args(self) -> Result<ClaimArgs> {
+        let holder = match self.holder {
+            Some(holder) => {
+                validate_holder(&holder)?;
+                holder
+            }
+            None => self.semaphore.inner.holder.clone(),
+        };
+        let lease = match self.lease {
+            Some(lease) => Some(lease_interval(lease)?),
+            None => None,
+        };
+        Ok(ClaimArgs {
+            semaphore: self.semaphore.clone(),
+            holder,
+            metadata: self.metadata,
+            lease,
+        })
+    }
+}
+
+enum Claimed {
+    Permit(Permit),
+    Full { capacity: u32 },
+}
+
+/// One claim attempt, cancel-safe by construction: the round trip runs in a
+/// spawned task, and if the caller has gone by the time it returns, the
+/// permit is released there and then.
+async fn claim_once(args: &ClaimArgs) -> Result<Claimed> {
+    let (tx, rx) = oneshot::channel();
+    let task_args = args.clone();
+    tokio::spawn(async move {
+        let result = claim_round_trip(&task_args).await;
+        if let Err(Ok(Claimed::Permit(permit))) = tx.send(result) {
+            tracing::debug!(
+                semaphore = %permit.semaphore.inner.name,
+                id = permit.id,
+                "acquire cancelled while claiming; releasing the claimed slot"
+            );
+            if let Err(error) = permit.release().await {
+                tracing::warn!(%error, "releasing the slot of a cancelled acquire failed; its lease will free it");
+            }
+        }
+    });
+    rx.await.unwrap_or_else(|_| {
+        // The task was dropped: its runtime is shutting down.
+        Err(Error::Database(sqlx::Error::WorkerCrashed))
+    })
+}
+
+async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
+    let inner = &args.semaphore.inner;
+    let row: ClaimRow = sqlx::query_as(CLAIM)
+        .bind(&inner.name)
+        .bind(&args.holder)
+        .bind(args.lease)
+        .bind(&args.metadata)
+        .fetch_one(&inner.pool)
+        .await
+        .map_err(|error| not_found_or(error, &inner.name))?;
+    let capacity = row.capacity.max(0) as u32;
+    match (row.id, row.slot, row.created_at, row.expires_at) {
+        (Some(id), Some(slot), Some(acquired_at), Some(expires_at)) => {
+            tracing::debug!(semaphore = %inner.name, id, slot, "permit acquired");
+            Ok(Claimed::Permit(Permit {
+                semaphore: args.semaphore.clone(),
+                id,
+                slot: slot as u32,
+                acquired_at,
+                expires_at,
+                free_after: row.free.max(0) as u32,
+                released: false,
+            }))
+        }
+        _ => Ok(Claimed::Full { capacity }),
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    #[sqlx(rename = "o_id")]
+    id: Option<i64>,
+    #[sqlx(rename = "o_slot")]
+    slot: Option<i32>,
+    #[sqlx(rename = "o_created_at")]
+    created_at: Option<DateTime<Utc>>,
+    #[sqlx(rename = "o_expires_at")]
+    expires_at: Option<DateTime<Utc>>,
+    #[sqlx(rename = "o_capacity")]
+    capacity: i32,
+    #[sqlx(rename = "o_free")]
+    free: i32,
+}
+
+/// The waiting loop shared by `acquire` and `acquire_timeout`.
+async fn wait_and_claim(args: &ClaimArgs) -> Result<Permit> {
+    let inner = &args.semaphore.inner;
+    let listener = &inner.listener;
+    // Fast path: while no LISTEN connection is up, try once before starting one.
+    if !listener.is_ready() {
+        if let Claimed::Permit(permit) = claim_once(args).await? {
+            return Ok(permit);
+        }
+        listener.start(inner.fallback).await;
+    }
+    let waiter = listener.register(&inner.name, inner.fallback);
+    let started = Instant::now();
+    loop {
+        // Enable the wake-up *before* claiming, so a release that lands
+        // between a failed claim and the wait still wakes this task.
+        let mut notified = pin!(waiter.entry().notify.notified());
+        notified.as_mut().enable();
+        match claim_once(args).await {
+            Ok(Claimed::Permit(permit)) => {
+                if permit.free_after > 0 && waiter.has_company() {
+                    // More slots are free than this task takes: pass it on.
+                    waiter.entry().notify.notify_one();
+                }
+                tracing::debug!(
+                    semaphore = %inner.name,
+                    waited_ms = started.elapsed().as_millis() as u64,
+                    "waiter acquired a permit"
+                );
+                return Ok(permit);
+            }
+            Ok(Claimed::Full { .. }) => {}
+            Err(error) => {
+                // Do not swallow a wake-up meant for someone who can use it.
+                waiter.entry().notify.notify_one();
+                return Err(error);
+            }
+        }
+        notified.await;
+    }
+}
+
+/// A held slot of a [`Semaphore`].
+///
+/// Release it with [`release`](Permit::release), which reports whether the
+/// slot was still held. **Dropping a permit without releasing it schedules
+/// the release on the tokio runtime: it is not immediate**, and if no runtime
+/// is available (or the process dies) the slot is freed when its lease
+/// expires and a reaper or the next claim notices.
+#[must_use = "dropping a permit releases it in the background at once; hold it while you work"]
+pub struct Permit {
+    semaphore: Semaphore,
+    id: i64,
+    slot: u32,
+    acquired_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    free_after: u32,
+    released: bool,
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("semaphore", &self.semaphore.inner.name)
+            .field("id", &self.id)
+            .field("slot", &self.slot)
+            .field("acquired_at", &self.acquired_at)
+            .field("expires_at", &self.expires_at)
+            .finish()
+    }
+}
+
+impl Permit {
+    /// The claim's id: unique and strictly increasing across the database,
+    /// usable as a fencing token.
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// The slot number held, in `0..capacity`.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// When the slot was claimed (database clock).
+    pub fn acquired_at(&self) -> DateTime<Utc> {
+        self.acquired_at
+    }
+
+    /// When the lease ends (database clock): from then on a reaper, or any
+    /// claim on this semaphore, may free the slot.
+    pub fn expires_at(&self) -> DateTime<Utc> {
+        self.expires_at
+    }
+
+    /// The semaphore this permit belongs to.
+    pub fn semaphore(&self) -> &Semaphore {
+        &self.semaphore
+    }
+
+    /// Releases the slot (sets `completed_at`) and wakes a waiter, in one round trip.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::PermitLost`] when the slot was no longer held: the lease
+    ///   expired and it was reaped, or it was released by someone else. Work
+    ///   done since may have overlapped another holder's.
+    /// - [`Error::Database`] when the database could not be reached; the slot
+    ///   is then freed when its lease expires.
+    ///
+    /// # Cancel safety
+    ///
+    /// If the future is dropped, the release still happens: either the
+    /// statement was sent, or the permit's drop schedules it.
+    pub async fn release(mut self) -> Result<()> {
+        self.released = true;
+        release_by_id(&self.semaphore.inner.pool, &self.semaphore.inner.name, self.id).await
+    }
+}
+
+/// Releases a claim by id, reporting a lost slot as [`Error::PermitLost`].
+async fn release_by_id(pool: &PgPool, semaphore: &str, id: i64) -> Result<()> {
+    let (outcome, _, at): (String, Option<String>, Option<DateTime<Utc>>) =
+        sqlx::query_as(RELEASE).bind(id).fetch_one(pool).await?;
+    let reason = match (outcome.as_str(), at) {
+        ("released", _) => {
+            tracing::debug!(semaphore, id, "permit released");
+            return Ok(());
+        }
+        ("timed_out", Some(at)) => LostReason::TimedOut { at },
+        ("completed", Some(at)) => LostReason::AlreadyReleased { at },
+        _ => LostReason::Missing,
+    };
+    Err(Error::PermitLost {
+        semaphore: semaphore.to_owned(),
+        id,
+        reason,
+    })
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let pool = self.semaphore.inner.pool.clone();
+        let semaphore = self.semaphore.inner.name.clone();
+        let id = self.id;
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    if let Err(error) = release_by_id(&pool, &semaphore, id).await {
+                        tracing::warn!(%semaphore, id, %error, "background release of a dropped permit failed");
+                    }
+                });
+            }
+            Err(_) => tracing::warn!(
+                %semaphore,
+                id,
+                "permit dropped outside a tokio runtime: its slot is freed when the lease expires"
+            ),
+        }
+    }
+}
+
+fn not_found_or(error: sqlx::Error, semaphore: &str) -> Error {
+    // P0002 no_data_found: raised by pgsemaphore.claim for an unknown semaphore.
+    let code = error.as_database_error().and_then(|e| e.code());
+    if code.as_deref() == Some("P0002") {
+        Error::SemaphoreNotFound {
+            semaphore: semaphore.to_owned(),
+        }
+    } else {
+        error.into()
+    }
+}
+
+pub(crate) fn validate_name(name: &str) -> Result<()> {
+    let chars = name.chars().count();
+    if chars == 0 {
+        return Err(Error::invalid("name", "must not be empty"));
+    }
+    if chars > MAX_NAME_LEN {
+        return Err(Error::invalid(
+            "name",
+            format!("is {chars} characters long; at most {MAX_NAME_LEN} are allowed"),
+        ));
+    }
+    if name.contains('\0') {
+        return Err(Error::invalid(
+            "name",
+            "must not contain NUL characters (PostgreSQL text cannot store them)",
+        ));
+    }
+    Ok(())
+}
+
+fn validate_holder(holder: &str) -> Result<()> {
+    let chars = holder.chars().count();
+    if chars == 0 || chars > MAX_HOLDER_LEN {
+        return Err(Error::invalid(
+            "holder",
+            format!("must be 1 to {MAX_HOLDER_LEN} characters long, not {chars}"),
+        ));
+    }
+    if holder.contains('\0') {
+        return Err(Error::invalid("holder", "must not contain NUL characters"));
+    }
+    Ok(())
+}
+
+fn lease_interval(lease: Duration) -> Result<PgInterval> {
+    if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
+        return Err(Error::invalid(
+            "lease",
+            format!("{lease:?} is out of range: a lease is {MIN_LEASE:?} to {MAX_LEASE:?}"),
+        ));
+    }
+    Ok(PgInterval {
+        months: 0,
+        days: 0,
+        // In range by the check above (366 days is ~3.2e13 microseconds).
+        microseconds: lease.as_micros() as i64,
+    })
+}
+
+/// `host:pid`, the default holder label.
+fn default_holder() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| std::env::var("COMPUTERNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    format!("{host}:{}", std::process::id())
+}

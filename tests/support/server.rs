@@ -1,0 +1,308 @@
+//! Finds or starts the PostgreSQL server that tests, examples and benchmarks use.
+//!
+//! In order:
+//! 1. `DATABASE_URL` (from the environment, or from a `.env` file);
+//! 2. a throwaway server started from the locally installed PostgreSQL binaries
+//!    (`initdb`, `pg_ctl`) in a temporary directory on a free port, run as the
+//!    `postgres` OS user when this process is root (initdb refuses root), and
+//!    stopped and deleted by a watchdog when this process exits;
+//! 3. a `postgres:15` container via testcontainers, when Docker is reachable.
+//!
+//! Shared by `tests/` and `examples/` through `#[path]`, so everything here is
+//! used by some includer but not necessarily by each.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::str::FromStr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use sqlx::postgres::PgConnectOptions;
+
+/// A PostgreSQL server to use.
+#[derive(Debug)]
+pub struct Server {
+    /// Options for the server's default database (`DATABASE_URL`'s, or `postgres`).
+    pub options: PgConnectOptions,
+    /// What kind of server this is, for messages.
+    pub description: String,
+    /// Whether the server is ours to throw away (so tests need not clean up).
+    pub throwaway: bool,
+}
+
+static SERVER: OnceLock<Server> = OnceLock::new();
+
+/// The server for this process, found or started on first use.
+///
+/// # Panics
+///
+/// When no server can be found or started: the message says what to install or set.
+pub fn server() -> &'static Server {
+    SERVER.get_or_init(|| match find_or_start() {
+        Ok(server) => server,
+        Err(error) => panic!(
+            "no PostgreSQL server for pg-semaphore: {error}\n\
+             Set DATABASE_URL (see .env.example), or install the PostgreSQL server \
+             (Debian: apt-get install postgresql), or make Docker available."
+        ),
+    })
+}
+
+fn find_or_start() -> Result<Server, String> {
+    let _ = dotenvy::dotenv();
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        let options = PgConnectOptions::from_str(&url)
+            .map_err(|e| format!("DATABASE_URL is not a valid PostgreSQL URL: {e}"))?;
+        return Ok(Server {
+            options,
+            description: "the server of DATABASE_URL".to_owned(),
+            throwaway: false,
+        });
+    }
+    let local_error = match find_bin_dir() {
+        Some(bin) => match start_local(&bin) {
+            Ok(server) => return Ok(server),
+            Err(e) => format!("starting a throwaway server from {} failed: {e}", bin.display()),
+        },
+        None => "DATABASE_URL is unset and no PostgreSQL server binaries (initdb, pg_ctl) were found".to_owned(),
+    };
+    if docker_available() {
+        return start_container().map_err(|e| format!("{local_error}; Docker: {e}"));
+    }
+    Err(local_error)
+}
+
+/// The directory holding `initdb` and `pg_ctl`: `$PG_BIN`, `pg_config --bindir`,
+/// the newest `/usr/lib/postgresql/*/bin`, or `$PATH`.
+fn find_bin_dir() -> Option<PathBuf> {
+    let has_tools = |dir: &Path| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file();
+    if let Some(dir) = std::env::var_os("PG_BIN").map(PathBuf::from) {
+        if has_tools(&dir) {
+            return Some(dir);
+        }
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && has_tools(&dir) {
+            return Some(dir);
+        }
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let bin = entry.path().join("bin");
+            has_tools(&bin).then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    if let Some((_, bin)) = versions.pop() {
+        return Some(bin);
+    }
+    for dir in ["/usr/local/pgsql/bin", "/opt/homebrew/bin", "/usr/local/bin"] {
+        if has_tools(Path::new(dir)) {
+            return Some(PathBuf::from(dir));
+        }
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?).find(|dir| has_tools(dir))
+}
+
+/// Runs a PostgreSQL tool, as `user` when given (we are root), failing with its output.
+fn run(user: Option<&str>, program: &Path, args: &[&str]) -> Result<(), String> {
+    let mut command = match user {
+        Some(user) => {
+            let mut c = Command::new("runuser");
+            c.args(["-u", user, "--"]).arg(program);
+            c
+        }
+        None => Command::new(program),
+    };
+    let out = command
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", program.display()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} {} failed: {}{}",
+            program.display(),
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn user_exists(user: &str) -> bool {
+    Command::new("id")
+        .arg(user)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn free_port() -> Result<u16, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+    listener
+        .local_addr()
+        .map(|addr| addr.port())
+        .map_err(|e| e.to_string())
+}
+
+fn start_local(bin: &Path) -> Result<Server, String> {
+    // initdb and postgres refuse to run as root: use an unprivileged OS user.
+    let user = if is_root() {
+        Some(
+            ["postgres", "nobody"]
+                .into_iter()
+                .find(|u| user_exists(u))
+                .ok_or("running as root and neither a `postgres` nor a `nobody` user exists")?,
+        )
+    } else {
+        None
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "pg-semaphore-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    if let Some(user) = user {
+        let status = Command::new("chown")
+            .arg(format!("{user}:"))
+            .arg(&dir)
+            .status()
+            .map_err(|e| format!("cannot run chown: {e}"))?;
+        if !status.success() {
+            return Err(format!("chown {user} {} failed", dir.display()));
+        }
+    }
+    let data = dir.join("data");
+    let data_s = data.to_string_lossy().into_owned();
+    let dir_s = dir.to_string_lossy().into_owned();
+    run(
+        user,
+        &bin.join("initdb"),
+        &["-D", &data_s, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"],
+    )?;
+
+    // The watchdog stops the server and deletes its files once this process is gone.
+    let pg_ctl = bin.join("pg_ctl").to_string_lossy().into_owned();
+    let as_user = user.map(|u| format!("runuser -u {u} -- ")).unwrap_or_default();
+    let watchdog = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+         {as_user}'{pg_ctl}' -D '{data_s}' -m immediate -w stop >/dev/null 2>&1; rm -rf '{dir_s}'",
+        pid = std::process::id()
+    );
+    Command::new("sh")
+        .args(["-c", &watchdog])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start the watchdog: {e}"))?;
+
+    // A port can be taken between choosing and binding it: try a few.
+    let mut last_error = String::new();
+    for _ in 0..5 {
+        let port = free_port()?;
+        let server_options = format!(
+            "-p {port} -k {dir_s} -c listen_addresses=127.0.0.1 -c max_connections=400 \
+             -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        );
+        let log = dir.join("server.log").to_string_lossy().into_owned();
+        match run(
+            user,
+            &bin.join("pg_ctl"),
+            &["-D", &data_s, "-l", &log, "-o", &server_options, "-w", "-t", "60", "start"],
+        ) {
+            Ok(()) => {
+                return Ok(Server {
+                    options: PgConnectOptions::new()
+                        .host("127.0.0.1")
+                        .port(port)
+                        .username("postgres")
+                        .database("postgres"),
+                    description: format!("a throwaway PostgreSQL on 127.0.0.1:{port} ({dir_s})"),
+                    throwaway: true,
+                });
+            }
+            Err(e) => {
+                last_error = format!("{e}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+            }
+        }
+    }
+    Err(last_error)
+}
+
+fn docker_available() -> bool {
+    Command::new("docker")
+        .arg("info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn start_container() -> Result<Server, String> {
+    use testcontainers::core::{IntoContainerPort, WaitFor};
+    use testcontainers::runners::SyncRunner;
+    use testcontainers::{GenericImage, ImageExt};
+
+    let container = GenericImage::new("postgres", "15")
+        .with_exposed_port(5432.tcp())
+        .with_wait_for(WaitFor::message_on_stderr(
+            "database system is ready to accept connections",
+        ))
+        .with_wait_for(WaitFor::message_on_stdout(
+            "database system is ready to accept connections",
+        ))
+        .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
+        .start()
+        .map_err(|e| format!("cannot start a postgres container: {e}"))?;
+    let port = container
+        .get_host_port_ipv4(5432.tcp())
+        .map_err(|e| e.to_string())?;
+    let id = container.id().to_owned();
+    // Kept for the life of the process; the watchdog removes it afterwards.
+    let watchdog = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; docker rm -f {id} >/dev/null 2>&1",
+        pid = std::process::id()
+    );
+    let _ = Command::new("sh")
+        .args(["-c", &watchdog])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    std::mem::forget(container);
+    // The image restarts once after initialisation; give it a moment.
+    std::thread::sleep(Duration::from_millis(500));
+    Ok(Server {
+        options: PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(port)
+            .username("postgres")
+            .database("postgres"),
+        description: format!("a postgres:15 container ({id}) on port {port}"),
+        throwaway: true,
+    })
+}
