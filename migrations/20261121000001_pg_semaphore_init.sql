@@ -141,8 +141,7 @@ BEGIN
             USING ERRCODE = 'no_data_found';
     END IF;
 
-    -- Taken after the lock: no claim on this semaphore can appear to start
-    -- before an earlier one on the same slot ended.
+    -- The reap below uses the clock after the lock was granted.
     v_now := clock_timestamp();
 
     -- SKIP LOCKED: a row being released or reaped right now is about to be
@@ -174,10 +173,15 @@ BEGIN
     END IF;
 
     -- Fewer than capacity live rows: a slot below capacity is free.
+    -- created_at is read *inside* this statement, after its snapshot was
+    -- taken: every release this claim relies on committed before that, so its
+    -- completed_at is earlier than our created_at and the audit log never
+    -- shows two claims overlapping on one slot.
     RETURN QUERY
     INSERT INTO pgsemaphore.slots AS n (semaphore, slot, holder, metadata, created_at, expires_at)
-    SELECT p_semaphore, g.slot, p_holder, p_metadata, v_now, v_now + coalesce(p_lease, v_lease)
-      FROM generate_series(0, v_capacity - 1) AS g(slot)
+    SELECT p_semaphore, g.slot, p_holder, p_metadata, t.now, t.now + coalesce(p_lease, v_lease)
+      FROM (SELECT clock_timestamp() AS now) AS t,
+           generate_series(0, v_capacity - 1) AS g(slot)
      WHERE NOT EXISTS (
                SELECT 1
                  FROM pgsemaphore.slots l

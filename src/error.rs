@@ -50,7 +50,9 @@ pub enum Error {
 
     /// The semaphore has no row in the database (it was deleted after this
     /// handle was built).
-    #[error("semaphore {semaphore:?} does not exist: build it with `Semaphore::builder(..).build(&pool)`")]
+    #[error(
+        "semaphore {semaphore:?} does not exist: build it with `Semaphore::builder(..).build(&pool)`"
+    )]
     SemaphoreNotFound {
         /// The semaphore's name.
         semaphore: String,

@@ -291,5 +291,7 @@ impl Drop for WaiterGuard {
 /// Locks a mutex, recovering from poisoning: the data here stays consistent
 /// because no code panics while holding these locks.
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

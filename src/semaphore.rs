@@ -695,7 +695,12 @@ impl Permit {
     /// statement was sent, or the permit's drop schedules it.
     pub async fn release(mut self) -> Result<()> {
         self.released = true;
-        release_by_id(&self.semaphore.inner.pool, &self.semaphore.inner.name, self.id).await
+        release_by_id(
+            &self.semaphore.inner.pool,
+            &self.semaphore.inner.name,
+            self.id,
+        )
+        .await
     }
 }
 

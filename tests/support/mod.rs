@@ -35,11 +35,15 @@ pub async fn empty_db_with(max_connections: u32) -> TestDb {
     );
     let mut admin = connect_admin(&server.options).await;
     admin
-        .execute(AssertSqlSafe(format!(r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#)))
+        .execute(AssertSqlSafe(format!(
+            r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#
+        )))
         .await
         .expect("drop a leftover test database");
     admin
-        .execute(AssertSqlSafe(format!(r#"CREATE DATABASE "{name}" TEMPLATE template0"#)))
+        .execute(AssertSqlSafe(format!(
+            r#"CREATE DATABASE "{name}" TEMPLATE template0"#
+        )))
         .await
         .unwrap_or_else(|e| panic!("create test database on {}: {e}", server.description));
     let _ = admin.close().await;
@@ -104,7 +108,9 @@ impl Drop for TestDb {
             rt.block_on(async {
                 if let Ok(mut admin) = PgConnection::connect_with(&options).await {
                     let _ = admin
-                        .execute(AssertSqlSafe(format!(r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#)))
+                        .execute(AssertSqlSafe(format!(
+                            r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#
+                        )))
                         .await;
                 }
             });

@@ -64,9 +64,15 @@ fn find_or_start() -> Result<Server, String> {
     let local_error = match find_bin_dir() {
         Some(bin) => match start_local(&bin) {
             Ok(server) => return Ok(server),
-            Err(e) => format!("starting a throwaway server from {} failed: {e}", bin.display()),
+            Err(e) => format!(
+                "starting a throwaway server from {} failed: {e}",
+                bin.display()
+            ),
         },
-        None => "DATABASE_URL is unset and no PostgreSQL server binaries (initdb, pg_ctl) were found".to_owned(),
+        None => {
+            "DATABASE_URL is unset and no PostgreSQL server binaries (initdb, pg_ctl) were found"
+                .to_owned()
+        }
     };
     if docker_available() {
         return start_container().map_err(|e| format!("{local_error}; Docker: {e}"));
@@ -103,7 +109,11 @@ fn find_bin_dir() -> Option<PathBuf> {
     if let Some((_, bin)) = versions.pop() {
         return Some(bin);
     }
-    for dir in ["/usr/local/pgsql/bin", "/opt/homebrew/bin", "/usr/local/bin"] {
+    for dir in [
+        "/usr/local/pgsql/bin",
+        "/opt/homebrew/bin",
+        "/usr/local/bin",
+    ] {
         if has_tools(Path::new(dir)) {
             return Some(PathBuf::from(dir));
         }
@@ -201,12 +211,24 @@ fn start_local(bin: &Path) -> Result<Server, String> {
     run(
         user,
         &bin.join("initdb"),
-        &["-D", &data_s, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"],
+        &[
+            "-D",
+            &data_s,
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ],
     )?;
 
     // The watchdog stops the server and deletes its files once this process is gone.
     let pg_ctl = bin.join("pg_ctl").to_string_lossy().into_owned();
-    let as_user = user.map(|u| format!("runuser -u {u} -- ")).unwrap_or_default();
+    let as_user = user
+        .map(|u| format!("runuser -u {u} -- "))
+        .unwrap_or_default();
     let watchdog = format!(
         "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
          {as_user}'{pg_ctl}' -D '{data_s}' -m immediate -w stop >/dev/null 2>&1; rm -rf '{dir_s}'",
@@ -232,7 +254,18 @@ fn start_local(bin: &Path) -> Result<Server, String> {
         match run(
             user,
             &bin.join("pg_ctl"),
-            &["-D", &data_s, "-l", &log, "-o", &server_options, "-w", "-t", "60", "start"],
+            &[
+                "-D",
+                &data_s,
+                "-l",
+                &log,
+                "-o",
+                &server_options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
         ) {
             Ok(()) => {
                 return Ok(Server {

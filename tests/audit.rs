@@ -1,0 +1,220 @@
+//! The audit log: finished claims stay, and the queries report holders,
+//! history with outcomes and hold times, and summaries.
+
+mod support;
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeZone, Utc};
+use pg_semaphore::{AuditLog, Error, Outcome, Semaphore};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+#[tokio::test]
+async fn history_reports_every_claim_with_its_outcome() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("history", 3)
+        .lease(Duration::from_millis(200))
+        .build(&db.pool)
+        .await?;
+    let start = Utc::now() - chrono::Duration::seconds(1);
+
+    let completed = sem
+        .claim()
+        .metadata(serde_json::json!({ "route": "/charge" }))
+        .lease(Duration::from_secs(60))
+        .try_acquire()
+        .await?;
+    let completed_id = completed.id();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    completed.release().await?;
+
+    let abandoned = sem.try_acquire().await?; // lease 200 ms, never released
+    let abandoned_id = abandoned.id();
+    std::mem::forget(abandoned); // as if the process died: no background release
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
+
+    let live = sem
+        .claim()
+        .lease(Duration::from_secs(60))
+        .try_acquire()
+        .await?;
+
+    let log = AuditLog::new(&db.pool);
+    let history = log
+        .history("history", start..Utc::now() + chrono::Duration::seconds(1))
+        .await?;
+    let outcomes: Vec<(i64, Outcome)> = history.iter().map(|c| (c.id, c.outcome)).collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            (completed_id, Outcome::Completed),
+            (abandoned_id, Outcome::TimedOut),
+            (live.id(), Outcome::Live)
+        ]
+    );
+    let first = &history[0];
+    assert_eq!(
+        first.metadata,
+        Some(serde_json::json!({ "route": "/charge" }))
+    );
+    assert!(first.ended_at.is_some());
+    assert!(
+        first.held_for >= Duration::from_millis(50),
+        "{:?}",
+        first.held_for
+    );
+    assert!(first.held_for < Duration::from_secs(30));
+    assert!(
+        history[1].held_for >= Duration::from_millis(200),
+        "held until reaped"
+    );
+    assert_eq!(history[2].ended_at, None);
+    assert!(history.iter().all(|c| !c.holder.is_empty()));
+
+    // A window that ends before the first claim sees nothing.
+    let before = log
+        .history("history", start - chrono::Duration::hours(1)..start)
+        .await?;
+    assert!(before.is_empty());
+    // Other semaphores are not mixed in.
+    assert!(log.history("other", start..Utc::now()).await?.is_empty());
+    live.release().await?;
+    Ok(())
+}
+
+/// Inserts a finished claim with exact timestamps (the audit queries only read
+/// the table, so a fixture row is as good as a real claim).
+async fn finished_claim(
+    pool: &sqlx::PgPool,
+    slot: i32,
+    created_at: DateTime<Utc>,
+    held: chrono::Duration,
+    timed_out: bool,
+) -> sqlx::Result<()> {
+    let ended = created_at + held;
+    sqlx::query(
+        "INSERT INTO pgsemaphore.slots
+             (semaphore, slot, holder, created_at, expires_at, completed_at, timed_out_at)
+         VALUES ('summarised', $1, 'fixture', $2, $2 + interval '1 hour', $3, $4)",
+    )
+    .bind(slot)
+    .bind(created_at)
+    .bind((!timed_out).then_some(ended))
+    .bind(timed_out.then_some(ended))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn summary_counts_outcomes_and_hold_time_percentiles() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("summarised", 4).build(&db.pool).await?;
+    let t0 = Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap();
+    // Held 1 s, 2 s, ..., 20 s; the 19 s and 20 s ones were reaped.
+    for seconds in 1..=20 {
+        let created = t0 + chrono::Duration::seconds(seconds * 60);
+        finished_claim(
+            &db.pool,
+            0,
+            created,
+            chrono::Duration::seconds(seconds),
+            seconds > 18,
+        )
+        .await?;
+    }
+    // One claim outside the window.
+    finished_claim(
+        &db.pool,
+        0,
+        t0 - chrono::Duration::days(1),
+        chrono::Duration::seconds(500),
+        false,
+    )
+    .await?;
+    let window = t0..t0 + chrono::Duration::hours(1);
+
+    let summary = sem.summary(window.clone()).await?;
+    assert_eq!(summary.completed, 18);
+    assert_eq!(summary.timed_out, 2);
+    assert_eq!(summary.live, 0);
+    assert_eq!(summary.total(), 20);
+    // percentile_cont over 1..=20 s: p50 = 10.5 s, p95 = 19.05 s.
+    assert_eq!(summary.p50_hold, Some(Duration::from_millis(10_500)));
+    assert_eq!(summary.p95_hold, Some(Duration::from_millis(19_050)));
+    assert_eq!(summary.max_hold, Some(Duration::from_secs(20)));
+
+    // A live claim counts as live and stays out of the percentiles.
+    let _live = sem.try_acquire().await?;
+    let now = Utc::now();
+    let recent = sem.summary(now - chrono::Duration::minutes(1)..now).await?;
+    assert_eq!((recent.completed, recent.timed_out, recent.live), (0, 0, 1));
+    assert_eq!(recent.p50_hold, None);
+
+    // An empty window is all zeros.
+    let empty = AuditLog::new(&db.pool)
+        .summary(
+            "summarised",
+            t0 - chrono::Duration::days(30)..t0 - chrono::Duration::days(29),
+        )
+        .await?;
+    assert_eq!(empty.total(), 0);
+    assert_eq!(empty.p95_hold, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn holders_lists_live_claims_only() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("holders", 3)
+        .holder("web-1")
+        .build(&db.pool)
+        .await?;
+    let a = sem.try_acquire().await?;
+    let b = sem.claim().holder("web-2").try_acquire().await?;
+    let log = AuditLog::new(&db.pool);
+    let holders = log.holders("holders").await?;
+    assert_eq!(
+        holders
+            .iter()
+            .map(|h| (h.id, h.slot, h.holder.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(a.id(), 0, "web-1"), (b.id(), 1, "web-2")]
+    );
+    assert!(holders.iter().all(|h| h.expires_at > h.created_at));
+    a.release().await?;
+    let holders = log.holders("holders").await?;
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].id, b.id());
+    // The released claim is still in the log.
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.slots")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(rows, 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_window_that_ends_before_it_starts_is_rejected() -> TestResult {
+    let db = support::migrated_db().await;
+    let log = AuditLog::new(&db.pool);
+    let now = Utc::now();
+    let backwards = now..now - chrono::Duration::seconds(1);
+    assert!(matches!(
+        log.history("x", backwards.clone()).await,
+        Err(Error::InvalidArgument {
+            argument: "window",
+            ..
+        })
+    ));
+    assert!(matches!(
+        log.summary("x", backwards).await,
+        Err(Error::InvalidArgument {
+            argument: "window",
+            ..
+        })
+    ));
+    Ok(())
+}

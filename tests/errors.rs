@@ -1,0 +1,289 @@
+//! Every error variant, and bad input: a typed error that says what is wrong,
+//! nothing written, no panic.
+
+mod support;
+
+use std::time::Duration;
+
+use pg_semaphore::{
+    Error, LostReason, MAX_CAPACITY, MAX_LEASE, MIN_LEASE, Reaper, Semaphore, SemaphoreBuilder,
+};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+async fn rows(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pgsemaphore.semaphores), (SELECT count(*) FROM pgsemaphore.slots)",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("count rows")
+}
+
+#[tokio::test]
+async fn bad_builder_input_is_rejected_before_anything_is_written() -> TestResult {
+    let db = support::migrated_db().await;
+    let long_name = "n".repeat(201);
+    let cases: Vec<(&str, SemaphoreBuilder, &str)> = vec![
+        ("capacity 0", Semaphore::builder("s", 0), "capacity"),
+        (
+            "capacity above the maximum",
+            Semaphore::builder("s", MAX_CAPACITY + 1),
+            "capacity",
+        ),
+        (
+            "capacity u32::MAX",
+            Semaphore::builder("s", u32::MAX),
+            "capacity",
+        ),
+        ("empty name", Semaphore::builder("", 1), "name"),
+        (
+            "201-character name",
+            Semaphore::builder(long_name, 1),
+            "name",
+        ),
+        ("NUL in name", Semaphore::builder("a\0b", 1), "name"),
+        (
+            "zero lease",
+            Semaphore::builder("s", 1).lease(Duration::ZERO),
+            "lease",
+        ),
+        (
+            "lease below the minimum",
+            Semaphore::builder("s", 1).lease(MIN_LEASE - Duration::from_nanos(1)),
+            "lease",
+        ),
+        (
+            "lease above the maximum",
+            Semaphore::builder("s", 1).lease(MAX_LEASE + Duration::from_secs(1)),
+            "lease",
+        ),
+        (
+            "enormous lease",
+            Semaphore::builder("s", 1).lease(Duration::MAX),
+            "lease",
+        ),
+        (
+            "zero fallback interval",
+            Semaphore::builder("s", 1).fallback_interval(Duration::ZERO),
+            "fallback_interval",
+        ),
+        (
+            "empty holder",
+            Semaphore::builder("s", 1).holder(""),
+            "holder",
+        ),
+        (
+            "1001-character holder",
+            Semaphore::builder("s", 1).holder("h".repeat(1001)),
+            "holder",
+        ),
+        (
+            "NUL in holder",
+            Semaphore::builder("s", 1).holder("a\0"),
+            "holder",
+        ),
+    ];
+    for (case, builder, expected) in cases {
+        match builder.build(&db.pool).await {
+            Err(err @ Error::InvalidArgument { argument, .. }) => {
+                assert_eq!(argument, expected, "{case}");
+                assert!(
+                    err.to_string()
+                        .starts_with(&format!("invalid {expected}: ")),
+                    "{case}: {err}"
+                );
+            }
+            other => panic!("{case}: expected InvalidArgument({expected}), got {other:?}"),
+        }
+    }
+    assert_eq!(rows(&db.pool).await, (0, 0), "bad input wrote nothing");
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("claims", 1).build(&db.pool).await?;
+    assert!(matches!(
+        sem.claim().lease(Duration::ZERO).try_acquire().await,
+        Err(Error::InvalidArgument {
+            argument: "lease",
+            ..
+        })
+    ));
+    assert!(matches!(
+        sem.claim().lease(Duration::MAX).acquire().await,
+        Err(Error::InvalidArgument {
+            argument: "lease",
+            ..
+        })
+    ));
+    assert!(matches!(
+        sem.claim()
+            .holder("")
+            .acquire_timeout(Duration::from_secs(1))
+            .await,
+        Err(Error::InvalidArgument {
+            argument: "holder",
+            ..
+        })
+    ));
+    assert!(matches!(
+        Reaper::spawn(&db.pool, Duration::ZERO),
+        Err(Error::InvalidArgument {
+            argument: "interval",
+            ..
+        })
+    ));
+    assert_eq!(rows(&db.pool).await, (1, 0));
+
+    // Enormous wait timeouts are just long waits, never a panic.
+    let permit = sem.acquire_timeout(Duration::MAX).await?;
+    permit.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn hostile_names_are_data_not_sql() -> TestResult {
+    let db = support::migrated_db().await;
+    let names = [
+        "'; DROP TABLE pgsemaphore.slots; --",
+        "\"; DELETE FROM pgsemaphore.semaphores; --",
+        "Robert'); DROP TABLE students;--",
+        "🚦 semáforo 信号量",
+        "\u{202e}rtl\u{0007}bell\ttab\nnewline",
+        "%s %n $1 \\x00",
+        &"é".repeat(200),
+    ];
+    for name in names {
+        let sem = Semaphore::builder(name, 2)
+            .holder(format!("holder {name}"))
+            .build(&db.pool)
+            .await?;
+        let permit = sem
+            .claim()
+            .metadata(serde_json::json!({ "name": name }))
+            .try_acquire()
+            .await?;
+        let holders = sem.holders().await?;
+        assert_eq!(holders.len(), 1);
+        assert_eq!(holders[0].holder, format!("holder {name}"));
+        assert_eq!(
+            holders[0].metadata,
+            Some(serde_json::json!({ "name": name }))
+        );
+        permit.release().await?;
+    }
+    assert_eq!(
+        rows(&db.pool).await,
+        (names.len() as i64, names.len() as i64)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_deleted_semaphore_is_reported_as_not_found() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("ephemeral", 1).build(&db.pool).await?;
+    sqlx::query("DELETE FROM pgsemaphore.semaphores WHERE name = 'ephemeral'")
+        .execute(&db.pool)
+        .await?;
+    for result in [sem.try_acquire().await, sem.acquire().await] {
+        match result {
+            Err(Error::SemaphoreNotFound { semaphore }) => assert_eq!(semaphore, "ephemeral"),
+            other => panic!("expected SemaphoreNotFound, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        sem.available_permits().await,
+        Err(Error::SemaphoreNotFound { .. })
+    ));
+    Ok(())
+}
+
+#[tokio::test]
+async fn releasing_a_permit_released_by_someone_else_reports_it() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("forced", 1).build(&db.pool).await?;
+    let permit = sem.try_acquire().await?;
+    // An operator force-releases the claim.
+    sqlx::query("SELECT pgsemaphore.release($1)")
+        .bind(permit.id())
+        .execute(&db.pool)
+        .await?;
+    let id = permit.id();
+    match permit.release().await {
+        Err(err @ Error::PermitLost { .. }) => {
+            let Error::PermitLost {
+                semaphore,
+                id: lost,
+                reason,
+            } = &err
+            else {
+                unreachable!()
+            };
+            assert_eq!((semaphore.as_str(), *lost), ("forced", id));
+            assert!(matches!(reason, LostReason::AlreadyReleased { .. }));
+            assert!(err.to_string().contains("already released"), "{err}");
+        }
+        other => panic!("expected PermitLost, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_server_that_is_down_gives_a_database_error() -> TestResult {
+    // Nothing listens on this port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&format!(
+            "postgres://postgres:s3cret@127.0.0.1:{port}/postgres"
+        ))?;
+    let err = Semaphore::builder("down", 1)
+        .build(&pool)
+        .await
+        .expect_err("the server is down");
+    assert!(matches!(err, Error::Database(_)), "{err:?}");
+    assert!(
+        !err.to_string().contains("s3cret"),
+        "password leaked: {err}"
+    );
+    assert!(matches!(
+        pg_semaphore::reap(&pool).await,
+        Err(Error::Database(_))
+    ));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_non_read_committed_session_is_refused_rather_than_over_admitting() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("isolation", 1).build(&db.pool).await?;
+    let repeatable = PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET default_transaction_isolation = 'repeatable read'")
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(db.options.clone())
+        .await?;
+    let strict = Semaphore::builder("isolation", 1)
+        .build(&repeatable)
+        .await?;
+    let err = strict.try_acquire().await.expect_err("must refuse");
+    assert!(matches!(err, Error::Database(_)), "{err:?}");
+    assert!(err.to_string().contains("READ COMMITTED"), "{err}");
+    // The normal pool is unaffected.
+    sem.try_acquire().await?.release().await?;
+    Ok(())
+}
