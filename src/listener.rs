@@ -34,7 +34,7 @@ const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
 static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Listener>)>> = Mutex::new(Vec::new());
 
 /// The wake-up service of one pool. Dropping the last handle stops its tasks
-/// and closes its connection.
+/// (`Running` aborts them on drop) and closes its connection.
 pub(crate) struct Listener {
     options: Arc<PgConnectOptions>,
     waiters: Arc<Waiters>,
@@ -46,12 +46,16 @@ struct Running {
     ready: watch::Receiver<bool>,
 }
 
-impl Drop for Listener {
+impl Running {
+    fn is_alive(&self) -> bool {
+        self.tasks.iter().all(|task| !task.is_finished())
+    }
+}
+
+impl Drop for Running {
     fn drop(&mut self) {
-        if let Some(running) = self.state.get_mut().ok().and_then(Option::take) {
-            for task in running.tasks {
-                task.abort();
-            }
+        for task in &self.tasks {
+            task.abort();
         }
     }
 }
@@ -91,7 +95,7 @@ impl Listener {
     pub(crate) fn is_ready(&self) -> bool {
         lock(&self.state)
             .as_ref()
-            .is_some_and(|running| *running.ready.borrow())
+            .is_some_and(|running| running.is_alive() && *running.ready.borrow())
     }
 
     /// Starts the listener if needed and waits until it listens, for at most
@@ -100,6 +104,10 @@ impl Listener {
     pub(crate) async fn start(&self, patience: Duration) {
         let mut ready = {
             let mut state = lock(&self.state);
+            // Tasks die with the runtime that spawned them: start afresh then.
+            if state.as_ref().is_some_and(|running| !running.is_alive()) {
+                *state = None;
+            }
             let running = state.get_or_insert_with(|| self.spawn());
             running.ready.clone()
         };
@@ -237,6 +245,10 @@ impl Waiters {
 
     fn wake_one(&self, semaphore: &str) {
         if let Some(entry) = lock(&self.by_semaphore).get(semaphore) {
+            // Notifications are flowing: the fallback re-check can wait.
+            let mut state = lock(&entry.state);
+            state.next_check = Instant::now() + state.fallback;
+            drop(state);
             entry.notify.notify_one();
         }
     }

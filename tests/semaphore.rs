@@ -596,3 +596,84 @@ fn bounds() {
     }
     let _ = check;
 }
+
+#[tokio::test]
+async fn a_lost_notification_is_covered_by_the_fallback_re_check() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("silent", 1)
+        .fallback_interval(Duration::from_millis(300))
+        .build(&db.pool)
+        .await?;
+    let held = sem.try_acquire().await?;
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished());
+    // Free the slot behind the crate's back: no NOTIFY is sent.
+    sqlx::query("UPDATE pgsemaphore.slots SET completed_at = clock_timestamp() WHERE id = $1")
+        .bind(held.id())
+        .execute(&db.pool)
+        .await?;
+    std::mem::forget(held);
+    let permit = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiter hung although a slot was free")??;
+    assert_eq!(permit.slot(), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn waiters_survive_the_listen_connection_being_killed() -> TestResult {
+    let db = support::migrated_db().await;
+    // The fallback is out of reach: only a recovered LISTEN can wake the waiter.
+    let sem = Semaphore::builder("relisten", 1)
+        .fallback_interval(Duration::from_secs(600))
+        .build(&db.pool)
+        .await?;
+    let held = sem.try_acquire().await?;
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(60)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(
+        killed,
+        vec![true],
+        "exactly one LISTEN connection serves the pool"
+    );
+
+    // Let the listener reconnect, then release.
+    let pool = db.pool.clone();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0)
+                    == 1
+            }
+        })
+        .await,
+        "the listener did not reconnect"
+    );
+    held.release().await?;
+    let permit = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiter was not woken after the listener reconnected")??;
+    permit.release().await?;
+    Ok(())
+}

@@ -84,10 +84,10 @@ fn find_or_start() -> Result<Server, String> {
 /// the newest `/usr/lib/postgresql/*/bin`, or `$PATH`.
 fn find_bin_dir() -> Option<PathBuf> {
     let has_tools = |dir: &Path| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file();
-    if let Some(dir) = std::env::var_os("PG_BIN").map(PathBuf::from) {
-        if has_tools(&dir) {
-            return Some(dir);
-        }
+    if let Some(dir) = std::env::var_os("PG_BIN").map(PathBuf::from)
+        && has_tools(&dir)
+    {
+        return Some(dir);
     }
     if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
         let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
