@@ -84,3 +84,8 @@ pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
     MAX_NAME_LEN, MIN_LEASE, Permit, Semaphore, SemaphoreBuilder,
 };
+
+/// Compiles the README's Rust examples as doctests, so they stay true to the API.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

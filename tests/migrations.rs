@@ -224,3 +224,24 @@ async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
     ));
     Ok(())
 }
+
+#[tokio::test]
+async fn a_database_migrated_by_a_newer_version_is_reported() -> TestResult {
+    let db = support::empty_db().await;
+    pg_semaphore::migrate(&db.pool).await?;
+    // A future version of the crate applied a migration this one does not know.
+    sqlx::query(
+        "INSERT INTO pgsemaphore._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99991231000000, 'from the future', true, '\\x00', 0)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let err = pg_semaphore::migrate(&db.pool)
+        .await
+        .expect_err("an unknown applied migration must be reported");
+    assert!(matches!(err, Error::Migrate(_)), "{err:?}");
+    let message = err.to_string();
+    assert!(message.contains("pg-semaphore migrations"), "{message}");
+    assert!(message.contains("99991231000000"), "{message}");
+    Ok(())
+}
