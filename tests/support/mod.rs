@@ -27,7 +27,12 @@ pub async fn empty_db() -> TestDb {
 
 /// A new, empty database and a pool of `max_connections` on it.
 pub async fn empty_db_with(max_connections: u32) -> TestDb {
-    let server = server::server();
+    // Finding or starting the server blocks (initdb, pg_ctl, testcontainers'
+    // blocking runner): keep it off the runtime's threads.
+    let server = match tokio::task::spawn_blocking(server::server).await {
+        Ok(server) => server,
+        Err(error) => std::panic::resume_unwind(error.into_panic()),
+    };
     let name = format!(
         "pgsem_test_{}_{}",
         std::process::id(),
