@@ -19,13 +19,31 @@ pub enum Error {
         capacity: u32,
     },
 
-    /// A waiting acquire gave up after its timeout.
-    #[error("timed out after {timeout:?} waiting for a slot of semaphore {semaphore:?}")]
+    /// A wait gave up after its timeout: a semaphore's `acquire_timeout`, or a
+    /// mutex's `lock_timeout` (PostgreSQL's `lock_timeout`, SQLSTATE 55P03).
+    #[error("timed out after {timeout:?} waiting for {name}")]
     Timeout {
-        /// The semaphore's name.
-        semaphore: String,
+        /// What was waited for: `semaphore "name"` or `mutex "name"`.
+        name: String,
         /// How long the caller was willing to wait.
         timeout: Duration,
+    },
+
+    /// PostgreSQL found a deadlock involving this lock wait and aborted it
+    /// (SQLSTATE 40P01). The transaction is rolled back; retry it.
+    #[error("deadlock detected while waiting for {name}; the transaction was rolled back")]
+    Deadlock {
+        /// What was waited for: `mutex "name"`.
+        name: String,
+    },
+
+    /// A session lock's connection died (terminated, network failure, database
+    /// restart): the server has released the lock, and another holder may
+    /// already have it. Stop the work it protected.
+    #[error("{name} was lost: its session ended")]
+    LockLost {
+        /// The lock: `mutex "name"`.
+        name: String,
     },
 
     /// The database does not have pg-semaphore's schema.
@@ -127,7 +145,7 @@ impl From<sqlx::Error> for Error {
 }
 
 impl Error {
-    /// Whether the error only means "busy": no slot was free, or the wait timed out.
+    /// Whether the error only means "busy": no slot was free, or a wait timed out.
     ///
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
     pub fn is_busy(&self) -> bool {

@@ -73,17 +73,21 @@ mod audit;
 mod error;
 mod listener;
 mod migrate;
+mod mutex;
 mod reaper;
 mod semaphore;
 
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
+pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
 pub use reaper::{Reaper, reap};
 pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
     MAX_NAME_LEN, MIN_LEASE, Permit, Semaphore, SemaphoreBuilder,
 };
+/// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
+pub use sqlx::postgres::PgAdvisoryLockKey;
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
 #[doc = include_str!("../README.md")]

@@ -478,7 +478,7 @@ impl<'a> Claim<'a> {
         match tokio::time::timeout_at(deadline, wait_and_claim(&args)).await {
             Ok(result) => result,
             Err(_elapsed) => Err(Error::Timeout {
-                semaphore: args.semaphore.inner.name.clone(),
+                name: format!("semaphore {:?}", args.semaphore.inner.name),
                 timeout,
             }),
         }

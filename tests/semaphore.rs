@@ -185,8 +185,8 @@ async fn acquire_timeout_gives_up_after_the_timeout() -> TestResult {
         .expect_err("no slot frees up");
     let waited = started.elapsed();
     match err {
-        Error::Timeout { semaphore, timeout } => {
-            assert_eq!(semaphore, "timed");
+        Error::Timeout { name, timeout } => {
+            assert_eq!(name, r#"semaphore "timed""#);
             assert_eq!(timeout, Duration::from_millis(400));
         }
         other => panic!("expected Timeout, got {other:?}"),

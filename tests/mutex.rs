@@ -1,0 +1,611 @@
+//! The advisory-lock mutex on a real PostgreSQL: exclusion across
+//! connections and processes, timeouts, sqlx interop, shared locks, the
+//! caller's transaction, deadlocks, cancellation, and session locks.
+
+mod support;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use pg_semaphore::{Error, Mutex, MutexGuard, PgAdvisoryLockKey, SessionGuard};
+use sqlx::postgres::{PgAdvisoryLock, PgPoolOptions};
+use sqlx::{Either, PgPool};
+use tokio::time::Instant;
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// Read-modify-write of a counter with no row lock of its own: only mutual
+/// exclusion keeps increments from being lost.
+async fn unsafe_increment(guard: &mut MutexGuard) -> sqlx::Result<()> {
+    let n: i64 = sqlx::query_scalar("SELECT n FROM counter")
+        .fetch_one(&mut **guard)
+        .await?;
+    tokio::task::yield_now().await;
+    sqlx::query("UPDATE counter SET n = $1")
+        .bind(n + 1)
+        .execute(&mut **guard)
+        .await?;
+    Ok(())
+}
+
+async fn create_counter(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::query("CREATE TABLE counter (n bigint NOT NULL)")
+        .execute(pool)
+        .await?;
+    sqlx::query("INSERT INTO counter VALUES (0)")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+async fn counter(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT n FROM counter")
+        .fetch_one(pool)
+        .await
+        .expect("read counter")
+}
+
+/// Advisory locks that someone is waiting for.
+async fn waiting_advisory_locks(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+          WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("read pg_locks")
+}
+
+#[test]
+fn keys_are_derived_exactly_as_sqlx_derives_them() {
+    // Pinned: changing the derivation would split running fleets in two.
+    let mutex = Mutex::new("my first Postgres advisory lock!");
+    assert_eq!(mutex.key(), PgAdvisoryLockKey::BigInt(-5560419505042474287));
+    for name in ["nightly-job", "", "🔒 ünïcode", "'; DROP TABLE x; --"] {
+        assert_eq!(&Mutex::new(name).key(), PgAdvisoryLock::new(name).key());
+    }
+    assert_eq!(Mutex::with_key(42).key(), PgAdvisoryLockKey::BigInt(42));
+    assert_eq!(
+        Mutex::with_key_pair(-1, 7).key(),
+        PgAdvisoryLockKey::IntPair(-1, 7)
+    );
+    assert_eq!(Mutex::new("job").name(), r#"mutex "job""#);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_across_connections() -> TestResult {
+    const TASKS: usize = 24;
+    const ROUNDS: usize = 10;
+    let db = support::migrated_db().await;
+    create_counter(&db.pool).await?;
+    let mut pools = Vec::new();
+    for _ in 0..3 {
+        pools.push(support::another_pool(&db, 5).await);
+    }
+    let holders = Arc::new(AtomicU32::new(0));
+    let mutex = Mutex::new("counter");
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..TASKS {
+        let (pool, mutex, holders) = (pools[t % 3].clone(), mutex.clone(), holders.clone());
+        tasks.spawn(async move {
+            for round in 0..ROUNDS {
+                let mut guard = if round % 2 == 0 {
+                    mutex.lock(&pool).await?
+                } else {
+                    mutex.lock_timeout(&pool, Duration::from_secs(60)).await?
+                };
+                assert_eq!(
+                    holders.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders at once"
+                );
+                unsafe_increment(&mut guard).await?;
+                holders.fetch_sub(1, Ordering::SeqCst);
+                guard.commit().await?;
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    assert_eq!(
+        counter(&db.pool).await,
+        (TASKS * ROUNDS) as i64,
+        "an increment was lost"
+    );
+    Ok(())
+}
+
+/// Run as a separate OS process by `mutual_exclusion_across_processes`.
+#[tokio::test]
+async fn worker_process_entry_point() -> TestResult {
+    let Ok(url) = std::env::var("PGSEM_MUTEX_WORKER_URL") else {
+        return Ok(()); // not a worker: nothing to do
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&url)
+        .await?;
+    let mutex = Mutex::new("cross-process");
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..3 {
+        let (pool, mutex) = (pool.clone(), mutex.clone());
+        tasks.spawn(async move {
+            for _ in 0..10 {
+                let mut guard = mutex.lock_timeout(&pool, Duration::from_secs(60)).await?;
+                unsafe_increment(&mut guard).await?;
+                guard.commit().await?;
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn mutual_exclusion_across_processes() -> TestResult {
+    let db = support::migrated_db().await;
+    create_counter(&db.pool).await?;
+    let opts = &db.options;
+    let url = format!(
+        "postgres://{}@{}:{}/{}",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port(),
+        db.name
+    );
+    let exe = std::env::current_exe()?;
+    let mut running = Vec::new();
+    for _ in 0..3 {
+        running.push(
+            Command::new(&exe)
+                .args(["worker_process_entry_point", "--exact", "--test-threads=1"])
+                .env("PGSEM_MUTEX_WORKER_URL", &url)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()?,
+        );
+    }
+    for child in running {
+        let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+        assert!(
+            out.status.success(),
+            "worker failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Three processes of three tasks, ten increments each.
+    assert_eq!(counter(&db.pool).await, 3 * 3 * 10, "an increment was lost");
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_timeout_gives_up_promptly() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("slow");
+    let held = mutex.lock(&db.pool).await?;
+
+    let other = support::another_pool(&db, 2).await;
+    let started = Instant::now();
+    let err = mutex
+        .lock_timeout(&other, Duration::from_millis(300))
+        .await
+        .expect_err("the lock is held");
+    let waited = started.elapsed();
+    match err {
+        Error::Timeout { name, timeout } => {
+            assert_eq!(name, r#"mutex "slow""#);
+            assert_eq!(timeout, Duration::from_millis(300));
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(
+        waited >= Duration::from_millis(300),
+        "gave up early: {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(3), "not prompt: {waited:?}");
+    assert!(err_is_busy(&mutex, &other).await);
+    held.commit().await?;
+    assert!(mutex.try_lock(&other).await?.is_some());
+    Ok(())
+}
+
+async fn err_is_busy(mutex: &Mutex, pool: &PgPool) -> bool {
+    mutex
+        .lock_timeout(pool, Duration::from_millis(10))
+        .await
+        .is_err_and(|e| e.is_busy())
+}
+
+#[tokio::test]
+async fn try_lock_is_none_while_held_and_some_when_free() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::with_key(7);
+    let first = mutex.try_lock(&db.pool).await?.expect("free");
+    assert!(mutex.try_lock(&db.pool).await?.is_none());
+    // The pair key space is a different lock.
+    assert!(
+        Mutex::with_key_pair(0, 7)
+            .try_lock(&db.pool)
+            .await?
+            .is_some()
+    );
+    first.rollback().await?;
+    assert!(mutex.try_lock(&db.pool).await?.is_some());
+    Ok(())
+}
+
+#[tokio::test]
+async fn excludes_and_is_excluded_by_sqlx_advisory_locks() -> TestResult {
+    let db = support::migrated_db().await;
+    let name = "shared-with-sqlx";
+    let sqlx_lock = PgAdvisoryLock::new(name);
+    let mutex = Mutex::new(name);
+
+    let held_by_sqlx = sqlx_lock.acquire(db.pool.acquire().await?).await?;
+    assert!(mutex.try_lock(&db.pool).await?.is_none(), "sqlx holds it");
+    held_by_sqlx.release_now().await?;
+
+    let ours = mutex.lock(&db.pool).await?;
+    match sqlx_lock.try_acquire(db.pool.acquire().await?).await? {
+        Either::Left(_) => panic!("sqlx got the lock while our mutex held it"),
+        Either::Right(_) => {}
+    }
+    ours.commit().await?;
+    assert!(matches!(
+        sqlx_lock.try_acquire(db.pool.acquire().await?).await?,
+        Either::Left(_)
+    ));
+    Ok(())
+}
+
+#[tokio::test]
+async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("catalog");
+    let r1 = mutex.lock_shared(&db.pool).await?;
+    let r2 = mutex
+        .lock_shared_timeout(&db.pool, Duration::from_secs(5))
+        .await?;
+    assert!(r1.is_shared() && r2.is_shared());
+    assert!(
+        mutex.try_lock_shared(&db.pool).await?.is_some(),
+        "a third reader"
+    );
+    assert!(
+        mutex.try_lock(&db.pool).await?.is_none(),
+        "no writer among readers"
+    );
+    assert!(matches!(
+        mutex
+            .lock_timeout(&db.pool, Duration::from_millis(100))
+            .await,
+        Err(Error::Timeout { .. })
+    ));
+    r1.commit().await?;
+    r2.commit().await?;
+
+    let writer = mutex.try_lock(&db.pool).await?.expect("free again");
+    assert!(!writer.is_shared());
+    assert!(
+        mutex.try_lock_shared(&db.pool).await?.is_none(),
+        "no reader beside a writer"
+    );
+    writer.commit().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn work_commits_with_the_release_and_drop_rolls_back() -> TestResult {
+    let db = support::migrated_db().await;
+    create_counter(&db.pool).await?;
+    let mutex = Mutex::new("atomic");
+
+    let mut guard = mutex.lock(&db.pool).await?;
+    unsafe_increment(&mut guard).await?;
+    assert_eq!(counter(&db.pool).await, 0, "not visible before commit");
+    guard.commit().await?;
+    assert_eq!(counter(&db.pool).await, 1);
+
+    let mut guard = mutex.lock(&db.pool).await?;
+    sqlx::query("UPDATE counter SET n = 100")
+        .execute(&mut **guard.tx())
+        .await?;
+    drop(guard); // rolls back, and releases the lock
+    let reacquired = mutex.lock_timeout(&db.pool, Duration::from_secs(5)).await?;
+    assert_eq!(
+        counter(&db.pool).await,
+        1,
+        "dropped guard's work rolled back"
+    );
+    reacquired.rollback().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
+    let db = support::migrated_db().await;
+    create_counter(&db.pool).await?;
+    let mutex = Mutex::new("closure");
+
+    let n = mutex
+        .with_lock(&db.pool, Some(Duration::from_secs(5)), |conn| {
+            Box::pin(async move {
+                sqlx::query("UPDATE counter SET n = n + 1")
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(Error::from)?;
+                sqlx::query_scalar::<_, i64>("SELECT n FROM counter")
+                    .fetch_one(conn)
+                    .await
+                    .map_err(Error::from)
+            })
+        })
+        .await?;
+    assert_eq!(n, 1);
+    assert_eq!(counter(&db.pool).await, 1);
+
+    #[derive(Debug)]
+    enum AppError {
+        Lock(#[allow(dead_code)] Error),
+        Refused,
+    }
+    impl From<Error> for AppError {
+        fn from(e: Error) -> Self {
+            AppError::Lock(e)
+        }
+    }
+    let result: Result<(), AppError> = mutex
+        .with_lock(&db.pool, None, |conn| {
+            Box::pin(async move {
+                sqlx::query("UPDATE counter SET n = 50")
+                    .execute(conn)
+                    .await
+                    .map_err(|e| AppError::Lock(e.into()))?;
+                Err(AppError::Refused)
+            })
+        })
+        .await;
+    assert!(matches!(result, Err(AppError::Refused)));
+    assert_eq!(counter(&db.pool).await, 1, "rolled back");
+    assert!(mutex.try_lock(&db.pool).await?.is_some(), "released");
+    Ok(())
+}
+
+#[tokio::test]
+async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("in-tx");
+    let mut tx = db.pool.begin().await?;
+    sqlx::query("SET LOCAL lock_timeout = '7s'")
+        .execute(&mut *tx)
+        .await?;
+    mutex
+        .lock_in(&mut tx, Some(Duration::from_millis(250)))
+        .await?;
+    let setting: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *tx)
+        .await?;
+    assert_eq!(setting, "7s", "the caller's lock_timeout is restored");
+    assert!(
+        mutex.try_lock(&db.pool).await?.is_none(),
+        "held by the transaction"
+    );
+
+    let mut other = db.pool.begin().await?;
+    assert!(!mutex.try_lock_in(&mut other).await?);
+    assert!(matches!(
+        mutex
+            .lock_in(&mut other, Some(Duration::from_millis(100)))
+            .await,
+        Err(Error::Timeout { .. })
+    ));
+    other.rollback().await?;
+
+    tx.commit().await?;
+    let mut third = db.pool.begin().await?;
+    assert!(mutex.try_lock_in(&mut third).await?);
+    third.rollback().await?;
+
+    // The transaction-scoped guard restores the session's own setting too.
+    let mut guard = mutex
+        .lock_timeout(&db.pool, Duration::from_millis(250))
+        .await?;
+    let setting: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *guard)
+        .await?;
+    assert_eq!(
+        setting, "0",
+        "the protected work runs with the session's lock_timeout"
+    );
+    guard.rollback().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_is_reported_as_such() -> TestResult {
+    let db = support::migrated_db().await;
+    let (a, b) = (Mutex::new("deadlock-a"), Mutex::new("deadlock-b"));
+    let mut tx1 = db.pool.begin().await?;
+    let mut tx2 = db.pool.begin().await?;
+    a.lock_in(&mut tx1, None).await?;
+    b.lock_in(&mut tx2, None).await?;
+    let (a2, b2) = (a.clone(), b.clone());
+    let first = tokio::spawn(async move {
+        let r = b2.lock_in(&mut tx1, Some(Duration::from_secs(30))).await;
+        (r, tx1)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = a2.lock_in(&mut tx2, Some(Duration::from_secs(30))).await;
+    let (first, _tx1) = first.await?;
+    let deadlocks = [&first, &second]
+        .iter()
+        .filter(|r| matches!(r, Err(Error::Deadlock { .. })))
+        .count();
+    assert_eq!(deadlocks, 1, "first: {first:?}, second: {second:?}");
+    let message = [first, second]
+        .into_iter()
+        .find_map(Result::err)
+        .unwrap()
+        .to_string();
+    assert!(message.contains("deadlock detected"), "{message}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("cancelled");
+    let holder = support::another_pool(&db, 1).await;
+    let held = mutex.lock(&holder).await?;
+
+    // Cancel waits of every kind at many points: before the transaction
+    // starts, while it starts, while the lock statement waits.
+    for i in 0..60u64 {
+        let cancel_after = Duration::from_micros((i * 997) % 20_000);
+        let m = &mutex;
+        let pool = &db.pool;
+        match i % 5 {
+            0 => drop(tokio::time::timeout(cancel_after, m.lock(pool)).await),
+            1 => drop(
+                tokio::time::timeout(cancel_after, m.lock_timeout(pool, Duration::from_secs(30)))
+                    .await,
+            ),
+            2 => drop(tokio::time::timeout(cancel_after, m.lock_shared(pool)).await),
+            3 => drop(tokio::time::timeout(cancel_after, m.lock_session(pool, None)).await),
+            _ => drop(tokio::time::timeout(cancel_after, m.try_lock(pool)).await),
+        }
+    }
+
+    // Every abandoned wait is cancelled on the server while the holder still
+    // holds: nobody is queued behind it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while waiting_advisory_locks(&db.pool).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "an abandoned lock wait stayed queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    held.commit().await?;
+
+    // So another connection gets the lock at once.
+    let other = support::another_pool(&db, 1).await;
+    let guard = mutex.try_lock(&other).await?;
+    assert!(
+        guard.is_some(),
+        "the lock was not free right after the holder released"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn session_locks_exclude_until_unlocked() -> TestResult {
+    let db = support::migrated_db().await;
+    // A pool of one: the session lock's connection is detached from it.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(db.options.clone())
+        .await?;
+    let mutex = Mutex::new("leader");
+    let leader = mutex
+        .lock_session(&pool, Some(Duration::from_secs(5)))
+        .await?;
+    assert!(leader.backend_pid() > 0);
+    assert!(!leader.is_lost());
+    // The pool still serves other work, and the lock excludes others.
+    assert!(mutex.try_lock(&pool).await?.is_none());
+    assert!(mutex.try_lock_session(&pool).await?.is_none());
+    assert!(matches!(
+        mutex
+            .lock_session(&pool, Some(Duration::from_millis(200)))
+            .await,
+        Err(Error::Timeout { .. })
+    ));
+    // It outlives transactions: still held after other work commits.
+    sqlx::query("SELECT 1").execute(&pool).await?;
+    assert!(mutex.try_lock(&pool).await?.is_none());
+
+    leader.unlock().await?;
+    let next = mutex
+        .try_lock_session(&pool)
+        .await?
+        .expect("free after unlock");
+    drop(next); // closes its connection in the background
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if mutex.try_lock(&pool).await?.is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dropping the guard did not free the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_terminated_session_is_reported_as_lost() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("fragile-leader").heartbeat(Duration::from_millis(100));
+    let leader: SessionGuard = mutex.lock_session(&db.pool, None).await?;
+    let lost = leader.lost();
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(leader.backend_pid())
+        .fetch_one(&db.pool)
+        .await?;
+    assert!(terminated);
+    tokio::time::timeout(Duration::from_secs(10), lost)
+        .await
+        .expect("the holder was not told it lost the lock");
+    assert!(leader.is_lost());
+    // The lock is free for others, and unlocking says what happened.
+    assert!(mutex.try_lock(&db.pool).await?.is_some());
+    match leader.unlock().await {
+        Err(Error::LockLost { name }) => assert_eq!(name, r#"mutex "fragile-leader""#),
+        other => panic!("expected LockLost, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unlocked_session_guard_is_never_reported_lost() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("calm").heartbeat(Duration::from_millis(50));
+    let guard = mutex.lock_session(&db.pool, None).await?;
+    let lost = guard.lost();
+    guard.unlock().await?;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), lost)
+            .await
+            .is_err(),
+        "lost() resolved for a lock that was released normally"
+    );
+    Ok(())
+}
+
+/// Compile-time check: guards and futures can cross threads.
+#[allow(dead_code)]
+fn bounds(mutex: Mutex, pool: PgPool, guard: MutexGuard, session: SessionGuard) {
+    fn send<T: Send>(_: &T) {}
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    send_sync(&mutex);
+    send(&guard);
+    send_sync(&session);
+    send(&mutex.lock(&pool));
+    send(&mutex.try_lock(&pool));
+    send(&mutex.lock_session(&pool, None));
+    send(&session.lost());
+    send(&guard.commit());
+    send(&session.unlock());
+}
