@@ -46,6 +46,9 @@ SELECT count(*) FILTER (WHERE completed_at IS NOT NULL) AS completed,
 /// Read-only queries over the slot table, which keeps every claim after it
 /// ends: who held what, when, and for how long.
 ///
+/// Each query runs in a short transaction of its own, so the audit log also
+/// works through a transaction-pooling proxy such as PgBouncer.
+///
 /// # Example
 ///
 /// ```no_run
@@ -188,10 +191,10 @@ impl AuditLog {
     ///
     /// Read-only: cancel at will.
     pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
-        Ok(sqlx::query_as(HOLDERS)
-            .bind(semaphore)
-            .fetch_all(&self.pool)
-            .await?)
+        Ok(on_pool!(self.pool, true, |conn| {
+            sqlx::query_as(HOLDERS).bind(semaphore).fetch_all(conn)
+        })
+        .await?)
     }
 
     /// Every claim of `semaphore` that was held at some point of `window`
@@ -211,12 +214,14 @@ impl AuditLog {
         window: Range<DateTime<Utc>>,
     ) -> Result<Vec<ClaimRecord>> {
         check_window(&window)?;
-        let rows: Vec<HistoryRow> = sqlx::query_as(HISTORY)
-            .bind(semaphore)
-            .bind(window.start)
-            .bind(window.end)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows: Vec<HistoryRow> = on_pool!(self.pool, true, |conn| {
+            sqlx::query_as(HISTORY)
+                .bind(semaphore)
+                .bind(window.start)
+                .bind(window.end)
+                .fetch_all(conn)
+        })
+        .await?;
         Ok(rows
             .into_iter()
             .map(|row| {
@@ -254,12 +259,14 @@ impl AuditLog {
     /// Read-only: cancel at will.
     pub async fn summary(&self, semaphore: &str, window: Range<DateTime<Utc>>) -> Result<Summary> {
         check_window(&window)?;
-        let row: SummaryRow = sqlx::query_as(SUMMARY)
-            .bind(semaphore)
-            .bind(window.start)
-            .bind(window.end)
-            .fetch_one(&self.pool)
-            .await?;
+        let row: SummaryRow = on_pool!(self.pool, true, |conn| {
+            sqlx::query_as(SUMMARY)
+                .bind(semaphore)
+                .bind(window.start)
+                .bind(window.end)
+                .fetch_one(conn)
+        })
+        .await?;
         Ok(Summary {
             completed: row.completed as u64,
             timed_out: row.timed_out as u64,

@@ -69,6 +69,31 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+/// Runs one statement on a connection of `$pool`, inside BEGIN/COMMIT when
+/// `$in_tx` (needed behind a transaction pooler: sqlx sends Parse/Describe
+/// and Bind/Execute as two synced steps, which PgBouncer may route to
+/// different server connections outside a transaction). Evaluates to a
+/// `Result<T, sqlx::Error>` future.
+macro_rules! on_pool {
+    ($pool:expr, $in_tx:expr, |$conn:ident| $body:expr) => {
+        async {
+            if $in_tx {
+                let mut tx = $pool.begin().await?;
+                let value = {
+                    let $conn: &mut ::sqlx::PgConnection = &mut *tx;
+                    $body.await?
+                };
+                tx.commit().await?;
+                Ok::<_, ::sqlx::Error>(value)
+            } else {
+                let mut conn = $pool.acquire().await?;
+                let $conn: &mut ::sqlx::PgConnection = &mut *conn;
+                $body.await
+            }
+        }
+    };
+}
+
 mod audit;
 mod error;
 mod listener;

@@ -42,20 +42,24 @@ pub(crate) struct Listener {
 }
 
 struct Running {
-    tasks: [JoinHandle<()>; 2],
+    /// The `LISTEN` task; not started for semaphores behind a transaction pooler.
+    listen: Option<JoinHandle<()>>,
+    tick: JoinHandle<()>,
     ready: watch::Receiver<bool>,
+    ready_tx: Option<watch::Sender<bool>>,
 }
 
 impl Running {
     fn is_alive(&self) -> bool {
-        self.tasks.iter().all(|task| !task.is_finished())
+        !self.tick.is_finished() && self.listen.as_ref().is_none_or(|l| !l.is_finished())
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
+        self.tick.abort();
+        if let Some(listen) = &self.listen {
+            listen.abort();
         }
     }
 }
@@ -93,38 +97,43 @@ impl Listener {
 
     /// Whether the `LISTEN` connection is established.
     pub(crate) fn is_ready(&self) -> bool {
-        lock(&self.state)
-            .as_ref()
-            .is_some_and(|running| running.is_alive() && *running.ready.borrow())
+        lock(&self.state).as_ref().is_some_and(|running| {
+            running.is_alive() && running.listen.is_some() && *running.ready.borrow()
+        })
     }
 
-    /// Starts the listener if needed and waits until it listens, for at most
-    /// `patience`. A listener that cannot connect leaves waiters to the
-    /// fallback re-check, so this never fails.
-    pub(crate) async fn start(&self, patience: Duration) {
-        let mut ready = {
+    /// Starts the fallback ticker and, when `listen`, the `LISTEN` task, and
+    /// waits until it listens, for at most `patience`. A listener that cannot
+    /// connect leaves waiters to the fallback re-check, so this never fails.
+    pub(crate) async fn start(&self, patience: Duration, listen: bool) {
+        let ready = {
             let mut state = lock(&self.state);
             // Tasks die with the runtime that spawned them: start afresh then.
             if state.as_ref().is_some_and(|running| !running.is_alive()) {
                 *state = None;
             }
-            let running = state.get_or_insert_with(|| self.spawn());
-            running.ready.clone()
+            let running = state.get_or_insert_with(|| {
+                let (ready_tx, ready) = watch::channel(false);
+                Running {
+                    listen: None,
+                    tick: tokio::spawn(tick(Arc::downgrade(&self.waiters))),
+                    ready,
+                    ready_tx: Some(ready_tx),
+                }
+            });
+            if listen && running.listen.is_none() {
+                if let Some(ready_tx) = running.ready_tx.take() {
+                    running.listen = Some(tokio::spawn(listen_loop(
+                        (*self.options).clone(),
+                        self.waiters.clone(),
+                        ready_tx,
+                    )));
+                }
+            }
+            listen.then(|| running.ready.clone())
         };
-        let _ = tokio::time::timeout(patience, ready.wait_for(|ready| *ready)).await;
-    }
-
-    fn spawn(&self) -> Running {
-        let (ready_tx, ready) = watch::channel(false);
-        let listen = tokio::spawn(listen(
-            (*self.options).clone(),
-            self.waiters.clone(),
-            ready_tx,
-        ));
-        let tick = tokio::spawn(tick(Arc::downgrade(&self.waiters)));
-        Running {
-            tasks: [listen, tick],
-            ready,
+        if let Some(mut ready) = ready {
+            let _ = tokio::time::timeout(patience, ready.wait_for(|ready| *ready)).await;
         }
     }
 
@@ -135,7 +144,7 @@ impl Listener {
 }
 
 /// The `LISTEN` loop. Runs until aborted.
-async fn listen(options: PgConnectOptions, waiters: Arc<Waiters>, ready: watch::Sender<bool>) {
+async fn listen_loop(options: PgConnectOptions, waiters: Arc<Waiters>, ready: watch::Sender<bool>) {
     // A pool of one, apart from the application's pool, used by PgListener to reconnect.
     let pool = PgPoolOptions::new()
         .max_connections(1)

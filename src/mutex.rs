@@ -12,11 +12,18 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::error::{Error, Result};
 
 /// Cancels a lock statement whose caller has gone, found by the unique token
-/// at the start of its text. Only a backend running exactly that statement
-/// matches, and that backend's connection is owned by the task that sends
-/// this, so no other statement can ever be cancelled.
-const CANCEL_WAIT: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
-                           WHERE state = 'active' AND pid <> pg_backend_pid() AND starts_with(query, $1)";
+/// at the start of its text (see [`token`]). Only a backend running exactly
+/// that statement matches, and that backend's connection is owned by the task
+/// that sends this, so no other statement can ever be cancelled. The token
+/// (`/* pgsemaphore lock 1f.2a.3c */`: fixed text and hex digits, nothing to
+/// escape) is inlined so the statement uses the simple protocol, which also
+/// works through PgBouncer.
+fn cancel_wait_sql(token: &str) -> String {
+    format!(
+        "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+         WHERE state = 'active' AND pid <> pg_backend_pid() AND starts_with(query, '{token}')"
+    )
+}
 
 /// The default interval at which a session lock checks that its connection is alive.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
@@ -685,8 +692,7 @@ async fn run_or_cancel<T>(
 /// own: the pool may be exhausted by the very waits being abandoned.
 async fn cancel_wait(pool: &PgPool, token: &str) -> std::result::Result<(), sqlx::Error> {
     let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
-    let result = sqlx::query(CANCEL_WAIT)
-        .bind(token)
+    let result = sqlx::raw_sql(AssertSqlSafe(cancel_wait_sql(token)))
         .execute(&mut conn)
         .await;
     let _ = conn.close().await;

@@ -25,7 +25,8 @@ const REAP: &str = "SELECT pgsemaphore.reap()";
 ///
 /// One statement: cancelling either reaps or not.
 pub async fn reap(pool: &PgPool) -> Result<u64> {
-    let reaped: i64 = sqlx::query_scalar(REAP).fetch_one(pool).await?;
+    // In a transaction of its own, so that it also works through PgBouncer.
+    let reaped: i64 = on_pool!(pool, true, |conn| sqlx::query_scalar(REAP).fetch_one(conn)).await?;
     if reaped > 0 {
         tracing::info!(reaped, "reaped expired pg-semaphore slots");
     }

@@ -98,6 +98,7 @@ struct Inner {
     lease: Duration,
     holder: String,
     fallback: Duration,
+    pooled: bool,
     listener: Arc<Listener>,
 }
 
@@ -109,6 +110,7 @@ impl fmt::Debug for Semaphore {
             .field("lease", &self.inner.lease)
             .field("holder", &self.inner.holder)
             .field("fallback_interval", &self.inner.fallback)
+            .field("transaction_pooling", &self.inner.pooled)
             .finish_non_exhaustive()
     }
 }
@@ -122,6 +124,7 @@ pub struct SemaphoreBuilder {
     lease: Duration,
     holder: Option<String>,
     fallback: Duration,
+    pooled: bool,
 }
 
 impl SemaphoreBuilder {
@@ -144,6 +147,22 @@ impl SemaphoreBuilder {
     /// notification is lost; one re-check per semaphore per process and interval.
     pub fn fallback_interval(mut self, interval: Duration) -> Self {
         self.fallback = interval;
+        self
+    }
+
+    /// Declares that the pool connects through a **transaction-pooling proxy**
+    /// such as PgBouncer with `pool_mode = transaction` (default `false`).
+    ///
+    /// `LISTEN` cannot work there, so waiting acquires re-check every
+    /// [`fallback_interval`](Self::fallback_interval) instead of being woken
+    /// by notifications (shorten it accordingly). Each statement runs in an
+    /// explicit transaction so that sqlx's extended-protocol messages stay on
+    /// one server connection, which costs two extra round trips per claim
+    /// and release. Configure the pool's connections with
+    /// `PgConnectOptions::statement_cache_capacity(0)`: PgBouncer before 1.21
+    /// cannot keep named prepared statements in this mode.
+    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
+        self.pooled = enabled;
         self
     }
 
@@ -189,12 +208,14 @@ impl SemaphoreBuilder {
             }
             None => default_holder(),
         };
-        let capacity: i32 = sqlx::query_scalar(CONFIGURE)
-            .bind(&self.name)
-            .bind(self.capacity as i32)
-            .bind(lease)
-            .fetch_one(pool)
-            .await?;
+        let capacity: i32 = on_pool!(pool, self.pooled, |conn| {
+            sqlx::query_scalar(CONFIGURE)
+                .bind(&self.name)
+                .bind(self.capacity as i32)
+                .bind(lease)
+                .fetch_one(conn)
+        })
+        .await?;
         tracing::debug!(semaphore = %self.name, capacity, "semaphore configured");
         Ok(Semaphore {
             inner: Arc::new(Inner {
@@ -205,6 +226,7 @@ impl SemaphoreBuilder {
                 lease: self.lease,
                 holder,
                 fallback: self.fallback,
+                pooled: self.pooled,
             }),
         })
     }
@@ -221,6 +243,7 @@ impl Semaphore {
             lease: DEFAULT_LEASE,
             holder: None,
             fallback: DEFAULT_FALLBACK_INTERVAL,
+            pooled: false,
         }
     }
 
@@ -264,10 +287,13 @@ impl Semaphore {
     ///
     /// Read-only: cancel at will.
     pub async fn available_permits(&self) -> Result<u32> {
-        let free: Option<i32> = sqlx::query_scalar(AVAILABLE)
-            .bind(&self.inner.name)
-            .fetch_optional(&self.inner.pool)
-            .await?;
+        let inner = &self.inner;
+        let free: Option<i32> = on_pool!(inner.pool, inner.pooled, |conn| {
+            sqlx::query_scalar(AVAILABLE)
+                .bind(&inner.name)
+                .fetch_optional(conn)
+        })
+        .await?;
         match free {
             Some(free) => Ok(free.max(0) as u32),
             None => Err(self.not_found()),
@@ -537,14 +563,16 @@ async fn claim_once(args: &ClaimArgs) -> Result<Claimed> {
 
 async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
     let inner = &args.semaphore.inner;
-    let row: ClaimRow = sqlx::query_as(CLAIM)
-        .bind(&inner.name)
-        .bind(&args.holder)
-        .bind(args.lease)
-        .bind(&args.metadata)
-        .fetch_one(&inner.pool)
-        .await
-        .map_err(|error| not_found_or(error, &inner.name))?;
+    let row: ClaimRow = on_pool!(inner.pool, inner.pooled, |conn| {
+        sqlx::query_as(CLAIM)
+            .bind(&inner.name)
+            .bind(&args.holder)
+            .bind(args.lease)
+            .bind(&args.metadata)
+            .fetch_one(conn)
+    })
+    .await
+    .map_err(|error| not_found_or(error, &inner.name))?;
     let capacity = row.capacity.max(0) as u32;
     match (row.id, row.slot, row.created_at, row.expires_at) {
         (Some(id), Some(slot), Some(acquired_at), Some(expires_at)) => {
@@ -588,7 +616,8 @@ async fn wait_and_claim(args: &ClaimArgs) -> Result<Permit> {
         if let Claimed::Permit(permit) = claim_once(args).await? {
             return Ok(permit);
         }
-        listener.start(inner.fallback).await;
+        // Behind a transaction pooler LISTEN cannot work: the ticker alone wakes waiters.
+        listener.start(inner.fallback, !inner.pooled).await;
     }
     let waiter = listener.register(&inner.name, inner.fallback);
     let started = Instant::now();
@@ -691,23 +720,26 @@ impl Permit {
     ///
     /// # Cancel safety
     ///
-    /// If the future is dropped, the release still happens: either the
-    /// statement was sent, or the permit's drop schedules it.
+    /// Cancel-safe: the round trip runs in a spawned task, so the release
+    /// happens even if this future is dropped.
     pub async fn release(mut self) -> Result<()> {
         self.released = true;
-        release_by_id(
-            &self.semaphore.inner.pool,
-            &self.semaphore.inner.name,
-            self.id,
-        )
-        .await
+        let inner = self.semaphore.inner.clone();
+        let id = self.id;
+        tokio::spawn(async move { release_by_id(&inner, id).await })
+            .await
+            .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
     }
 }
 
 /// Releases a claim by id, reporting a lost slot as [`Error::PermitLost`].
-async fn release_by_id(pool: &PgPool, semaphore: &str, id: i64) -> Result<()> {
+async fn release_by_id(inner: &Inner, id: i64) -> Result<()> {
+    let semaphore = inner.name.as_str();
     let (outcome, _, at): (String, Option<String>, Option<DateTime<Utc>>) =
-        sqlx::query_as(RELEASE).bind(id).fetch_one(pool).await?;
+        on_pool!(inner.pool, inner.pooled, |conn| {
+            sqlx::query_as(RELEASE).bind(id).fetch_one(conn)
+        })
+        .await?;
     let reason = match (outcome.as_str(), at) {
         ("released", _) => {
             tracing::debug!(semaphore, id, "permit released");
@@ -729,19 +761,18 @@ impl Drop for Permit {
         if self.released {
             return;
         }
-        let pool = self.semaphore.inner.pool.clone();
-        let semaphore = self.semaphore.inner.name.clone();
+        let inner = self.semaphore.inner.clone();
         let id = self.id;
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    if let Err(error) = release_by_id(&pool, &semaphore, id).await {
-                        tracing::warn!(%semaphore, id, %error, "background release of a dropped permit failed");
+                    if let Err(error) = release_by_id(&inner, id).await {
+                        tracing::warn!(semaphore = %inner.name, id, %error, "background release of a dropped permit failed");
                     }
                 });
             }
             Err(_) => tracing::warn!(
-                %semaphore,
+                semaphore = %self.semaphore.inner.name,
                 id,
                 "permit dropped outside a tokio runtime: its slot is freed when the lease expires"
             ),

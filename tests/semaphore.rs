@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use pg_semaphore::{Error, LostReason, Permit, Reaper, Semaphore};
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -675,5 +676,42 @@ async fn waiters_survive_the_listen_connection_being_killed() -> TestResult {
         .await
         .expect("the waiter was not woken after the listener reconnected")??;
     permit.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_cancelled_release_still_releases() -> TestResult {
+    let db = support::migrated_db().await;
+    let single = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options.clone())
+        .await?;
+    let sem = Semaphore::builder("cancelled-release", 1)
+        .build(&single)
+        .await?;
+    let permit = sem.try_acquire().await?;
+    let id = permit.id();
+
+    // The pool's only connection is busy, so the release has to wait for it ...
+    let busy = single.acquire().await?;
+    let cancelled = tokio::time::timeout(Duration::from_millis(100), permit.release()).await;
+    assert!(cancelled.is_err(), "the release could not have finished");
+    // ... and is then cancelled. Once the connection is free it still happens.
+    drop(busy);
+    let pool = db.pool.clone();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let pool = pool.clone();
+            async move { live_rows(&pool, "cancelled-release").await == 0 }
+        })
+        .await,
+        "the cancelled release never happened"
+    );
+    let completed: bool =
+        sqlx::query_scalar("SELECT completed_at IS NOT NULL FROM pgsemaphore.slots WHERE id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await?;
+    assert!(completed, "released, not reaped");
     Ok(())
 }
