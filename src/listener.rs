@@ -121,14 +121,15 @@ impl Listener {
                     ready_tx: Some(ready_tx),
                 }
             });
-            if listen && running.listen.is_none() {
-                if let Some(ready_tx) = running.ready_tx.take() {
-                    running.listen = Some(tokio::spawn(listen_loop(
-                        (*self.options).clone(),
-                        self.waiters.clone(),
-                        ready_tx,
-                    )));
-                }
+            if listen
+                && running.listen.is_none()
+                && let Some(ready_tx) = running.ready_tx.take()
+            {
+                running.listen = Some(tokio::spawn(listen_loop(
+                    (*self.options).clone(),
+                    self.waiters.clone(),
+                    ready_tx,
+                )));
             }
             listen.then(|| running.ready.clone())
         };
