@@ -32,6 +32,25 @@
 //! cancelled acquire never leaks a slot: the claim round trip runs in a
 //! spawned task that releases what it claimed if the caller has gone.
 //!
+//! # The mutex
+//!
+//! A [`Mutex`] is a PostgreSQL advisory lock, keyed exactly as sqlx's
+//! `PgAdvisoryLock` keys names. By default it is transaction-scoped
+//! ([`Mutex::lock`], [`Mutex::lock_timeout`], [`Mutex::try_lock`], shared
+//! variants): the [`MutexGuard`] owns the transaction, the protected work
+//! commits atomically with the release, and a crashed holder's lock dies with
+//! its transaction: nothing to expire, nothing to leak. A wait that exceeds
+//! its timeout returns [`Error::Timeout`]; a deadlock [`Error::Deadlock`].
+//! [`Mutex::lock_session`] holds a lock across transactions on a dedicated
+//! connection, and [`SessionGuard::lost`] tells the holder if that connection
+//! dies.
+//!
+//! Which to use: a transaction-scoped mutex for database work that should
+//! commit with the release; a session lock for leaders and long jobs; a
+//! semaphore of capacity 1 when the hold must not pin a connection, needs an
+//! audit trail, or runs behind PgBouncer (see
+//! [`SemaphoreBuilder::transaction_pooling`]).
+//!
 //! # Audit log
 //!
 //! Finished claims stay in the slot table with `completed_at` or
