@@ -46,8 +46,9 @@ SELECT count(*) FILTER (WHERE completed_at IS NOT NULL) AS completed,
 /// Read-only queries over the slot table, which keeps every claim after it
 /// ends: who held what, when, and for how long.
 ///
-/// Each query runs in a short transaction of its own, so the audit log also
-/// works through a transaction-pooling proxy such as PgBouncer.
+/// Each query runs as an unnamed statement in a short transaction of its
+/// own, so the audit log also works through a transaction-pooling proxy such
+/// as PgBouncer.
 ///
 /// # Example
 ///
@@ -192,7 +193,10 @@ impl AuditLog {
     /// Read-only: cancel at will.
     pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
         Ok(on_pool!(self.pool, true, |conn| {
-            sqlx::query_as(HOLDERS).bind(semaphore).fetch_all(conn)
+            sqlx::query_as(HOLDERS)
+                .bind(semaphore)
+                .persistent(false)
+                .fetch_all(conn)
         })
         .await?)
     }
@@ -219,6 +223,7 @@ impl AuditLog {
                 .bind(semaphore)
                 .bind(window.start)
                 .bind(window.end)
+                .persistent(false)
                 .fetch_all(conn)
         })
         .await?;
@@ -264,6 +269,7 @@ impl AuditLog {
                 .bind(semaphore)
                 .bind(window.start)
                 .bind(window.end)
+                .persistent(false)
                 .fetch_one(conn)
         })
         .await?;

@@ -25,8 +25,11 @@ const REAP: &str = "SELECT pgsemaphore.reap()";
 ///
 /// One statement: cancelling either reaps or not.
 pub async fn reap(pool: &PgPool) -> Result<u64> {
-    // In a transaction of its own, so that it also works through PgBouncer.
-    let reaped: i64 = on_pool!(pool, true, |conn| sqlx::query_scalar(REAP).fetch_one(conn)).await?;
+    // Unnamed, in a transaction of its own, so that it also works through PgBouncer.
+    let reaped: i64 = on_pool!(pool, true, |conn| {
+        sqlx::query_scalar(REAP).persistent(false).fetch_one(conn)
+    })
+    .await?;
     if reaped > 0 {
         tracing::info!(reaped, "reaped expired pg-semaphore slots");
     }

@@ -155,12 +155,12 @@ impl SemaphoreBuilder {
     ///
     /// `LISTEN` cannot work there, so waiting acquires re-check every
     /// [`fallback_interval`](Self::fallback_interval) instead of being woken
-    /// by notifications (shorten it accordingly). Each statement runs in an
-    /// explicit transaction so that sqlx's extended-protocol messages stay on
-    /// one server connection, which costs two extra round trips per claim
-    /// and release. Configure the pool's connections with
-    /// `PgConnectOptions::statement_cache_capacity(0)`: PgBouncer before 1.21
-    /// cannot keep named prepared statements in this mode.
+    /// by notifications (shorten it accordingly). Each statement runs as an
+    /// unnamed prepared statement (`persistent(false)`) inside an explicit
+    /// transaction, so that sqlx's two extended-protocol steps reach the same
+    /// server connection and no statement name collides with another
+    /// client's; that costs two extra round trips per claim and release.
+    /// Migrations must still run on a direct connection.
     pub fn transaction_pooling(mut self, enabled: bool) -> Self {
         self.pooled = enabled;
         self
@@ -213,6 +213,7 @@ impl SemaphoreBuilder {
                 .bind(&self.name)
                 .bind(self.capacity as i32)
                 .bind(lease)
+                .persistent(!self.pooled)
                 .fetch_one(conn)
         })
         .await?;
@@ -291,6 +292,7 @@ impl Semaphore {
         let free: Option<i32> = on_pool!(inner.pool, inner.pooled, |conn| {
             sqlx::query_scalar(AVAILABLE)
                 .bind(&inner.name)
+                .persistent(!inner.pooled)
                 .fetch_optional(conn)
         })
         .await?;
@@ -569,6 +571,7 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
             .bind(&args.holder)
             .bind(args.lease)
             .bind(&args.metadata)
+            .persistent(!inner.pooled)
             .fetch_one(conn)
     })
     .await
@@ -737,7 +740,10 @@ async fn release_by_id(inner: &Inner, id: i64) -> Result<()> {
     let semaphore = inner.name.as_str();
     let (outcome, _, at): (String, Option<String>, Option<DateTime<Utc>>) =
         on_pool!(inner.pool, inner.pooled, |conn| {
-            sqlx::query_as(RELEASE).bind(id).fetch_one(conn)
+            sqlx::query_as(RELEASE)
+                .bind(id)
+                .persistent(!inner.pooled)
+                .fetch_one(conn)
         })
         .await?;
     let reason = match (outcome.as_str(), at) {

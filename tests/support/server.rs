@@ -122,7 +122,7 @@ fn find_bin_dir() -> Option<PathBuf> {
 }
 
 /// Runs a PostgreSQL tool, as `user` when given (we are root), failing with its output.
-fn run(user: Option<&str>, program: &Path, args: &[&str]) -> Result<(), String> {
+pub(crate) fn run(user: Option<&str>, program: &Path, args: &[&str]) -> Result<(), String> {
     let mut command = match user {
         Some(user) => {
             let mut c = Command::new("runuser");
@@ -166,7 +166,7 @@ fn user_exists(user: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
     listener
         .local_addr()
@@ -174,18 +174,24 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| e.to_string())
 }
 
+/// The OS user to run server tools as: `None` (ourselves) unless we are root,
+/// which initdb, postgres and pgbouncer refuse; then `postgres`, or `nobody`.
+pub(crate) fn unprivileged_user() -> Result<Option<&'static str>, String> {
+    if !is_root() {
+        return Ok(None);
+    }
+    ["postgres", "nobody"]
+        .into_iter()
+        .find(|u| user_exists(u))
+        .map(Some)
+        .ok_or_else(|| {
+            "running as root and neither a `postgres` nor a `nobody` user exists".to_owned()
+        })
+}
+
 fn start_local(bin: &Path) -> Result<Server, String> {
     // initdb and postgres refuse to run as root: use an unprivileged OS user.
-    let user = if is_root() {
-        Some(
-            ["postgres", "nobody"]
-                .into_iter()
-                .find(|u| user_exists(u))
-                .ok_or("running as root and neither a `postgres` nor a `nobody` user exists")?,
-        )
-    } else {
-        None
-    };
+    let user = unprivileged_user()?;
     let dir = std::env::temp_dir().join(format!(
         "pg-semaphore-{}-{}",
         std::process::id(),
