@@ -125,7 +125,7 @@ pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
-pub use reaper::{Reaper, reap};
+pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
     MAX_NAME_LEN, MIN_LEASE, Permit, Semaphore, SemaphoreBuilder,

@@ -1,6 +1,7 @@
 use std::time::Duration;
 
 use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
@@ -36,7 +37,77 @@ pub async fn reap(pool: &PgPool) -> Result<u64> {
     Ok(reaped as u64)
 }
 
-/// A background task that calls [`reap`] every interval.
+/// Deletes one batch of finished claims older than the cutoff.
+const PRUNE: &str = "SELECT pgsemaphore.prune($1, $2)";
+
+/// Rows deleted per prune statement: short transactions, even for a backlog.
+const PRUNE_BATCH: i32 = 5_000;
+
+/// The longest retention accepted (100 years).
+const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
+
+/// Deletes finished claims (completed or timed out) that ended more than
+/// `older_than` ago, of every semaphore, and returns how many. Live claims
+/// are never touched. This bounds the audit log; a [`Reaper`] with a
+/// [`retention`](ReaperBuilder::retention) calls it every round.
+///
+/// Works in batches of short transactions, oldest claims first, so it can
+/// run while claims go on.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// use std::time::Duration;
+/// // Keep a week of history.
+/// let deleted = pg_semaphore::prune(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a retention above 100 years,
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// Each batch commits on its own: cancelling keeps the batches already
+/// deleted and deletes nothing more.
+pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
+    if older_than > MAX_RETENTION {
+        return Err(Error::invalid(
+            "older_than",
+            format!("{older_than:?} is more than 100 years"),
+        ));
+    }
+    let interval = PgInterval {
+        months: 0,
+        days: 0,
+        // At most 100 years: about 3.2e15 microseconds, well within i64.
+        microseconds: older_than.as_micros() as i64,
+    };
+    let mut total = 0u64;
+    loop {
+        let deleted: i64 = on_pool!(pool, true, |conn| {
+            sqlx::query_scalar(PRUNE)
+                .bind(interval)
+                .bind(PRUNE_BATCH)
+                .persistent(false)
+                .fetch_one(conn)
+        })
+        .await?;
+        total += deleted.max(0) as u64;
+        if deleted < i64::from(PRUNE_BATCH) {
+            break;
+        }
+    }
+    if total > 0 {
+        tracing::debug!(deleted = total, "pruned finished pg-semaphore claims");
+    }
+    Ok(total)
+}
+
+/// A background task that calls [`reap`] every interval, and [`prune`] too
+/// when a retention is set.
 ///
 /// It stops when the handle is dropped (the task is aborted) or, gracefully,
 /// on [`shutdown`](Reaper::shutdown). Errors are logged with `tracing` and the
@@ -58,9 +129,78 @@ pub struct Reaper {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
+/// Configures a [`Reaper`]; made by [`Reaper::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.spawn(&pool)`"]
+pub struct ReaperBuilder {
+    interval: Duration,
+    retention: Option<Duration>,
+}
+
+impl ReaperBuilder {
+    /// How often to reap (default 10 s).
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Also delete finished claims that ended more than `retention` ago, each
+    /// round (see [`prune`]). Default: keep the audit log forever.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// Spawns the reaper on the current tokio runtime; it runs at once and
+    /// then every interval.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the interval is zero or the retention
+    /// above 100 years.
+    ///
+    /// # Panics
+    ///
+    /// Like [`tokio::spawn`], when called outside a tokio runtime.
+    pub fn spawn(self, pool: &PgPool) -> Result<Reaper> {
+        if self.interval.is_zero() {
+            return Err(Error::invalid("interval", "must be greater than zero"));
+        }
+        if let Some(retention) = self.retention
+            && retention > MAX_RETENTION
+        {
+            return Err(Error::invalid(
+                "retention",
+                format!("{retention:?} is more than 100 years"),
+            ));
+        }
+        Ok(Reaper::start(pool.clone(), self.interval, self.retention))
+    }
+}
+
 impl Reaper {
+    /// A reaper with options: interval and retention.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// use std::time::Duration;
+    /// let reaper = pg_semaphore::Reaper::builder()
+    ///     .interval(Duration::from_secs(5))
+    ///     .retention(Duration::from_secs(30 * 24 * 3600)) // keep 30 days of history
+    ///     .spawn(&pool)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder() -> ReaperBuilder {
+        ReaperBuilder {
+            interval: Duration::from_secs(10),
+            retention: None,
+        }
+    }
+
     /// Spawns a reaper on the current tokio runtime that reaps at once and then
-    /// every `interval`.
+    /// every `interval`, keeping the audit log forever. Shortcut for
+    /// `Reaper::builder().interval(interval).spawn(pool)`.
     ///
     /// # Errors
     ///
@@ -70,10 +210,10 @@ impl Reaper {
     ///
     /// Like [`tokio::spawn`], when called outside a tokio runtime.
     pub fn spawn(pool: &PgPool, interval: Duration) -> Result<Reaper> {
-        if interval.is_zero() {
-            return Err(Error::invalid("interval", "must be greater than zero"));
-        }
-        let pool = pool.clone();
+        Reaper::builder().interval(interval).spawn(pool)
+    }
+
+    fn start(pool: PgPool, interval: Duration, retention: Option<Duration>) -> Reaper {
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let mut ticker = tokio::time::interval(interval);
@@ -83,16 +223,21 @@ impl Reaper {
                     _ = &mut stopped => return,
                     _ = ticker.tick() => {}
                 }
-                // Finish a reap in progress before honouring shutdown.
+                // Finish a round in progress before honouring shutdown.
                 if let Err(error) = reap(&pool).await {
                     tracing::warn!(%error, "pg-semaphore reaper failed; retrying next interval");
                 }
+                if let Some(retention) = retention
+                    && let Err(error) = prune(&pool, retention).await
+                {
+                    tracing::warn!(%error, "pg-semaphore prune failed; retrying next interval");
+                }
             }
         });
-        Ok(Reaper {
+        Reaper {
             task: Some(task),
             stop: Some(stop),
-        })
+        }
     }
 
     /// Stops the reaper after the reap in progress, if any, and waits for it.

@@ -218,3 +218,107 @@ async fn a_window_that_ends_before_it_starts_is_rejected() -> TestResult {
     ));
     Ok(())
 }
+
+#[tokio::test]
+async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("summarised", 4).build(&db.pool).await?;
+    let now = Utc::now();
+    // 12,000 claims that ended two hours ago (more than one prune batch) ...
+    sqlx::query(
+        "INSERT INTO pgsemaphore.slots (semaphore, slot, holder, created_at, expires_at, completed_at)
+         SELECT 'summarised', 0, 'old', $1, $1 + interval '1 hour', $1 + interval '1 second'
+           FROM generate_series(1, 12000)",
+    )
+    .bind(now - chrono::Duration::hours(2))
+    .execute(&db.pool)
+    .await?;
+    // ... one reaped an hour and a half ago, one that ended a minute ago ...
+    finished_claim(
+        &db.pool,
+        1,
+        now - chrono::Duration::minutes(100),
+        chrono::Duration::minutes(10),
+        true,
+    )
+    .await?;
+    finished_claim(
+        &db.pool,
+        2,
+        now - chrono::Duration::minutes(2),
+        chrono::Duration::minutes(1),
+        false,
+    )
+    .await?;
+    // ... and a live claim older than all of them.
+    sqlx::query(
+        "INSERT INTO pgsemaphore.slots (semaphore, slot, holder, created_at, expires_at)
+         VALUES ('summarised', 3, 'ancient but live', $1, $1 + interval '1 day')",
+    )
+    .bind(now - chrono::Duration::hours(3))
+    .execute(&db.pool)
+    .await?;
+
+    let deleted = pg_semaphore::prune(&db.pool, Duration::from_secs(3600)).await?;
+    assert_eq!(deleted, 12_001);
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT holder FROM pgsemaphore.slots ORDER BY created_at")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(
+        left,
+        vec!["ancient but live".to_owned(), "fixture".to_owned()]
+    );
+    assert_eq!(sem.holders().await?.len(), 1, "the live claim is untouched");
+    assert_eq!(
+        pg_semaphore::prune(&db.pool, Duration::from_secs(3600)).await?,
+        0
+    );
+    // Zero retention: every finished claim goes, the live one stays.
+    assert_eq!(pg_semaphore::prune(&db.pool, Duration::ZERO).await?, 1);
+    assert!(matches!(
+        pg_semaphore::prune(&db.pool, Duration::MAX).await,
+        Err(Error::InvalidArgument {
+            argument: "older_than",
+            ..
+        })
+    ));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("retained", 2).build(&db.pool).await?;
+    for _ in 0..20 {
+        sem.try_acquire().await?.release().await?;
+    }
+    let live = sem.try_acquire().await?;
+    let reaper = pg_semaphore::Reaper::builder()
+        .interval(Duration::from_millis(50))
+        .retention(Duration::from_millis(200))
+        .spawn(&db.pool)?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.slots")
+            .fetch_one(&db.pool)
+            .await?;
+        if rows == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still {rows} rows");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reaper.shutdown().await;
+    assert_eq!(sem.holders().await?[0].id, live.id());
+    assert!(matches!(
+        pg_semaphore::Reaper::builder()
+            .retention(Duration::MAX)
+            .spawn(&db.pool),
+        Err(Error::InvalidArgument {
+            argument: "retention",
+            ..
+        })
+    ));
+    Ok(())
+}
