@@ -25,6 +25,9 @@ fn cancel_wait_sql(token: &str) -> String {
     )
 }
 
+/// How often an abandoned lock wait is cancelled again until it has ended.
+const CANCEL_RETRY: Duration = Duration::from_millis(50);
+
 /// The default interval at which a session lock checks that its connection is alive.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 
@@ -475,6 +478,24 @@ impl Mutex {
         }
     }
 
+    /// The one-round-trip waiting lock (see [`Mutex::wait_xact_lock`]).
+    fn wait_sql(&self, mode: Mode, wait: Wait, token: &str) -> String {
+        let args = self.key_args();
+        let function = match mode {
+            Mode::Exclusive => "pg_advisory_xact_lock",
+            Mode::Shared => "pg_advisory_xact_lock_shared",
+        };
+        let ms = lock_timeout_ms(wait).unwrap_or(0);
+        format!(
+            "{token} \
+             SELECT set_config('pgsemaphore.saved_lock_timeout', current_setting('lock_timeout'), true); \
+             SELECT set_config('lock_timeout', '{ms}ms', true); \
+             SELECT {function}({args}); \
+             SELECT set_config('lock_timeout', current_setting('pgsemaphore.saved_lock_timeout'), true); \
+             BEGIN"
+        )
+    }
+
     /// The session-scoped lock statement; also returns the backend's pid.
     fn session_sql(&self, wait: Wait, token: &str) -> String {
         let args = self.key_args();
@@ -512,44 +533,83 @@ impl Mutex {
         tokio::spawn(async move {
             let mut reply = reply;
             let token = token();
-            let sql = mutex.xact_sql(mode, wait, &token);
-            let mut tx = match pool.begin().await {
-                Ok(tx) => tx,
-                Err(error) => {
-                    let _ = reply.send(Err(error.into()));
-                    return;
+            let outcome = match wait {
+                Wait::Try => mutex.try_xact_lock(&pool, mode, &token, &mut reply).await,
+                _ => {
+                    mutex
+                        .wait_xact_lock(&pool, mode, wait, &token, &mut reply)
+                        .await
                 }
             };
-            let Some(result) = run_or_cancel(&pool, &mut tx, &sql, &token, &mut reply).await else {
-                // The caller has gone: the wait was cancelled; let go of everything.
-                let _ = tx.rollback().await;
-                return;
+            let Some(outcome) = outcome else {
+                return; // the caller has gone; everything was let go of
             };
-            let outcome = match result {
-                Ok(rows) => match wait {
-                    Wait::Try => try_result(&rows).map(|held| held.then_some(())),
-                    _ => Ok(Some(())),
-                },
-                Err(error) => Err(mutex.lock_error(error, wait)),
-            };
-            let response = match outcome {
-                Ok(Some(())) => Ok(Some(MutexGuard {
+            let response = outcome.map(|tx| {
+                tx.map(|tx| MutexGuard {
                     tx: Some(tx),
                     name: mutex.label.clone(),
                     shared: mode == Mode::Shared,
-                })),
-                Ok(None) => {
-                    let _ = tx.rollback().await;
-                    Ok(None)
-                }
-                Err(error) => Err(error), // dropping `tx` rolls back
-            };
+                })
+            });
             // If the caller left just now, the guard comes back and its drop rolls back.
             let _ = reply.send(response);
         });
         response
             .await
             .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
+    }
+
+    /// A waiting lock in **one round trip**: `wait_sql` takes the lock in the
+    /// implicit transaction of a multi-statement simple query and ends with
+    /// `BEGIN`, which turns that implicit transaction into the explicit one
+    /// sqlx's `begin_with` expects. If the lock fails (timeout, deadlock,
+    /// cancel), the implicit transaction is rolled back and the `BEGIN` never
+    /// runs, so the connection goes back to the pool clean. `None` when the
+    /// caller has gone.
+    async fn wait_xact_lock<T>(
+        &self,
+        pool: &PgPool,
+        mode: Mode,
+        wait: Wait,
+        token: &str,
+        reply: &mut oneshot::Sender<T>,
+    ) -> Option<Result<Option<Transaction<'static, Postgres>>>> {
+        let sql = self.wait_sql(mode, wait, token);
+        let begin = pool.begin_with(AssertSqlSafe(sql));
+        match run_or_cancel(pool, begin, token, reply).await {
+            Some(Ok(tx)) => Some(Ok(Some(tx))),
+            Some(Err(error)) => Some(Err(self.lock_error(error, wait))),
+            None => None, // a transaction that began anyway was dropped: rolled back
+        }
+    }
+
+    /// A try-lock: `BEGIN`, then `pg_try_advisory_xact_lock` (it never waits,
+    /// so there is nothing to cancel); `Ok(None)` when busy.
+    async fn try_xact_lock<T>(
+        &self,
+        pool: &PgPool,
+        mode: Mode,
+        token: &str,
+        reply: &mut oneshot::Sender<T>,
+    ) -> Option<Result<Option<Transaction<'static, Postgres>>>> {
+        let mut tx = match pool.begin().await {
+            Ok(tx) => tx,
+            Err(error) => return Some(Err(error.into())),
+        };
+        let sql = self.xact_sql(mode, Wait::Try, token);
+        let statement = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx);
+        let rows = match run_or_cancel(pool, statement, token, reply).await? {
+            Ok(rows) => rows,
+            Err(error) => return Some(Err(error.into())),
+        };
+        Some(match try_result(&rows) {
+            Ok(true) => Ok(Some(tx)),
+            Ok(false) => {
+                let _ = tx.rollback().await;
+                Ok(None)
+            }
+            Err(error) => Err(error),
+        })
     }
 
     async fn acquire_session(&self, pool: &PgPool, wait: Wait) -> Result<Option<SessionGuard>> {
@@ -568,8 +628,8 @@ impl Mutex {
             };
             let token = token();
             let sql = mutex.session_sql(wait, &token);
-            let Some(result) = run_or_cancel(&pool, &mut conn, &sql, &token, &mut reply).await
-            else {
+            let statement = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut conn);
+            let Some(result) = run_or_cancel(&pool, statement, &token, &mut reply).await else {
                 let _ = conn.close().await; // the session ends: any lock is freed
                 return;
             };
@@ -665,25 +725,34 @@ fn token() -> String {
 }
 
 /// Runs a lock statement; if the caller goes away while it runs, cancels it
-/// on the server (from another connection) and returns `None` once it ended.
-async fn run_or_cancel<T>(
+/// on the server (from another connection), lets it end, and returns `None`.
+async fn run_or_cancel<F, R, T>(
     pool: &PgPool,
-    conn: &mut PgConnection,
-    sql: &str,
+    statement: F,
     token: &str,
     reply: &mut oneshot::Sender<T>,
-) -> Option<std::result::Result<Vec<PgRow>, sqlx::Error>> {
-    let mut statement = pin!(sqlx::raw_sql(AssertSqlSafe(sql.to_owned())).fetch_all(conn));
+) -> Option<std::result::Result<R, sqlx::Error>>
+where
+    F: Future<Output = std::result::Result<R, sqlx::Error>>,
+{
+    let mut statement = pin!(statement);
     tokio::select! {
         biased;
         result = &mut statement => Some(result),
         () = reply.closed() => {
-            if let Err(error) = cancel_wait(pool, token).await {
-                tracing::warn!(%error, "could not cancel an abandoned lock wait; it ends when granted or timed out");
+            // The statement may not have reached the server yet (it can still
+            // be waiting for a pool connection), so cancel until it has ended
+            // (cancelled, or granted just before); what it returns is then
+            // dropped, which rolls back.
+            loop {
+                if let Err(error) = cancel_wait(pool, token).await {
+                    tracing::warn!(%error, "could not cancel an abandoned lock wait; retrying");
+                }
+                tokio::select! {
+                    _ = &mut statement => return None,
+                    () = tokio::time::sleep(CANCEL_RETRY) => {}
+                }
             }
-            // Wait for the statement to end (cancelled, or granted just before).
-            let _ = statement.await;
-            None
         }
     }
 }

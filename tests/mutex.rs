@@ -609,3 +609,38 @@ fn bounds(mutex: Mutex, pool: PgPool, guard: MutexGuard, session: SessionGuard) 
     send(&guard.commit());
     send(&session.unlock());
 }
+
+#[tokio::test]
+async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("clean");
+    let held = mutex.lock(&db.pool).await?;
+    // One connection: whatever the failed lock leaves behind, the next user gets.
+    let single = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options.clone())
+        .await?;
+    for _ in 0..3 {
+        assert!(matches!(
+            mutex.lock_timeout(&single, Duration::from_millis(50)).await,
+            Err(Error::Timeout { .. })
+        ));
+        // The session's lock_timeout is untouched ...
+        let (pid, lock_timeout): (i32, String) =
+            sqlx::query_as("SELECT pg_backend_pid(), current_setting('lock_timeout')")
+                .fetch_one(&single)
+                .await?;
+        assert_eq!(lock_timeout, "0");
+        // ... and, seen from another connection, it is idle: no transaction
+        // (aborted or not) was left open.
+        let state: String = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+            .bind(pid)
+            .fetch_one(&db.pool)
+            .await?;
+        assert_eq!(state, "idle", "the failed lock left a transaction open");
+    }
+    held.commit().await?;
+    let guard = mutex.lock_timeout(&single, Duration::from_secs(5)).await?;
+    guard.commit().await?;
+    Ok(())
+}
