@@ -50,16 +50,8 @@ async fn parent() -> Result<(), BoxError> {
     // Finding or starting the server blocks (initdb, pg_ctl): keep it off the runtime.
     let server = tokio::task::spawn_blocking(server::server).await?;
     println!("PostgreSQL: {}", server.description);
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| {
-        let options = &server.options;
-        format!(
-            "postgres://{}@{}:{}/{}",
-            options.get_username(),
-            options.get_host(),
-            options.get_port(),
-            options.get_database().unwrap_or("postgres")
-        )
-    });
+    let database = server.options.get_database().unwrap_or("postgres");
+    let url = server::url_for(database);
 
     let pool = PgPoolOptions::new()
         .max_connections(2)

@@ -39,6 +39,18 @@ async fn versions(pool: &PgPool, table: &str) -> Vec<i64> {
     .unwrap_or_else(|e| panic!("read {table}: {e}"))
 }
 
+/// The application's history holds its two migrations, ours all of ours.
+async fn assert_separate_histories(pool: &PgPool) {
+    assert_eq!(versions(pool, "public._sqlx_migrations").await, vec![1, 2]);
+    assert_eq!(
+        versions(pool, MIGRATIONS_TABLE).await,
+        pg_semaphore::migrator()
+            .iter()
+            .map(|m| m.version)
+            .collect::<Vec<_>>()
+    );
+}
+
 /// The crate works on this database: a claim and a release.
 async fn works(pool: &PgPool) -> TestResult {
     let sem = Semaphore::builder("after-migrate", 1).build(pool).await?;
@@ -89,17 +101,7 @@ async fn our_migrations_live_beside_the_applications_own() -> TestResult {
     app.run(&db.pool).await?;
     pg_semaphore::migrate(&db.pool).await?;
     app.run(&db.pool).await?; // would fail on unknown versions if histories mixed
-    assert_eq!(
-        versions(&db.pool, "public._sqlx_migrations").await,
-        vec![1, 2]
-    );
-    assert_eq!(
-        versions(&db.pool, MIGRATIONS_TABLE).await,
-        pg_semaphore::migrator()
-            .iter()
-            .map(|m| m.version)
-            .collect::<Vec<_>>()
-    );
+    assert_separate_histories(&db.pool).await;
     works(&db.pool).await?;
 
     // Us first, then the application.
@@ -144,7 +146,7 @@ async fn sqlx_cli_applies_the_same_files_into_our_own_history() -> TestResult {
     assert!(config_text.contains(&format!("table-name = \"{MIGRATIONS_TABLE}\"")));
 
     if sqlx_cli_available() {
-        let url = database_url(&db.options);
+        let url = support::server::url_for(&db.name);
         let out = Command::new("sqlx")
             .args(["migrate", "run", "--source"])
             .arg(crate_migrations())
@@ -172,31 +174,10 @@ async fn sqlx_cli_applies_the_same_files_into_our_own_history() -> TestResult {
         migrator.run(&db.pool).await?;
     }
 
-    assert_eq!(
-        versions(&db.pool, "public._sqlx_migrations").await,
-        vec![1, 2]
-    );
-    assert_eq!(
-        versions(&db.pool, MIGRATIONS_TABLE).await,
-        pg_semaphore::migrator()
-            .iter()
-            .map(|m| m.version)
-            .collect::<Vec<_>>()
-    );
+    assert_separate_histories(&db.pool).await;
     // Applied by the CLI, recognised by the crate: migrate() is a no-op, checksums match.
     pg_semaphore::migrate(&db.pool).await?;
     works(&db.pool).await
-}
-
-/// A URL for sqlx-cli from the test database's options.
-fn database_url(options: &sqlx::postgres::PgConnectOptions) -> String {
-    format!(
-        "postgres://{}@{}:{}/{}",
-        options.get_username(),
-        options.get_host(),
-        options.get_port(),
-        options.get_database().unwrap_or("postgres")
-    )
 }
 
 #[tokio::test]

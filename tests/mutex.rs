@@ -152,14 +152,7 @@ async fn worker_process_entry_point() -> TestResult {
 async fn mutual_exclusion_across_processes() -> TestResult {
     let db = support::migrated_db().await;
     create_counter(&db.pool).await?;
-    let opts = &db.options;
-    let url = format!(
-        "postgres://{}@{}:{}/{}",
-        opts.get_username(),
-        opts.get_host(),
-        opts.get_port(),
-        db.name
-    );
+    let url = support::server::url_for(&db.name);
     let exe = std::env::current_exe()?;
     let mut running = Vec::new();
     for _ in 0..3 {

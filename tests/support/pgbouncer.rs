@@ -21,7 +21,7 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -136,19 +136,10 @@ fn start() -> Result<PgBouncer, String> {
     let logfile = dir.join("pgbouncer.log");
 
     // The watchdog stops PgBouncer and deletes its files once this process is gone.
-    let watchdog = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-         kill $(cat '{pidfile}' 2>/dev/null) 2>/dev/null; sleep 1; rm -rf '{dir_s}'",
-        pid = std::process::id(),
+    server::spawn_watchdog(&format!(
+        "kill $(cat '{pidfile}' 2>/dev/null) 2>/dev/null; sleep 1; rm -rf '{dir_s}'",
         pidfile = pidfile.display(),
-    );
-    Command::new("sh")
-        .args(["-c", &watchdog])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start the watchdog: {e}"))?;
+    ))?;
 
     let username = server.options.get_username().to_owned();
     // For `trust`, PgBouncer still wants the user in auth_file; a password there

@@ -235,18 +235,9 @@ fn start_local(bin: &Path) -> Result<Server, String> {
     let as_user = user
         .map(|u| format!("runuser -u {u} -- "))
         .unwrap_or_default();
-    let watchdog = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-         {as_user}'{pg_ctl}' -D '{data_s}' -m immediate -w stop >/dev/null 2>&1; rm -rf '{dir_s}'",
-        pid = std::process::id()
-    );
-    Command::new("sh")
-        .args(["-c", &watchdog])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start the watchdog: {e}"))?;
+    spawn_watchdog(&format!(
+        "{as_user}'{pg_ctl}' -D '{data_s}' -m immediate -w stop >/dev/null 2>&1; rm -rf '{dir_s}'"
+    ))?;
 
     // A port can be taken between choosing and binding it: try a few.
     let mut last_error = String::new();
@@ -292,6 +283,48 @@ fn start_local(bin: &Path) -> Result<Server, String> {
     Err(last_error)
 }
 
+/// Runs `cleanup` (a shell command) once this process has exited, however it
+/// exits: a detached `sh` polls for our pid.
+pub(crate) fn spawn_watchdog(cleanup: &str) -> Result<(), String> {
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {cleanup}",
+        pid = std::process::id()
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map(drop)
+        .map_err(|e| format!("cannot start the watchdog: {e}"))
+}
+
+/// A connection URL for `database` on the server, for tools and child
+/// processes that take a URL (sqlx-cli, worker processes): `DATABASE_URL`
+/// with its database replaced (keeping its password and parameters), or the
+/// throwaway server's.
+pub fn url_for(database: &str) -> String {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        // postgres://user:pass@host:port/db?params: replace `/db`.
+        let authority_start = url.find("://").map_or(0, |i| i + 3);
+        let path_start = url[authority_start..]
+            .find(['/', '?'])
+            .map_or(url.len(), |i| authority_start + i);
+        let query_start = url[path_start..]
+            .find('?')
+            .map_or(url.len(), |i| path_start + i);
+        return format!("{}/{database}{}", &url[..path_start], &url[query_start..]);
+    }
+    let options = &server().options;
+    format!(
+        "postgres://{}@{}:{}/{database}",
+        options.get_username(),
+        options.get_host(),
+        options.get_port(),
+    )
+}
+
 fn docker_available() -> bool {
     Command::new("docker")
         .arg("info")
@@ -322,16 +355,7 @@ fn start_container() -> Result<Server, String> {
         .map_err(|e| e.to_string())?;
     let id = container.id().to_owned();
     // Kept for the life of the process; the watchdog removes it afterwards.
-    let watchdog = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; docker rm -f {id} >/dev/null 2>&1",
-        pid = std::process::id()
-    );
-    let _ = Command::new("sh")
-        .args(["-c", &watchdog])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
+    let _ = spawn_watchdog(&format!("docker rm -f {id} >/dev/null 2>&1"));
     std::mem::forget(container);
     // The image restarts once after initialisation; give it a moment.
     std::thread::sleep(Duration::from_millis(500));
