@@ -101,13 +101,18 @@ $$;
 
 -- THE CLAIM. One call, one round trip, one transaction:
 --   1. lock this semaphore's counter row (claims on other semaphores never wait);
---   2. reap this semaphore's expired live slots;
---   3. if fewer than `capacity` slots are live, insert the lowest free slot
---      below capacity from generate_series.
+--   2. count its live slots, and reap the expired ones if there are any;
+--   3. if fewer than `capacity` unexpired slots are live, insert the lowest
+--      free slot below capacity.
 -- Under READ COMMITTED every statement of a VOLATILE plpgsql function takes a
 -- fresh snapshot, so steps 2 and 3 see every claim committed before the lock
 -- of step 1 was granted: the snapshot is never older than the lock.
 -- Returns one row: o_id is NULL when no slot was free (o_capacity still set).
+--
+-- Every query here is driven by the partial index over live slots, so a claim
+-- costs O(live slots), however long the audit log grows. (A generate_series
+-- with a variable bound made the cached generic plan estimate 1,000 rows and
+-- could scan history; the gap search below cannot.)
 CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb)
 RETURNS TABLE (
     o_id         bigint,
@@ -124,10 +129,11 @@ DECLARE
     v_lease    interval;
     v_now      timestamptz;
     v_live     integer;
+    v_expired  integer;
     v_reaped   integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pgsemaphore.claim needs READ COMMITTED isolation, the session uses %',
+        RAISE EXCEPTION 'pg_semaphore.claim needs READ COMMITTED isolation, the session uses %',
             current_setting('transaction_isolation')
             USING ERRCODE = 'invalid_transaction_state';
     END IF;
@@ -141,56 +147,72 @@ BEGIN
             USING ERRCODE = 'no_data_found';
     END IF;
 
-    -- The reap below uses the clock after the lock was granted.
+    -- Live slots, split by whether their lease has expired (clock read after the lock).
     v_now := clock_timestamp();
-
-    -- SKIP LOCKED: a row being released or reaped right now is about to be
-    -- freed anyway, and waiting on it could deadlock with the global reaper.
-    UPDATE pgsemaphore.slots s
-       SET timed_out_at = v_now
-      FROM (SELECT e.id
-              FROM pgsemaphore.slots e
-             WHERE e.semaphore = p_semaphore
-               AND e.completed_at IS NULL AND e.timed_out_at IS NULL
-               AND e.expires_at <= v_now
-               FOR UPDATE SKIP LOCKED) expired
-     WHERE s.id = expired.id;
-    GET DIAGNOSTICS v_reaped = ROW_COUNT;
-    IF v_reaped > 1 THEN
-        -- We take at most one of the freed slots; tell other waiters.
-        PERFORM pg_notify('pgsemaphore', p_semaphore);
-    END IF;
-
-    SELECT count(*) INTO v_live
+    SELECT count(*) FILTER (WHERE l.expires_at > v_now),
+           count(*) FILTER (WHERE l.expires_at <= v_now)
+      INTO v_live, v_expired
       FROM pgsemaphore.slots l
      WHERE l.semaphore = p_semaphore
        AND l.completed_at IS NULL AND l.timed_out_at IS NULL;
 
-    IF v_live >= v_capacity THEN
-        RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::timestamptz, NULL::timestamptz,
-                            v_capacity, 0;
-        RETURN;
+    IF v_expired > 0 THEN
+        -- SKIP LOCKED: a row being released or reaped right now is about to be
+        -- freed anyway, and waiting on it could deadlock with the global reaper.
+        UPDATE pgsemaphore.slots s
+           SET timed_out_at = v_now
+          FROM (SELECT e.id
+                  FROM pgsemaphore.slots e
+                 WHERE e.semaphore = p_semaphore
+                   AND e.completed_at IS NULL AND e.timed_out_at IS NULL
+                   AND e.expires_at <= v_now
+                   FOR UPDATE SKIP LOCKED) expired
+         WHERE s.id = expired.id;
+        GET DIAGNOSTICS v_reaped = ROW_COUNT;
+        IF v_reaped > 1 THEN
+            -- We take at most one of the freed slots; tell other waiters.
+            PERFORM pg_notify('pgsemaphore', p_semaphore);
+        END IF;
     END IF;
 
-    -- Fewer than capacity live rows: a slot below capacity is free.
-    -- created_at is read *inside* this statement, after its snapshot was
-    -- taken: every release this claim relies on committed before that, so its
-    -- completed_at is earlier than our created_at and the audit log never
-    -- shows two claims overlapping on one slot.
-    RETURN QUERY
-    INSERT INTO pgsemaphore.slots AS n (semaphore, slot, holder, metadata, created_at, expires_at)
-    SELECT p_semaphore, g.slot, p_holder, p_metadata, t.now, t.now + coalesce(p_lease, v_lease)
-      FROM (SELECT clock_timestamp() AS now) AS t,
-           generate_series(0, v_capacity - 1) AS g(slot)
-     WHERE NOT EXISTS (
-               SELECT 1
-                 FROM pgsemaphore.slots l
-                WHERE l.semaphore = p_semaphore
-                  AND l.slot = g.slot
-                  AND l.completed_at IS NULL AND l.timed_out_at IS NULL)
-     ORDER BY g.slot
-     LIMIT 1
-    RETURNING n.id, n.slot, n.created_at, n.expires_at, v_capacity, v_capacity - v_live - 1;
+    o_capacity := v_capacity;
+    o_free := 0;
+    IF v_live < v_capacity THEN
+        -- The lowest free slot is 0 if 0 is free, else one past a live slot
+        -- whose successor is free. Capped below capacity: an expired slot
+        -- skipped above (being released right now) still looks taken.
+        -- created_at is read *inside* this statement, after its snapshot was
+        -- taken: every release this claim relies on committed before that, so
+        -- its completed_at is earlier than our created_at and the audit log
+        -- never shows two claims overlapping on one slot.
+        INSERT INTO pgsemaphore.slots AS n (semaphore, slot, holder, metadata, created_at, expires_at)
+        SELECT p_semaphore, free.slot, p_holder, p_metadata, t.now, t.now + coalesce(p_lease, v_lease)
+          FROM (SELECT clock_timestamp() AS now) AS t,
+               (SELECT min(c.slot) AS slot
+                  FROM (SELECT 0 AS slot
+                         WHERE NOT EXISTS (
+                                   SELECT 1 FROM pgsemaphore.slots z
+                                    WHERE z.semaphore = p_semaphore AND z.slot = 0
+                                      AND z.completed_at IS NULL AND z.timed_out_at IS NULL)
+                        UNION ALL
+                        SELECT l.slot + 1
+                          FROM pgsemaphore.slots l
+                         WHERE l.semaphore = p_semaphore
+                           AND l.completed_at IS NULL AND l.timed_out_at IS NULL
+                           AND NOT EXISTS (
+                                   SELECT 1 FROM pgsemaphore.slots m
+                                    WHERE m.semaphore = p_semaphore AND m.slot = l.slot + 1
+                                      AND m.completed_at IS NULL AND m.timed_out_at IS NULL)
+                       ) c
+                 WHERE c.slot < v_capacity) AS free
+         WHERE free.slot IS NOT NULL
+        RETURNING n.id, n.slot, n.created_at, n.expires_at
+             INTO o_id, o_slot, o_created_at, o_expires_at;
+        IF FOUND THEN
+            o_free := v_capacity - v_live - 1;
+        END IF;
+    END IF;
+    RETURN NEXT;
 END;
 $$;
 
