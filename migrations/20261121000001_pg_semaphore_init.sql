@@ -46,14 +46,11 @@ CREATE TABLE pgsemaphore.slots (
     CONSTRAINT slots_one_outcome CHECK (completed_at IS NULL OR timed_out_at IS NULL)
 );
 
--- The hard limit: no slot of a semaphore is ever held twice.
+-- The hard limit: no slot of a semaphore is ever held twice. Also the index
+-- every claim and the reaper scan: live rows are few (at most the sum of the
+-- capacities, plus expired ones awaiting the reaper).
 CREATE UNIQUE INDEX slots_live_slot_key
     ON pgsemaphore.slots (semaphore, slot)
-    WHERE completed_at IS NULL AND timed_out_at IS NULL;
-
--- The global reaper's scan: live rows by expiry.
-CREATE INDEX slots_live_expires_idx
-    ON pgsemaphore.slots (expires_at)
     WHERE completed_at IS NULL AND timed_out_at IS NULL;
 
 -- Audit queries: one semaphore's history by time.
@@ -136,6 +133,26 @@ BEGIN
         RAISE EXCEPTION 'pg_semaphore.claim needs READ COMMITTED isolation, the session uses %',
             current_setting('transaction_isolation')
             USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+
+    -- Fail fast without queueing behind other claims: if, as of this
+    -- snapshot, every slot is held by an unexpired claim, the semaphore was
+    -- full at that instant and the answer is no. (Claims in flight would only
+    -- make it fuller; expired slots are left to the locked path, which reaps.)
+    v_now := clock_timestamp();
+    SELECT s.capacity,
+           (SELECT count(*)
+              FROM pgsemaphore.slots l
+             WHERE l.semaphore = s.name
+               AND l.completed_at IS NULL AND l.timed_out_at IS NULL
+               AND l.expires_at > v_now)
+      INTO v_capacity, v_live
+      FROM pgsemaphore.semaphores s
+     WHERE s.name = p_semaphore;
+    IF FOUND AND v_live >= v_capacity THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::timestamptz, NULL::timestamptz,
+                            v_capacity, 0;
+        RETURN;
     END IF;
 
     SELECT s.capacity, s.default_lease INTO v_capacity, v_lease

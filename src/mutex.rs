@@ -468,32 +468,22 @@ impl Mutex {
         };
         match lock_timeout_ms(wait) {
             None => format!("{token} SELECT {function}({args})"),
+            // One statement, evaluated left to right: save the transaction's
+            // lock_timeout, set ours, wait for the lock, restore theirs.
             Some(ms) => format!(
-                "{token} \
-                 SELECT set_config('pgsemaphore.saved_lock_timeout', current_setting('lock_timeout'), true); \
-                 SET LOCAL lock_timeout = '{ms}ms'; \
-                 SELECT {function}({args}); \
-                 SELECT set_config('lock_timeout', current_setting('pgsemaphore.saved_lock_timeout'), true)"
+                "{token} SELECT \
+                 set_config('pgsemaphore.saved_lock_timeout', current_setting('lock_timeout'), true), \
+                 set_config('lock_timeout', '{ms}ms', true), \
+                 {function}({args}), \
+                 set_config('lock_timeout', current_setting('pgsemaphore.saved_lock_timeout'), true)"
             ),
         }
     }
 
-    /// The one-round-trip waiting lock (see [`Mutex::wait_xact_lock`]).
+    /// The one-round-trip waiting lock (see [`Mutex::wait_xact_lock`]): the
+    /// lock statement in the query's implicit transaction, then `BEGIN`.
     fn wait_sql(&self, mode: Mode, wait: Wait, token: &str) -> String {
-        let args = self.key_args();
-        let function = match mode {
-            Mode::Exclusive => "pg_advisory_xact_lock",
-            Mode::Shared => "pg_advisory_xact_lock_shared",
-        };
-        let ms = lock_timeout_ms(wait).unwrap_or(0);
-        format!(
-            "{token} \
-             SELECT set_config('pgsemaphore.saved_lock_timeout', current_setting('lock_timeout'), true); \
-             SELECT set_config('lock_timeout', '{ms}ms', true); \
-             SELECT {function}({args}); \
-             SELECT set_config('lock_timeout', current_setting('pgsemaphore.saved_lock_timeout'), true); \
-             BEGIN"
-        )
+        format!("{}; BEGIN", self.xact_sql(mode, wait, token))
     }
 
     /// The session-scoped lock statement; also returns the backend's pid.

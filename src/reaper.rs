@@ -40,6 +40,12 @@ pub async fn reap(pool: &PgPool) -> Result<u64> {
 /// Deletes one batch of finished claims older than the cutoff.
 const PRUNE: &str = "SELECT pgsemaphore.prune($1, $2)";
 
+/// Reclaims the space of pruned rows now rather than at autovacuum's next
+/// visit (by default up to a minute away, while a busy semaphore churns
+/// thousands of rows a second). Only the table owner may vacuum it; anyone
+/// else gets a warning from PostgreSQL, not an error.
+const VACUUM: &str = "VACUUM (SKIP_LOCKED) pgsemaphore.slots";
+
 /// Rows deleted per prune statement: short transactions, even for a backlog.
 const PRUNE_BATCH: i32 = 5_000;
 
@@ -145,7 +151,9 @@ impl ReaperBuilder {
     }
 
     /// Also delete finished claims that ended more than `retention` ago, each
-    /// round (see [`prune`]). Default: keep the audit log forever.
+    /// round (see [`prune`]), then `VACUUM` the slot table so the space is
+    /// reused at once (when this role owns the table; otherwise autovacuum
+    /// does it later). Default: keep the audit log forever.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = Some(retention);
         self
@@ -227,10 +235,19 @@ impl Reaper {
                 if let Err(error) = reap(&pool).await {
                     tracing::warn!(%error, "pg-semaphore reaper failed; retrying next interval");
                 }
-                if let Some(retention) = retention
-                    && let Err(error) = prune(&pool, retention).await
-                {
-                    tracing::warn!(%error, "pg-semaphore prune failed; retrying next interval");
+                if let Some(retention) = retention {
+                    match prune(&pool, retention).await {
+                        Ok(0) => {}
+                        Ok(_) => {
+                            // Outside a transaction: VACUUM cannot run in one.
+                            if let Err(error) = sqlx::raw_sql(VACUUM).execute(&pool).await {
+                                tracing::debug!(%error, "vacuuming pgsemaphore.slots after pruning failed");
+                            }
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "pg-semaphore prune failed; retrying next interval")
+                        }
+                    }
                 }
             }
         });
