@@ -468,14 +468,14 @@ impl Mutex {
         };
         match lock_timeout_ms(wait) {
             None => format!("{token} SELECT {function}({args})"),
-            // One statement, evaluated left to right: save the transaction's
-            // lock_timeout, set ours, wait for the lock, restore theirs.
+            // One statement: the inner select reads the transaction's
+            // lock_timeout, sets ours and waits for the lock (left to right);
+            // the outer one then restores theirs.
             Some(ms) => format!(
-                "{token} SELECT \
-                 set_config('pgsemaphore.saved_lock_timeout', current_setting('lock_timeout'), true), \
-                 set_config('lock_timeout', '{ms}ms', true), \
-                 {function}({args}), \
-                 set_config('lock_timeout', current_setting('pgsemaphore.saved_lock_timeout'), true)"
+                "{token} SELECT set_config('lock_timeout', t.saved, true) FROM (SELECT \
+                 current_setting('lock_timeout') AS saved, \
+                 set_config('lock_timeout', '{ms}ms', true) AS ours, \
+                 {function}({args}) AS locked) AS t"
             ),
         }
     }
