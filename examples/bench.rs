@@ -946,12 +946,8 @@ async fn connect(opts: &PgConnectOptions) -> Res<PgConnection> {
 }
 
 async fn create_database(server: &PgConnectOptions, name: &str) -> Res<()> {
+    drop_database(server, name).await?; // a leftover of an interrupted run
     let mut admin = connect(server).await?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#
-    )))
-    .execute(&mut admin)
-    .await?;
     sqlx::raw_sql(AssertSqlSafe(format!(
         r#"CREATE DATABASE "{name}" TEMPLATE template0"#
     )))
