@@ -115,6 +115,9 @@ pub enum LostReason {
         /// When it was completed (database clock).
         at: DateTime<Utc>,
     },
+    /// The lease has ended and the slot is about to be reaped: anyone may
+    /// claim it as soon as a reaper or a claim notices.
+    LeaseExpired,
     /// No claim with this id exists (its audit row was deleted).
     Missing,
 }
@@ -124,6 +127,7 @@ impl std::fmt::Display for LostReason {
         match self {
             Self::TimedOut { at } => write!(f, "its lease expired and it was reaped at {at}"),
             Self::AlreadyReleased { at } => write!(f, "it was already released at {at}"),
+            Self::LeaseExpired => f.write_str("its lease has expired"),
             Self::Missing => f.write_str("no such claim exists"),
         }
     }

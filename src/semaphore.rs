@@ -46,6 +46,12 @@ const RELEASE: &str = "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.rele
 /// Creates the semaphore or updates its capacity and default lease.
 const CONFIGURE: &str = "SELECT o_capacity FROM pgsemaphore.configure($1, $2, $3)";
 
+/// Checks, inside the caller's transaction, that a claim is live and its lease
+/// unexpired, and share-locks its row so that it stays live (a release waits,
+/// reapers skip it) until that transaction ends.
+const FENCE: &str = "SELECT completed_at, timed_out_at, expires_at > clock_timestamp() \
+                     FROM pgsemaphore.slots WHERE id = $1 FOR SHARE";
+
 /// Free slots right now (expired but unreaped slots count as held).
 const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaphore.slots l \
                           WHERE l.semaphore = s.name \
@@ -709,6 +715,57 @@ impl Permit {
     /// The semaphore this permit belongs to.
     pub fn semaphore(&self) -> &Semaphore {
         &self.semaphore
+    }
+
+    /// Fences a write protected by this permit: checks, inside the caller's
+    /// own transaction, that the permit still holds its slot with an unexpired
+    /// lease, and keeps it so until that transaction ends (its row is
+    /// share-locked: a release waits for the transaction, reapers skip it).
+    /// Work committed in that transaction therefore happened while the permit
+    /// was held, even if the holder stalled for longer than its lease before
+    /// getting there.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool, permit: pg_semaphore::Permit) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = pool.begin().await?;
+    /// permit.fence(&mut tx).await?; // Err(PermitLost) if the slot was lost meanwhile
+    /// sqlx::query("UPDATE accounts SET charged = true WHERE id = 7")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// tx.commit().await?;
+    /// permit.release().await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PermitLost`] when the claim was released or reaped, or its
+    /// lease has ended (a reaper may take it at any moment);
+    /// [`Error::Database`]. After an error the transaction may be aborted.
+    ///
+    /// # Cancel safety
+    ///
+    /// Runs on the caller's transaction: if cancelled, roll it back.
+    pub async fn fence(&self, tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<()> {
+        let row: Option<(Option<DateTime<Utc>>, Option<DateTime<Utc>>, bool)> =
+            sqlx::query_as(FENCE)
+                .bind(self.id)
+                .persistent(!self.semaphore.inner.pooled)
+                .fetch_optional(&mut **tx)
+                .await?;
+        let reason = match row {
+            Some((None, None, true)) => return Ok(()),
+            Some((_, Some(at), _)) => LostReason::TimedOut { at },
+            Some((Some(at), None, _)) => LostReason::AlreadyReleased { at },
+            Some((None, None, false)) => LostReason::LeaseExpired,
+            None => LostReason::Missing,
+        };
+        Err(Error::PermitLost {
+            semaphore: self.semaphore.inner.name.clone(),
+            id: self.id,
+            reason,
+        })
     }
 
     /// Releases the slot (sets `completed_at`) and wakes a waiter, in one round trip.

@@ -715,3 +715,86 @@ async fn a_cancelled_release_still_releases() -> TestResult {
     assert!(completed, "released, not reaped");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_fence_keeps_the_permit_live_until_the_callers_transaction_ends() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("fenced", 1)
+        .lease(Duration::from_millis(300))
+        .build(&db.pool)
+        .await?;
+    let permit = sem.try_acquire().await?;
+    let mut tx = db.pool.begin().await?;
+    permit.fence(&mut tx).await?;
+    sqlx::query("CREATE TEMP TABLE protected_write (n int)")
+        .execute(&mut *tx)
+        .await?;
+
+    // The lease runs out while the transaction is open: no reaper can take
+    // the slot from under the fenced write ...
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        pg_semaphore::reap(&db.pool).await?,
+        0,
+        "a fenced claim was reaped"
+    );
+    // ... and a release waits for the transaction.
+    let id = permit.id();
+    let release = tokio::spawn(permit.release());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !release.is_finished(),
+        "the release did not wait for the fence"
+    );
+    tx.commit().await?;
+    release.await??;
+    let completed: bool =
+        sqlx::query_scalar("SELECT completed_at IS NOT NULL FROM pgsemaphore.slots WHERE id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await?;
+    assert!(completed);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fence_reports_how_the_slot_was_lost() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("unfenced", 3)
+        .lease(Duration::from_millis(200))
+        .build(&db.pool)
+        .await?;
+    let released_elsewhere = sem
+        .claim()
+        .lease(Duration::from_secs(60))
+        .try_acquire()
+        .await?;
+    let expired = sem.try_acquire().await?;
+    let reaped = sem.try_acquire().await?;
+    sqlx::query("SELECT pgsemaphore.release($1)")
+        .bind(released_elsewhere.id())
+        .execute(&db.pool)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("UPDATE pgsemaphore.slots SET timed_out_at = clock_timestamp() WHERE id = $1")
+        .bind(reaped.id())
+        .execute(&db.pool)
+        .await?;
+
+    for (permit, expected) in [
+        (&released_elsewhere, "AlreadyReleased"),
+        (&expired, "LeaseExpired"),
+        (&reaped, "TimedOut"),
+    ] {
+        let mut tx = db.pool.begin().await?;
+        match permit.fence(&mut tx).await {
+            Err(Error::PermitLost { id, reason, .. }) => {
+                assert_eq!(id, permit.id());
+                assert!(format!("{reason:?}").starts_with(expected), "{reason:?}");
+            }
+            other => panic!("expected PermitLost({expected}), got {other:?}"),
+        }
+        tx.rollback().await?;
+    }
+    Ok(())
+}
