@@ -49,7 +49,7 @@ const CONFIGURE: &str = "SELECT o_capacity FROM pgsemaphore.configure($1, $2, $3
 /// Checks, inside the caller's transaction, that a claim is live and its lease
 /// unexpired, and share-locks its row so that it stays live (a release waits,
 /// reapers skip it) until that transaction ends.
-const FENCE: &str = "SELECT completed_at, timed_out_at, expires_at > clock_timestamp() \
+const FENCE: &str = "SELECT completed_at, timed_out_at, expires_at > clock_timestamp() AS unexpired \
                      FROM pgsemaphore.slots WHERE id = $1 FOR SHARE";
 
 /// Free slots right now (expired but unreaped slots count as held).
@@ -601,6 +601,13 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
 }
 
 #[derive(sqlx::FromRow)]
+struct FenceRow {
+    completed_at: Option<DateTime<Utc>>,
+    timed_out_at: Option<DateTime<Utc>>,
+    unexpired: bool,
+}
+
+#[derive(sqlx::FromRow)]
 struct ClaimRow {
     #[sqlx(rename = "o_id")]
     id: Option<i64>,
@@ -748,13 +755,12 @@ impl Permit {
     ///
     /// Runs on the caller's transaction: if cancelled, roll it back.
     pub async fn fence(&self, tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<()> {
-        let row: Option<(Option<DateTime<Utc>>, Option<DateTime<Utc>>, bool)> =
-            sqlx::query_as(FENCE)
-                .bind(self.id)
-                .persistent(!self.semaphore.inner.pooled)
-                .fetch_optional(&mut **tx)
-                .await?;
-        let reason = match row {
+        let row: Option<FenceRow> = sqlx::query_as(FENCE)
+            .bind(self.id)
+            .persistent(!self.semaphore.inner.pooled)
+            .fetch_optional(&mut **tx)
+            .await?;
+        let reason = match row.map(|r| (r.completed_at, r.timed_out_at, r.unexpired)) {
             Some((None, None, true)) => return Ok(()),
             Some((_, Some(at), _)) => LostReason::TimedOut { at },
             Some((Some(at), None, _)) => LostReason::AlreadyReleased { at },
