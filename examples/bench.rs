@@ -373,14 +373,8 @@ impl Target {
         threshold: f64,
         measured: impl Into<String>,
     ) -> Target {
-        Target {
-            workload: workload.name(),
-            target: target.into(),
-            measured: measured.into(),
-            value,
-            threshold,
-            pass: value.is_some_and(|v| v >= threshold),
-        }
+        let pass = value.is_some_and(|v| v >= threshold);
+        Target::new(workload, target, value, threshold, measured, pass)
     }
 
     /// `value <= threshold` (a missing value fails).
@@ -391,13 +385,25 @@ impl Target {
         threshold: f64,
         measured: impl Into<String>,
     ) -> Target {
+        let pass = value.is_some_and(|v| v <= threshold);
+        Target::new(workload, target, value, threshold, measured, pass)
+    }
+
+    fn new(
+        workload: Workload,
+        target: impl Into<String>,
+        value: Option<f64>,
+        threshold: f64,
+        measured: impl Into<String>,
+        pass: bool,
+    ) -> Target {
         Target {
             workload: workload.name(),
             target: target.into(),
             measured: measured.into(),
             value,
             threshold,
-            pass: value.is_some_and(|v| v <= threshold),
+            pass,
         }
     }
 
