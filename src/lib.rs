@@ -120,6 +120,7 @@ mod migrate;
 mod mutex;
 mod reaper;
 mod semaphore;
+mod validate;
 
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};

@@ -1,10 +1,10 @@
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::types::PgInterval;
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
+use crate::validate;
 
 /// Marks every expired live slot timed out and notifies its semaphore's waiters.
 const REAP: &str = "SELECT pgsemaphore.reap()";
@@ -79,18 +79,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 /// Each batch commits on its own: cancelling keeps the batches already
 /// deleted and deletes nothing more.
 pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
-    if older_than > MAX_RETENTION {
-        return Err(Error::invalid(
-            "older_than",
-            format!("{older_than:?} is more than 100 years"),
-        ));
-    }
-    let interval = PgInterval {
-        months: 0,
-        days: 0,
-        // At most 100 years: about 3.2e15 microseconds, well within i64.
-        microseconds: older_than.as_micros() as i64,
-    };
+    let interval = validate::interval("older_than", older_than, Duration::ZERO..=MAX_RETENTION)?;
     let mut total = 0u64;
     loop {
         let deleted: i64 = on_pool!(pool, true, |conn| {
@@ -174,13 +163,8 @@ impl ReaperBuilder {
         if self.interval.is_zero() {
             return Err(Error::invalid("interval", "must be greater than zero"));
         }
-        if let Some(retention) = self.retention
-            && retention > MAX_RETENTION
-        {
-            return Err(Error::invalid(
-                "retention",
-                format!("{retention:?} is more than 100 years"),
-            ));
+        if let Some(retention) = self.retention {
+            validate::interval("retention", retention, Duration::ZERO..=MAX_RETENTION)?;
         }
         Ok(Reaper::start(pool.clone(), self.interval, self.retention))
     }

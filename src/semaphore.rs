@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::audit::{AuditLog, Holder, Summary};
 use crate::error::{Error, LostReason, Result};
 use crate::listener::Listener;
+use crate::validate;
 
 /// The largest capacity a semaphore may have (a CHECK constraint enforces it too).
 pub const MAX_CAPACITY: u32 = 100_000;
@@ -190,7 +191,7 @@ impl SemaphoreBuilder {
     ///
     /// The upsert is one statement: cancelling either applies it or not.
     pub async fn build(self, pool: &PgPool) -> Result<Semaphore> {
-        validate_name(&self.name)?;
+        validate::text("name", &self.name, MAX_NAME_LEN)?;
         if self.capacity == 0 || self.capacity > MAX_CAPACITY {
             return Err(Error::invalid(
                 "capacity",
@@ -861,53 +862,12 @@ fn not_found_or(error: sqlx::Error, semaphore: &str) -> Error {
     }
 }
 
-pub(crate) fn validate_name(name: &str) -> Result<()> {
-    let chars = name.chars().count();
-    if chars == 0 {
-        return Err(Error::invalid("name", "must not be empty"));
-    }
-    if chars > MAX_NAME_LEN {
-        return Err(Error::invalid(
-            "name",
-            format!("is {chars} characters long; at most {MAX_NAME_LEN} are allowed"),
-        ));
-    }
-    if name.contains('\0') {
-        return Err(Error::invalid(
-            "name",
-            "must not contain NUL characters (PostgreSQL text cannot store them)",
-        ));
-    }
-    Ok(())
-}
-
 fn validate_holder(holder: &str) -> Result<()> {
-    let chars = holder.chars().count();
-    if chars == 0 || chars > MAX_HOLDER_LEN {
-        return Err(Error::invalid(
-            "holder",
-            format!("must be 1 to {MAX_HOLDER_LEN} characters long, not {chars}"),
-        ));
-    }
-    if holder.contains('\0') {
-        return Err(Error::invalid("holder", "must not contain NUL characters"));
-    }
-    Ok(())
+    validate::text("holder", holder, MAX_HOLDER_LEN)
 }
 
 fn lease_interval(lease: Duration) -> Result<PgInterval> {
-    if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
-        return Err(Error::invalid(
-            "lease",
-            format!("{lease:?} is out of range: a lease is {MIN_LEASE:?} to {MAX_LEASE:?}"),
-        ));
-    }
-    Ok(PgInterval {
-        months: 0,
-        days: 0,
-        // In range by the check above (366 days is ~3.2e13 microseconds).
-        microseconds: lease.as_micros() as i64,
-    })
+    validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)
 }
 
 /// `host:pid`, the default holder label.
