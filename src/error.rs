@@ -120,6 +120,9 @@ pub enum LostReason {
     LeaseExpired,
     /// No claim with this id exists (its audit row was deleted).
     Missing,
+    /// The permit never held a slot: it was admitted without the database
+    /// (fail-open, see [`Permit::is_unchecked`](crate::Permit::is_unchecked)).
+    Unchecked,
 }
 
 impl std::fmt::Display for LostReason {
@@ -129,6 +132,9 @@ impl std::fmt::Display for LostReason {
             Self::AlreadyReleased { at } => write!(f, "it was already released at {at}"),
             Self::LeaseExpired => f.write_str("its lease has expired"),
             Self::Missing => f.write_str("no such claim exists"),
+            Self::Unchecked => {
+                f.write_str("it was admitted without the database (fail-open) and holds no slot")
+            }
         }
     }
 }
@@ -154,6 +160,27 @@ impl Error {
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
     pub fn is_busy(&self) -> bool {
         matches!(self, Error::NoSlotsAvailable { .. } | Error::Timeout { .. })
+    }
+
+    /// Whether the error means the database could not be reached or the
+    /// connection died (as opposed to an answer from the database): I/O and
+    /// TLS failures, pool timeouts, and SQLSTATE classes 08 (connection
+    /// exception) and 57P01-57P03 (server shutting down or starting up).
+    pub fn is_unreachable(&self) -> bool {
+        let Error::Database(error) = self else {
+            return false;
+        };
+        match error {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => true,
+            sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+            }),
+            _ => false,
+        }
     }
 
     pub(crate) fn invalid(argument: &'static str, reason: impl Into<String>) -> Self {

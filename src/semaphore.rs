@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use crate::audit::{AuditLog, Holder, Summary};
 use crate::error::{Error, LostReason, Result};
+use crate::lease::Lease;
 use crate::listener::Listener;
 use crate::validate;
 
@@ -98,15 +99,58 @@ pub struct Semaphore {
     inner: Arc<Inner>,
 }
 
-struct Inner {
-    pool: PgPool,
-    name: String,
+pub(crate) struct Inner {
+    pub(crate) pool: PgPool,
+    pub(crate) name: String,
     capacity: u32,
     lease: Duration,
     holder: String,
     fallback: Duration,
-    pooled: bool,
+    pub(crate) pooled: bool,
+    heartbeat: Heartbeat,
+    fail_open: bool,
     listener: Arc<Listener>,
+}
+
+/// How held permits renew their leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Heartbeat {
+    /// Every third of the permit's lease.
+    Default,
+    /// Every given interval.
+    Every(Duration),
+    /// Not at all: the lease runs out.
+    Off,
+}
+
+impl Heartbeat {
+    /// The renewal interval for a permit whose lease is `lease`.
+    fn interval(self, lease: Duration) -> Option<Duration> {
+        match self {
+            Heartbeat::Default => Some(lease / 3),
+            Heartbeat::Every(interval) => Some(interval),
+            Heartbeat::Off => None,
+        }
+    }
+
+    /// Checks an explicit interval against a lease: the lease must cover two.
+    fn check(self, lease: Duration, argument: &'static str) -> Result<()> {
+        match self {
+            Heartbeat::Every(interval) if interval.is_zero() => {
+                Err(Error::invalid("heartbeat", "must be greater than zero"))
+            }
+            Heartbeat::Every(interval) if interval.checked_mul(2).is_none_or(|two| two > lease) => {
+                Err(Error::invalid(
+                    argument,
+                    format!(
+                        "a lease of {lease:?} is shorter than twice the heartbeat interval \
+                         {interval:?}: a single late renewal would lose the permit"
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 impl fmt::Debug for Semaphore {
@@ -118,6 +162,8 @@ impl fmt::Debug for Semaphore {
             .field("holder", &self.inner.holder)
             .field("fallback_interval", &self.inner.fallback)
             .field("transaction_pooling", &self.inner.pooled)
+            .field("heartbeat", &self.inner.heartbeat)
+            .field("fail_open", &self.inner.fail_open)
             .finish_non_exhaustive()
     }
 }
@@ -132,6 +178,8 @@ pub struct SemaphoreBuilder {
     holder: Option<String>,
     fallback: Duration,
     pooled: bool,
+    heartbeat: Heartbeat,
+    fail_open: bool,
 }
 
 impl SemaphoreBuilder {
@@ -173,6 +221,56 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// Renews each held permit's lease every `interval` (by default every
+    /// third of the lease). The lease must be at least twice the interval.
+    ///
+    /// A renewal sets the lease to end one full lease after the database's
+    /// `now()`. If renewals fail (database unreachable) the permit is retried
+    /// until its lease can no longer be guaranteed, and then reported lost
+    /// through [`Permit::lost`]: stop the protected work then, because the
+    /// slot may be reaped and claimed by someone else.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// let sem = pg_semaphore::Semaphore::builder("exports", 2)
+    ///     .lease(Duration::from_secs(30))
+    ///     .heartbeat(Duration::from_secs(5))
+    ///     .build(&pool)
+    ///     .await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = Heartbeat::Every(interval);
+        self
+    }
+
+    /// Turns lease renewal off: every permit's slot is freed by a reaper (or
+    /// the next claim) once its lease ends, even while its holder still works.
+    /// [`Permit::lost`] still fires when the lease ends.
+    pub fn without_heartbeat(mut self) -> Self {
+        self.heartbeat = Heartbeat::Off;
+        self
+    }
+
+    /// **Fail open** (default `false`): when the database cannot be reached,
+    /// [`try_acquire`](Semaphore::try_acquire) admits the caller anyway with an
+    /// *unchecked* permit ([`Permit::is_unchecked`]) and a `WARN` event,
+    /// instead of returning [`Error::Database`].
+    ///
+    /// This trades the hard limit for availability while the database is
+    /// down (seed 002: "fail open so Redis outages don't take down your
+    /// site"): use it only where going over the limit is cheaper than an
+    /// outage. Only connection failures fail open; errors that say the
+    /// database answered (missing migrations, unknown semaphore, bad input)
+    /// are still returned. Waiting acquires (`acquire`, `acquire_timeout`)
+    /// never fail open.
+    pub fn fail_open(mut self, enabled: bool) -> Self {
+        self.fail_open = enabled;
+        self
+    }
+
     /// Validates the settings and upserts the semaphore's row: a new semaphore
     /// is created; an existing one takes this capacity and lease (new claims
     /// see the new capacity; holders above a reduced capacity keep their slots
@@ -183,7 +281,8 @@ impl SemaphoreBuilder {
     /// - [`Error::InvalidArgument`] for a name that is empty, longer than
     ///   [`MAX_NAME_LEN`] or contains NUL; a capacity of 0 or above
     ///   [`MAX_CAPACITY`]; a lease outside [`MIN_LEASE`]..=[`MAX_LEASE`]; a
-    ///   zero fallback interval; a bad holder label. Nothing is written.
+    ///   zero fallback interval; a zero heartbeat interval or one above half
+    ///   the lease; a bad holder label. Nothing is written.
     /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
     /// - [`Error::Database`] for connection and other database errors.
     ///
@@ -208,6 +307,7 @@ impl SemaphoreBuilder {
                 "must be greater than zero",
             ));
         }
+        self.heartbeat.check(self.lease, "lease")?;
         let holder = match self.holder {
             Some(holder) => {
                 validate_holder(&holder)?;
@@ -235,6 +335,8 @@ impl SemaphoreBuilder {
                 holder,
                 fallback: self.fallback,
                 pooled: self.pooled,
+                heartbeat: self.heartbeat,
+                fail_open: self.fail_open,
             }),
         })
     }
@@ -252,6 +354,8 @@ impl Semaphore {
             holder: None,
             fallback: DEFAULT_FALLBACK_INTERVAL,
             pooled: false,
+            heartbeat: Heartbeat::Default,
+            fail_open: false,
         }
     }
 
@@ -470,12 +574,25 @@ impl<'a> Claim<'a> {
     /// As [`Semaphore::try_acquire`].
     pub async fn try_acquire(self) -> Result<Permit> {
         let args = self.into_args()?;
-        match claim_once(&args).await? {
-            Claimed::Permit(permit) => Ok(permit),
-            Claimed::Full { capacity } => Err(Error::NoSlotsAvailable {
-                semaphore: args.semaphore.inner.name.clone(),
-                capacity,
-            }),
+        let inner = &args.semaphore.inner;
+        match claim_once(&args).await {
+            Ok(Claimed::Permit(permit)) => Ok(permit),
+            Ok(Claimed::Full { capacity }) => {
+                tracing::debug!(semaphore = %inner.name, capacity, "no slots available");
+                Err(Error::NoSlotsAvailable {
+                    semaphore: inner.name.clone(),
+                    capacity,
+                })
+            }
+            Err(error) if inner.fail_open && error.is_unreachable() => {
+                tracing::warn!(
+                    semaphore = %inner.name,
+                    %error,
+                    "database unreachable: admitting without a slot (fail-open)"
+                );
+                Ok(Permit::unchecked(args.semaphore.clone()))
+            }
+            Err(error) => Err(error),
         }
     }
 
@@ -528,7 +645,10 @@ impl<'a> Claim<'a> {
             None => self.semaphore.inner.holder.clone(),
         };
         let lease = match self.lease {
-            Some(lease) => Some(lease_interval(lease)?),
+            Some(lease) => {
+                self.semaphore.inner.heartbeat.check(lease, "lease")?;
+                Some(lease_interval(lease)?)
+            }
             None => None,
         };
         Ok(ClaimArgs {
@@ -572,6 +692,7 @@ async fn claim_once(args: &ClaimArgs) -> Result<Claimed> {
 
 async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
     let inner = &args.semaphore.inner;
+    let sent = Instant::now();
     let row: ClaimRow = on_pool!(inner.pool, inner.pooled, |conn| {
         sqlx::query_as(CLAIM)
             .bind(&inner.name)
@@ -587,7 +708,12 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
     match (row.id, row.slot, row.created_at, row.expires_at) {
         (Some(id), Some(slot), Some(acquired_at), Some(expires_at)) => {
             tracing::debug!(semaphore = %inner.name, id, slot, "permit acquired");
+            // The lease as the database applied it (the claim's, or the
+            // semaphore's default as stored when the claim ran).
+            let lease = (expires_at - acquired_at).to_std().unwrap_or(inner.lease);
+            let interval = inner.heartbeat.interval(lease);
             Ok(Claimed::Permit(Permit {
+                lease: Lease::start(&args.semaphore.inner, vec![id], sent, lease, interval),
                 semaphore: args.semaphore.clone(),
                 id,
                 slot: slot as u32,
@@ -595,6 +721,7 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
                 expires_at,
                 free_after: row.free.max(0) as u32,
                 released: false,
+                unchecked: false,
             }))
         }
         _ => Ok(Claimed::Full { capacity }),
@@ -683,6 +810,9 @@ pub struct Permit {
     expires_at: DateTime<Utc>,
     free_after: u32,
     released: bool,
+    /// Admitted without the database (fail-open): holds no slot.
+    unchecked: bool,
+    lease: Lease,
 }
 
 impl fmt::Debug for Permit {
@@ -693,15 +823,81 @@ impl fmt::Debug for Permit {
             .field("slot", &self.slot)
             .field("acquired_at", &self.acquired_at)
             .field("expires_at", &self.expires_at)
+            .field("heartbeat", &self.lease.has_heartbeat())
+            .field("unchecked", &self.unchecked)
             .finish()
     }
 }
 
 impl Permit {
-    /// The claim's id: unique and strictly increasing across the database,
-    /// usable as a fencing token.
+    /// A permit admitted without the database (fail-open).
+    fn unchecked(semaphore: Semaphore) -> Self {
+        let now = Utc::now();
+        let lease =
+            chrono::Duration::from_std(semaphore.inner.lease).unwrap_or(chrono::Duration::MAX);
+        Permit {
+            id: 0,
+            slot: 0,
+            acquired_at: now,
+            expires_at: now
+                .checked_add_signed(lease)
+                .unwrap_or(DateTime::<Utc>::MAX_UTC),
+            free_after: 0,
+            released: false,
+            unchecked: true,
+            lease: Lease::unchecked(),
+            semaphore,
+        }
+    }
+
+    /// The claim's id: unique and strictly increasing across the database
+    /// (a `bigint` identity, which never wraps), usable as a fencing token.
+    /// `0` for an [unchecked](Self::is_unchecked) permit.
     pub fn id(&self) -> i64 {
         self.id
+    }
+
+    /// Whether this permit was admitted without the database because it was
+    /// unreachable and the semaphore [fails open](SemaphoreBuilder::fail_open).
+    /// Such a permit holds no slot: it is not counted against the capacity,
+    /// its [`id`](Self::id) is `0`, [`fence`](Self::fence) refuses it and
+    /// [`release`](Self::release) does nothing.
+    pub fn is_unchecked(&self) -> bool {
+        self.unchecked
+    }
+
+    /// Resolves when this permit is lost: a renewal found it reaped or
+    /// released by someone else, or its lease can no longer be guaranteed
+    /// (renewals failed, or there is no [heartbeat](SemaphoreBuilder::heartbeat)
+    /// and the lease ran out). Stop the protected work then: another holder
+    /// may be admitted to the slot.
+    ///
+    /// The signal is conservative: it fires a tenth of the lease *before*
+    /// the lease certainly ends, measured on this process's monotonic clock
+    /// from when the claim or last renewal was sent, so clock differences
+    /// between hosts do not matter.
+    ///
+    /// ```no_run
+    /// # async fn run(permit: pg_semaphore::Permit) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn do_the_work() {}
+    /// tokio::select! {
+    ///     () = do_the_work() => permit.release().await?,
+    ///     reason = permit.lost() => eprintln!("stopped: permit lost ({reason})"),
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: it only watches.
+    pub async fn lost(&self) -> LostReason {
+        self.lease.lost().await
+    }
+
+    /// Whether this permit is lost (see [`lost`](Self::lost)), without waiting.
+    pub fn is_lost(&self) -> bool {
+        self.lease.lost_reason().is_some()
     }
 
     /// The slot number held, in `0..capacity`.
@@ -756,6 +952,9 @@ impl Permit {
     ///
     /// Runs on the caller's transaction: if cancelled, roll it back.
     pub async fn fence(&self, tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> Result<()> {
+        if self.unchecked {
+            return Err(self.lost_error(LostReason::Unchecked));
+        }
         let row: Option<FenceRow> = sqlx::query_as(FENCE)
             .bind(self.id)
             .persistent(!self.semaphore.inner.pooled)
@@ -768,11 +967,15 @@ impl Permit {
             Some((None, None, false)) => LostReason::LeaseExpired,
             None => LostReason::Missing,
         };
-        Err(Error::PermitLost {
+        Err(self.lost_error(reason))
+    }
+
+    fn lost_error(&self, reason: LostReason) -> Error {
+        Error::PermitLost {
             semaphore: self.semaphore.inner.name.clone(),
             id: self.id,
             reason,
-        })
+        }
     }
 
     /// Releases the slot (sets `completed_at`) and wakes a waiter, in one round trip.
@@ -791,6 +994,10 @@ impl Permit {
     /// happens even if this future is dropped.
     pub async fn release(mut self) -> Result<()> {
         self.released = true;
+        self.lease.stop();
+        if self.unchecked {
+            return Ok(());
+        }
         let inner = self.semaphore.inner.clone();
         let id = self.id;
         tokio::spawn(async move { release_by_id(&inner, id).await })
@@ -828,7 +1035,7 @@ async fn release_by_id(inner: &Inner, id: i64) -> Result<()> {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        if self.released {
+        if self.released || self.unchecked {
             return;
         }
         let inner = self.semaphore.inner.clone();

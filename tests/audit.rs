@@ -15,6 +15,7 @@ async fn history_reports_every_claim_with_its_outcome() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("history", 3)
         .lease(Duration::from_millis(200))
+        .without_heartbeat()
         .build(&db.pool)
         .await?;
     let start = Utc::now() - chrono::Duration::seconds(1);

@@ -85,6 +85,23 @@ async fn bad_builder_input_is_rejected_before_anything_is_written() -> TestResul
             Semaphore::builder("s", 1).holder("a\0"),
             "holder",
         ),
+        (
+            "zero heartbeat",
+            Semaphore::builder("s", 1).heartbeat(Duration::ZERO),
+            "heartbeat",
+        ),
+        (
+            "heartbeat above half the lease",
+            Semaphore::builder("s", 1)
+                .lease(Duration::from_secs(10))
+                .heartbeat(Duration::from_secs(6)),
+            "lease",
+        ),
+        (
+            "enormous heartbeat",
+            Semaphore::builder("s", 1).heartbeat(Duration::MAX),
+            "lease",
+        ),
     ];
     for (case, builder, expected) in cases {
         match builder.build(&db.pool).await {
@@ -128,6 +145,23 @@ async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult 
             .await,
         Err(Error::InvalidArgument {
             argument: "holder",
+            ..
+        })
+    ));
+    // A claim's own lease must cover two heartbeats too.
+    let beating = Semaphore::builder("claims", 1)
+        .lease(Duration::from_secs(10))
+        .heartbeat(Duration::from_secs(4))
+        .build(&db.pool)
+        .await?;
+    assert!(matches!(
+        beating
+            .claim()
+            .lease(Duration::from_secs(5))
+            .try_acquire()
+            .await,
+        Err(Error::InvalidArgument {
+            argument: "lease",
             ..
         })
     ));

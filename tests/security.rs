@@ -101,6 +101,7 @@ async fn the_main_paths_work_with_only_the_documented_grants() -> TestResult {
         // Leases, reaping, retention (the VACUUM is skipped with a warning).
         let short = Semaphore::builder("least-privilege-short", 1)
             .lease(Duration::from_millis(50))
+            .without_heartbeat()
             .build(&app)
             .await?;
         std::mem::forget(short.try_acquire().await?);

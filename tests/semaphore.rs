@@ -310,6 +310,7 @@ async fn the_reaper_frees_a_slot_whose_lease_expired() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("reaped", 2)
         .lease(Duration::from_millis(300))
+        .without_heartbeat()
         .build(&db.pool)
         .await?;
     let abandoned = sem.try_acquire().await?;
@@ -345,6 +346,7 @@ async fn reap_once_counts_what_it_freed() -> TestResult {
     let db = support::migrated_db().await;
     let short = Semaphore::builder("short", 3)
         .lease(Duration::from_millis(100))
+        .without_heartbeat()
         .build(&db.pool)
         .await?;
     let long = Semaphore::builder("long", 3).build(&db.pool).await?;
@@ -372,6 +374,7 @@ async fn a_claim_reaps_its_own_semaphore_first() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("self-reap", 1)
         .lease(Duration::from_millis(150))
+        .without_heartbeat()
         .build(&db.pool)
         .await?;
     let crashed = sem.try_acquire().await?;
@@ -721,6 +724,7 @@ async fn a_fence_keeps_the_permit_live_until_the_callers_transaction_ends() -> T
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("fenced", 1)
         .lease(Duration::from_millis(300))
+        .without_heartbeat()
         .build(&db.pool)
         .await?;
     let permit = sem.try_acquire().await?;
@@ -762,6 +766,7 @@ async fn a_fence_reports_how_the_slot_was_lost() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("unfenced", 3)
         .lease(Duration::from_millis(200))
+        .without_heartbeat()
         .build(&db.pool)
         .await?;
     let released_elsewhere = sem

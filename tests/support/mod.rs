@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod pgbouncer;
+pub mod proxy;
 pub mod server;
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,0 +1,254 @@
+//! A permit's lease, as its holder sees it: the heartbeat that renews it and
+//! the "lost" signal.
+//!
+//! The holder only trusts its own monotonic clock. A claim or renewal sent at
+//! instant `t` makes the database set `expires_at = now() + lease` with a
+//! `now()` no earlier than `t`, so the lease is certainly valid until
+//! `t + lease` whatever the two clocks say. The holder is told the permit is
+//! lost a little *before* that (a tenth of the lease), so that its work has
+//! stopped by the time anyone else can be admitted to the slot.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::types::PgInterval;
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use crate::error::{Error, LostReason, Result};
+use crate::semaphore::Inner;
+
+/// Renews claims, in one round trip. The function body is in
+/// `migrations/20261121000003_pgsemaphore_heartbeat.sql`.
+const RENEW: &str = "SELECT o_id, o_outcome, o_at FROM pgsemaphore.renew($1, $2)";
+
+/// Where a held permit stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseState {
+    /// Held, certainly until `until` (holder's monotonic clock, margin included).
+    Held { until: Instant },
+    /// Lost: stop work.
+    Lost(LostReason),
+}
+
+/// The holder's side of a permit's lease; aborts its heartbeat on drop.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    state: watch::Receiver<LeaseState>,
+    /// Kept so the channel stays open when there is no heartbeat task.
+    _sender: Option<watch::Sender<LeaseState>>,
+    heartbeat: Option<AbortHandle>,
+}
+
+/// How early, before the lease certainly ends, the holder is told it is lost.
+fn margin(lease: Duration) -> Duration {
+    lease / 10
+}
+
+/// The instant until which a lease sent at `sent` is certainly held, margin included.
+fn held_until(sent: Instant, lease: Duration) -> Instant {
+    sent + (lease - margin(lease))
+}
+
+impl Lease {
+    /// Starts tracking a claim sent at `sent` whose lease is `lease`, renewing
+    /// it every `heartbeat` if one is given.
+    pub(crate) fn start(
+        inner: &Arc<Inner>,
+        ids: Vec<i64>,
+        sent: Instant,
+        lease: Duration,
+        heartbeat: Option<Duration>,
+    ) -> Self {
+        let (sender, state) = watch::channel(LeaseState::Held {
+            until: held_until(sent, lease),
+        });
+        match heartbeat {
+            Some(interval) if tokio::runtime::Handle::try_current().is_ok() => {
+                // Never let the interval come close to the lease, whatever a
+                // concurrent reconfiguration did to the lease.
+                let interval = interval.min(lease / 2).max(Duration::from_millis(1));
+                let task = tokio::spawn(renew_loop(inner.clone(), ids, lease, interval, sender));
+                Lease {
+                    state,
+                    _sender: None,
+                    heartbeat: Some(task.abort_handle()),
+                }
+            }
+            _ => Lease {
+                state,
+                _sender: Some(sender),
+                heartbeat: None,
+            },
+        }
+    }
+
+    /// A lease for a permit that holds no slot (fail-open): never lost, never renewed.
+    pub(crate) fn unchecked() -> Self {
+        let until = Instant::now() + Duration::from_secs(100 * 365 * 24 * 60 * 60);
+        let (sender, state) = watch::channel(LeaseState::Held { until });
+        Lease {
+            state,
+            _sender: Some(sender),
+            heartbeat: None,
+        }
+    }
+
+    /// Whether a heartbeat renews this lease.
+    pub(crate) fn has_heartbeat(&self) -> bool {
+        self.heartbeat.is_some()
+    }
+
+    /// Stops renewing (the permit is being released).
+    pub(crate) fn stop(&mut self) {
+        if let Some(task) = self.heartbeat.take() {
+            task.abort();
+        }
+    }
+
+    /// The reason the permit is lost, if it is (now).
+    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
+        match *self.state.borrow() {
+            LeaseState::Lost(reason) => Some(reason),
+            LeaseState::Held { until } if Instant::now() >= until => Some(LostReason::LeaseExpired),
+            LeaseState::Held { .. } => None,
+        }
+    }
+
+    /// Resolves when the permit is lost.
+    pub(crate) async fn lost(&self) -> LostReason {
+        let mut state = self.state.clone();
+        loop {
+            let current = *state.borrow_and_update();
+            let until = match current {
+                LeaseState::Lost(reason) => return reason,
+                LeaseState::Held { until } => until,
+            };
+            tokio::select! {
+                changed = state.changed() => {
+                    if changed.is_err() {
+                        // The heartbeat stopped without a verdict (the permit
+                        // is being released): only the deadline is left.
+                        let last = *state.borrow();
+                        return match last {
+                            LeaseState::Lost(reason) => reason,
+                            LeaseState::Held { until } => {
+                                tokio::time::sleep_until(until).await;
+                                LostReason::LeaseExpired
+                            }
+                        };
+                    }
+                }
+                () = tokio::time::sleep_until(until) => {
+                    if *state.borrow() == current {
+                        return LostReason::LeaseExpired;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The heartbeat: renews every `interval` until the permit is released (the
+/// task is aborted) or lost. A failed renewal is retried quickly until the
+/// lease certainly ends; then the permit is lost.
+async fn renew_loop(
+    inner: Arc<Inner>,
+    ids: Vec<i64>,
+    lease: Duration,
+    interval: Duration,
+    state: watch::Sender<LeaseState>,
+) {
+    let lease_pg = match PgInterval::try_from(lease) {
+        Ok(lease_pg) => lease_pg,
+        // The lease came from the database, which accepted it: cannot happen.
+        Err(_) => return,
+    };
+    let retry = (interval / 4).clamp(Duration::from_millis(1), Duration::from_secs(1));
+    let mut until = match *state.borrow() {
+        LeaseState::Held { until } => until,
+        LeaseState::Lost(_) => return,
+    };
+    let mut next = Instant::now() + interval;
+    loop {
+        if next >= until {
+            // No attempt left before the deadline.
+            tokio::time::sleep_until(until).await;
+            lose(&inner, &ids, &state, LostReason::LeaseExpired);
+            return;
+        }
+        tokio::time::sleep_until(next).await;
+        let sent = Instant::now();
+        match tokio::time::timeout_at(until, renew(&inner, &ids, &lease_pg)).await {
+            Ok(Ok(Renewal::Renewed)) => {
+                until = held_until(sent, lease);
+                state.send_replace(LeaseState::Held { until });
+                next = sent + interval;
+            }
+            Ok(Ok(Renewal::Lost(reason))) => {
+                lose(&inner, &ids, &state, reason);
+                return;
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(
+                    semaphore = %inner.name,
+                    id = ids.first().copied().unwrap_or_default(),
+                    %error,
+                    "lease renewal failed; retrying until the lease ends"
+                );
+                next = Instant::now() + retry;
+            }
+            Err(_deadline) => {
+                lose(&inner, &ids, &state, LostReason::LeaseExpired);
+                return;
+            }
+        }
+    }
+}
+
+fn lose(inner: &Inner, ids: &[i64], state: &watch::Sender<LeaseState>, reason: LostReason) {
+    tracing::warn!(
+        semaphore = %inner.name,
+        id = ids.first().copied().unwrap_or_default(),
+        %reason,
+        "permit lost; its holder must stop the work it protects"
+    );
+    state.send_replace(LeaseState::Lost(reason));
+}
+
+enum Renewal {
+    Renewed,
+    Lost(LostReason),
+}
+
+async fn renew(inner: &Inner, ids: &[i64], lease: &PgInterval) -> Result<Renewal> {
+    let rows: Vec<(i64, String, Option<DateTime<Utc>>)> =
+        on_pool!(inner.pool, inner.pooled, |conn| {
+            sqlx::query_as(RENEW)
+                .bind(ids)
+                .bind(lease)
+                .persistent(!inner.pooled)
+                .fetch_all(conn)
+        })
+        .await
+        .map_err(Error::from)?;
+    // One lost claim loses the whole permit.
+    for (_, outcome, at) in rows {
+        let reason = match (outcome.as_str(), at) {
+            ("renewed", _) => continue,
+            ("timed_out", Some(at)) => LostReason::TimedOut { at },
+            ("completed", Some(at)) => LostReason::AlreadyReleased { at },
+            _ => LostReason::Missing,
+        };
+        return Ok(Renewal::Lost(reason));
+    }
+    Ok(Renewal::Renewed)
+}
