@@ -30,6 +30,46 @@ pub struct Server {
     pub description: String,
     /// Whether the server is ours to throw away (so tests need not clean up).
     pub throwaway: bool,
+    /// How to restart it, when it is a local throwaway server we started.
+    control: Option<Control>,
+}
+
+/// What restarting a local server takes.
+#[derive(Debug)]
+struct Control {
+    user: Option<&'static str>,
+    pg_ctl: PathBuf,
+    data: String,
+    log: String,
+    /// The server's command-line options (port, socket directory, settings).
+    options: String,
+}
+
+impl Server {
+    /// Whether [`crash_and_restart`](Self::crash_and_restart) is possible:
+    /// the server is a local one this process started.
+    pub fn can_restart(&self) -> bool {
+        self.control.is_some()
+    }
+
+    /// Crashes the server (`pg_ctl stop -m immediate`: every backend killed,
+    /// no checkpoint, crash recovery at start), leaves it down for `down_for`,
+    /// and starts it again on the same port, waiting until it accepts
+    /// connections.
+    pub fn crash_and_restart(&self, down_for: Duration) -> Result<(), String> {
+        let control = self
+            .control
+            .as_ref()
+            .ok_or("only a local throwaway server can be restarted")?;
+        let pg_ctl = |args: &[&str]| {
+            let mut all = vec!["-D", &control.data, "-w", "-t", "60"];
+            all.extend_from_slice(args);
+            run(control.user, &control.pg_ctl, &all)
+        };
+        pg_ctl(&["-m", "immediate", "stop"])?;
+        std::thread::sleep(down_for);
+        pg_ctl(&["-l", &control.log, "-o", &control.options, "start"])
+    }
 }
 
 static SERVER: OnceLock<Server> = OnceLock::new();
@@ -59,6 +99,7 @@ fn find_or_start() -> Result<Server, String> {
             options,
             description: "the server of DATABASE_URL".to_owned(),
             throwaway: false,
+            control: None,
         });
     }
     let local_error = match find_bin_dir() {
@@ -273,6 +314,13 @@ fn start_local(bin: &Path) -> Result<Server, String> {
                         .database("postgres"),
                     description: format!("a throwaway PostgreSQL on 127.0.0.1:{port} ({dir_s})"),
                     throwaway: true,
+                    control: Some(Control {
+                        user,
+                        pg_ctl: bin.join("pg_ctl"),
+                        data: data_s,
+                        log,
+                        options: server_options,
+                    }),
                 });
             }
             Err(e) => {
@@ -367,5 +415,6 @@ fn start_container() -> Result<Server, String> {
             .database("postgres"),
         description: format!("a postgres:15 container ({id}) on port {port}"),
         throwaway: true,
+        control: None,
     })
 }

@@ -1,0 +1,872 @@
+//! The torture test: several worker processes, each with many tasks, hammer
+//! three semaphores (capacities 1, 3 and 16) and a mutex with random hold
+//! times, while a chaos driver SIGKILLs whole workers mid-hold, terminates
+//! random backends (LISTEN connections included), crashes and restarts the
+//! PostgreSQL server once (when the harness owns it), and a reaper runs.
+//! Workers cancel their own acquires at random points.
+//!
+//! An independent checker then asserts, from the workers' own timestamps and
+//! from the slot table:
+//! - never more than `capacity` holders at any instant, never two holders of
+//!   a slot, never two holders of the mutex (and no lost update under it);
+//! - every slot of a killed holder was freed within lease + reaper interval
+//!   (plus a slack for scheduling and the restart);
+//! - every claim a worker was given is in the audit log with exactly one
+//!   outcome, matching what the worker was told;
+//! - no acquire hung (timed out) and no worker failed to stop;
+//! - after the chaos, every semaphore serves again at full capacity.
+//!
+//! It prints the counts so a reviewer sees what was exercised. Runs in about
+//! a minute; `PGSEM_TORTURE_SECS` lengthens the chaos phase.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use chrono::{DateTime, Utc};
+use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// The semaphores under test: (name, capacity).
+const SEMAPHORES: [(&str, u32); 3] = [("cap1", 1), ("cap3", 3), ("cap16", 16)];
+const MUTEX: &str = "torture-mutex";
+const LEASE: Duration = Duration::from_secs(2);
+const REAP_EVERY: Duration = Duration::from_millis(250);
+/// An acquire that waits this long is a hang: holds last at most 40 ms, and
+/// a killed holder's slot is free again after about LEASE + REAP_EVERY.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(15);
+const WORKERS: usize = 3;
+const SEMAPHORE_TASKS: usize = 8;
+const MUTEX_TASKS: usize = 2;
+
+/// Microseconds since the epoch: the workers' and the driver's shared clock.
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// A small xorshift generator: no extra dependency, good enough for chaos.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded(salt: u64) -> Rng {
+        Rng((now_us() as u64
+            ^ (u64::from(std::process::id()) << 32)
+            ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+// ---------------------------------------------------------------- workers --
+
+/// One worker process: many tasks, a log of what each was told, one line per event:
+/// - `A <id> <semaphore> <slot> <t>`: acquired (t after the claim returned);
+/// - `E <id> <t>`: stopped work, about to release;
+/// - `R <id> <outcome>`: what release said (`ok` or the lost reason);
+/// - `L <id> <t> <reason>`: told the permit was lost, stopped work at t;
+/// - `T <semaphore>`: an acquire timed out; `C`: an acquire cancelled on purpose;
+/// - `X <error>`: a database error (expected while the chaos runs);
+/// - `M`: a mutex-protected increment committed.
+#[test]
+fn torture_worker_entry_point() {
+    let (Ok(url), Ok(log), Ok(label), Ok(stop)) = (
+        std::env::var("PGSEM_TORTURE_URL"),
+        std::env::var("PGSEM_TORTURE_LOG"),
+        std::env::var("PGSEM_TORTURE_LABEL"),
+        std::env::var("PGSEM_TORTURE_STOP"),
+    ) else {
+        return; // Not a worker: nothing to do in a normal test run.
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(worker(url, PathBuf::from(log), label, PathBuf::from(stop)));
+}
+
+#[derive(Clone)]
+struct Log(Arc<std::sync::Mutex<std::fs::File>>);
+
+impl Log {
+    fn line(&self, line: String) {
+        // One write per line on an O_APPEND file: a SIGKILL loses at most the line in flight.
+        let mut file = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = file.write_all(format!("{line}\n").as_bytes());
+    }
+}
+
+async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
+    let log = Log(Arc::new(std::sync::Mutex::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("open the worker log"),
+    )));
+    let options: PgConnectOptions = url.parse().expect("worker url");
+    let pool = loop {
+        match PgPoolOptions::new()
+            .max_connections(6)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options.clone().application_name(&label))
+            .await
+        {
+            Ok(pool) => break pool,
+            Err(error) => {
+                log.line(format!("X connect: {error}"));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let mut semaphores = Vec::new();
+    for (name, capacity) in SEMAPHORES {
+        let sem = loop {
+            match Semaphore::builder(name, capacity)
+                .lease(LEASE)
+                .holder(&label)
+                .fallback_interval(Duration::from_millis(500))
+                .build(&pool)
+                .await
+            {
+                Ok(sem) => break sem,
+                Err(error) => {
+                    log.line(format!("X build: {error}"));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        semaphores.push(sem);
+    }
+    let stopping = Arc::new(AtomicBool::new(false));
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..SEMAPHORE_TASKS {
+        let (semaphores, log, stopping) = (semaphores.clone(), log.clone(), stopping.clone());
+        tasks.spawn(semaphore_task(semaphores, log, stopping, task as u64));
+    }
+    for task in 0..MUTEX_TASKS {
+        let (pool, log, stopping) = (pool.clone(), log.clone(), stopping.clone());
+        tasks.spawn(mutex_task(pool, log, stopping, 100 + task as u64));
+    }
+    while !stop.exists() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stopping.store(true, Ordering::SeqCst);
+    while tasks.join_next().await.is_some() {}
+}
+
+async fn semaphore_task(
+    semaphores: Vec<Semaphore>,
+    log: Log,
+    stopping: Arc<AtomicBool>,
+    salt: u64,
+) {
+    let mut rng = Rng::seeded(salt);
+    while !stopping.load(Ordering::SeqCst) {
+        // The small semaphores are the contended ones: pick them more often.
+        let sem = &semaphores[[0, 0, 1, 1, 2][rng.below(5) as usize]];
+        let acquired = if rng.below(5) == 0 {
+            // Cancel the acquire at a random point.
+            let patience = Duration::from_micros(rng.below(30_000));
+            tokio::select! {
+                result = sem.acquire_timeout(ACQUIRE_TIMEOUT) => result,
+                () = tokio::time::sleep(patience) => {
+                    log.line("C".to_owned());
+                    continue;
+                }
+            }
+        } else {
+            sem.acquire_timeout(ACQUIRE_TIMEOUT).await
+        };
+        let permit = match acquired {
+            Ok(permit) => permit,
+            Err(Error::Timeout { .. }) => {
+                log.line(format!("T {}", sem.name()));
+                continue;
+            }
+            Err(error) => {
+                log.line(format!("X acquire: {}", one_line(&error)));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let id = permit.id();
+        log.line(format!(
+            "A {id} {} {} {}",
+            sem.name(),
+            permit.slot(),
+            now_us()
+        ));
+        let hold = Duration::from_micros(rng.below(40_000));
+        tokio::select! {
+            () = tokio::time::sleep(hold) => {
+                log.line(format!("E {id} {}", now_us()));
+                let outcome = match permit.release().await {
+                    Ok(()) => "ok".to_owned(),
+                    Err(Error::PermitLost { reason, .. }) => format!("lost {reason:?}"),
+                    Err(error) => format!("error {}", one_line(&error)),
+                };
+                log.line(format!("R {id} {outcome}"));
+            }
+            reason = permit.lost() => {
+                log.line(format!("L {id} {} {reason:?}", now_us()));
+                drop(permit);
+            }
+        }
+    }
+}
+
+async fn mutex_task(pool: PgPool, log: Log, stopping: Arc<AtomicBool>, salt: u64) {
+    let mut rng = Rng::seeded(salt);
+    let mutex = Mutex::new(MUTEX);
+    while !stopping.load(Ordering::SeqCst) {
+        let locked = if rng.below(5) == 0 {
+            let patience = Duration::from_micros(rng.below(20_000));
+            tokio::select! {
+                result = mutex.lock_timeout(&pool, ACQUIRE_TIMEOUT) => result,
+                () = tokio::time::sleep(patience) => {
+                    log.line("C".to_owned());
+                    continue;
+                }
+            }
+        } else {
+            mutex.lock_timeout(&pool, ACQUIRE_TIMEOUT).await
+        };
+        let mut guard = match locked {
+            Ok(guard) => guard,
+            Err(Error::Timeout { .. }) => {
+                log.line(format!("T {MUTEX}"));
+                continue;
+            }
+            Err(error) => {
+                log.line(format!("X lock: {}", one_line(&error)));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        // An unsafe read-modify-write: only mutual exclusion keeps it exact.
+        let pause = Duration::from_micros(rng.below(5_000));
+        let work = async {
+            // The test server runs with synchronous_commit = off; an increment
+            // acknowledged to the worker must survive the crash.
+            sqlx::query("SET LOCAL synchronous_commit = on")
+                .execute(&mut *guard)
+                .await?;
+            let started: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+                .fetch_one(&mut *guard)
+                .await?;
+            let value: i64 = sqlx::query_scalar("SELECT v FROM torture_counter")
+                .fetch_one(&mut *guard)
+                .await?;
+            tokio::time::sleep(pause).await;
+            sqlx::query("UPDATE torture_counter SET v = $1")
+                .bind(value + 1)
+                .execute(&mut *guard)
+                .await?;
+            sqlx::query(
+                "INSERT INTO torture_mutex_log (started_at, ended_at) VALUES ($1, clock_timestamp())",
+            )
+            .bind(started)
+            .execute(&mut *guard)
+            .await?;
+            Ok::<_, sqlx::Error>(())
+        };
+        match work.await {
+            Ok(()) => match guard.commit().await {
+                Ok(()) => log.line("M".to_owned()),
+                Err(error) => log.line(format!("X commit: {}", one_line(&error))),
+            },
+            Err(error) => log.line(format!("X mutex work: {}", one_line(&error))),
+        }
+    }
+}
+
+fn one_line(error: &dyn std::fmt::Display) -> String {
+    error.to_string().replace('\n', " ")
+}
+
+// ----------------------------------------------------------------- driver --
+
+struct Running {
+    label: String,
+    child: Child,
+}
+
+struct Chaos {
+    url: String,
+    dir: PathBuf,
+    stop: PathBuf,
+    spawned: u64,
+    running: Vec<Running>,
+    /// label -> when it was SIGKILLed (driver's clock, µs).
+    killed: HashMap<String, i64>,
+}
+
+impl Chaos {
+    fn spawn(&mut self) -> std::io::Result<()> {
+        self.spawned += 1;
+        let label = format!("w{}", self.spawned);
+        let child = Command::new(std::env::current_exe()?)
+            .args([
+                "torture_worker_entry_point",
+                "--exact",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env("PGSEM_TORTURE_URL", &self.url)
+            .env("PGSEM_TORTURE_LOG", self.dir.join(format!("{label}.log")))
+            .env("PGSEM_TORTURE_LABEL", &label)
+            .env("PGSEM_TORTURE_STOP", &self.stop)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        self.running.push(Running { label, child });
+        Ok(())
+    }
+
+    fn kill_one(&mut self, rng: &mut Rng) -> std::io::Result<()> {
+        let mut victim = self
+            .running
+            .swap_remove(rng.below(self.running.len() as u64) as usize);
+        victim.child.kill()?; // SIGKILL
+        self.killed.insert(victim.label.clone(), now_us());
+        let _ = victim.child.wait();
+        self.spawn()
+    }
+}
+
+#[derive(Default, Debug)]
+struct Counts {
+    kills: u64,
+    terminations: u64,
+    listen_terminations: u64,
+    restarts: u64,
+}
+
+/// Terminates one random backend of the test database that is not the
+/// driver's; `listen` picks a LISTEN connection.
+async fn terminate_one(pool: &PgPool, database: &str, listen: bool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) FROM ( \
+             SELECT pid FROM pg_stat_activity \
+              WHERE datname = $1 AND pid <> pg_backend_pid() \
+                AND application_name <> 'torture-driver' \
+                AND ($2 = false OR query LIKE 'LISTEN%') \
+              ORDER BY random() LIMIT 1) victim",
+    )
+    .bind(database)
+    .bind(listen)
+    .fetch_one(pool)
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torture() -> TestResult {
+    let db = support::migrated_db().await;
+    sqlx::raw_sql(
+        "CREATE TABLE torture_counter (v bigint NOT NULL); INSERT INTO torture_counter VALUES (0)",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE torture_mutex_log (id bigserial PRIMARY KEY, started_at timestamptz NOT NULL, \
+         ended_at timestamptz NOT NULL)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let driver = PgPoolOptions::new()
+        .max_connections(3)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(db.options.clone().application_name("torture-driver"))
+        .await?;
+    for (name, capacity) in SEMAPHORES {
+        Semaphore::builder(name, capacity)
+            .lease(LEASE)
+            .build(&driver)
+            .await?;
+    }
+    let reaper = Reaper::spawn(&driver, REAP_EVERY)?;
+
+    let server = support::server::server();
+    let chaos_for = Duration::from_secs(
+        std::env::var("PGSEM_TORTURE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(40),
+    );
+    let dir =
+        std::env::temp_dir().join(format!("pgsem-torture-{}-{}", std::process::id(), now_us()));
+    std::fs::create_dir_all(&dir)?;
+    let mut chaos = Chaos {
+        url: support::server::url_for(&db.name),
+        stop: dir.join("stop"),
+        dir: dir.clone(),
+        spawned: 0,
+        running: Vec::new(),
+        killed: HashMap::new(),
+    };
+    for _ in 0..WORKERS {
+        chaos.spawn()?;
+    }
+
+    // Chaos.
+    let mut rng = Rng::seeded(7);
+    let mut counts = Counts::default();
+    let started = tokio::time::Instant::now();
+    let chaos_started_us = now_us();
+    let mut restart_window: Option<(i64, i64)> = None;
+    let mut next_kill = started + Duration::from_secs(3);
+    let mut next_terminate = started + Duration::from_millis(700);
+    let restart_at = started + chaos_for / 2;
+    while started.elapsed() < chaos_for {
+        let now = tokio::time::Instant::now();
+        if now >= next_kill {
+            chaos.kill_one(&mut rng)?;
+            counts.kills += 1;
+            next_kill = now + Duration::from_millis(2500 + rng.below(2000));
+        }
+        if now >= next_terminate {
+            let listen = counts.terminations % 3 == 0;
+            if let Ok(true) = terminate_one(&driver, &db.name, listen).await {
+                counts.terminations += 1;
+                counts.listen_terminations += u64::from(listen);
+            }
+            next_terminate = now + Duration::from_millis(300 + rng.below(700));
+        }
+        if restart_window.is_none() && now >= restart_at && server.can_restart() {
+            let from = now_us();
+            // Down for longer than a lease: holders cannot renew, and must be
+            // told their permits are lost before anyone else gets the slots.
+            tokio::task::spawn_blocking(|| {
+                support::server::server().crash_and_restart(LEASE + Duration::from_millis(500))
+            })
+            .await??;
+            restart_window = Some((from, now_us()));
+            counts.restarts += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let chaos_ended_us = now_us();
+
+    // Calm: the system must serve again, undisturbed.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    std::fs::write(&chaos.stop, b"stop")?;
+    let stop_deadline = tokio::time::Instant::now() + ACQUIRE_TIMEOUT + Duration::from_secs(15);
+    for mut running in std::mem::take(&mut chaos.running) {
+        loop {
+            if let Some(status) = running.child.try_wait()? {
+                assert!(
+                    status.success(),
+                    "worker {} failed: {status}",
+                    running.label
+                );
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < stop_deadline,
+                "worker {} did not stop: a task hung",
+                running.label
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    // Every lease has ended by now or was released; reap what is left.
+    tokio::time::sleep(LEASE + REAP_EVERY).await;
+    pg_semaphore::reap(&driver).await?;
+    reaper.shutdown().await;
+
+    let logs = read_logs(&dir)?;
+    let report = check(
+        &driver,
+        &logs,
+        &chaos.killed,
+        restart_window,
+        chaos_started_us,
+        chaos_ended_us,
+    )
+    .await?;
+
+    // Full capacity after the chaos: every slot can be held at once, by one process.
+    for (name, capacity) in SEMAPHORES {
+        let sem = Semaphore::builder(name, capacity)
+            .lease(LEASE)
+            .build(&db.pool)
+            .await?;
+        assert_eq!(
+            sem.available_permits().await?,
+            capacity,
+            "{name}: slots still held after the chaos"
+        );
+        let mut held = Vec::new();
+        for _ in 0..capacity {
+            held.push(sem.try_acquire().await?);
+        }
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        for permit in held {
+            permit.release().await?;
+        }
+    }
+
+    println!(
+        "torture: {:.0?} of chaos on {}: {} worker processes spawned, {} SIGKILLed, \
+         {} backends terminated ({} of them LISTEN connections), {} server crash-restart(s)",
+        chaos_for,
+        server.description,
+        chaos.spawned,
+        counts.kills,
+        counts.terminations,
+        counts.listen_terminations,
+        counts.restarts,
+    );
+    println!("{report}");
+    assert!(counts.kills >= 3, "the chaos must kill workers: {counts:?}");
+    assert!(
+        counts.listen_terminations >= 1,
+        "the chaos must kill LISTEN connections: {counts:?}"
+    );
+    if server.can_restart() {
+        assert_eq!(counts.restarts, 1);
+    } else {
+        println!(
+            "torture: the server is not ours ({}): no restart",
+            server.description
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+// ---------------------------------------------------------------- checker --
+
+#[derive(Debug, Default)]
+struct Logs {
+    /// id -> (worker, semaphore, slot, acquired µs)
+    acquired: HashMap<i64, (String, String, u32, i64)>,
+    /// id -> µs the worker stopped work (E or L)
+    ended: HashMap<i64, i64>,
+    /// id -> what release said, or the lost reason
+    outcome: HashMap<i64, String>,
+    lost: u64,
+    timeouts: Vec<String>,
+    cancellations: u64,
+    errors: u64,
+    mutex_commits: u64,
+}
+
+fn read_logs(dir: &Path) -> std::io::Result<Logs> {
+    let mut logs = Logs::default();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "log") {
+            continue;
+        }
+        let worker = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for line in std::fs::read_to_string(&path)?.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let int = |i: usize| fields.get(i).and_then(|f| f.parse::<i64>().ok());
+            match fields[0] {
+                "A" => {
+                    if let (Some(id), Some(sem), Some(slot), Some(at)) =
+                        (int(1), fields.get(2), int(3), int(4))
+                    {
+                        logs.acquired
+                            .insert(id, (worker.clone(), (*sem).to_owned(), slot as u32, at));
+                    }
+                }
+                "E" => {
+                    if let (Some(id), Some(at)) = (int(1), int(2)) {
+                        logs.ended.insert(id, at);
+                    }
+                }
+                "L" => {
+                    if let (Some(id), Some(at)) = (int(1), int(2)) {
+                        logs.ended.insert(id, at);
+                        logs.outcome
+                            .insert(id, format!("lost {}", fields[3..].join(" ")));
+                        logs.lost += 1;
+                    }
+                }
+                "R" => {
+                    if let Some(id) = int(1) {
+                        logs.outcome.insert(id, fields[2..].join(" "));
+                    }
+                }
+                "T" => logs.timeouts.push(line.to_owned()),
+                "C" => logs.cancellations += 1,
+                "X" => logs.errors += 1,
+                "M" => logs.mutex_commits += 1,
+                _ => {} // a line cut by SIGKILL
+            }
+        }
+    }
+    Ok(logs)
+}
+
+/// The largest number of intervals `[start, end)` open at once.
+fn max_overlap(intervals: impl IntoIterator<Item = (i64, i64)>) -> usize {
+    // Ends sort before starts at the same instant: a hand-over is not an overlap.
+    let mut events: Vec<(i64, i32)> = Vec::new();
+    for (start, end) in intervals {
+        events.push((start, 1));
+        events.push((end, -1));
+    }
+    events.sort();
+    let (mut open, mut max) = (0i64, 0i64);
+    for (_, delta) in events {
+        open += i64::from(delta);
+        max = max.max(open);
+    }
+    max as usize
+}
+
+#[derive(sqlx::FromRow)]
+struct SlotRow {
+    id: i64,
+    semaphore: String,
+    slot: i32,
+    holder: String,
+    created_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    completed_at: Option<DateTime<Utc>>,
+    timed_out_at: Option<DateTime<Utc>>,
+}
+
+fn us(at: DateTime<Utc>) -> i64 {
+    at.timestamp_micros()
+}
+
+async fn check(
+    pool: &PgPool,
+    logs: &Logs,
+    killed: &HashMap<String, i64>,
+    restart: Option<(i64, i64)>,
+    chaos_started: i64,
+    chaos_ended: i64,
+) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
+    let rows: Vec<SlotRow> = sqlx::query_as(
+        "SELECT id, semaphore, slot, holder, created_at, expires_at, completed_at, timed_out_at \
+         FROM pgsemaphore.slots ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await?;
+    let by_id: HashMap<i64, &SlotRow> = rows.iter().map(|r| (r.id, r)).collect();
+    let capacity: HashMap<&str, u32> = SEMAPHORES.into_iter().collect();
+
+    // 1. The slot table: exactly one outcome per claim; no overlap beyond
+    //    capacity, none on one slot.
+    let mut db_max: BTreeMap<&str, usize> = BTreeMap::new();
+    for (name, cap) in SEMAPHORES {
+        let mine: Vec<&SlotRow> = rows.iter().filter(|r| r.semaphore == name).collect();
+        for row in &mine {
+            assert!(
+                row.completed_at.is_some() != row.timed_out_at.is_some(),
+                "claim {} has not exactly one outcome: completed {:?}, timed out {:?}",
+                row.id,
+                row.completed_at,
+                row.timed_out_at
+            );
+        }
+        let interval = |r: &&SlotRow| {
+            (
+                us(r.created_at),
+                us(r.completed_at.or(r.timed_out_at).unwrap_or(r.expires_at)),
+            )
+        };
+        let max = max_overlap(mine.iter().map(interval));
+        assert!(
+            max <= cap as usize,
+            "{name}: {max} claims overlapped in the slot table, capacity {cap}"
+        );
+        let mut per_slot: HashMap<i32, Vec<(i64, i64)>> = HashMap::new();
+        for row in &mine {
+            per_slot.entry(row.slot).or_default().push(interval(row));
+        }
+        for (slot, intervals) in per_slot {
+            assert!(
+                max_overlap(intervals) <= 1,
+                "{name}: slot {slot} was held twice at once"
+            );
+        }
+        db_max.insert(name, max);
+    }
+
+    // 2. The workers' own view: every claim they were given is in the log with
+    //    the outcome they were told; their holds never exceeded capacity.
+    let mut worker_max: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut intervals: HashMap<&str, Vec<(i64, i64)>> = HashMap::new();
+    let mut open_at_kill = 0u64;
+    for (id, (worker, sem, slot, at)) in &logs.acquired {
+        let row = by_id.get(id).unwrap_or_else(|| {
+            panic!("claim {id} given to {worker} is missing from the slot table")
+        });
+        assert_eq!(
+            (&row.semaphore, row.slot as u32),
+            (sem, *slot),
+            "claim {id}"
+        );
+        assert_eq!(&row.holder, worker, "claim {id}");
+        let end = match (logs.ended.get(id), killed.get(worker)) {
+            (Some(end), _) => *end,
+            (None, Some(kill)) => {
+                open_at_kill += 1;
+                *kill
+            }
+            (None, None) => {
+                panic!("claim {id} of {worker} never ended, and {worker} was not killed")
+            }
+        };
+        intervals
+            .entry(capacity.get_key_value(sem.as_str()).map_or("?", |(k, _)| k))
+            .or_default()
+            .push((*at, end));
+        match logs.outcome.get(id).map(String::as_str) {
+            Some("ok") => assert!(
+                row.completed_at.is_some(),
+                "claim {id}: released ok, but {:?}",
+                row.timed_out_at
+            ),
+            Some(told) if told.starts_with("lost") => {}
+            Some(told) if told.starts_with("error") => {} // release could not reach the database
+            Some(told) => panic!("claim {id}: unexpected outcome {told}"),
+            None => {} // killed before it was told
+        }
+    }
+    for (name, cap) in SEMAPHORES {
+        let max = max_overlap(intervals.remove(name).unwrap_or_default());
+        assert!(
+            max <= cap as usize,
+            "{name}: {max} workers held permits at once, capacity {cap}"
+        );
+        worker_max.insert(name, max);
+    }
+
+    // 3. Killed holders: their slots were freed within lease + reaper interval
+    //    (+ slack for scheduling, and for the restart if it overlapped).
+    let slack =
+        Duration::from_secs(3).as_micros() as i64 + restart.map_or(0, |(from, to)| to - from);
+    let bound = (LEASE + REAP_EVERY).as_micros() as i64 + slack;
+    let mut freed_after_kill = Vec::new();
+    for row in &rows {
+        let Some(kill) = killed.get(&row.holder) else {
+            continue;
+        };
+        let end = row.completed_at.or(row.timed_out_at).map(us);
+        if end.is_some_and(|end| end <= *kill) {
+            continue; // ended before the kill
+        }
+        let freed = end.unwrap_or(i64::MAX) - kill;
+        assert!(
+            freed <= bound,
+            "claim {} of killed worker {} was freed {} ms after the kill (bound {} ms)",
+            row.id,
+            row.holder,
+            freed / 1000,
+            bound / 1000
+        );
+        freed_after_kill.push(freed);
+    }
+
+    // 4. Nothing hung.
+    assert!(
+        logs.timeouts.is_empty(),
+        "acquires timed out (a hang): {:?}",
+        logs.timeouts
+    );
+
+    // 5. The mutex: no lost update, no overlap between committed critical sections.
+    let counter: i64 = sqlx::query_scalar("SELECT v FROM torture_counter")
+        .fetch_one(pool)
+        .await?;
+    let sections: Vec<(DateTime<Utc>, DateTime<Utc>)> =
+        sqlx::query_as("SELECT started_at, ended_at FROM torture_mutex_log")
+            .fetch_all(pool)
+            .await?;
+    assert_eq!(
+        counter,
+        sections.len() as i64,
+        "an increment under the mutex was lost"
+    );
+    // A commit can succeed with its acknowledgement lost (connection killed),
+    // never the reverse.
+    assert!(
+        counter >= logs.mutex_commits as i64,
+        "{} increments were acknowledged, {counter} survived",
+        logs.mutex_commits
+    );
+    let mutex_max = max_overlap(sections.iter().map(|(s, e)| (us(*s), us(*e))));
+    assert!(mutex_max <= 1, "{mutex_max} holders of the mutex at once");
+
+    // 6. After the chaos every semaphore served again.
+    let after: HashSet<&str> = logs
+        .acquired
+        .values()
+        .filter(|(_, _, _, at)| *at > chaos_ended)
+        .map(|(_, sem, _, _)| sem.as_str())
+        .collect();
+    for (name, _) in SEMAPHORES {
+        assert!(
+            after.contains(name),
+            "{name} served no claim after the chaos stopped"
+        );
+    }
+    let during = logs
+        .acquired
+        .values()
+        .filter(|(_, _, _, at)| (chaos_started..=chaos_ended).contains(at))
+        .count();
+    let calm = logs
+        .acquired
+        .values()
+        .filter(|(_, _, _, at)| *at > chaos_ended)
+        .count();
+
+    freed_after_kill.sort_unstable();
+    let timed_out = rows.iter().filter(|r| r.timed_out_at.is_some()).count();
+    Ok(format!(
+        "torture: {} claims in the slot table ({} during the chaos, {} after it; {} timed out), \
+         {} acquires cancelled on purpose, {} permits reported lost to their holders, \
+         {} held by workers when they were killed, {} database errors seen by workers, \
+         {} mutex-protected increments (counter = {counter}).\n\
+         torture: max concurrent holders, workers' clocks: {worker_max:?}; slot table: {db_max:?}; mutex: {mutex_max}.\n\
+         torture: killed holders' slots freed after the kill: max {} ms (bound {} ms: lease {} ms + reaper {} ms + slack).",
+        rows.len(),
+        during,
+        calm,
+        timed_out,
+        logs.cancellations,
+        logs.lost,
+        open_at_kill,
+        logs.errors,
+        logs.mutex_commits,
+        freed_after_kill.last().map_or(0, |f| f / 1000),
+        bound / 1000,
+        LEASE.as_millis(),
+        REAP_EVERY.as_millis(),
+    ))
+}
