@@ -629,10 +629,17 @@ impl<'a> Claim<'a> {
         };
         match tokio::time::timeout_at(deadline, wait_and_claim(&args)).await {
             Ok(result) => result,
-            Err(_elapsed) => Err(Error::Timeout {
-                name: format!("semaphore {:?}", args.semaphore.inner.name),
-                timeout,
-            }),
+            Err(_elapsed) => {
+                tracing::debug!(
+                    semaphore = %args.semaphore.inner.name,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "acquire timed out"
+                );
+                Err(Error::Timeout {
+                    name: format!("semaphore {:?}", args.semaphore.inner.name),
+                    timeout,
+                })
+            }
         }
     }
 
@@ -999,15 +1006,15 @@ impl Permit {
             return Ok(());
         }
         let inner = self.semaphore.inner.clone();
-        let id = self.id;
-        tokio::spawn(async move { release_by_id(&inner, id).await })
+        let (id, acquired_at) = (self.id, self.acquired_at);
+        tokio::spawn(async move { release_by_id(&inner, id, acquired_at).await })
             .await
             .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
     }
 }
 
 /// Releases a claim by id, reporting a lost slot as [`Error::PermitLost`].
-async fn release_by_id(inner: &Inner, id: i64) -> Result<()> {
+async fn release_by_id(inner: &Inner, id: i64, acquired_at: DateTime<Utc>) -> Result<()> {
     let semaphore = inner.name.as_str();
     let (outcome, _, at): (String, Option<String>, Option<DateTime<Utc>>) =
         on_pool!(inner.pool, inner.pooled, |conn| {
@@ -1018,8 +1025,10 @@ async fn release_by_id(inner: &Inner, id: i64) -> Result<()> {
         })
         .await?;
     let reason = match (outcome.as_str(), at) {
-        ("released", _) => {
-            tracing::debug!(semaphore, id, "permit released");
+        ("released", at) => {
+            // Both ends on the database clock.
+            let held_ms = at.map(|at| (at - acquired_at).num_milliseconds());
+            tracing::debug!(semaphore, id, held_ms, "permit released");
             return Ok(());
         }
         ("timed_out", Some(at)) => LostReason::TimedOut { at },
@@ -1039,11 +1048,11 @@ impl Drop for Permit {
             return;
         }
         let inner = self.semaphore.inner.clone();
-        let id = self.id;
+        let (id, acquired_at) = (self.id, self.acquired_at);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    if let Err(error) = release_by_id(&inner, id).await {
+                    if let Err(error) = release_by_id(&inner, id, acquired_at).await {
                         tracing::warn!(semaphore = %inner.name, id, %error, "background release of a dropped permit failed");
                     }
                 });

@@ -321,3 +321,44 @@ async fn a_non_read_committed_session_is_refused_rather_than_over_admitting() ->
     sem.try_acquire().await?.release().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
+    let db = support::migrated_db().await;
+    let other = support::another_pool(&db, 2).await;
+    let long = "m".repeat(100_000);
+    let names = [
+        "",
+        long.as_str(),
+        "a\0b",
+        "'; DROP TABLE pgsemaphore.slots; --",
+        "🔒 ключ",
+    ];
+    for name in names {
+        let mutex = pg_semaphore::Mutex::new(name);
+        let held = mutex.lock(&db.pool).await?;
+        // Zero means "do not wait", never PostgreSQL's "wait forever".
+        match tokio::time::timeout(
+            Duration::from_secs(30),
+            mutex.lock_timeout(&other, Duration::ZERO),
+        )
+        .await
+        {
+            Ok(Err(Error::Timeout { .. })) => {}
+            other => panic!("{name:?}: expected a prompt Timeout, got {other:?}"),
+        }
+        assert!(mutex.try_lock(&other).await?.is_none(), "{name:?}");
+        held.commit().await?;
+        // An enormous wait is an unbounded one, not an overflow.
+        mutex
+            .lock_timeout(&other, Duration::MAX)
+            .await?
+            .commit()
+            .await?;
+    }
+    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.slots")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(slots, 0);
+    Ok(())
+}
