@@ -98,6 +98,20 @@ async fn the_main_paths_work_with_only_the_documented_grants() -> TestResult {
         );
         assert_eq!(sem.summary(started..Utc::now()).await?.completed, 2);
 
+        // Heartbeats renew (and commit durably) under the same grants.
+        let renewed = Semaphore::builder("least-privilege-renewed", 1)
+            .lease(Duration::from_millis(600))
+            .heartbeat(Duration::from_millis(150))
+            .build(&app)
+            .await?;
+        let busy = renewed.try_acquire().await?;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(
+            !busy.is_lost(),
+            "renewals failed under the documented grants"
+        );
+        busy.release().await?;
+
         // Leases, reaping, retention (the VACUUM is skipped with a warning).
         let short = Semaphore::builder("least-privilege-short", 1)
             .lease(Duration::from_millis(50))
