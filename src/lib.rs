@@ -118,6 +118,7 @@ mod error;
 mod listener;
 mod migrate;
 mod mutex;
+mod rate_limit;
 mod reaper;
 mod semaphore;
 mod validate;
@@ -126,6 +127,10 @@ pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
+pub use rate_limit::{
+    Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
+    SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,
+};
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
