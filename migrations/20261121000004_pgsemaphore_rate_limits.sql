@@ -9,7 +9,9 @@
 --   * every check of one key serialises on that key's row (SELECT ... FOR
 --     UPDATE; a first use inserts it, and a concurrent first use waits on the
 --     insert and then takes the update path), so concurrent checks never
---     admit more than the limit; checks of other keys never wait;
+--     admit more than the limit; checks of other keys never wait (under
+--     REPEATABLE READ or SERIALIZABLE a race on a key ends in a
+--     serialization failure instead, never in over-admission);
 --   * time is the database's: clock_timestamp() read *after* the row lock is
 --     granted, so the clock a key sees only moves forward while checks queue
 --     on it (greatest() guards against the server clock being set back);
