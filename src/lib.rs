@@ -51,6 +51,17 @@
 //! audit trail, or runs behind PgBouncer (see
 //! [`SemaphoreBuilder::transaction_pooling`]).
 //!
+//! # Rate limiters
+//!
+//! [`TokenBucket`] (Stripe's semantics), [`FixedWindow`] and [`SlidingWindow`]
+//! limit how many requests *start* per unit of time, per key (a user, an IP).
+//! Each check is one round trip to a SQL function that locks the key's row,
+//! reads the database clock and returns a [`Decision`] (`allowed`,
+//! `remaining`, `retry_after`), so concurrent processes never admit more than
+//! the limit. Keys are created on first use; [`prune_rate_limits`] (or a
+//! [`Reaper`] with [`ReaperBuilder::rate_limits`]) deletes keys at rest. With
+//! `fail_open(true)`, an unreachable database admits instead of failing.
+//!
 //! # Audit log
 //!
 //! Finished claims stay in the slot table with `completed_at` or
@@ -119,6 +130,7 @@ mod lease;
 mod listener;
 mod migrate;
 mod mutex;
+mod rate_limit;
 mod reaper;
 mod semaphore;
 mod validate;
@@ -127,6 +139,10 @@ pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
+pub use rate_limit::{
+    Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
+    SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,
+};
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,

@@ -130,6 +130,7 @@ pub struct Reaper {
 pub struct ReaperBuilder {
     interval: Duration,
     retention: Option<Duration>,
+    rate_limits: Option<Duration>,
 }
 
 impl ReaperBuilder {
@@ -148,13 +149,21 @@ impl ReaperBuilder {
         self
     }
 
+    /// Also delete rate limiter keys at rest for `idle_for` or longer, each
+    /// round (see [`prune_rate_limits`](crate::prune_rate_limits)). Default:
+    /// rate limiter keys are never deleted.
+    pub fn rate_limits(mut self, idle_for: Duration) -> Self {
+        self.rate_limits = Some(idle_for);
+        self
+    }
+
     /// Spawns the reaper on the current tokio runtime; it runs at once and
     /// then every interval.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when the interval is zero or the retention
-    /// above 100 years.
+    /// [`Error::InvalidArgument`] when the interval is zero, or the retention
+    /// or the rate limiters' `idle_for` above 100 years.
     ///
     /// # Panics
     ///
@@ -166,7 +175,10 @@ impl ReaperBuilder {
         if let Some(retention) = self.retention {
             validate::interval("retention", retention, Duration::ZERO..=MAX_RETENTION)?;
         }
-        Ok(Reaper::start(pool.clone(), self.interval, self.retention))
+        if let Some(idle_for) = self.rate_limits {
+            validate::interval("idle_for", idle_for, Duration::ZERO..=MAX_RETENTION)?;
+        }
+        Ok(Reaper::start(pool.clone(), self))
     }
 }
 
@@ -187,6 +199,7 @@ impl Reaper {
         ReaperBuilder {
             interval: Duration::from_secs(10),
             retention: None,
+            rate_limits: None,
         }
     }
 
@@ -205,7 +218,12 @@ impl Reaper {
         Reaper::builder().interval(interval).spawn(pool)
     }
 
-    fn start(pool: PgPool, interval: Duration, retention: Option<Duration>) -> Reaper {
+    fn start(pool: PgPool, options: ReaperBuilder) -> Reaper {
+        let ReaperBuilder {
+            interval,
+            retention,
+            rate_limits,
+        } = options;
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let mut ticker = tokio::time::interval(interval);
@@ -232,6 +250,11 @@ impl Reaper {
                             tracing::warn!(%error, "pg-semaphore prune failed; retrying next interval")
                         }
                     }
+                }
+                if let Some(idle_for) = rate_limits
+                    && let Err(error) = crate::prune_rate_limits(&pool, idle_for).await
+                {
+                    tracing::warn!(%error, "pruning rate limiter keys failed; retrying next interval");
                 }
             }
         });

@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use chrono::Utc;
-use pg_semaphore::{AuditLog, Mutex, Reaper, Semaphore};
+use pg_semaphore::{AuditLog, FixedWindow, Mutex, Reaper, Semaphore, SlidingWindow, TokenBucket};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 
@@ -139,6 +139,31 @@ async fn the_main_paths_work_with_only_the_documented_grants() -> TestResult {
         assert!(mutex.try_lock(&app).await?.is_none());
         guard.commit().await?;
         mutex.lock_session(&app, None).await?.unlock().await?;
+
+        // Rate limiters: check (insert, then update), prune.
+        let bucket = TokenBucket::builder("least-privilege")
+            .rate(1000.0)
+            .burst(1)
+            .build(&app)?;
+        let fixed = FixedWindow::builder("least-privilege")
+            .permit_limit(1)
+            .window(Duration::from_millis(10))
+            .build(&app)?;
+        let sliding = SlidingWindow::builder("least-privilege")
+            .permit_limit(1)
+            .window(Duration::from_millis(10))
+            .build(&app)?;
+        for _ in 0..2 {
+            // The first check inserts the key's row, the second updates it.
+            assert!(!bucket.check("k", 1).await?.failed_open);
+            assert!(!fixed.check("k", 1).await?.failed_open);
+            assert!(!sliding.check("k", 1).await?.failed_open);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            pg_semaphore::prune_rate_limits(&app, Duration::ZERO).await?,
+            3
+        );
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     }
     .await;

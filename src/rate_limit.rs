@@ -1,0 +1,745 @@
+//! Rate limiters on PostgreSQL: token bucket, fixed window, sliding window.
+//!
+//! The state of every key lives in one row of `pgsemaphore.rate_limits`,
+//! created by the key's first check. A check is one call of one SQL function
+//! (one round trip) that locks the key's row, reads the database clock and
+//! decides, so concurrent checks from any number of processes never admit
+//! more than the limit. The functions are in
+//! `migrations/20261121000004_pgsemaphore_rate_limits.sql`.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
+
+use crate::error::{Error, Result};
+use crate::semaphore::MAX_NAME_LEN;
+use crate::validate;
+
+/// The longest rate limiter key (per user, per IP, ...), in characters.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// The shortest window of a [`FixedWindow`] or [`SlidingWindow`].
+pub const MIN_WINDOW: Duration = Duration::from_millis(1);
+
+/// The longest window of a [`FixedWindow`] or [`SlidingWindow`] (366 days),
+/// and the longest time a [`TokenBucket`] may take to refill from empty.
+pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
+/// Token bucket check: takes `$5` tokens from key `$2` of limiter `$1` if it
+/// has them (rate `$3` per second, burst `$4`).
+const TOKEN_BUCKET: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
+                            FROM pgsemaphore.token_bucket($1, $2, $3, $4, $5)";
+
+/// Fixed window check: `$5` permits of key `$2` of limiter `$1` (limit `$3` per window `$4`).
+const FIXED_WINDOW: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
+                            FROM pgsemaphore.fixed_window($1, $2, $3, $4, $5)";
+
+/// Sliding window check: `$5` permits of key `$2` of limiter `$1` (limit `$3` per window `$4`).
+const SLIDING_WINDOW: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
+                              FROM pgsemaphore.sliding_window($1, $2, $3, $4, $5)";
+
+/// Deletes up to a batch of keys at rest, walking the primary key from a cursor.
+const PRUNE: &str = "SELECT o_deleted, o_kind, o_limiter, o_key \
+                     FROM pgsemaphore.prune_rate_limits($1, $2, $3, $4, $5)";
+
+/// Rows looked at per prune statement: short transactions, even for a big table.
+const PRUNE_BATCH: i32 = 5_000;
+
+/// The longest `idle_for` accepted by [`prune_rate_limits`] (100 years).
+const MAX_IDLE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
+
+/// The answer of a rate limiter's `check`.
+///
+/// Map it to HTTP as you like; for example 429 with `Retry-After:
+/// retry_after` when refused, and `RateLimit-Remaining: remaining`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use = "a rate limit decision does nothing unless `allowed` is acted upon"]
+pub struct Decision {
+    /// Whether the permits were granted (.NET's `IsAcquired`). When refused,
+    /// nothing was taken.
+    pub allowed: bool,
+    /// Permits (tokens) left for this key right after this decision. 0 when
+    /// the decision [failed open](Self::failed_open).
+    pub remaining: u32,
+    /// When refused: how long until a check of the same size would be
+    /// admitted if nothing else happened meanwhile (another caller may take
+    /// the permits first). Zero when admitted.
+    pub retry_after: Duration,
+    /// The limiter's limit: the burst of a [`TokenBucket`], the permit limit
+    /// of a [`FixedWindow`] or [`SlidingWindow`].
+    pub limit: u32,
+    /// `true` when the database could not be reached and the limiter was
+    /// built with `fail_open(true)`: the request was admitted without being
+    /// counted.
+    pub failed_open: bool,
+}
+
+impl Decision {
+    fn open(limit: u32) -> Decision {
+        Decision {
+            allowed: true,
+            remaining: 0,
+            retry_after: Duration::ZERO,
+            limit,
+            failed_open: true,
+        }
+    }
+}
+
+/// What a limiter enforces; the parameters of its SQL function.
+#[derive(Debug, Clone, Copy)]
+enum Policy {
+    TokenBucket { rate: f64, burst: u32 },
+    FixedWindow { limit: u32, window: Duration },
+    SlidingWindow { limit: u32, window: Duration },
+}
+
+impl Policy {
+    fn limit(self) -> u32 {
+        match self {
+            Policy::TokenBucket { burst, .. } => burst,
+            Policy::FixedWindow { limit, .. } | Policy::SlidingWindow { limit, .. } => limit,
+        }
+    }
+}
+
+/// The engine shared by the three limiters.
+struct Limiter {
+    pool: PgPool,
+    name: String,
+    policy: Policy,
+    fail_open: bool,
+    pooled: bool,
+}
+
+impl fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limiter")
+            .field("name", &self.name)
+            .field("policy", &self.policy)
+            .field("fail_open", &self.fail_open)
+            .field("transaction_pooling", &self.pooled)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The settings every limiter builder has.
+#[derive(Debug, Clone)]
+struct Common {
+    name: String,
+    fail_open: bool,
+    pooled: bool,
+}
+
+impl Common {
+    fn new(name: String) -> Common {
+        Common {
+            name,
+            fail_open: false,
+            pooled: false,
+        }
+    }
+
+    fn build(self, pool: &PgPool, policy: Policy) -> Result<Arc<Limiter>> {
+        validate::text("name", &self.name, MAX_NAME_LEN)?;
+        Ok(Arc::new(Limiter {
+            pool: pool.clone(),
+            name: self.name,
+            policy,
+            fail_open: self.fail_open,
+            pooled: self.pooled,
+        }))
+    }
+}
+
+impl Limiter {
+    async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
+        validate::text("key", key, MAX_KEY_LEN)?;
+        let limit = self.policy.limit();
+        if permits == 0 {
+            return Err(Error::invalid("permits", "must be at least 1"));
+        }
+        if permits > limit {
+            return Err(Error::invalid(
+                "permits",
+                format!("{permits} is more than the limit of {limit}: it could never be granted"),
+            ));
+        }
+        let query = match self.policy {
+            Policy::TokenBucket { rate, burst } => sqlx::query_as(TOKEN_BUCKET)
+                .bind(&self.name)
+                .bind(key)
+                .bind(rate)
+                .bind(f64::from(burst))
+                .bind(f64::from(permits)),
+            Policy::FixedWindow { limit, window } => sqlx::query_as(FIXED_WINDOW)
+                .bind(&self.name)
+                .bind(key)
+                .bind(i64::from(limit))
+                .bind(interval(window))
+                .bind(i64::from(permits)),
+            Policy::SlidingWindow { limit, window } => sqlx::query_as(SLIDING_WINDOW)
+                .bind(&self.name)
+                .bind(key)
+                .bind(i64::from(limit))
+                .bind(interval(window))
+                .bind(i64::from(permits)),
+        };
+        let row: std::result::Result<(bool, i64, i64), sqlx::Error> =
+            on_pool!(self.pool, self.pooled, |conn| {
+                query.persistent(!self.pooled).fetch_one(conn)
+            })
+            .await;
+        match row {
+            Ok((allowed, remaining, retry_after_us)) => Ok(Decision {
+                allowed,
+                remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
+                limit,
+                failed_open: false,
+            }),
+            Err(error) if self.fail_open && is_unreachable(&error) => {
+                tracing::warn!(
+                    limiter = %self.name,
+                    %error,
+                    "rate limiter failing open: the database is unreachable, request admitted uncounted"
+                );
+                Ok(Decision::open(limit))
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+}
+
+/// Whether an error means the database could not be reached (as opposed to
+/// a bug or a missing migration, which failing open would hide).
+fn is_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        // 08 connection exception, 57P01-57P03 shutdown / cannot connect now,
+        // 53300 too many connections.
+        sqlx::Error::Database(error) => error.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("57P") || code == "53300"
+        }),
+        _ => false,
+    }
+}
+
+/// A window as an SQL interval; the builders keep windows within
+/// [`MIN_WINDOW`]..=[`MAX_WINDOW`], far below `i64::MAX` microseconds.
+fn interval(window: Duration) -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: window.as_micros() as i64,
+    }
+}
+
+fn window_policy(window: Option<Duration>, limit: Option<u32>) -> Result<(u32, Duration)> {
+    let limit = match limit {
+        Some(0) => return Err(Error::invalid("permit_limit", "must be at least 1")),
+        Some(limit) => limit,
+        None => {
+            return Err(Error::invalid(
+                "permit_limit",
+                "not set: call `.permit_limit(n)`",
+            ));
+        }
+    };
+    let Some(window) = window else {
+        return Err(Error::invalid(
+            "window",
+            "not set: call `.window(duration)`",
+        ));
+    };
+    validate::interval("window", window, MIN_WINDOW..=MAX_WINDOW)?;
+    Ok((limit, window))
+}
+
+macro_rules! common_builder_methods {
+    () => {
+        /// Admit requests when the database cannot be reached (default
+        /// `false`: `check` returns the error).
+        ///
+        /// Seed 002's advice: a rate limiter should not make the database a
+        /// hard dependency of every request. With `fail_open(true)`, a check
+        /// that fails because the database is unreachable (connection
+        /// refused or lost, pool timed out or closed, server shutting down,
+        /// too many connections) returns an admitting [`Decision`] with
+        /// [`failed_open`](Decision::failed_open) set, and logs a
+        /// `tracing::warn!` event: alert on it. Other errors (invalid input,
+        /// missing migrations, any other database error) are still
+        /// returned. How long a check waits for a connection is the pool's
+        /// `acquire_timeout`.
+        pub fn fail_open(mut self, enabled: bool) -> Self {
+            self.common.fail_open = enabled;
+            self
+        }
+
+        /// Declares that the pool connects through a transaction-pooling
+        /// proxy such as PgBouncer with `pool_mode = transaction` (default
+        /// `false`): each check then runs as an unnamed statement inside an
+        /// explicit transaction (two extra round trips), as
+        /// [`SemaphoreBuilder::transaction_pooling`](crate::SemaphoreBuilder::transaction_pooling)
+        /// explains.
+        pub fn transaction_pooling(mut self, enabled: bool) -> Self {
+            self.common.pooled = enabled;
+            self
+        }
+    };
+}
+
+macro_rules! common_limiter_methods {
+    ($what:literal) => {
+        /// The limiter's name: keys of limiters with different names (or of
+        /// different kinds) never share state.
+        pub fn name(&self) -> &str {
+            &self.inner.name
+        }
+
+        /// The pool this limiter uses.
+        pub fn pool(&self) -> &PgPool {
+            &self.inner.pool
+        }
+
+        #[doc = concat!("Asks for `permits` ", $what, " for `key` (a user, an IP, a route, ...), in one round trip.")]
+        ///
+        /// The key's state is created by its first check. Refused checks take
+        /// nothing. Use `permits = 1` per request, or a weight for costlier ones.
+        ///
+        /// # Errors
+        ///
+        /// - [`Error::InvalidArgument`] for a key that is empty, longer than
+        ///   [`MAX_KEY_LEN`] characters or contains NUL, and for `permits` of
+        ///   0 or above the limit (it could never be granted). Nothing is sent.
+        /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+        /// - [`Error::Database`] for connection and other database errors,
+        ///   unless the limiter fails open (see `fail_open` on its builder).
+        ///
+        /// # Cancel safety
+        ///
+        /// One statement: if cancelled, the check either happened (its
+        /// permits are taken) or did not.
+        pub async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
+            self.inner.check(key, permits).await
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------
+// Token bucket
+// ---------------------------------------------------------------------------
+
+/// A token bucket per key, with Stripe's semantics (seed 002).
+///
+/// Each key has a bucket of up to `burst` tokens that refills continuously at
+/// `rate` tokens per second; a check takes `permits` tokens if the bucket has
+/// them and takes nothing otherwise. A key's first check finds a full bucket,
+/// so a burst of `burst` requests passes at once, then `rate` per second.
+/// Time is the database's clock, read after the key's row is locked.
+///
+/// A cheap handle (an [`Arc`] inside): clone it freely. Every handle with the
+/// same name should use the same rate and burst: the limits are not stored,
+/// each check applies its own to the shared state.
+///
+/// ```no_run
+/// use pg_semaphore::TokenBucket;
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// // 100 requests per second per user, bursts of up to 500.
+/// let limiter = TokenBucket::builder("api").rate(100.0).burst(500).build(&pool)?;
+/// let decision = limiter.check("user-42", 1).await?;
+/// if !decision.allowed {
+///     // answer 429 with Retry-After: decision.retry_after
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct TokenBucket {
+    inner: Arc<Limiter>,
+}
+
+/// Configures a [`TokenBucket`]; made by [`TokenBucket::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.build(&pool)`"]
+pub struct TokenBucketBuilder {
+    common: Common,
+    rate: Option<f64>,
+    burst: Option<u32>,
+}
+
+impl TokenBucketBuilder {
+    /// Tokens added to each key's bucket per second (required; may be
+    /// fractional: `0.5` is one every two seconds). Stripe's `REPLENISH_RATE`.
+    pub fn rate(mut self, tokens_per_second: f64) -> Self {
+        self.rate = Some(tokens_per_second);
+        self
+    }
+
+    /// The bucket's capacity: the most tokens a key can save up and spend at
+    /// once (required, at least 1). Stripe's `CAPACITY`, .NET's `TokenLimit`.
+    pub fn burst(mut self, tokens: u32) -> Self {
+        self.burst = Some(tokens);
+        self
+    }
+
+    common_builder_methods!();
+
+    /// Validates the settings. Nothing is written: each key's row is created
+    /// by its first check.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a name that is empty, longer than
+    /// [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) or contains NUL; a rate or a
+    /// burst not set; a rate that is not a positive finite number; a burst of
+    /// 0; a bucket that would take longer than [`MAX_WINDOW`] to refill from
+    /// empty.
+    pub fn build(self, pool: &PgPool) -> Result<TokenBucket> {
+        let Some(rate) = self.rate else {
+            return Err(Error::invalid(
+                "rate",
+                "not set: call `.rate(tokens_per_second)`",
+            ));
+        };
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(Error::invalid(
+                "rate",
+                format!("{rate} is not a positive number of tokens per second"),
+            ));
+        }
+        let burst = match self.burst {
+            Some(0) => return Err(Error::invalid("burst", "must be at least 1")),
+            Some(burst) => burst,
+            None => return Err(Error::invalid("burst", "not set: call `.burst(tokens)`")),
+        };
+        let refill = f64::from(burst) / rate;
+        if refill > MAX_WINDOW.as_secs_f64() {
+            return Err(Error::invalid(
+                "rate",
+                format!(
+                    "refilling {burst} tokens at {rate} per second takes {refill:.0} s; \
+                     at most {} s is allowed",
+                    MAX_WINDOW.as_secs()
+                ),
+            ));
+        }
+        let inner = self
+            .common
+            .build(pool, Policy::TokenBucket { rate, burst })?;
+        Ok(TokenBucket { inner })
+    }
+}
+
+impl TokenBucket {
+    /// Starts configuring the token bucket limiter `name`: set
+    /// [`rate`](TokenBucketBuilder::rate) and [`burst`](TokenBucketBuilder::burst).
+    pub fn builder(name: impl Into<String>) -> TokenBucketBuilder {
+        TokenBucketBuilder {
+            common: Common::new(name.into()),
+            rate: None,
+            burst: None,
+        }
+    }
+
+    /// Tokens added per second.
+    pub fn rate(&self) -> f64 {
+        match self.inner.policy {
+            Policy::TokenBucket { rate, .. } => rate,
+            _ => unreachable!("a TokenBucket always has a token bucket policy"),
+        }
+    }
+
+    /// The bucket's capacity.
+    pub fn burst(&self) -> u32 {
+        self.inner.policy.limit()
+    }
+
+    common_limiter_methods!("tokens");
+}
+
+// ---------------------------------------------------------------------------
+// Fixed window
+// ---------------------------------------------------------------------------
+
+/// At most `permit_limit` permits per key per window (seed 003's
+/// `FixedWindowRateLimiter`).
+///
+/// A key's first check starts its first window; the next windows follow back
+/// to back on that key's own grid, so keys do not all reset at the same
+/// instant. Simple and exact within a window, but a burst at the end of one
+/// window and another at the start of the next may pass up to twice the
+/// limit within one window's length: [`SlidingWindow`] smooths that.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use pg_semaphore::FixedWindow;
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// // 1,000 requests per minute per API key.
+/// let limiter = FixedWindow::builder("per-minute")
+///     .permit_limit(1_000)
+///     .window(Duration::from_secs(60))
+///     .build(&pool)?;
+/// let decision = limiter.check("key-abc", 1).await?;
+/// println!("{} left this minute", decision.remaining);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct FixedWindow {
+    inner: Arc<Limiter>,
+}
+
+/// Configures a [`FixedWindow`]; made by [`FixedWindow::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.build(&pool)`"]
+pub struct FixedWindowBuilder {
+    common: Common,
+    limit: Option<u32>,
+    window: Option<Duration>,
+}
+
+impl FixedWindowBuilder {
+    /// Permits granted per key per window (required, at least 1).
+    pub fn permit_limit(mut self, permits: u32) -> Self {
+        self.limit = Some(permits);
+        self
+    }
+
+    /// The window's length (required, [`MIN_WINDOW`] to [`MAX_WINDOW`];
+    /// measured on the database clock, to the microsecond).
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    common_builder_methods!();
+
+    /// Validates the settings. Nothing is written: each key's row is created
+    /// by its first check.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad name, a permit limit of 0 or not
+    /// set, a window not set or outside [`MIN_WINDOW`]..=[`MAX_WINDOW`].
+    pub fn build(self, pool: &PgPool) -> Result<FixedWindow> {
+        let (limit, window) = window_policy(self.window, self.limit)?;
+        let inner = self
+            .common
+            .build(pool, Policy::FixedWindow { limit, window })?;
+        Ok(FixedWindow { inner })
+    }
+}
+
+impl FixedWindow {
+    /// Starts configuring the fixed window limiter `name`: set
+    /// [`permit_limit`](FixedWindowBuilder::permit_limit) and
+    /// [`window`](FixedWindowBuilder::window).
+    pub fn builder(name: impl Into<String>) -> FixedWindowBuilder {
+        FixedWindowBuilder {
+            common: Common::new(name.into()),
+            limit: None,
+            window: None,
+        }
+    }
+
+    /// Permits per key per window.
+    pub fn permit_limit(&self) -> u32 {
+        self.inner.policy.limit()
+    }
+
+    /// The window's length.
+    pub fn window(&self) -> Duration {
+        match self.inner.policy {
+            Policy::FixedWindow { window, .. } => window,
+            _ => unreachable!("a FixedWindow always has a fixed window policy"),
+        }
+    }
+
+    common_limiter_methods!("permits");
+}
+
+// ---------------------------------------------------------------------------
+// Sliding window
+// ---------------------------------------------------------------------------
+
+/// At most about `permit_limit` permits per key in any window's length
+/// (seed 003's `SlidingWindowRateLimiter`), as a **weighted previous +
+/// current window**.
+///
+/// Each key keeps two counters: permits granted in the current window and in
+/// the previous one (windows follow back to back on the key's own grid, as in
+/// [`FixedWindow`]). A check estimates the permits of the last window's length
+/// as `previous × (1 − elapsed / window) + current`, assuming the previous
+/// window's permits were spread evenly over it, and admits when the estimate
+/// plus `permits` stays within the limit. This needs one row per key and O(1)
+/// work per check (the .NET limiter divides the window into segments
+/// instead). Never more than `permit_limit` are granted in one window of the
+/// grid, and a burst right after a boundary is held back by the previous
+/// window's weight, unlike [`FixedWindow`]; the estimate is exact only when
+/// traffic is even.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use pg_semaphore::SlidingWindow;
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// // About 10 logins per IP per 10 minutes, without a reset burst.
+/// let limiter = SlidingWindow::builder("logins")
+///     .permit_limit(10)
+///     .window(Duration::from_secs(600))
+///     .build(&pool)?;
+/// let decision = limiter.check("203.0.113.7", 1).await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SlidingWindow {
+    inner: Arc<Limiter>,
+}
+
+/// Configures a [`SlidingWindow`]; made by [`SlidingWindow::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.build(&pool)`"]
+pub struct SlidingWindowBuilder {
+    common: Common,
+    limit: Option<u32>,
+    window: Option<Duration>,
+}
+
+impl SlidingWindowBuilder {
+    /// Permits granted per key per window's length (required, at least 1).
+    pub fn permit_limit(mut self, permits: u32) -> Self {
+        self.limit = Some(permits);
+        self
+    }
+
+    /// The window's length (required, [`MIN_WINDOW`] to [`MAX_WINDOW`];
+    /// measured on the database clock, to the microsecond).
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    common_builder_methods!();
+
+    /// Validates the settings. Nothing is written: each key's row is created
+    /// by its first check.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad name, a permit limit of 0 or not
+    /// set, a window not set or outside [`MIN_WINDOW`]..=[`MAX_WINDOW`].
+    pub fn build(self, pool: &PgPool) -> Result<SlidingWindow> {
+        let (limit, window) = window_policy(self.window, self.limit)?;
+        let inner = self
+            .common
+            .build(pool, Policy::SlidingWindow { limit, window })?;
+        Ok(SlidingWindow { inner })
+    }
+}
+
+impl SlidingWindow {
+    /// Starts configuring the sliding window limiter `name`: set
+    /// [`permit_limit`](SlidingWindowBuilder::permit_limit) and
+    /// [`window`](SlidingWindowBuilder::window).
+    pub fn builder(name: impl Into<String>) -> SlidingWindowBuilder {
+        SlidingWindowBuilder {
+            common: Common::new(name.into()),
+            limit: None,
+            window: None,
+        }
+    }
+
+    /// Permits per key per window's length.
+    pub fn permit_limit(&self) -> u32 {
+        self.inner.policy.limit()
+    }
+
+    /// The window's length.
+    pub fn window(&self) -> Duration {
+        match self.inner.policy {
+            Policy::SlidingWindow { window, .. } => window,
+            _ => unreachable!("a SlidingWindow always has a sliding window policy"),
+        }
+    }
+
+    common_limiter_methods!("permits");
+}
+
+// ---------------------------------------------------------------------------
+// Cleanup
+// ---------------------------------------------------------------------------
+
+/// Deletes the state of rate limiter keys that have been **at rest** for at
+/// least `idle_for`, of every limiter, and returns how many keys it deleted.
+///
+/// A key is at rest once its state no longer limits anyone: its token bucket
+/// is full again, or every window that counted one of its permits has ended.
+/// Deleting such a key changes no decision (its next check starts afresh, as
+/// it would have anyway), so `idle_for` may be zero; a longer one keeps
+/// recently active keys' rows around to save their re-insertion. Keys still
+/// limited are never deleted.
+///
+/// Call it from a cron job, or let a [`Reaper`](crate::Reaper) do it every
+/// round with [`ReaperBuilder::rate_limits`](crate::ReaperBuilder::rate_limits).
+/// It walks the table in batches of short transactions and skips keys being
+/// checked at that moment, so it can run while checks go on.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// use std::time::Duration;
+/// let deleted = pg_semaphore::prune_rate_limits(&pool, Duration::from_secs(3600)).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for `idle_for` above 100 years,
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// Each batch commits on its own: cancelling keeps the batches already
+/// deleted and deletes nothing more.
+pub async fn prune_rate_limits(pool: &PgPool, idle_for: Duration) -> Result<u64> {
+    let idle_for = validate::interval("idle_for", idle_for, Duration::ZERO..=MAX_IDLE)?;
+    // The cursor: the last row looked at; the empty strings sort before every row.
+    let mut cursor = (String::new(), String::new(), String::new());
+    let mut total = 0u64;
+    loop {
+        let (deleted, kind, limiter, key): (i64, Option<String>, Option<String>, Option<String>) =
+            on_pool!(pool, true, |conn| {
+                sqlx::query_as(PRUNE)
+                    .bind(idle_for)
+                    .bind(&cursor.0)
+                    .bind(&cursor.1)
+                    .bind(&cursor.2)
+                    .bind(PRUNE_BATCH)
+                    .persistent(false)
+                    .fetch_one(conn)
+            })
+            .await?;
+        total += deleted.max(0) as u64;
+        match (kind, limiter, key) {
+            (Some(kind), Some(limiter), Some(key)) => cursor = (kind, limiter, key),
+            _ => break,
+        }
+    }
+    if total > 0 {
+        tracing::debug!(deleted = total, "pruned idle rate limiter keys");
+    }
+    Ok(total)
+}

@@ -1,0 +1,735 @@
+//! The rate limiters' promises, on a real PostgreSQL: Stripe's token bucket
+//! test, fixed and sliding window semantics, per-key independence, exact
+//! admission counts under contention from several pools (and through
+//! PgBouncer), idle-key cleanup, fail-open, and bad input.
+//!
+//! Refill over a test's run time is made negligible where counts must be
+//! exact (a rate of one token per thousand seconds, windows of an hour); the
+//! tests that need time to pass sleep for it and assert counts only.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use pg_semaphore::{
+    Decision, Error, FixedWindow, MAX_KEY_LEN, MAX_NAME_LEN, MAX_WINDOW, Reaper, SlidingWindow,
+    TokenBucket,
+};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::time::{Instant, sleep};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// Any of the three limiters, to run one scenario on each.
+#[derive(Debug, Clone)]
+enum AnyLimiter {
+    Bucket(TokenBucket),
+    Fixed(FixedWindow),
+    Sliding(SlidingWindow),
+}
+
+impl AnyLimiter {
+    /// The three kinds, each admitting exactly `limit` per key during a test
+    /// (no refill worth a token within 1,000 s, windows of an hour).
+    fn exact_trio(pool: &PgPool, name: &str, limit: u32, pooled: bool) -> Vec<AnyLimiter> {
+        vec![
+            AnyLimiter::Bucket(
+                TokenBucket::builder(name)
+                    .rate(0.001)
+                    .burst(limit)
+                    .transaction_pooling(pooled)
+                    .build(pool)
+                    .expect("valid token bucket"),
+            ),
+            AnyLimiter::Fixed(
+                FixedWindow::builder(name)
+                    .permit_limit(limit)
+                    .window(HOUR)
+                    .transaction_pooling(pooled)
+                    .build(pool)
+                    .expect("valid fixed window"),
+            ),
+            AnyLimiter::Sliding(
+                SlidingWindow::builder(name)
+                    .permit_limit(limit)
+                    .window(HOUR)
+                    .transaction_pooling(pooled)
+                    .build(pool)
+                    .expect("valid sliding window"),
+            ),
+        ]
+    }
+
+    async fn check(&self, key: &str, permits: u32) -> pg_semaphore::Result<Decision> {
+        match self {
+            AnyLimiter::Bucket(l) => l.check(key, permits).await,
+            AnyLimiter::Fixed(l) => l.check(key, permits).await,
+            AnyLimiter::Sliding(l) => l.check(key, permits).await,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            AnyLimiter::Bucket(_) => "token bucket",
+            AnyLimiter::Fixed(_) => "fixed window",
+            AnyLimiter::Sliding(_) => "sliding window",
+        }
+    }
+}
+
+/// Checks one permit at a time until the first refusal; returns how many passed.
+async fn admitted_until_refused(limiter: &AnyLimiter, key: &str, at_most: u32) -> u32 {
+    for passed in 0..=at_most {
+        let decision = limiter.check(key, 1).await.expect("check");
+        if !decision.allowed {
+            return passed;
+        }
+    }
+    at_most + 1
+}
+
+async fn rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.rate_limits")
+        .fetch_one(pool)
+        .await
+        .expect("count rate limit rows")
+}
+
+/// Seed 002's `test_check_request_rate_limiter`, on the database clock: a
+/// burst of `CAPACITY` passes and the next is refused; one second later
+/// `RATE` more pass and the next is refused. (Stripe's script counted whole
+/// seconds; this bucket refills continuously, so the rate is low enough that
+/// the checks of each phase, a few milliseconds, refill far less than a token.)
+#[tokio::test]
+async fn token_bucket_burst_then_steady_rate() -> TestResult {
+    const RATE: u32 = 2;
+    const CAPACITY: u32 = 5 * RATE;
+    let db = support::migrated_db().await;
+    let limiter = TokenBucket::builder("request_rate_limiter")
+        .rate(f64::from(RATE))
+        .burst(CAPACITY)
+        .build(&db.pool)?;
+    let user = "user-1234";
+
+    // Burst works.
+    for i in 0..CAPACITY {
+        let decision = limiter.check(user, 1).await?;
+        assert!(decision.allowed, "burst request {i} refused: {decision:?}");
+        assert_eq!(decision.remaining, CAPACITY - i - 1);
+        assert_eq!(decision.retry_after, Duration::ZERO);
+        assert_eq!(decision.limit, CAPACITY);
+    }
+    let refused = limiter.check(user, 1).await?;
+    assert!(
+        !refused.allowed,
+        "request after the burst admitted: {refused:?}"
+    );
+    assert_eq!(refused.remaining, 0);
+    assert!(refused.retry_after > Duration::ZERO);
+    assert!(refused.retry_after <= Duration::from_secs(1) / RATE);
+
+    sleep(Duration::from_secs(1)).await;
+
+    // After the burst is done, check the steady state.
+    for i in 0..RATE {
+        let decision = limiter.check(user, 1).await?;
+        assert!(decision.allowed, "steady request {i} refused: {decision:?}");
+    }
+    let refused = limiter.check(user, 1).await?;
+    assert!(
+        !refused.allowed,
+        "request beyond the rate admitted: {refused:?}"
+    );
+    Ok(())
+}
+
+/// A refused check tells how long to wait; waiting that long is enough.
+#[tokio::test]
+async fn retry_after_is_enough_for_every_limiter() -> TestResult {
+    let db = support::migrated_db().await;
+    let limiters = [
+        AnyLimiter::Bucket(
+            TokenBucket::builder("b")
+                .rate(4.0)
+                .burst(3)
+                .build(&db.pool)?,
+        ),
+        AnyLimiter::Fixed(
+            FixedWindow::builder("f")
+                .permit_limit(3)
+                .window(Duration::from_millis(400))
+                .build(&db.pool)?,
+        ),
+        AnyLimiter::Sliding(
+            SlidingWindow::builder("s")
+                .permit_limit(3)
+                .window(Duration::from_millis(400))
+                .build(&db.pool)?,
+        ),
+    ];
+    for limiter in &limiters {
+        assert_eq!(limiter.check("k", 3).await?.remaining, 0);
+        let refused = limiter.check("k", 2).await?;
+        assert!(!refused.allowed, "{}: {refused:?}", limiter.kind());
+        assert!(refused.retry_after > Duration::ZERO, "{}", limiter.kind());
+        sleep(refused.retry_after).await;
+        let decision = limiter.check("k", 2).await?;
+        assert!(
+            decision.allowed,
+            "{}: refused after waiting retry_after: {decision:?}",
+            limiter.kind()
+        );
+    }
+    Ok(())
+}
+
+/// Weighted checks: `permits` tokens at once, all or nothing.
+#[tokio::test]
+async fn weighted_checks_take_all_or_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    for limiter in AnyLimiter::exact_trio(&db.pool, "weighted", 5, false) {
+        let kind = limiter.kind();
+        let first = limiter.check("k", 3).await?;
+        assert!(first.allowed, "{kind}");
+        assert_eq!(first.remaining, 2, "{kind}");
+        let too_many = limiter.check("k", 3).await?;
+        assert!(!too_many.allowed, "{kind}");
+        assert_eq!(too_many.remaining, 2, "{kind}: a refusal took permits");
+        let rest = limiter.check("k", 2).await?;
+        assert!(rest.allowed, "{kind}");
+        assert_eq!(rest.remaining, 0, "{kind}");
+        assert!(!limiter.check("k", 1).await?.allowed, "{kind}");
+    }
+    Ok(())
+}
+
+/// A fixed window admits its limit, refuses until the window ends, then
+/// admits the full limit again at once.
+#[tokio::test]
+async fn fixed_window_resets_at_the_end_of_the_window() -> TestResult {
+    const LIMIT: u32 = 4;
+    let db = support::migrated_db().await;
+    let window = Duration::from_secs(1);
+    let limiter = AnyLimiter::Fixed(
+        FixedWindow::builder("fixed")
+            .permit_limit(LIMIT)
+            .window(window)
+            .build(&db.pool)?,
+    );
+    assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
+    let refused = limiter.check("k", 1).await?;
+    assert!(!refused.allowed);
+    assert!(refused.retry_after > Duration::ZERO && refused.retry_after <= window);
+    sleep(refused.retry_after).await;
+    // A new window: the whole limit again.
+    assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
+    Ok(())
+}
+
+/// Right after a full window, a fixed window admits its whole limit again;
+/// the sliding window still counts most of the previous window and admits
+/// only what slid out of it.
+#[tokio::test]
+async fn sliding_window_holds_back_the_burst_after_a_boundary() -> TestResult {
+    const LIMIT: u32 = 10;
+    let db = support::migrated_db().await;
+    let window = Duration::from_secs(3);
+    let limiter = AnyLimiter::Sliding(
+        SlidingWindow::builder("sliding")
+            .permit_limit(LIMIT)
+            .window(window)
+            .build(&db.pool)?,
+    );
+    assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
+    let refused = limiter.check("k", 1).await?;
+    assert!(!refused.allowed);
+    // Past the window's end, plus the tenth of a window it takes for one of
+    // the ten permits to slide out.
+    assert!(refused.retry_after > window / 10, "{refused:?}");
+    assert!(refused.retry_after <= window + window / 10, "{refused:?}");
+    sleep(refused.retry_after).await;
+    assert!(limiter.check("k", 1).await?.allowed);
+    // A fixed window would admit nine more here; the previous window's
+    // weight (0.9 of ten, minus what slid out since) holds them back.
+    let after = admitted_until_refused(&limiter, "k", LIMIT).await;
+    assert!(
+        after < LIMIT - 1,
+        "{after} admitted right after the boundary"
+    );
+    Ok(())
+}
+
+/// Keys, limiter names and limiter kinds never share state.
+#[tokio::test]
+async fn keys_names_and_kinds_are_independent() -> TestResult {
+    let db = support::migrated_db().await;
+    let a = AnyLimiter::exact_trio(&db.pool, "a", 2, false);
+    let b = AnyLimiter::exact_trio(&db.pool, "b", 2, false);
+    // Exhaust key "alice" on every limiter named "a".
+    for limiter in &a {
+        assert_eq!(admitted_until_refused(limiter, "alice", 2).await, 2);
+    }
+    for limiter in &a {
+        // Another key of the same limiter is untouched.
+        assert_eq!(
+            admitted_until_refused(limiter, "bob", 2).await,
+            2,
+            "{}",
+            limiter.kind()
+        );
+    }
+    for limiter in &b {
+        // The same key of another limiter is untouched.
+        assert_eq!(
+            admitted_until_refused(limiter, "alice", 2).await,
+            2,
+            "{}",
+            limiter.kind()
+        );
+    }
+    // Three kinds x (two keys of "a" + one of "b").
+    assert_eq!(rows(&db.pool).await, 9);
+    Ok(())
+}
+
+/// Many tasks on three pools (three "processes") hit one fresh key at once:
+/// exactly the limit is admitted, for every kind, including the race to
+/// create the key's row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_the_limit_is_admitted_under_contention() -> TestResult {
+    const LIMIT: u32 = 60;
+    const TASKS: usize = 24;
+    const CHECKS: u32 = 8; // 192 checks for 60 permits
+    let db = support::migrated_db().await;
+    let mut pools = Vec::new();
+    for _ in 0..3 {
+        pools.push(support::another_pool(&db, 4).await);
+    }
+    for kind in 0..3 {
+        let admitted = Arc::new(AtomicU32::new(0));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|task| {
+                let pool = &pools[task % pools.len()];
+                let limiter = AnyLimiter::exact_trio(pool, "hot", LIMIT, false).swap_remove(kind);
+                let admitted = admitted.clone();
+                tokio::spawn(async move {
+                    for _ in 0..CHECKS {
+                        if limiter.check("the-key", 1).await?.allowed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Ok::<_, Error>(limiter.kind())
+                })
+            })
+            .collect();
+        let mut name = "";
+        for task in tasks {
+            name = task.await??;
+        }
+        assert_eq!(admitted.load(Ordering::Relaxed), LIMIT, "{name}");
+    }
+    Ok(())
+}
+
+/// The same through PgBouncer in transaction mode, with `transaction_pooling(true)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_the_limit_is_admitted_through_pgbouncer() -> TestResult {
+    const LIMIT: u32 = 30;
+    let db = support::migrated_db().await;
+    let pool = support::pgbouncer::pool_through_bouncer(&db, 4).await;
+    for limiter in AnyLimiter::exact_trio(&pool, "bounced", LIMIT, true) {
+        let admitted = Arc::new(AtomicU32::new(0));
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let limiter = limiter.clone();
+                let admitted = admitted.clone();
+                tokio::spawn(async move {
+                    for _ in 0..6 {
+                        if limiter.check("the-key", 1).await?.allowed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Ok::<_, Error>(())
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await??;
+        }
+        assert_eq!(
+            admitted.load(Ordering::Relaxed),
+            LIMIT,
+            "{}",
+            limiter.kind()
+        );
+    }
+    Ok(())
+}
+
+/// Pruning deletes keys at rest, and only those: a key still limited stays
+/// (its next check is still refused), and `idle_for` spares keys at rest
+/// for less than that.
+#[tokio::test]
+async fn prune_deletes_only_idle_keys() -> TestResult {
+    let db = support::migrated_db().await;
+    // At rest a millisecond after its check: the bucket refills at once.
+    let fast = TokenBucket::builder("fast")
+        .rate(1000.0)
+        .burst(1)
+        .build(&db.pool)?;
+    // Still limited for the whole test.
+    let limited = AnyLimiter::exact_trio(&db.pool, "limited", 1, false);
+    assert!(fast.check("idle-key", 1).await?.allowed);
+    for limiter in &limited {
+        assert!(limiter.check("busy-key", 1).await?.allowed);
+    }
+    assert_eq!(rows(&db.pool).await, 4);
+    sleep(Duration::from_millis(50)).await;
+
+    // At rest for 50 ms, not an hour: kept.
+    assert_eq!(pg_semaphore::prune_rate_limits(&db.pool, HOUR).await?, 0);
+    assert_eq!(
+        pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+        1
+    );
+    assert_eq!(rows(&db.pool).await, 3);
+    for limiter in &limited {
+        assert!(
+            !limiter.check("busy-key", 1).await?.allowed,
+            "{}: pruning forgot a limited key",
+            limiter.kind()
+        );
+    }
+    // The pruned key starts afresh.
+    assert_eq!(fast.check("idle-key", 1).await?.remaining, 0);
+    Ok(())
+}
+
+/// Pruning walks a table bigger than one batch (5,000 rows) to the end.
+#[tokio::test]
+async fn prune_walks_every_batch() -> TestResult {
+    let db = support::migrated_db().await;
+    // 12,000 keys at rest for a day, 3,000 not at rest for another hour.
+    sqlx::query(
+        "INSERT INTO pgsemaphore.rate_limits (kind, limiter, key, tokens, stamp, idle_at) \
+         SELECT 'token_bucket', 'bulk', 'k' || i, 1, now() - interval '1 day', \
+                CASE WHEN i % 5 = 0 THEN now() + interval '1 hour' ELSE now() - interval '1 day' END \
+           FROM generate_series(1, 15000) AS i",
+    )
+    .execute(&db.pool)
+    .await?;
+    let deleted = pg_semaphore::prune_rate_limits(&db.pool, Duration::from_secs(60)).await?;
+    assert_eq!(deleted, 12_000);
+    assert_eq!(rows(&db.pool).await, 3_000);
+    Ok(())
+}
+
+/// A reaper with `rate_limits(idle_for)` prunes idle keys each round.
+#[tokio::test]
+async fn reaper_prunes_idle_keys() -> TestResult {
+    let db = support::migrated_db().await;
+    let fast = TokenBucket::builder("fast")
+        .rate(1000.0)
+        .burst(1)
+        .build(&db.pool)?;
+    let slow = TokenBucket::builder("slow")
+        .rate(0.001)
+        .burst(1)
+        .build(&db.pool)?;
+    assert!(fast.check("k", 1).await?.allowed);
+    assert!(slow.check("k", 1).await?.allowed);
+    let reaper = Reaper::builder()
+        .interval(Duration::from_millis(50))
+        .rate_limits(Duration::ZERO)
+        .spawn(&db.pool)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rows(&db.pool).await > 1 && Instant::now() < deadline {
+        sleep(Duration::from_millis(20)).await;
+    }
+    reaper.shutdown().await;
+    let left: Vec<String> = sqlx::query_scalar("SELECT limiter FROM pgsemaphore.rate_limits")
+        .fetch_all(&db.pool)
+        .await?;
+    assert_eq!(left, ["slow"]);
+    Ok(())
+}
+
+/// Connect options for a port nothing listens on.
+fn closed_port(db: &support::TestDb) -> PgConnectOptions {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    let port = listener.local_addr().expect("local address").port();
+    drop(listener);
+    db.options.clone().host("127.0.0.1").port(port)
+}
+
+/// With the database unreachable, a fail-open limiter admits (and says so);
+/// the default, fail-closed, returns the error.
+#[tokio::test]
+async fn fail_open_admits_when_the_database_is_down() -> TestResult {
+    let db = support::empty_db().await;
+    let down = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(closed_port(&db));
+    for fail_open in [true, false] {
+        let limiters = [
+            AnyLimiter::Bucket(
+                TokenBucket::builder("down")
+                    .rate(1.0)
+                    .burst(1)
+                    .fail_open(fail_open)
+                    .build(&down)?,
+            ),
+            AnyLimiter::Fixed(
+                FixedWindow::builder("down")
+                    .permit_limit(1)
+                    .window(HOUR)
+                    .fail_open(fail_open)
+                    .build(&down)?,
+            ),
+            AnyLimiter::Sliding(
+                SlidingWindow::builder("down")
+                    .permit_limit(1)
+                    .window(HOUR)
+                    .fail_open(fail_open)
+                    .build(&down)?,
+            ),
+        ];
+        for limiter in &limiters {
+            let kind = limiter.kind();
+            let outcome = limiter.check("k", 1).await;
+            if fail_open {
+                let decision = outcome?;
+                assert!(
+                    decision.allowed && decision.failed_open,
+                    "{kind}: {decision:?}"
+                );
+                // Every request passes: nothing is counted.
+                assert!(limiter.check("k", 1).await?.allowed, "{kind}");
+            } else {
+                assert!(
+                    matches!(outcome, Err(Error::Database(_))),
+                    "{kind}: fail-closed gave {outcome:?}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Failing open covers an unreachable database, not a broken setup: missing
+/// migrations are still an error. A reachable database never fails open.
+#[tokio::test]
+async fn fail_open_does_not_hide_missing_migrations() -> TestResult {
+    let db = support::empty_db().await;
+    let limiter = TokenBucket::builder("unmigrated")
+        .rate(1.0)
+        .burst(1)
+        .fail_open(true)
+        .build(&db.pool)?;
+    let outcome = limiter.check("k", 1).await;
+    assert!(
+        matches!(outcome, Err(Error::MigrationsMissing { .. })),
+        "{outcome:?}"
+    );
+    pg_semaphore::migrate(&db.pool).await?;
+    let decision = limiter.check("k", 1).await?;
+    assert!(decision.allowed && !decision.failed_open);
+    Ok(())
+}
+
+/// Bad input is an `InvalidArgument` naming the argument, never a panic,
+/// and nothing is written.
+#[tokio::test]
+async fn bad_input_is_rejected_before_the_database() -> TestResult {
+    let db = support::migrated_db().await;
+    let pool = &db.pool;
+    let argument = |result: pg_semaphore::Result<()>| match result {
+        Err(Error::InvalidArgument { argument, .. }) => argument,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    };
+    let bucket = |rate: f64, burst: u32| {
+        TokenBucket::builder("b")
+            .rate(rate)
+            .burst(burst)
+            .build(pool)
+            .map(drop)
+    };
+    let fixed = |limit: u32, window: Duration| {
+        FixedWindow::builder("f")
+            .permit_limit(limit)
+            .window(window)
+            .build(pool)
+            .map(drop)
+    };
+    let sliding = |limit: u32, window: Duration| {
+        SlidingWindow::builder("s")
+            .permit_limit(limit)
+            .window(window)
+            .build(pool)
+            .map(drop)
+    };
+    let huge = "x".repeat(MAX_NAME_LEN + 1);
+    let builders: Vec<(&str, pg_semaphore::Result<()>)> = vec![
+        ("rate", bucket(0.0, 10)),
+        ("rate", bucket(-1.0, 10)),
+        ("rate", bucket(f64::NAN, 10)),
+        ("rate", bucket(f64::INFINITY, 10)),
+        ("rate", bucket(1e-9, 10)), // ten billion seconds to refill
+        ("burst", bucket(1.0, 0)),
+        (
+            "rate",
+            TokenBucket::builder("b").burst(1).build(pool).map(drop),
+        ),
+        (
+            "burst",
+            TokenBucket::builder("b").rate(1.0).build(pool).map(drop),
+        ),
+        (
+            "name",
+            TokenBucket::builder("")
+                .rate(1.0)
+                .burst(1)
+                .build(pool)
+                .map(drop),
+        ),
+        (
+            "name",
+            TokenBucket::builder(huge.as_str())
+                .rate(1.0)
+                .burst(1)
+                .build(pool)
+                .map(drop),
+        ),
+        (
+            "name",
+            TokenBucket::builder("a\0b")
+                .rate(1.0)
+                .burst(1)
+                .build(pool)
+                .map(drop),
+        ),
+        ("permit_limit", fixed(0, HOUR)),
+        ("window", fixed(1, Duration::ZERO)),
+        ("window", fixed(1, Duration::from_micros(999))),
+        ("window", fixed(1, MAX_WINDOW + Duration::from_secs(1))),
+        ("window", fixed(1, Duration::MAX)),
+        (
+            "permit_limit",
+            FixedWindow::builder("f").window(HOUR).build(pool).map(drop),
+        ),
+        (
+            "window",
+            FixedWindow::builder("f")
+                .permit_limit(1)
+                .build(pool)
+                .map(drop),
+        ),
+        ("permit_limit", sliding(0, HOUR)),
+        ("window", sliding(1, Duration::ZERO)),
+        ("window", sliding(1, Duration::MAX)),
+        (
+            "name",
+            SlidingWindow::builder("")
+                .permit_limit(1)
+                .window(HOUR)
+                .build(pool)
+                .map(drop),
+        ),
+    ];
+    for (i, (expected, result)) in builders.into_iter().enumerate() {
+        assert_eq!(argument(result), expected, "builder case {i}");
+    }
+
+    let long_key = "k".repeat(MAX_KEY_LEN + 1);
+    for limiter in AnyLimiter::exact_trio(pool, "valid", 5, false) {
+        let kind = limiter.kind();
+        let cases: [(&str, &str, u32); 6] = [
+            ("key", "", 1),
+            ("key", &long_key, 1),
+            ("key", "nul\0key", 1),
+            ("permits", "k", 0),
+            ("permits", "k", 6),
+            ("permits", "k", u32::MAX),
+        ];
+        for (expected, key, permits) in cases {
+            let result = limiter.check(key, permits).await.map(drop);
+            assert_eq!(
+                argument(result),
+                expected,
+                "{kind}: key {key:?}, permits {permits}"
+            );
+        }
+    }
+    assert_eq!(rows(pool).await, 0, "a rejected check wrote something");
+    Ok(())
+}
+
+/// Keys are data: SQL-looking, quoted, multibyte and maximal keys are
+/// stored and counted exactly as given.
+#[tokio::test]
+async fn hostile_keys_are_stored_as_data() -> TestResult {
+    let db = support::migrated_db().await;
+    let widest = "é".repeat(MAX_KEY_LEN); // 512 bytes
+    let name = "名".repeat(MAX_NAME_LEN); // 600 bytes
+    let keys = [
+        "'; DROP TABLE pgsemaphore.rate_limits; --",
+        "Robert'); DELETE FROM pgsemaphore.rate_limits; --",
+        "$1",
+        "%_\\",
+        "\"quoted\"",
+        "🦀 ünïcödé",
+        widest.as_str(),
+    ];
+    for limiters in [
+        AnyLimiter::exact_trio(&db.pool, "hostile", 1, false),
+        AnyLimiter::exact_trio(&db.pool, &name, 1, false),
+    ] {
+        for limiter in &limiters {
+            for key in keys {
+                assert!(
+                    limiter.check(key, 1).await?.allowed,
+                    "{}: {key:?}",
+                    limiter.kind()
+                );
+                assert!(
+                    !limiter.check(key, 1).await?.allowed,
+                    "{}: {key:?}",
+                    limiter.kind()
+                );
+            }
+        }
+    }
+    let mut stored: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT key FROM pgsemaphore.rate_limits")
+            .fetch_all(&db.pool)
+            .await?;
+    let mut expected: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+    stored.sort();
+    expected.sort();
+    assert_eq!(stored, expected);
+    assert_eq!(rows(&db.pool).await, 2 * 3 * keys.len() as i64);
+    Ok(())
+}
+
+/// The handles and futures can be shared across tasks.
+#[test]
+fn limiters_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+    send_sync::<TokenBucket>();
+    send_sync::<FixedWindow>();
+    send_sync::<SlidingWindow>();
+    send_sync::<Decision>();
+    #[allow(dead_code)]
+    async fn futures(b: TokenBucket, f: FixedWindow, s: SlidingWindow, pool: PgPool) {
+        send(&b.check("k", 1));
+        send(&f.check("k", 1));
+        send(&s.check("k", 1));
+        send(&pg_semaphore::prune_rate_limits(&pool, HOUR));
+    }
+}
