@@ -163,22 +163,13 @@ impl Error {
     }
 
     /// Whether the error means the database could not be reached or the
-    /// connection died (as opposed to an answer from the database): I/O and
-    /// TLS failures, pool timeouts, and SQLSTATE classes 08 (connection
-    /// exception) and 57P01-57P03 (server shutting down or starting up).
+    /// connection died (as opposed to an answer from the database): I/O, TLS
+    /// and protocol failures, pool timeouts, SQLSTATE class 08 (connection
+    /// exception), 57P01-57P05 (server shutting down, starting up, session
+    /// ended) and 53300 (too many connections).
     pub fn is_unreachable(&self) -> bool {
-        let Error::Database(error) = self else {
-            return false;
-        };
-        match error {
-            sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed => true,
-            sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-                code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
-            }),
+        match self {
+            Error::Database(error) => unreachable_database(error),
             _ => false,
         }
     }
@@ -188,5 +179,21 @@ impl Error {
             argument,
             reason: reason.into(),
         }
+    }
+}
+
+/// See [`Error::is_unreachable`].
+pub(crate) fn unreachable_database(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("57P") || code == "53300"
+        }),
+        _ => false,
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, unreachable_database};
 use crate::semaphore::MAX_NAME_LEN;
 use crate::validate;
 
@@ -202,7 +202,7 @@ impl Limiter {
                 limit,
                 failed_open: false,
             }),
-            Err(error) if self.fail_open && is_unreachable(&error) => {
+            Err(error) if self.fail_open && unreachable_database(&error) => {
                 tracing::warn!(
                     limiter = %self.name,
                     %error,
@@ -212,25 +212,6 @@ impl Limiter {
             }
             Err(error) => Err(error.into()),
         }
-    }
-}
-
-/// Whether an error means the database could not be reached (as opposed to
-/// a bug or a missing migration, which failing open would hide).
-fn is_unreachable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        // 08 connection exception, 57P01-57P03 shutdown / cannot connect now,
-        // 53300 too many connections.
-        sqlx::Error::Database(error) => error.code().is_some_and(|code| {
-            code.starts_with("08") || code.starts_with("57P") || code == "53300"
-        }),
-        _ => false,
     }
 }
 
