@@ -113,6 +113,7 @@ macro_rules! on_pool {
     };
 }
 
+mod admin;
 mod audit;
 mod error;
 mod listener;
@@ -122,6 +123,7 @@ mod reaper;
 mod semaphore;
 mod validate;
 
+pub use admin::{ReleaseOutcome, SemaphoreInfo, force_release, semaphores, set_capacity};
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
