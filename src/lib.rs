@@ -121,8 +121,12 @@ mod migrate;
 mod mutex;
 mod reaper;
 mod semaphore;
+#[cfg(feature = "tower")]
+mod tower;
 mod validate;
 
+#[cfg(feature = "tower")]
+pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{ReleaseOutcome, SemaphoreInfo, force_release, semaphores, set_capacity};
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
