@@ -120,11 +120,15 @@ mod listener;
 mod migrate;
 mod mutex;
 mod reaper;
+#[cfg(feature = "refinery")]
+mod refinery;
 mod semaphore;
 #[cfg(feature = "tower")]
 mod tower;
 mod validate;
 
+#[cfg(feature = "refinery")]
+pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner};
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{ReleaseOutcome, SemaphoreInfo, force_release, semaphores, set_capacity};
