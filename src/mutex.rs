@@ -867,6 +867,17 @@ async fn hold_session(
 /// releases the lock; like sqlx's own transactions the rollback is queued on
 /// the connection and runs when it returns to the pool, so it is not
 /// immediate.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut guard = pg_semaphore::Mutex::new("ledger").lock(&pool).await?;
+/// sqlx::query("INSERT INTO ledger (amount) VALUES (10)")
+///     .execute(guard.tx().as_mut())
+///     .await?;
+/// guard.commit().await?; // the insert and the release commit together
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
 #[must_use = "the lock is released (rolled back) when the guard is dropped"]
 pub struct MutexGuard {
     tx: Option<Transaction<'static, Postgres>>,
