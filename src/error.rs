@@ -6,6 +6,25 @@ use chrono::{DateTime, Utc};
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong when using pg-semaphore.
+///
+/// ```no_run
+/// use pg_semaphore::{Error, Semaphore};
+///
+/// # async fn run(sem: Semaphore) -> Result<u16, Error> {
+/// // Map to an HTTP status: busy is 503, a missing schema is a deployment bug.
+/// let status = match sem.try_acquire().await {
+///     Ok(permit) => {
+///         // ... call the upstream ...
+///         permit.release().await?;
+///         200
+///     }
+///     Err(Error::NoSlotsAvailable { .. }) => 503,
+///     Err(error @ Error::MigrationsMissing { .. }) => panic!("{error}"),
+///     Err(error) => return Err(error),
+/// };
+/// # Ok(status)
+/// # }
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -158,6 +177,18 @@ impl Error {
     /// Whether the error only means "busy": no slot was free, or a wait timed out.
     ///
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+    /// use std::time::Duration;
+    /// match sem.acquire_timeout(Duration::from_secs(2)).await {
+    ///     Ok(permit) => permit.release().await?,
+    ///     Err(e) if e.is_busy() => println!("busy: try again later"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn is_busy(&self) -> bool {
         matches!(self, Error::NoSlotsAvailable { .. } | Error::Timeout { .. })
     }

@@ -68,11 +68,50 @@
 //! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
 //! outcomes and hold times, and a summary with p50/p95 hold time.
 //!
+//! # Which primitive when
+//!
+//! | you need | use |
+//! |---|---|
+//! | at most N callers of an upstream, across processes | [`Semaphore`] of capacity N |
+//! | the same for an HTTP service's requests | [`Semaphore`] + `SemaphoreLayer` (feature `tower`) |
+//! | one runner of database work that commits with the release | transaction-scoped [`Mutex`] |
+//! | a leader, or an hour-long job, that must not pin a transaction | [`Mutex::lock_session`] |
+//! | exclusivity without pinning a connection, with an audit trail, or behind PgBouncer | [`Semaphore`] of capacity 1 |
+//!
+//! On a crash: a mutex is freed at once (the server ends the dead
+//! transaction or session); a semaphore slot is freed when its lease expires
+//! (or an operator runs [`force_release`]). On a timeout: both return
+//! [`Error::Timeout`], and nothing is left held or queued.
+//!
+//! # Operating
+//!
+//! [`semaphores`] lists every semaphore with its live holders,
+//! [`force_release`] frees a stuck claim, [`set_capacity`] resizes a
+//! semaphore, [`reap`] and [`prune`] clean up, [`AuditLog`] reads history.
+//! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
+//! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
+//!
 //! # Migrations
 //!
 //! Run [`migrate`] at start-up, or apply `migrations/` with
-//! `sqlx migrate run --source migrations --config migrations/sqlx.toml`. Both
-//! keep their history in [`MIGRATIONS_TABLE`], apart from the application's own.
+//! `sqlx migrate run --source migrations --config migrations/sqlx.toml`, or
+//! `pg-semaphore migrate`. All keep their history in [`MIGRATIONS_TABLE`],
+//! apart from the application's own. Applications on refinery use
+//! `refinery_migrate` (feature `refinery`): the same files, with refinery's
+//! history in `pgsemaphore.refinery_schema_history`.
+//!
+//! # Tracing
+//!
+//! Events go through `tracing`, once per operation and never per poll:
+//! mutex lock timeouts (`mutex` field), deadlocks and granted waits; reap
+//! counts (`reaped`); operator actions. See the README for the list.
+//!
+//! # Features
+//!
+//! - `cli`: the `pg-semaphore` operator binary.
+//! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
+//!   requests in flight (fail fast with 503/429, or wait up to a timeout).
+//! - `refinery`: `refinery_migrations`, `refinery_runner`, `refinery_migrate`.
 //!
 //! # Example
 //!
@@ -124,6 +163,7 @@ macro_rules! on_pool {
     };
 }
 
+mod admin;
 mod audit;
 mod error;
 mod lease;
@@ -132,9 +172,18 @@ mod migrate;
 mod mutex;
 mod rate_limit;
 mod reaper;
+#[cfg(feature = "refinery")]
+mod refinery;
 mod semaphore;
+#[cfg(feature = "tower")]
+mod tower;
 mod validate;
 
+#[cfg(feature = "refinery")]
+pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner};
+#[cfg(feature = "tower")]
+pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
+pub use admin::{ReleaseOutcome, SemaphoreInfo, force_release, semaphores, set_capacity};
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};

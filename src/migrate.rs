@@ -23,6 +23,17 @@ static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
 ///
 /// Use it to run the migrations on a connection or transaction of your own;
 /// [`migrate`] is the shortcut for a pool.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = pool.acquire().await?;
+/// pg_semaphore::migrator().run(&mut *conn).await?;
+/// for m in pg_semaphore::migrator().iter() {
+///     println!("{} {}", m.version, m.description);
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
 pub fn migrator() -> Migrator {
     let mut migrator = Migrator::with_migrations(EMBEDDED.iter().cloned().collect());
     migrator.create_schema(SCHEMA);

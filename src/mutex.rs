@@ -502,15 +502,40 @@ impl Mutex {
     fn lock_error(&self, error: sqlx::Error, wait: Wait) -> Error {
         let code = error.as_database_error().and_then(|e| e.code());
         match (code.as_deref(), wait) {
-            (Some("55P03"), Wait::Timeout(timeout)) => Error::Timeout {
-                name: self.label.clone(),
-                timeout,
-            },
-            (Some("40P01"), _) => Error::Deadlock {
-                name: self.label.clone(),
-            },
+            (Some("55P03"), Wait::Timeout(timeout)) => {
+                tracing::info!(
+                    mutex = %self.label,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "mutex lock timed out"
+                );
+                Error::Timeout {
+                    name: self.label.clone(),
+                    timeout,
+                }
+            }
+            (Some("40P01"), _) => {
+                tracing::warn!(
+                    mutex = %self.label,
+                    "deadlock detected waiting for a mutex; its transaction was rolled back"
+                );
+                Error::Deadlock {
+                    name: self.label.clone(),
+                }
+            }
             _ => error.into(),
         }
+    }
+
+    /// One event per waiting lock granted (never per poll: a wait is one
+    /// statement), with how long it waited.
+    fn trace_locked(&self, mode: Mode, scope: &'static str, started: std::time::Instant) {
+        tracing::debug!(
+            mutex = %self.label,
+            mode = ?mode,
+            scope,
+            waited_ms = started.elapsed().as_millis() as u64,
+            "mutex locked"
+        );
     }
 
     /// Runs the transaction-scoped lock in a spawned task that owns the
@@ -523,6 +548,7 @@ impl Mutex {
         tokio::spawn(async move {
             let mut reply = reply;
             let token = token();
+            let started = std::time::Instant::now();
             let outcome = match wait {
                 Wait::Try => mutex.try_xact_lock(&pool, mode, &token, &mut reply).await,
                 _ => {
@@ -534,6 +560,9 @@ impl Mutex {
             let Some(outcome) = outcome else {
                 return; // the caller has gone; everything was let go of
             };
+            if let (Ok(Some(_)), Wait::Timeout(_) | Wait::Forever) = (&outcome, wait) {
+                mutex.trace_locked(mode, "transaction", started);
+            }
             let response = outcome.map(|tx| {
                 tx.map(|tx| MutexGuard {
                     tx: Some(tx),
@@ -617,6 +646,7 @@ impl Mutex {
                 }
             };
             let token = token();
+            let started = std::time::Instant::now();
             let sql = mutex.session_sql(wait, &token);
             let statement = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut conn);
             let Some(result) = run_or_cancel(&pool, statement, &token, &mut reply).await else {
@@ -660,6 +690,9 @@ impl Mutex {
                 let _ = conn.close().await;
                 let _ = reply.send(Ok(None));
                 return;
+            }
+            if !matches!(wait, Wait::Try) {
+                mutex.trace_locked(Mode::Exclusive, "session", started);
             }
             let (commands, inbox) = mpsc::channel(1);
             let (lost_tx, lost) = watch::channel(false);
@@ -834,6 +867,17 @@ async fn hold_session(
 /// releases the lock; like sqlx's own transactions the rollback is queued on
 /// the connection and runs when it returns to the pool, so it is not
 /// immediate.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut guard = pg_semaphore::Mutex::new("ledger").lock(&pool).await?;
+/// sqlx::query("INSERT INTO ledger (amount) VALUES (10)")
+///     .execute(guard.tx().as_mut())
+///     .await?;
+/// guard.commit().await?; // the insert and the release commit together
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
 #[must_use = "the lock is released (rolled back) when the guard is dropped"]
 pub struct MutexGuard {
     tx: Option<Transaction<'static, Postgres>>,

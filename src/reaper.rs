@@ -225,39 +225,48 @@ impl Reaper {
             rate_limits,
         } = options;
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(interval);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = &mut stopped => return,
-                    _ = ticker.tick() => {}
-                }
-                // Finish a round in progress before honouring shutdown.
-                if let Err(error) = reap(&pool).await {
-                    tracing::warn!(%error, "pg-semaphore reaper failed; retrying next interval");
-                }
-                if let Some(retention) = retention {
-                    match prune(&pool, retention).await {
-                        Ok(0) => {}
-                        Ok(_) => {
-                            // Outside a transaction: VACUUM cannot run in one.
-                            if let Err(error) = sqlx::raw_sql(VACUUM).execute(&pool).await {
-                                tracing::debug!(%error, "vacuuming pgsemaphore.slots after pruning failed");
+        // Every event of the background reaper (counts, errors) comes with its settings.
+        let span = tracing::info_span!(
+            "pg_semaphore.reaper",
+            interval_ms = interval.as_millis() as u64,
+            retention_s = retention.map(|r| r.as_secs()),
+        );
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let mut ticker = tokio::time::interval(interval);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = &mut stopped => return,
+                        _ = ticker.tick() => {}
+                    }
+                    // Finish a round in progress before honouring shutdown.
+                    if let Err(error) = reap(&pool).await {
+                        tracing::warn!(%error, "pg-semaphore reaper failed; retrying next interval");
+                    }
+                    if let Some(retention) = retention {
+                        match prune(&pool, retention).await {
+                            Ok(0) => {}
+                            Ok(_) => {
+                                // Outside a transaction: VACUUM cannot run in one.
+                                if let Err(error) = sqlx::raw_sql(VACUUM).execute(&pool).await {
+                                    tracing::debug!(%error, "vacuuming pgsemaphore.slots after pruning failed");
+                                }
+                            }
+                            Err(error) => {
+                                tracing::warn!(%error, "pg-semaphore prune failed; retrying next interval")
                             }
                         }
-                        Err(error) => {
-                            tracing::warn!(%error, "pg-semaphore prune failed; retrying next interval")
-                        }
+                    }
+                    if let Some(idle_for) = rate_limits
+                        && let Err(error) = crate::prune_rate_limits(&pool, idle_for).await
+                    {
+                        tracing::warn!(%error, "pruning rate limiter keys failed; retrying next interval");
                     }
                 }
-                if let Some(idle_for) = rate_limits
-                    && let Err(error) = crate::prune_rate_limits(&pool, idle_for).await
-                {
-                    tracing::warn!(%error, "pruning rate limiter keys failed; retrying next interval");
-                }
-            }
-        });
+            },
+            span,
+        ));
         Reaper {
             task: Some(task),
             stop: Some(stop),

@@ -1,0 +1,108 @@
+//! An axum service whose `/charge` endpoint calls a fragile upstream that
+//! takes at most 2 requests at once, across every replica of the service.
+//! `SemaphoreLayer` enforces that with a pg-semaphore semaphore: excess
+//! requests get `429 Too Many Requests` with `Retry-After` at once; `/health`
+//! is not limited.
+//!
+//! ```text
+//! cargo run --example axum --features tower             # serves, sends a burst of 6, prints the outcome
+//! cargo run --example axum --features tower -- --serve  # just serve on 127.0.0.1:3000
+//! ```
+//!
+//! With `--serve`, try `curl -X POST localhost:3000/charge` from a few shells
+//! at once, and `pg-semaphore status` (feature `cli`) to see the holders.
+//! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
+//! starts a throwaway PostgreSQL, exactly as the tests do.
+
+#[path = "../tests/support/server.rs"]
+mod server;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use http::{Request, StatusCode};
+use http_body_util::Empty;
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use pg_semaphore::{AuditLog, Semaphore, SemaphoreLayer};
+use sqlx::postgres::PgPoolOptions;
+
+/// Stands in for the call to the fragile upstream.
+async fn charge() -> &'static str {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    "charged\n"
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let serve_only = std::env::args().any(|arg| arg == "--serve");
+    let server = tokio::task::spawn_blocking(server::server).await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(server.options.clone())
+        .await?;
+    pg_semaphore::migrate(&pool).await?;
+
+    let upstream = Semaphore::builder("example-upstream", 2)
+        .lease(Duration::from_secs(30)) // longer than any legitimate request
+        .build(&pool)
+        .await?;
+    let app = Router::new()
+        .route("/charge", post(charge))
+        .route_layer(
+            SemaphoreLayer::new(upstream)
+                .reject_with(StatusCode::TOO_MANY_REQUESTS)
+                .retry_after(Duration::from_secs(1))
+                .record_requests(true),
+        )
+        .route("/health", get(|| async { "ok\n" }));
+
+    let address = if serve_only {
+        "127.0.0.1:3000"
+    } else {
+        "127.0.0.1:0"
+    };
+    let listener = tokio::net::TcpListener::bind(address).await?;
+    let address = listener.local_addr()?;
+    println!("listening on http://{address} ({})", server.description);
+    if serve_only {
+        axum::serve(listener, app).await?;
+        return Ok(());
+    }
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    // A burst of 6 concurrent requests: 2 are served, 4 are told to come back.
+    let started = chrono::Utc::now();
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let burst: Vec<_> = (0..6)
+        .map(|_| {
+            let client = client.clone();
+            let request = Request::post(format!("http://{address}/charge"))
+                .body(Empty::new())
+                .expect("a valid request");
+            tokio::spawn(async move { client.request(request).await })
+        })
+        .collect();
+    for (i, response) in burst.into_iter().enumerate() {
+        let response = response.await??;
+        let retry = response
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(|s| format!(" (Retry-After: {s})"))
+            .unwrap_or_default();
+        println!("request {i}: {}{retry}", response.status());
+    }
+
+    let summary = AuditLog::new(&pool)
+        .summary("example-upstream", started..chrono::Utc::now())
+        .await?;
+    println!(
+        "audit log: {} requests reached the upstream, p50 hold {:?}",
+        summary.completed,
+        summary.p50_hold.unwrap_or_default()
+    );
+    Ok(())
+}

@@ -1,0 +1,278 @@
+//! Operator functions: list every semaphore with its live holders, force a
+//! claim's release, change a capacity. The `pg-semaphore` CLI is built on
+//! them; applications can call them too (an admin endpoint, a runbook script).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+use crate::audit::Holder;
+use crate::error::{Error, Result};
+use crate::semaphore::{MAX_CAPACITY, MAX_NAME_LEN};
+use crate::validate;
+
+/// Every semaphore with its live claims, read in one statement (one
+/// snapshot). `as_of` is the database clock at that statement, so ages and
+/// remaining leases are computed on the same clock as the leases themselves.
+const STATUS: &str = "\
+SELECT s.name, s.capacity,
+       extract(epoch FROM s.default_lease)::float8 AS lease_seconds,
+       s.created_at AS semaphore_created_at, s.updated_at,
+       statement_timestamp() AS as_of,
+       l.id, l.slot, l.holder, l.metadata, l.created_at, l.expires_at
+  FROM pgsemaphore.semaphores s
+  LEFT JOIN pgsemaphore.slots l
+         ON l.semaphore = s.name AND l.completed_at IS NULL AND l.timed_out_at IS NULL
+ ORDER BY s.name, l.created_at, l.id";
+
+/// Ends a claim, whoever holds it (the same function a permit's release calls).
+const RELEASE: &str = "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.release($1)";
+
+/// Locks the semaphore's row and reads its lease, so the capacity change
+/// below keeps exactly the lease in force.
+const LOCK_SEMAPHORE: &str = "\
+SELECT default_lease FROM pgsemaphore.semaphores WHERE name = $1 FOR NO KEY UPDATE";
+
+/// Sets capacity and lease (notifying waiters when the capacity grows).
+const CONFIGURE: &str = "SELECT o_previous_capacity FROM pgsemaphore.configure($1, $2, $3)";
+
+/// A semaphore as stored, with its live claims; listed by [`semaphores`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct SemaphoreInfo {
+    /// The semaphore's name.
+    pub name: String,
+    /// Its capacity: how many claims may be live at once.
+    pub capacity: u32,
+    /// The lease given to claims that do not choose their own.
+    pub default_lease: Duration,
+    /// When the semaphore was first built.
+    pub created_at: DateTime<Utc>,
+    /// When its capacity or lease last changed.
+    pub updated_at: DateTime<Utc>,
+    /// The live claims, oldest first. Some may have an expired lease that no
+    /// reaper or claim has noticed yet (see [`Holder::expires_at`]).
+    pub holders: Vec<Holder>,
+    /// The database clock when this was read: compare it with a holder's
+    /// `created_at` (its age) and `expires_at` (its lease left).
+    pub as_of: DateTime<Utc>,
+}
+
+/// What [`force_release`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReleaseOutcome {
+    /// The claim was live and is now completed; its semaphore's waiters were
+    /// woken. Its holder gets [`Error::PermitLost`] when it releases.
+    Released {
+        /// The claim's semaphore.
+        semaphore: String,
+        /// When it was completed (database clock).
+        at: DateTime<Utc>,
+    },
+    /// The claim had already been reaped after its lease expired.
+    AlreadyTimedOut {
+        /// The claim's semaphore.
+        semaphore: String,
+        /// When it was reaped.
+        at: DateTime<Utc>,
+    },
+    /// The claim had already been released.
+    AlreadyCompleted {
+        /// The claim's semaphore.
+        semaphore: String,
+        /// When it was released.
+        at: DateTime<Utc>,
+    },
+    /// No claim has this id (never existed, or pruned).
+    NotFound,
+}
+
+#[derive(sqlx::FromRow)]
+struct StatusRow {
+    name: String,
+    capacity: i32,
+    lease_seconds: f64,
+    semaphore_created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    as_of: DateTime<Utc>,
+    id: Option<i64>,
+    slot: Option<i32>,
+    holder: Option<String>,
+    metadata: Option<serde_json::Value>,
+    created_at: Option<DateTime<Utc>>,
+    expires_at: Option<DateTime<Utc>>,
+}
+
+/// Every semaphore in the database, by name, each with its live claims.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// for sem in pg_semaphore::semaphores(&pool).await? {
+///     println!("{}: {} of {} held", sem.name, sem.holders.len(), sem.capacity);
+///     for h in &sem.holders {
+///         println!("  #{} {} for {}", h.id, h.holder, sem.as_of - h.created_at);
+///     }
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// Read-only: cancel at will.
+pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
+    let rows: Vec<StatusRow> = on_pool!(pool, true, |conn| {
+        sqlx::query_as(STATUS).persistent(false).fetch_all(conn)
+    })
+    .await?;
+    let mut list: Vec<SemaphoreInfo> = Vec::new();
+    for row in rows {
+        if list.last().is_none_or(|last| last.name != row.name) {
+            list.push(SemaphoreInfo {
+                name: row.name.clone(),
+                capacity: row.capacity.max(0) as u32,
+                default_lease: Duration::try_from_secs_f64(row.lease_seconds)
+                    .unwrap_or(Duration::ZERO),
+                created_at: row.semaphore_created_at,
+                updated_at: row.updated_at,
+                holders: Vec::new(),
+                as_of: row.as_of,
+            });
+        }
+        if let (Some(id), Some(slot), Some(holder), Some(created_at), Some(expires_at)) =
+            (row.id, row.slot, row.holder, row.created_at, row.expires_at)
+        {
+            let info = list.last_mut().expect("pushed above");
+            info.holders.push(Holder {
+                id,
+                slot,
+                holder,
+                metadata: row.metadata,
+                created_at,
+                expires_at,
+            });
+        }
+    }
+    Ok(list)
+}
+
+/// Ends the claim `id` now, whoever holds it: for an operator freeing a
+/// slot held by a stuck or vanished process without waiting for its lease.
+/// Waiters are woken as by a normal release. The holder, if still running,
+/// learns it on its own release ([`Error::PermitLost`]) or
+/// [`Permit::fence`](crate::Permit::fence); until then it may still be
+/// working, so another claimer can overlap with it. Prefer waiting for the
+/// lease unless the holder is known to be gone.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// use pg_semaphore::ReleaseOutcome;
+/// match pg_semaphore::force_release(&pool, 42).await? {
+///     ReleaseOutcome::Released { semaphore, .. } => println!("freed a slot of {semaphore}"),
+///     ReleaseOutcome::NotFound => println!("no claim #42"),
+///     other => println!("nothing to do: {other:?}"),
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::MigrationsMissing`], [`Error::Database`]. A claim that had
+/// already ended, or does not exist, is an [`Ok`] outcome.
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either releases or not.
+pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
+    let (outcome, semaphore, at): (String, Option<String>, Option<DateTime<Utc>>) =
+        on_pool!(pool, true, |conn| {
+            sqlx::query_as(RELEASE)
+                .bind(id)
+                .persistent(false)
+                .fetch_one(conn)
+        })
+        .await?;
+    Ok(match (outcome.as_str(), semaphore, at) {
+        ("released", Some(semaphore), Some(at)) => {
+            tracing::info!(semaphore, id, "claim force-released");
+            ReleaseOutcome::Released { semaphore, at }
+        }
+        ("timed_out", Some(semaphore), Some(at)) => {
+            ReleaseOutcome::AlreadyTimedOut { semaphore, at }
+        }
+        ("completed", Some(semaphore), Some(at)) => {
+            ReleaseOutcome::AlreadyCompleted { semaphore, at }
+        }
+        _ => ReleaseOutcome::NotFound,
+    })
+}
+
+/// Changes the capacity of an existing semaphore, keeping its default lease,
+/// and returns the previous capacity. Growing it wakes waiters at once;
+/// shrinking it lets holders above the new capacity keep their slots until
+/// they release (new claims see the new capacity).
+///
+/// Processes that build the semaphore with another capacity set it back:
+/// change it in their configuration too.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// let previous = pg_semaphore::set_capacity(&pool, "payments-api", 8).await?;
+/// println!("payments-api: {previous} -> 8");
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a capacity of 0 or above [`MAX_CAPACITY`]
+/// or a bad name (nothing is written); [`Error::SemaphoreNotFound`] when no
+/// semaphore has this name; [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One transaction: cancelling either applies the change or not.
+pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u32> {
+    validate::text("name", name, MAX_NAME_LEN)?;
+    if capacity == 0 || capacity > MAX_CAPACITY {
+        return Err(Error::invalid(
+            "capacity",
+            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
+        ));
+    }
+    // Unnamed statements in an explicit transaction: works through PgBouncer.
+    let mut tx = pool.begin().await?;
+    let lease: Option<sqlx::postgres::types::PgInterval> = sqlx::query_scalar(LOCK_SEMAPHORE)
+        .bind(name)
+        .persistent(false)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some(lease) = lease else {
+        return Err(Error::SemaphoreNotFound {
+            semaphore: name.to_owned(),
+        });
+    };
+    let previous: Option<i32> = sqlx::query_scalar(CONFIGURE)
+        .bind(name)
+        .bind(capacity as i32)
+        .bind(lease)
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    let previous = previous.unwrap_or(capacity as i32).max(0) as u32;
+    tracing::info!(
+        semaphore = name,
+        previous,
+        capacity,
+        "semaphore capacity set"
+    );
+    Ok(previous)
+}

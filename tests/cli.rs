@@ -1,0 +1,531 @@
+//! The `pg-semaphore` binary, run as an operator would: against a real
+//! database, checking what it prints and the exit status scripts rely on.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::Duration;
+
+use pg_semaphore::{Error, LostReason, Semaphore};
+use tokio::process::Command;
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// A directory with no `.env` in it or above it (unlike the checkout).
+fn bare_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pgsem-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the binary with `args`, `DATABASE_URL` set to `url` (or unset), in
+/// `dir` (default: a directory without `.env`).
+async fn run_in(dir: Option<&PathBuf>, url: Option<&str>, args: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_pg-semaphore"));
+    command
+        .args(args)
+        .current_dir(dir.cloned().unwrap_or_else(bare_dir))
+        .env_remove("DATABASE_URL");
+    if let Some(url) = url {
+        command.env("DATABASE_URL", url);
+    }
+    command.output().await.expect("run pg-semaphore")
+}
+
+async fn run(db: &support::TestDb, args: &[&str]) -> Output {
+    run_in(None, Some(&support::server::url_for(&db.name)), args).await
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Asserts the exit status, showing the output when it differs.
+#[track_caller]
+fn assert_status(out: &Output, code: i32) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "expected exit status {code}\nstdout:\n{}\nstderr:\n{}",
+        stdout(out),
+        stderr(out)
+    );
+}
+
+#[tokio::test]
+async fn help_lists_every_command_and_the_exit_statuses() {
+    let out = run_in(None, None, &["--help"]).await;
+    assert_status(&out, 0);
+    let help = stdout(&out);
+    for command in [
+        "migrate",
+        "status",
+        "audit",
+        "reap",
+        "release",
+        "set-capacity",
+        "prune",
+    ] {
+        assert!(help.contains(command), "--help lacks {command}:\n{help}");
+    }
+    for line in [
+        "0  success",
+        "1  database",
+        "2  usage",
+        "3  not found",
+        "4  pg-semaphore's migrations",
+    ] {
+        assert!(
+            help.contains(line),
+            "--help lacks exit status {line:?}:\n{help}"
+        );
+    }
+    assert!(help.contains("DATABASE_URL"), "{help}");
+
+    let out = run_in(None, None, &["audit", "--help"]).await;
+    assert_status(&out, 0);
+    for option in ["--last", "--since", "--until", "--json", "--csv"] {
+        assert!(stdout(&out).contains(option), "audit --help lacks {option}");
+    }
+}
+
+#[tokio::test]
+async fn bad_usage_exits_with_status_2() {
+    for args in [
+        &["frobnicate"][..],
+        &["release"],                                     // --id is required
+        &["release", "--id", "x"],                        // not a number
+        &["prune", "--older-than", "soon"],               // not a duration
+        &["audit", "s", "--last", "1h", "--since", "2h"], // conflicting windows
+        &["audit", "s", "--json", "--csv"],               // one format
+        &["set-capacity", "s", "-1"],
+    ] {
+        let out = run_in(None, Some("postgres://unused@127.0.0.1:1/x"), args).await;
+        assert_status(&out, 2);
+        assert!(!stderr(&out).is_empty(), "{args:?}: no message");
+    }
+}
+
+#[tokio::test]
+async fn no_database_url_is_a_usage_error_that_says_what_to_set() {
+    let out = run_in(None, None, &["status"]).await;
+    assert_status(&out, 2);
+    let message = stderr(&out);
+    assert!(message.contains("DATABASE_URL"), "{message}");
+    assert!(message.contains(".env"), "{message}");
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_a_runtime_error() {
+    let port = support::server::free_port().unwrap();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let out = run_in(None, Some(&url), &["status"]).await;
+    assert_status(&out, 1);
+    let message = stderr(&out);
+    assert!(message.contains("cannot connect"), "{message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+}
+
+#[tokio::test]
+async fn an_unmigrated_database_says_to_migrate_then_migrate_fixes_it() -> TestResult {
+    let db = support::empty_db().await;
+    for args in [
+        &["status"][..],
+        &["reap"],
+        &["audit", "x"],
+        &["release", "--id", "1"],
+        &["set-capacity", "x", "2"],
+        &["prune", "--older-than", "1d"],
+    ] {
+        let out = run(&db, args).await;
+        assert_status(&out, 4);
+        assert!(
+            stderr(&out).contains("run `pg-semaphore migrate`"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+
+    let out = run(&db, &["migrate"]).await;
+    assert_status(&out, 0);
+    assert!(stdout(&out).contains("up to date"), "{}", stdout(&out));
+    let out = run(&db, &["migrate"]).await; // idempotent
+    assert_status(&out, 0);
+
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    assert!(stdout(&out).contains("no semaphores"), "{}", stdout(&out));
+    // The library agrees: the schema is there.
+    Semaphore::builder("after-cli-migrate", 1)
+        .build(&db.pool)
+        .await?
+        .try_acquire()
+        .await?
+        .release()
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_database_url_can_come_from_a_dotenv_file() -> TestResult {
+    let db = support::empty_db().await;
+    let dir = std::env::temp_dir().join(format!("pgsem-cli-dotenv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join(".env"),
+        format!("DATABASE_URL={}\n", support::server::url_for(&db.name)),
+    )?;
+    let out = run_in(Some(&dir), None, &["migrate"]).await;
+    assert_status(&out, 0);
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore._sqlx_migrations")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(applied as usize, pg_semaphore::migrator().iter().count());
+    Ok(())
+}
+
+#[tokio::test]
+async fn status_lists_every_semaphore_and_its_holders() -> TestResult {
+    let db = support::migrated_db().await;
+    let payments = Semaphore::builder("payments", 3)
+        .lease(Duration::from_secs(600))
+        .build(&db.pool)
+        .await?;
+    Semaphore::builder("idle", 2).build(&db.pool).await?;
+    let a = payments.claim().holder("worker-a").try_acquire().await?;
+    let b = payments.claim().holder("worker-b").try_acquire().await?;
+
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    let row = |name: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{text}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    // SEMAPHORE CAPACITY HELD FREE LEASE
+    assert_eq!(row("payments")[1..4], ["3", "2", "1"]);
+    assert_eq!(row("idle")[1..4], ["2", "0", "2"]);
+    for (permit, holder) in [(&a, "worker-a"), (&b, "worker-b")] {
+        let line = row(&permit.id().to_string());
+        assert_eq!(line[1], permit.slot().to_string(), "{text}");
+        assert_eq!(line[2], holder, "{text}");
+    }
+
+    let out = run(&db, &["status", "payments", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let list = json.as_array().expect("an array");
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0]["name"], "payments");
+    assert_eq!(list[0]["capacity"], 3);
+    assert_eq!(list[0]["default_lease_seconds"], 600.0);
+    let holders = list[0]["holders"].as_array().expect("holders");
+    let ids: Vec<i64> = holders.iter().map(|h| h["id"].as_i64().unwrap()).collect();
+    assert_eq!(ids, [a.id(), b.id()]);
+    assert_eq!(holders[0]["holder"], "worker-a");
+    for h in holders {
+        let age = h["age_seconds"].as_f64().unwrap();
+        let left = h["lease_left_seconds"].as_f64().unwrap();
+        assert!(age >= 0.0 && left > 0.0 && left <= 600.0, "{h}");
+    }
+
+    let out = run(&db, &["status", "no-such-semaphore"]).await;
+    assert_status(&out, 3);
+    a.release().await?;
+    b.release().await?;
+    Ok(())
+}
+
+/// Three completed claims, one timed out, one live (holder label with a comma).
+async fn some_history(db: &support::TestDb) -> Result<(Semaphore, pg_semaphore::Permit), Error> {
+    let sem = Semaphore::builder("audited", 5)
+        .lease(Duration::from_secs(600))
+        .build(&db.pool)
+        .await?;
+    for i in 0..3 {
+        sem.claim()
+            .holder(format!("job-{i}"))
+            .try_acquire()
+            .await?
+            .release()
+            .await?;
+    }
+    let doomed = sem
+        .claim()
+        .holder("crashed")
+        .lease(Duration::from_millis(10))
+        .try_acquire()
+        .await?;
+    std::mem::forget(doomed); // a holder that died: only its lease frees the slot
+    wait_until_expired(db).await;
+    assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
+    let live = sem
+        .claim()
+        .holder("web-1, pid 7")
+        .metadata(serde_json::json!({ "request": "r-1" }))
+        .try_acquire()
+        .await?;
+    Ok((sem, live))
+}
+
+/// Waits (on the database clock) until every live claim with a short lease has expired.
+async fn wait_until_expired(db: &support::TestDb) {
+    for _ in 0..500 {
+        let pending: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pgsemaphore.slots
+              WHERE completed_at IS NULL AND timed_out_at IS NULL
+                AND expires_at - created_at < interval '1 second'
+                AND expires_at > clock_timestamp()",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if pending == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("a 10 ms lease never expired");
+}
+
+#[tokio::test]
+async fn audit_prints_the_window_as_a_table_json_or_csv() -> TestResult {
+    let db = support::migrated_db().await;
+    let (_sem, live) = some_history(&db).await?;
+
+    let out = run(&db, &["audit", "audited"]).await; // default: the last hour
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    for holder in ["job-0", "job-1", "job-2", "crashed", "web-1, pid 7"] {
+        assert!(text.contains(holder), "{holder} missing:\n{text}");
+    }
+    assert!(text.contains("timed_out"), "{text}");
+    assert!(
+        text.contains("5 claims: 3 completed, 1 timed out, 1 live"),
+        "{text}"
+    );
+    assert!(text.contains("p50") && text.contains("p95"), "{text}");
+
+    let out = run(&db, &["audit", "audited", "--last", "1h", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let claims = json["claims"].as_array().expect("claims");
+    assert_eq!(claims.len(), 5);
+    let outcomes: Vec<&str> = claims
+        .iter()
+        .map(|c| c["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        ["completed", "completed", "completed", "timed_out", "live"]
+    );
+    assert_eq!(claims[4]["id"], live.id());
+    assert_eq!(claims[4]["metadata"]["request"], "r-1");
+    assert_eq!(claims[4]["ended_at"], serde_json::Value::Null);
+    let summary = &json["summary"];
+    assert_eq!(
+        (
+            summary["total"].clone(),
+            summary["completed"].clone(),
+            summary["timed_out"].clone(),
+            summary["live"].clone()
+        ),
+        (5.into(), 3.into(), 1.into(), 1.into())
+    );
+    let p50 = summary["p50_hold_seconds"]
+        .as_f64()
+        .expect("p50 over 4 finished claims");
+    let p95 = summary["p95_hold_seconds"].as_f64().expect("p95");
+    assert!(p50 <= p95, "{summary}");
+
+    let out = run(&db, &["audit", "audited", "--csv"]).await;
+    assert_status(&out, 0);
+    let csv = stdout(&out);
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(
+        lines[0],
+        "id,slot,holder,claimed_at,expires_at,ended_at,outcome,held_seconds,metadata"
+    );
+    assert_eq!(lines.len(), 6, "{csv}");
+    let last = lines[5];
+    assert!(last.starts_with(&format!("{},", live.id())), "{last}");
+    assert!(last.contains(",\"web-1, pid 7\","), "{last}");
+    assert!(last.contains(",live,"), "{last}");
+    assert!(
+        last.ends_with("\"{\"\"request\"\":\"\"r-1\"\"}\""),
+        "{last}"
+    );
+
+    // A window that ended before any of it.
+    let out = run(
+        &db,
+        &[
+            "audit", "audited", "--since", "3d", "--until", "2d", "--json",
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["claims"].as_array().unwrap().len(), 0);
+    assert_eq!(json["summary"]["total"], 0);
+    assert_eq!(json["summary"]["p50_hold_seconds"], serde_json::Value::Null);
+
+    let out = run(&db, &["audit", "audited", "--since", "1d", "--until", "2d"]).await;
+    assert_status(&out, 2);
+    assert!(
+        stderr(&out).contains("before it starts"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = run(&db, &["audit", "never-built"]).await;
+    assert_status(&out, 3);
+    assert!(stderr(&out).contains("never-built"), "{}", stderr(&out));
+    live.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn reap_times_out_expired_claims() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("reaped", 2).build(&db.pool).await?;
+    let keep = sem
+        .claim()
+        .lease(Duration::from_secs(600))
+        .try_acquire()
+        .await?;
+    std::mem::forget(
+        sem.claim()
+            .lease(Duration::from_millis(10))
+            .try_acquire()
+            .await?,
+    );
+    wait_until_expired(&db).await;
+
+    let out = run(&db, &["reap"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).trim(), "reaped 1 expired claim");
+    let out = run(&db, &["reap"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).trim(), "reaped 0 expired claims");
+    assert_eq!(sem.available_permits().await?, 1);
+    keep.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn release_frees_a_stuck_slot_and_its_holder_learns_it() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("stuck", 1)
+        .lease(Duration::from_secs(3600))
+        .build(&db.pool)
+        .await?;
+    let stuck = sem.try_acquire().await?;
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+
+    let id = stuck.id().to_string();
+    let out = run(&db, &["release", "--id", &id]).await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).contains(&format!("released claim {id} of \"stuck\"")),
+        "{}",
+        stdout(&out)
+    );
+    let next = sem.try_acquire().await?; // the slot is free at once
+    match stuck.release().await {
+        Err(Error::PermitLost {
+            reason: LostReason::AlreadyReleased { .. },
+            ..
+        }) => {}
+        other => panic!("the stuck holder must learn it lost its slot: {other:?}"),
+    }
+
+    let out = run(&db, &["release", "--id", &id]).await; // again: nothing to do
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).contains("already been released"),
+        "{}",
+        stdout(&out)
+    );
+
+    let out = run(&db, &["release", "--id", "987654321"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no claim 987654321"),
+        "{}",
+        stderr(&out)
+    );
+    next.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("resized", 1)
+        .lease(Duration::from_secs(45))
+        .build(&db.pool)
+        .await?;
+    let held = sem.try_acquire().await?;
+    // A waiter is woken by the capacity growing, not by a release.
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(60)).await })
+    };
+
+    let out = run(&db, &["set-capacity", "resized", "3"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).trim(), "resized: capacity 1 -> 3");
+    let second = waiter.await??;
+    let info = pg_semaphore::semaphores(&db.pool).await?;
+    assert_eq!(info[0].capacity, 3);
+    assert_eq!(info[0].default_lease, Duration::from_secs(45));
+    assert_eq!(info[0].holders.len(), 2);
+
+    let out = run(&db, &["set-capacity", "missing", "3"]).await;
+    assert_status(&out, 3);
+    let out = run(&db, &["set-capacity", "resized", "0"]).await;
+    assert_status(&out, 2);
+    assert!(stderr(&out).contains("capacity"), "{}", stderr(&out));
+    assert_eq!(pg_semaphore::semaphores(&db.pool).await?[0].capacity, 3);
+    held.release().await?;
+    second.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn prune_deletes_finished_claims_only() -> TestResult {
+    let db = support::migrated_db().await;
+    let (sem, live) = some_history(&db).await?;
+
+    let out = run(&db, &["prune", "--older-than", "30d"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "deleted 0 finished claims that ended more than 30d00h ago"
+    );
+    let out = run(&db, &["prune", "--older-than", "0s"]).await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).starts_with("deleted 4 finished claims"),
+        "{}",
+        stdout(&out)
+    );
+    let holders = sem.holders().await?;
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].id, live.id());
+    live.release().await?;
+    Ok(())
+}

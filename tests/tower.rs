@@ -1,0 +1,337 @@
+//! `SemaphoreLayer` on a real axum server on loopback, called by a real HTTP
+//! client (hyper), with the semaphore on a real PostgreSQL. Handlers count
+//! themselves in and out, so the limit is checked where it matters: inside
+//! the handler.
+
+mod support;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use http::{Request, StatusCode};
+use http_body_util::Empty;
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use pg_semaphore::{AuditLog, Outcome, Semaphore, SemaphoreLayer};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// What the handlers saw: how many were inside at once, at most, and in all.
+#[derive(Default)]
+struct Gauge {
+    inside: AtomicUsize,
+    max_inside: AtomicUsize,
+    entered: AtomicUsize,
+}
+
+/// Counts a handler in; counts it out when dropped (also when the request is
+/// cancelled and the handler future dropped).
+struct Inside(Arc<Gauge>);
+
+impl Inside {
+    fn enter(gauge: &Arc<Gauge>) -> Self {
+        gauge.entered.fetch_add(1, Ordering::SeqCst);
+        let now = gauge.inside.fetch_add(1, Ordering::SeqCst) + 1;
+        gauge.max_inside.fetch_max(now, Ordering::SeqCst);
+        Inside(gauge.clone())
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        self.0.inside.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(Clone)]
+struct App {
+    gauge: Arc<Gauge>,
+    /// Each `/slow` handler waits for a ticket before it returns.
+    tickets: Arc<tokio::sync::Semaphore>,
+}
+
+async fn slow(State(app): State<App>) -> &'static str {
+    let _inside = Inside::enter(&app.gauge);
+    app.tickets.acquire().await.expect("never closed").forget();
+    "done"
+}
+
+async fn fast(State(app): State<App>) -> &'static str {
+    let _inside = Inside::enter(&app.gauge);
+    "done"
+}
+
+struct Server {
+    addr: SocketAddr,
+    gauge: Arc<Gauge>,
+    tickets: Arc<tokio::sync::Semaphore>,
+    client: Client<HttpConnector, Empty<Bytes>>,
+}
+
+/// Serves `/slow` and `/fast` behind `layer` on a loopback port.
+async fn serve(layer: SemaphoreLayer) -> Server {
+    let tickets = Arc::new(tokio::sync::Semaphore::new(0));
+    let gauge = Arc::new(Gauge::default());
+    let app = Router::new()
+        .route("/slow", get(slow))
+        .route("/fast", get(fast))
+        .layer(layer)
+        .with_state(App {
+            gauge: gauge.clone(),
+            tickets: tickets.clone(),
+        });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    Server {
+        addr,
+        gauge,
+        tickets,
+        client,
+    }
+}
+
+impl Server {
+    /// GETs `path`; the status and the `Retry-After` header, if any.
+    fn get(
+        &self,
+        path: &str,
+    ) -> impl Future<Output = (StatusCode, Option<String>)> + Send + 'static {
+        let client = self.client.clone();
+        let uri = format!("http://{}{path}", self.addr);
+        async move {
+            let response = client
+                .request(Request::get(uri).body(Empty::new()).unwrap())
+                .await
+                .expect("HTTP request");
+            let retry_after = response
+                .headers()
+                .get(http::header::RETRY_AFTER)
+                .map(|v| v.to_str().unwrap().to_owned());
+            (response.status(), retry_after)
+        }
+    }
+
+    fn inside(&self) -> usize {
+        self.gauge.inside.load(Ordering::SeqCst)
+    }
+
+    fn max_inside(&self) -> usize {
+        self.gauge.max_inside.load(Ordering::SeqCst)
+    }
+
+    fn entered(&self) -> usize {
+        self.gauge.entered.load(Ordering::SeqCst)
+    }
+
+    /// Lets every `/slow` handler, present and future, return.
+    fn open_gate(&self) {
+        self.tickets.add_permits(1 << 20);
+    }
+
+    /// Lets one `/slow` handler return.
+    fn let_one_through(&self) {
+        self.tickets.add_permits(1);
+    }
+}
+
+/// Polls `check` until it holds; fails the test after a minute (a hang
+/// guard, not a timing assertion).
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..6000 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never happened: {what}");
+}
+
+async fn semaphore(db: &support::TestDb, name: &str, capacity: u32) -> Semaphore {
+    Semaphore::builder(name, capacity)
+        .lease(Duration::from_secs(3600)) // only a release frees a slot here
+        .build(&db.pool)
+        .await
+        .expect("build semaphore")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fail_fast_rejects_the_excess_with_503_and_the_limit_holds() -> TestResult {
+    let db = support::migrated_db().await;
+    let server = serve(SemaphoreLayer::new(semaphore(&db, "api", 2).await)).await;
+
+    let held: Vec<_> = (0..2).map(|_| tokio::spawn(server.get("/slow"))).collect();
+    eventually("two requests inside", || server.inside() == 2).await;
+
+    // Every slot is held: the next requests are turned away at the door.
+    for path in ["/slow", "/fast", "/fast"] {
+        let (status, retry_after) = server.get(path).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after, None);
+    }
+    assert_eq!(server.entered(), 2, "a rejected request reached a handler");
+
+    server.open_gate();
+    for request in held {
+        assert_eq!(request.await?.0, StatusCode::OK);
+    }
+    // Released as the responses completed: the next request is served.
+    assert_eq!(server.get("/fast").await.0, StatusCode::OK);
+    assert_eq!(server.max_inside(), 2);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rejection_status_and_retry_after_are_configurable() -> TestResult {
+    let db = support::migrated_db().await;
+    let layer = SemaphoreLayer::new(semaphore(&db, "api", 1).await)
+        .reject_with(StatusCode::TOO_MANY_REQUESTS)
+        .retry_after(Duration::from_millis(1500));
+    let server = serve(layer).await;
+
+    let held = tokio::spawn(server.get("/slow"));
+    eventually("one request inside", || server.inside() == 1).await;
+    let (status, retry_after) = server.get("/fast").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(retry_after.as_deref(), Some("2")); // rounded up
+
+    server.open_gate();
+    assert_eq!(held.await?.0, StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wait_mode_serves_a_burst_in_turn_never_more_than_capacity() -> TestResult {
+    const CAPACITY: usize = 3;
+    const REQUESTS: usize = 24;
+    let db = support::migrated_db().await;
+    let layer = SemaphoreLayer::new(semaphore(&db, "api", CAPACITY as u32).await)
+        .wait(Duration::from_secs(120));
+    let server = serve(layer).await;
+
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|_| tokio::spawn(server.get("/slow")))
+        .collect();
+    eventually("the first requests inside", || server.inside() == CAPACITY).await;
+    // One at a time: each request that finishes lets exactly one waiter in.
+    for served in 1..=REQUESTS - CAPACITY {
+        server.let_one_through();
+        eventually("a waiter takes the freed slot", || {
+            server.entered() == CAPACITY + served && server.inside() == CAPACITY
+        })
+        .await;
+    }
+    server.open_gate();
+    for request in requests {
+        assert_eq!(
+            request.await?.0,
+            StatusCode::OK,
+            "a waiting request was not served"
+        );
+    }
+    assert_eq!(server.entered(), REQUESTS);
+    assert_eq!(server.max_inside(), CAPACITY);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wait_that_times_out_is_rejected() -> TestResult {
+    let db = support::migrated_db().await;
+    let layer =
+        SemaphoreLayer::new(semaphore(&db, "api", 1).await).wait(Duration::from_millis(200));
+    let server = serve(layer).await;
+
+    let held = tokio::spawn(server.get("/slow"));
+    eventually("one request inside", || server.inside() == 1).await;
+    assert_eq!(server.get("/fast").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.entered(), 1);
+
+    server.open_gate();
+    assert_eq!(held.await?.0, StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_whose_client_goes_away_frees_its_slot() -> TestResult {
+    let db = support::migrated_db().await;
+    let layer = SemaphoreLayer::new(semaphore(&db, "api", 1).await).record_requests(true);
+    let server = serve(layer).await;
+
+    // A client on a connection of its own, aborted mid-request: its socket closes.
+    let addr = server.addr;
+    let client = tokio::spawn(async move {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        let request = Request::get(format!("http://{addr}/slow"))
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        tokio::select! {
+            _ = connection => {}
+            _ = sender.send_request(request) => {}
+        }
+    });
+    eventually("the request inside", || server.inside() == 1).await;
+    assert_eq!(server.get("/fast").await.0, StatusCode::SERVICE_UNAVAILABLE);
+
+    client.abort();
+    // The server drops the handler (and with it the permit) when it sees
+    // the connection close; the gate never opens for it.
+    eventually("the abandoned handler dropped", || server.inside() == 0).await;
+    let mut served = false;
+    for _ in 0..6000 {
+        if server.get("/fast").await.0 == StatusCode::OK {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(served, "the abandoned request's slot was never freed");
+
+    // Released, not left to its one-hour lease; the request is on record.
+    let now = chrono::Utc::now();
+    let history = AuditLog::new(&db.pool)
+        .history(
+            "api",
+            now - chrono::Duration::hours(1)..now + chrono::Duration::hours(1),
+        )
+        .await?;
+    let abandoned = history
+        .iter()
+        .find(|c| c.metadata.as_ref().is_some_and(|m| m["path"] == "/slow"))
+        .expect("the /slow claim");
+    assert_eq!(abandoned.outcome, Outcome::Completed);
+    assert_eq!(abandoned.metadata.as_ref().unwrap()["method"], "GET");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_a_database_requests_get_503_unless_failing_open() -> TestResult {
+    let db = support::migrated_db().await;
+    let pool = support::another_pool(&db, 2).await;
+    let sem = Semaphore::builder("api", 1).build(&pool).await?;
+    pool.close().await; // the database is gone, as far as this semaphore knows
+
+    let closed =
+        serve(SemaphoreLayer::new(sem.clone()).reject_with(StatusCode::TOO_MANY_REQUESTS)).await;
+    // Not "busy": an outage is a 503 whatever the busy status.
+    assert_eq!(closed.get("/fast").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(closed.entered(), 0);
+
+    let open = serve(SemaphoreLayer::new(sem).fail_open(true)).await;
+    assert_eq!(open.get("/fast").await.0, StatusCode::OK);
+    assert_eq!(open.entered(), 1);
+    Ok(())
+}

@@ -1,0 +1,160 @@
+//! Tracing: a mutex lock timeout and a reap are reported as events that name
+//! what they concern, and a wait is one event, not one per poll. Events are
+//! captured by a minimal `tracing::Subscriber` installed for the test's
+//! thread (the tests run on a current-thread runtime, so the crate's spawned
+//! tasks report to it too).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use pg_semaphore::{Error, Mutex, Semaphore};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Metadata, Subscriber};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// One captured event: its level and fields (`message` included).
+#[derive(Debug, Clone)]
+struct Captured {
+    level: Level,
+    fields: BTreeMap<String, String>,
+}
+
+impl Captured {
+    fn field(&self, name: &str) -> Option<&str> {
+        self.fields.get(name).map(String::as_str)
+    }
+}
+
+#[derive(Clone, Default)]
+struct Capture {
+    events: Arc<StdMutex<Vec<Captured>>>,
+    next_span: Arc<AtomicU64>,
+}
+
+impl Capture {
+    fn events(&self) -> Vec<Captured> {
+        self.events.lock().unwrap().clone()
+    }
+}
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl Visit for Fields<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+}
+
+impl Subscriber for Capture {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(self.next_span.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.events.lock().unwrap().push(Captured {
+            level: *event.metadata().level(),
+            fields,
+        });
+    }
+
+    fn enter(&self, _: &Id) {}
+
+    fn exit(&self, _: &Id) {}
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_mutex_lock_timeout_is_one_event_naming_the_mutex() -> TestResult {
+    let db = support::migrated_db().await;
+    let capture = Capture::default();
+    let _default = tracing::subscriber::set_default(capture.clone());
+
+    let mutex = Mutex::new("nightly-report");
+    let held = mutex.lock(&db.pool).await?;
+    let err = mutex
+        .lock_timeout(&db.pool, Duration::from_millis(300))
+        .await
+        .expect_err("the lock is held");
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    held.rollback().await?;
+
+    let events = capture.events();
+    let about_it: Vec<&Captured> = events
+        .iter()
+        .filter(|e| e.field("mutex") == Some(r#"mutex "nightly-report""#))
+        .collect();
+    let timeouts: Vec<&&Captured> = about_it
+        .iter()
+        .filter(|e| e.field("message") == Some("mutex lock timed out"))
+        .collect();
+    assert_eq!(timeouts.len(), 1, "{events:#?}");
+    assert_eq!(timeouts[0].level, Level::INFO);
+    assert_eq!(timeouts[0].field("timeout_ms"), Some("300"));
+    // The granted lock, and the timeout: nothing per poll of the wait.
+    assert_eq!(about_it.len(), 2, "{about_it:#?}");
+    assert_eq!(about_it[0].field("message"), Some("mutex locked"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_reap_reports_how_many_slots_it_freed() -> TestResult {
+    let db = support::migrated_db().await;
+    // Holders that died, on two semaphores (a claim on the same semaphore
+    // would reap the first itself): only their lease frees the slots.
+    for name in ["crashy-0", "crashy-1"] {
+        let sem = Semaphore::builder(name, 3)
+            .without_heartbeat()
+            .build(&db.pool)
+            .await?;
+        std::mem::forget(
+            sem.claim()
+                .lease(Duration::from_millis(10))
+                .try_acquire()
+                .await?,
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let capture = Capture::default();
+    let _default = tracing::subscriber::set_default(capture.clone());
+
+    let reaped = pg_semaphore::reap(&db.pool).await?;
+    assert_eq!(reaped, 2);
+    let events = capture.events();
+    let reaps: Vec<&Captured> = events
+        .iter()
+        .filter(|e| e.field("reaped").is_some())
+        .collect();
+    assert_eq!(reaps.len(), 1, "{events:#?}");
+    assert_eq!(reaps[0].field("reaped"), Some("2"));
+
+    // Nothing to reap: nothing said.
+    assert_eq!(pg_semaphore::reap(&db.pool).await?, 0);
+    assert_eq!(
+        capture
+            .events()
+            .iter()
+            .filter(|e| e.field("reaped").is_some())
+            .count(),
+        1
+    );
+    Ok(())
+}
