@@ -95,18 +95,18 @@ const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaph
 /// ```
 #[derive(Clone)]
 pub struct Semaphore {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    pool: PgPool,
-    name: String,
-    capacity: u32,
-    lease: Duration,
-    holder: String,
-    fallback: Duration,
-    pooled: bool,
-    listener: Arc<Listener>,
+pub(crate) struct Inner {
+    pub(crate) pool: PgPool,
+    pub(crate) name: String,
+    pub(crate) capacity: u32,
+    pub(crate) lease: Duration,
+    pub(crate) holder: String,
+    pub(crate) fallback: Duration,
+    pub(crate) pooled: bool,
+    pub(crate) listener: Arc<Listener>,
 }
 
 impl fmt::Debug for Semaphore {
