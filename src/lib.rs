@@ -115,6 +115,7 @@ macro_rules! on_pool {
 
 mod audit;
 mod error;
+mod extended;
 mod idle;
 mod listener;
 mod migrate;

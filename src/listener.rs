@@ -12,7 +12,9 @@
 //!
 //! A *watch* ([`Listener::watch`]) is the other kind of registration: it is
 //! woken on every notification of its semaphore (and by the same fallback
-//! ticker), never consuming the wake-one of acquirers. `wait_idle` uses it.
+//! ticker), never consuming the wake-one of acquirers. `wait_idle` uses it,
+//! and so do extended acquires (weighted, low priority, queued), which keep a
+//! local order: only the first of them in this process claims when woken.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -20,6 +22,8 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use std::collections::BTreeMap;
+
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -319,6 +323,7 @@ impl Waiters {
                         fallback,
                         next_check: Instant::now() + fallback,
                     }),
+                    places: Mutex::new(BTreeMap::new()),
                 })
             })
             .clone();
@@ -335,6 +340,7 @@ impl Waiters {
             semaphore: semaphore.to_owned(),
             rx: watched.wake.subscribe(),
             watched,
+            place: None,
         }
     }
 }
@@ -344,6 +350,8 @@ struct Watched {
     /// Every receiver sees a change on each wake-up.
     wake: watch::Sender<()>,
     state: Mutex<EntryState>,
+    /// The local order of extended acquires: only the first one claims.
+    places: Mutex<BTreeMap<Place, Option<i64>>>,
 }
 
 impl Watched {
@@ -352,12 +360,16 @@ impl Watched {
     }
 }
 
-/// A registered watch. Dropping it unregisters.
+/// A place in the local order of extended acquires, smallest first.
+pub(crate) type Place = (u8, u8, i64);
+
+/// A registered watch. Dropping it unregisters (and gives up its place).
 pub(crate) struct WatchGuard {
     waiters: Arc<Waiters>,
     semaphore: String,
     watched: Arc<Watched>,
     rx: watch::Receiver<()>,
+    place: Option<Place>,
 }
 
 impl WatchGuard {
@@ -372,10 +384,42 @@ impl WatchGuard {
         // The sender lives as long as `self.watched`: this never fails.
         let _ = self.rx.changed().await;
     }
+
+    /// Takes (or moves to) `place` in the local order; `ticket` is the
+    /// database waiter id it stands for, if any.
+    pub(crate) fn take_place(&mut self, place: Place, ticket: Option<i64>) {
+        let mut places = lock(&self.watched.places);
+        if let Some(old) = self.place.take() {
+            places.remove(&old);
+        }
+        places.insert(place, ticket);
+        self.place = Some(place);
+    }
+
+    /// Whether this watch holds the first place in the local order.
+    pub(crate) fn is_first(&self) -> bool {
+        let places = lock(&self.watched.places);
+        self.place.is_some() && places.keys().next() == self.place.as_ref()
+    }
+
+    /// Gives up the place; if it was first and `wake`, the next one is woken
+    /// to take over.
+    pub(crate) fn leave(&mut self, wake: bool) {
+        if let Some(place) = self.place.take() {
+            let mut places = lock(&self.watched.places);
+            let was_first = places.keys().next() == Some(&place);
+            places.remove(&place);
+            if wake && was_first && !places.is_empty() {
+                drop(places);
+                self.watched.wake();
+            }
+        }
+    }
 }
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
+        self.leave(true);
         let mut map = lock(&self.waiters.watched);
         let mut state = lock(&self.watched.state);
         state.waiting -= 1;

@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use crate::audit::{AuditLog, Holder, Summary};
 use crate::error::{Error, LostReason, Result};
+use crate::extended;
 use crate::listener::Listener;
 use crate::validate;
 
@@ -327,6 +328,7 @@ impl Semaphore {
             holder: None,
             metadata: None,
             lease: None,
+            permits: 1,
         }
     }
 
@@ -428,15 +430,17 @@ pub struct Claim<'a> {
     holder: Option<String>,
     metadata: Option<serde_json::Value>,
     lease: Option<Duration>,
+    pub(crate) permits: u32,
 }
 
 /// What the spawned claim task needs.
 #[derive(Clone)]
-struct ClaimArgs {
-    semaphore: Semaphore,
-    holder: String,
-    metadata: Option<serde_json::Value>,
-    lease: Option<PgInterval>,
+pub(crate) struct ClaimArgs {
+    pub(crate) semaphore: Semaphore,
+    pub(crate) holder: String,
+    pub(crate) metadata: Option<serde_json::Value>,
+    pub(crate) lease: Option<PgInterval>,
+    pub(crate) permits: u32,
 }
 
 impl<'a> Claim<'a> {
@@ -470,6 +474,9 @@ impl<'a> Claim<'a> {
     /// As [`Semaphore::try_acquire`].
     pub async fn try_acquire(self) -> Result<Permit> {
         let args = self.into_args()?;
+        if args.is_extended(false) {
+            return extended::try_acquire(&args).await;
+        }
         match claim_once(&args).await? {
             Claimed::Permit(permit) => Ok(permit),
             Claimed::Full { capacity } => Err(Error::NoSlotsAvailable {
@@ -491,7 +498,7 @@ impl<'a> Claim<'a> {
     /// As [`Semaphore::acquire`].
     pub async fn acquire(self) -> Result<Permit> {
         let args = self.into_args()?;
-        wait_and_claim(&args).await
+        wait(&args).await
     }
 
     /// As [`Semaphore::acquire_timeout`], with this claim's options.
@@ -508,9 +515,9 @@ impl<'a> Claim<'a> {
         let args = self.into_args()?;
         // A deadline too far to represent is no deadline.
         let Some(deadline) = Instant::now().checked_add(timeout) else {
-            return wait_and_claim(&args).await;
+            return wait(&args).await;
         };
-        match tokio::time::timeout_at(deadline, wait_and_claim(&args)).await {
+        match tokio::time::timeout_at(deadline, wait(&args)).await {
             Ok(result) => result,
             Err(_elapsed) => Err(Error::Timeout {
                 name: format!("semaphore {:?}", args.semaphore.inner.name),
@@ -531,12 +538,23 @@ impl<'a> Claim<'a> {
             Some(lease) => Some(lease_interval(lease)?),
             None => None,
         };
+        extended::validate(self.semaphore, self.permits)?;
         Ok(ClaimArgs {
             semaphore: self.semaphore.clone(),
             holder,
             metadata: self.metadata,
             lease,
+            permits: self.permits,
         })
+    }
+}
+
+/// Waits for a claim: the fast loop below, or the extended one for weighted claims.
+async fn wait(args: &ClaimArgs) -> Result<Permit> {
+    if args.is_extended(true) {
+        extended::wait(args).await
+    } else {
+        wait_and_claim(args).await
     }
 }
 
@@ -587,15 +605,13 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
     match (row.id, row.slot, row.created_at, row.expires_at) {
         (Some(id), Some(slot), Some(acquired_at), Some(expires_at)) => {
             tracing::debug!(semaphore = %inner.name, id, slot, "permit acquired");
-            Ok(Claimed::Permit(Permit {
-                semaphore: args.semaphore.clone(),
-                id,
-                slot: slot as u32,
+            Ok(Claimed::Permit(Permit::new(
+                args.semaphore.clone(),
+                vec![(id, slot as u32)],
                 acquired_at,
                 expires_at,
-                free_after: row.free.max(0) as u32,
-                released: false,
-            }))
+                row.free.max(0) as u32,
+            )))
         }
         _ => Ok(Claimed::Full { capacity }),
     }
@@ -681,8 +697,10 @@ pub struct Permit {
     slot: u32,
     acquired_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
-    free_after: u32,
+    pub(crate) free_after: u32,
     released: bool,
+    /// A weighted permit's other claims (id, slot), after the first.
+    pub(crate) more: Vec<(i64, u32)>,
 }
 
 impl fmt::Debug for Permit {
@@ -691,6 +709,7 @@ impl fmt::Debug for Permit {
             .field("semaphore", &self.semaphore.inner.name)
             .field("id", &self.id)
             .field("slot", &self.slot)
+            .field("permits", &(1 + self.more.len()))
             .field("acquired_at", &self.acquired_at)
             .field("expires_at", &self.expires_at)
             .finish()
@@ -698,13 +717,38 @@ impl fmt::Debug for Permit {
 }
 
 impl Permit {
+    /// A permit for `claims` (id, slot), lowest id first: one for a plain
+    /// claim, n for a weighted one.
+    pub(crate) fn new(
+        semaphore: Semaphore,
+        mut claims: Vec<(i64, u32)>,
+        acquired_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+        free_after: u32,
+    ) -> Permit {
+        let (id, slot) = claims.remove(0);
+        Permit {
+            semaphore,
+            id,
+            slot,
+            acquired_at,
+            expires_at,
+            free_after,
+            released: false,
+            more: claims,
+        }
+    }
+
     /// The claim's id: unique and strictly increasing across the database,
-    /// usable as a fencing token.
+    /// usable as a fencing token. A weighted permit (see
+    /// [`Semaphore::acquire_many`]) holds several claims made in one
+    /// statement: this is the lowest of their ids, and it is still greater
+    /// than every id of any claim on this semaphore made before it.
     pub fn id(&self) -> i64 {
         self.id
     }
 
-    /// The slot number held, in `0..capacity`.
+    /// The slot number held, in `0..capacity` (a weighted permit's lowest).
     pub fn slot(&self) -> u32 {
         self.slot
     }
@@ -793,9 +837,19 @@ impl Permit {
         self.released = true;
         let inner = self.semaphore.inner.clone();
         let id = self.id;
-        tokio::spawn(async move { release_by_id(&inner, id).await })
+        let more = std::mem::take(&mut self.more);
+        tokio::spawn(async move { release_claims(&inner, id, more).await })
             .await
             .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
+    }
+}
+
+/// Releases a permit's claims: one by id, or a weighted permit's together.
+async fn release_claims(inner: &Inner, id: i64, more: Vec<(i64, u32)>) -> Result<()> {
+    if more.is_empty() {
+        release_by_id(inner, id).await
+    } else {
+        extended::release_many(inner, id, &more).await
     }
 }
 
@@ -833,10 +887,11 @@ impl Drop for Permit {
         }
         let inner = self.semaphore.inner.clone();
         let id = self.id;
+        let more = std::mem::take(&mut self.more);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    if let Err(error) = release_by_id(&inner, id).await {
+                    if let Err(error) = release_claims(&inner, id, more).await {
                         tracing::warn!(semaphore = %inner.name, id, %error, "background release of a dropped permit failed");
                     }
                 });
@@ -850,7 +905,7 @@ impl Drop for Permit {
     }
 }
 
-fn not_found_or(error: sqlx::Error, semaphore: &str) -> Error {
+pub(crate) fn not_found_or(error: sqlx::Error, semaphore: &str) -> Error {
     // P0002 no_data_found: raised by pgsemaphore.claim for an unknown semaphore.
     let code = error.as_database_error().and_then(|e| e.code());
     if code.as_deref() == Some("P0002") {

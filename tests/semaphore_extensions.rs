@@ -1,11 +1,10 @@
 //! The semaphore extensions on a real PostgreSQL: `wait_idle`, weighted
-//! permits, reserved capacity for critical traffic, the fair queue (FIFO
-//! across processes, LIFO, queue limit, cancelled and crashed waiters).
+//! permits.
 
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use pg_semaphore::{Error, Semaphore};
@@ -75,5 +74,242 @@ async fn wait_idle_wakes_when_the_last_holder_releases_and_not_before() -> TestR
     second.release().await?;
     assert!(waiter.await??, "wait_idle returned before the last release");
     assert_eq!(live_rows(&db.pool, "group").await, 0);
+    Ok(())
+}
+
+// ---------------------------------------------------------------- weighted
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
+    const CAPACITY: u32 = 5;
+    const TASKS: usize = 24;
+    const ROUNDS: usize = 6;
+    let db = support::migrated_db().await;
+    // Three pools stand in for three processes.
+    let mut sems = Vec::new();
+    for p in 0..3 {
+        let pool = support::another_pool(&db, 4).await;
+        sems.push(
+            Semaphore::builder("weighted", CAPACITY)
+                .holder(format!("process-{p}"))
+                .build(&pool)
+                .await?,
+        );
+    }
+    let held = Arc::new(AtomicU32::new(0));
+    let max_held = Arc::new(AtomicU32::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+
+    // An observer reads the slot table while the workers run.
+    let observer = {
+        let (pool, stop) = (db.pool.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut max = 0;
+            while !stop.load(Ordering::Relaxed) {
+                max = max.max(live_rows(&pool, "weighted").await);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            max
+        })
+    };
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..TASKS {
+        let sem = sems[t % sems.len()].clone();
+        let (held, max_held, pool) = (held.clone(), max_held.clone(), db.pool.clone());
+        let weight = (t % 3 + 1) as u32;
+        tasks.spawn(async move {
+            for round in 0..ROUNDS {
+                let permit = sem
+                    .claim()
+                    .metadata(
+                        serde_json::json!({ "claim": format!("{t}-{round}"), "weight": weight }),
+                    )
+                    .acquire_many_timeout(weight, Duration::from_secs(120))
+                    .await?;
+                let now = held.fetch_add(weight, Ordering::SeqCst) + weight;
+                max_held.fetch_max(now, Ordering::SeqCst);
+                // The permit holds exactly `weight` distinct live slots.
+                assert_eq!(permit.num_permits(), weight);
+                let mut slots = permit.slots();
+                slots.sort_unstable();
+                slots.dedup();
+                assert_eq!(slots.len(), weight as usize, "{permit:?}");
+                assert!(slots.iter().all(|&s| s < CAPACITY));
+                let live: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pgsemaphore.slots \
+                     WHERE id = ANY($1) AND completed_at IS NULL AND timed_out_at IS NULL",
+                )
+                .bind(permit.ids())
+                .fetch_one(&pool)
+                .await
+                .expect("count the permit's rows");
+                assert_eq!(live, i64::from(weight));
+                tokio::time::sleep(Duration::from_millis(((t * 7 + round * 3) % 5) as u64)).await;
+                held.fetch_sub(weight, Ordering::SeqCst);
+                permit.release().await?;
+            }
+            Ok::<_, Error>(())
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let observed = observer.await?;
+    let max_held = max_held.load(Ordering::SeqCst);
+    assert!(max_held <= CAPACITY, "held weights summed to {max_held}");
+    assert!(
+        observed <= i64::from(CAPACITY),
+        "observer saw {observed} live rows"
+    );
+    assert!(
+        max_held >= CAPACITY - 1,
+        "contention stayed low: {max_held}"
+    );
+
+    // From the audit log: every claim holds exactly its weight in rows, made
+    // and released together; never more than CAPACITY rows overlapping.
+    let bad_groups: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT metadata->>'claim' AS claim
+               FROM pgsemaphore.slots WHERE semaphore = 'weighted'
+              GROUP BY metadata->>'claim'
+             HAVING count(*) <> max((metadata->>'weight')::int)
+                 OR count(DISTINCT created_at) <> 1
+                 OR count(DISTINCT completed_at) <> 1
+                 OR count(DISTINCT slot) <> count(*)
+         ) g",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(bad_groups, 0, "a weighted claim was split");
+    let max_overlap: i64 = sqlx::query_scalar(
+        "WITH events AS (
+             SELECT created_at AS at, 1 AS delta FROM pgsemaphore.slots WHERE semaphore = 'weighted'
+             UNION ALL
+             SELECT completed_at, -1 FROM pgsemaphore.slots WHERE semaphore = 'weighted'
+         )
+         SELECT max(running) FROM (
+             SELECT sum(delta) OVER (ORDER BY at, delta ROWS UNBOUNDED PRECEDING) AS running FROM events
+         ) r",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(
+        max_overlap <= i64::from(CAPACITY),
+        "audit log shows {max_overlap} overlapping"
+    );
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.slots WHERE semaphore = 'weighted'")
+            .fetch_one(&db.pool)
+            .await?;
+    let expected: usize = (0..TASKS).map(|t| (t % 3 + 1) * ROUNDS).sum();
+    assert_eq!(rows, expected as i64);
+    Ok(())
+}
+
+#[tokio::test]
+async fn try_acquire_many_takes_all_or_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("heavy", 4).build(&db.pool).await?;
+    let a = sem.try_acquire().await?;
+    let b = sem.try_acquire().await?;
+    let err = sem.try_acquire_many(3).await.expect_err("only 2 free");
+    assert!(
+        matches!(err, Error::NoSlotsAvailable { capacity: 4, .. }),
+        "{err:?}"
+    );
+    assert_eq!(
+        live_rows(&db.pool, "heavy").await,
+        2,
+        "a refused claim took slots"
+    );
+
+    let pair = sem.try_acquire_many(2).await?;
+    assert_eq!(pair.num_permits(), 2);
+    let mut slots = pair.slots();
+    slots.sort_unstable();
+    assert_eq!(slots, vec![2, 3]);
+    let ids = pair.ids();
+    assert_eq!(pair.id(), ids[0]);
+    assert!(
+        ids[0] > b.id() && ids[1] > ids[0],
+        "ids are fencing tokens: {ids:?}"
+    );
+    assert_eq!(sem.available_permits().await?, 0);
+
+    // Released together, in one statement.
+    pair.release().await?;
+    let completed: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT completed_at) FROM pgsemaphore.slots WHERE id = ANY($1) AND completed_at IS NOT NULL",
+    )
+    .bind(&ids)
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(completed, 1);
+    assert_eq!(sem.available_permits().await?, 2);
+
+    // Weights that can never be held are refused at once, even by a waiting acquire.
+    for n in [0, 5] {
+        let err = sem.acquire_many(n).await.expect_err("impossible weight");
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    argument: "permits",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = sem
+            .try_acquire_many(n)
+            .await
+            .expect_err("impossible weight");
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    argument: "permits",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+    a.release().await?;
+    b.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_waiting_weighted_claim_never_holds_part_of_its_slots() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("triple", 3).build(&db.pool).await?;
+    let first = sem.try_acquire().await?;
+    let second = sem.try_acquire().await?;
+    let other = support::another_pool(&db, 2).await;
+    let waiter_sem = Semaphore::builder("triple", 3)
+        .fallback_interval(NO_FALLBACK)
+        .build(&other)
+        .await?;
+    let waiter = tokio::spawn(async move { waiter_sem.acquire_many_timeout(3, PATIENCE).await });
+
+    first.release().await?;
+    // Two slots are free now: the waiter is woken and must not take them.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiter.is_finished(),
+        "a weight-3 claim returned with 2 free"
+    );
+    assert_eq!(live_rows(&db.pool, "triple").await, 1);
+
+    second.release().await?;
+    let permit = waiter.await??;
+    assert_eq!(permit.num_permits(), 3);
+    assert_eq!(live_rows(&db.pool, "triple").await, 3);
+    permit.release().await?;
+    assert_eq!(live_rows(&db.pool, "triple").await, 0);
     Ok(())
 }

@@ -1,0 +1,368 @@
+//! Claims beyond the fast path: weighted permits (n slots at once, all or
+//! nothing). One SQL function does them, `pgsemaphore.claim_many` in
+//! `migrations/20261121000005_pgsemaphore_extensions.sql`.
+//!
+//! A plain claim (one permit) keeps the fast path of `src/semaphore.rs`.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::error::{Error, LostReason, Result};
+use crate::semaphore::{Claim, ClaimArgs, Inner, Permit, Semaphore};
+
+/// The extended claim, one round trip; see the migration for its statuses.
+const CLAIM_MANY: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at, o_capacity, o_free \
+                          FROM pgsemaphore.claim_many($1, $2, $3, $4, $5)";
+
+/// Ends every claim of a weighted permit and notifies waiters, in one round trip.
+const RELEASE_MANY: &str = "SELECT o_outcome, o_id, o_at FROM pgsemaphore.release_many($1)";
+
+impl Semaphore {
+    /// Claims `n` slots at once if that many are free, or fails at once:
+    /// all or nothing, released together by one [`Permit::release`].
+    ///
+    /// One round trip, the `n` claims inserted in one statement under the
+    /// semaphore's row lock; the database's hard limit covers each of them.
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+    /// // A heavy job counts for three.
+    /// let permit = sem.try_acquire_many(3).await?;
+    /// assert_eq!(permit.num_permits(), 3);
+    /// permit.release().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidArgument`] for `n` = 0 or more than the capacity
+    ///   (it could never succeed).
+    /// - [`Error::NoSlotsAvailable`] when fewer than `n` slots are free.
+    /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: as [`try_acquire`](Self::try_acquire), a claim that
+    /// completes after the caller stopped waiting is released at once.
+    pub async fn try_acquire_many(&self, n: u32) -> Result<Permit> {
+        self.claim().try_acquire_many(n).await
+    }
+
+    /// Waits without limit until `n` slots are free, then claims them all at
+    /// once. Never holds some while waiting for the rest.
+    ///
+    /// Within a process, waiting weighted acquires of a semaphore are served
+    /// in order: a large request at the front is not overtaken by smaller
+    /// ones behind it (as with `tokio::sync::Semaphore`).
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_many`](Self::try_acquire_many), except that a full
+    /// semaphore is waited for.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping the future never leaves a slot held, and gives
+    /// up its place in the local order.
+    pub async fn acquire_many(&self, n: u32) -> Result<Permit> {
+        self.claim().acquire_many(n).await
+    }
+
+    /// As [`acquire_many`](Self::acquire_many), giving up after `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; as [`acquire_many`](Self::acquire_many).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`acquire_many`](Self::acquire_many).
+    pub async fn acquire_many_timeout(&self, n: u32, timeout: Duration) -> Result<Permit> {
+        self.claim().acquire_many_timeout(n, timeout).await
+    }
+}
+
+impl Claim<'_> {
+    /// As [`Semaphore::try_acquire_many`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::try_acquire_many`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::try_acquire_many`].
+    pub async fn try_acquire_many(mut self, n: u32) -> Result<Permit> {
+        self.permits = n;
+        self.try_acquire().await
+    }
+
+    /// As [`Semaphore::acquire_many`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Claim::try_acquire_many`], waiting instead of
+    /// [`Error::NoSlotsAvailable`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire_many`].
+    pub async fn acquire_many(mut self, n: u32) -> Result<Permit> {
+        self.permits = n;
+        self.acquire().await
+    }
+
+    /// As [`Semaphore::acquire_many_timeout`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; as [`Claim::acquire_many`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire_many`].
+    pub async fn acquire_many_timeout(mut self, n: u32, timeout: Duration) -> Result<Permit> {
+        self.permits = n;
+        self.acquire_timeout(timeout).await
+    }
+}
+
+impl Permit {
+    /// How many slots this permit holds: 1, or `n` for
+    /// [`acquire_many(n)`](Semaphore::acquire_many).
+    pub fn num_permits(&self) -> u32 {
+        1 + self.more.len() as u32
+    }
+
+    /// The ids of every claim this permit holds, lowest (= [`id`](Self::id)) first.
+    pub fn ids(&self) -> Vec<i64> {
+        std::iter::once(self.id())
+            .chain(self.more.iter().map(|&(id, _)| id))
+            .collect()
+    }
+
+    /// Every slot number this permit holds, in the order of [`ids`](Self::ids).
+    pub fn slots(&self) -> Vec<u32> {
+        std::iter::once(self.slot())
+            .chain(self.more.iter().map(|&(_, slot)| slot))
+            .collect()
+    }
+}
+
+impl ClaimArgs {
+    /// Whether this claim needs `claim_many`: weighted.
+    pub(crate) fn is_extended(&self, _waiting: bool) -> bool {
+        self.permits != 1
+    }
+}
+
+/// Checks a claim's weight against what the handle's capacity could ever allow.
+pub(crate) fn validate(semaphore: &Semaphore, permits: u32) -> Result<()> {
+    let usable = semaphore.capacity();
+    if permits == 0 {
+        return Err(Error::invalid("permits", "must be at least 1"));
+    }
+    if permits > usable {
+        return Err(too_many(semaphore.name(), permits, usable));
+    }
+    Ok(())
+}
+
+fn too_many(semaphore: &str, permits: u32, usable: u32) -> Error {
+    Error::invalid(
+        "permits",
+        format!(
+            "{permits} can never be held at once: semaphore {semaphore:?} allows at most {usable} to this claim"
+        ),
+    )
+}
+
+/// What one extended claim attempt found.
+enum Outcome {
+    Claimed(Permit),
+    /// Not enough free slots.
+    Full {
+        capacity: u32,
+    },
+    /// More permits than the database's capacity allows.
+    TooMany {
+        capacity: u32,
+    },
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimManyRow {
+    #[sqlx(rename = "o_status")]
+    status: String,
+    #[sqlx(rename = "o_ids")]
+    ids: Option<Vec<i64>>,
+    #[sqlx(rename = "o_slots")]
+    slots: Option<Vec<i32>>,
+    #[sqlx(rename = "o_created_at")]
+    created_at: Option<DateTime<Utc>>,
+    #[sqlx(rename = "o_expires_at")]
+    expires_at: Option<DateTime<Utc>>,
+    #[sqlx(rename = "o_capacity")]
+    capacity: i32,
+    #[sqlx(rename = "o_free")]
+    free: i32,
+}
+
+/// One attempt, cancel-safe by construction as the fast path's: the round
+/// trip runs in a spawned task that releases what it claimed if the caller
+/// has gone.
+async fn claim_many_once(args: &ClaimArgs) -> Result<Outcome> {
+    let (tx, rx) = oneshot::channel();
+    let task_args = args.clone();
+    tokio::spawn(async move {
+        let result = claim_many_round_trip(&task_args).await;
+        if let Err(Ok(Outcome::Claimed(permit))) = tx.send(result) {
+            tracing::debug!(
+                semaphore = %task_args.semaphore.name(),
+                id = permit.id(),
+                "acquire cancelled while claiming; releasing the claimed slots"
+            );
+            if let Err(error) = permit.release().await {
+                tracing::warn!(%error, "releasing the slots of a cancelled acquire failed; their lease will free them");
+            }
+        }
+    });
+    rx.await
+        .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
+}
+
+async fn claim_many_round_trip(args: &ClaimArgs) -> Result<Outcome> {
+    let inner = &args.semaphore.inner;
+    let row: ClaimManyRow = on_pool!(inner.pool, inner.pooled, |conn| {
+        sqlx::query_as(CLAIM_MANY)
+            .bind(&inner.name)
+            .bind(&args.holder)
+            .bind(args.lease)
+            .bind(&args.metadata)
+            .bind(args.permits as i32)
+            .persistent(!inner.pooled)
+            .fetch_one(conn)
+    })
+    .await
+    .map_err(|error| crate::semaphore::not_found_or(error, &inner.name))?;
+    let capacity = row.capacity.max(0) as u32;
+    Ok(match (row.status.as_str(), row.ids, row.slots) {
+        ("claimed", Some(ids), Some(slots)) => {
+            let (Some(acquired_at), Some(expires_at)) = (row.created_at, row.expires_at) else {
+                return Err(Error::Database(sqlx::Error::Protocol(
+                    "pgsemaphore.claim_many returned a claim without timestamps".into(),
+                )));
+            };
+            tracing::debug!(semaphore = %inner.name, ids = ?ids, "permits acquired");
+            let claims = ids
+                .into_iter()
+                .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
+                .collect();
+            Outcome::Claimed(Permit::new(
+                args.semaphore.clone(),
+                claims,
+                acquired_at,
+                expires_at,
+                row.free.max(0) as u32,
+            ))
+        }
+        ("too_many", _, _) => Outcome::TooMany { capacity },
+        _ => Outcome::Full { capacity },
+    })
+}
+
+/// `try_acquire` for an extended claim: one attempt.
+pub(crate) async fn try_acquire(args: &ClaimArgs) -> Result<Permit> {
+    match claim_many_once(args).await? {
+        Outcome::Claimed(permit) => Ok(permit),
+        Outcome::Full { capacity } => Err(Error::NoSlotsAvailable {
+            semaphore: args.semaphore.name().to_owned(),
+            capacity,
+        }),
+        Outcome::TooMany { capacity } => Err(refused(args, capacity)),
+    }
+}
+
+/// The database's capacity (changed since this handle was built) can never
+/// admit this claim.
+fn refused(args: &ClaimArgs, capacity: u32) -> Error {
+    too_many(args.semaphore.name(), args.permits, capacity)
+}
+
+/// Local arrival order of waiting extended claims.
+static LOCAL_ORDER: AtomicI64 = AtomicI64::new(0);
+
+/// The waiting loop of extended claims.
+///
+/// Every waiting extended claim of a semaphore in this process holds a
+/// place in a local order (by arrival); on each wake-up only the first place
+/// claims, so a release costs one round trip per process, and a heavy
+/// request at the front is not overtaken locally.
+pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
+    let inner = &args.semaphore.inner;
+    let listener = &inner.listener;
+    if !listener.is_ready() {
+        // Behind a transaction pooler LISTEN cannot work: the ticker alone wakes waiters.
+        listener.start(inner.fallback, !inner.pooled).await;
+    }
+    let mut watch = listener.watch(&inner.name, inner.fallback);
+    watch.take_place((1, 0, LOCAL_ORDER.fetch_add(1, Ordering::Relaxed)), None);
+    let started = Instant::now();
+    loop {
+        // Mark wake-ups seen *before* claiming, so a release that lands
+        // between a failed claim and the wait still wakes this task.
+        watch.seen();
+        if watch.is_first() {
+            match claim_many_once(args).await? {
+                Outcome::Claimed(permit) => {
+                    watch.leave(permit.free_after > 0);
+                    tracing::debug!(
+                        semaphore = %inner.name,
+                        waited_ms = started.elapsed().as_millis() as u64,
+                        "waiter acquired {} permits",
+                        permit.num_permits()
+                    );
+                    return Ok(permit);
+                }
+                Outcome::TooMany { capacity } => return Err(refused(args, capacity)),
+                Outcome::Full { .. } => {}
+            }
+        }
+        watch.changed().await;
+    }
+}
+
+/// Releases a weighted permit's claims together, reporting a lost slot as
+/// [`Error::PermitLost`] (with the id of a claim that was lost).
+pub(crate) async fn release_many(inner: &Inner, id: i64, more: &[(i64, u32)]) -> Result<()> {
+    let ids: Vec<i64> = std::iter::once(id)
+        .chain(more.iter().map(|&(id, _)| id))
+        .collect();
+    let (outcome, lost_id, at): (String, Option<i64>, Option<DateTime<Utc>>) =
+        on_pool!(inner.pool, inner.pooled, |conn| {
+            sqlx::query_as(RELEASE_MANY)
+                .bind(&ids)
+                .persistent(!inner.pooled)
+                .fetch_one(conn)
+        })
+        .await?;
+    let reason = match (outcome.as_str(), at) {
+        ("released", _) => {
+            tracing::debug!(semaphore = %inner.name, ids = ?ids, "permits released");
+            return Ok(());
+        }
+        ("timed_out", Some(at)) => LostReason::TimedOut { at },
+        ("completed", Some(at)) => LostReason::AlreadyReleased { at },
+        _ => LostReason::Missing,
+    };
+    Err(Error::PermitLost {
+        semaphore: inner.name.clone(),
+        id: lost_id.unwrap_or(id),
+        reason,
+    })
+}
