@@ -1,20 +1,27 @@
--- Semaphore extensions: weighted permits.
+-- Semaphore extensions: weighted permits, reserved capacity for critical
+-- traffic.
 --
 --   * pgsemaphore.claim_many: n slots at once, all or nothing, inserted in
 --     one statement under the semaphore's row lock (the partial unique index
---     still guarantees the hard limit for each of them).
+--     still guarantees the hard limit for each of them); a low-priority
+--     claim must leave a reserve of slots free.
 --   * pgsemaphore.release_many: ends every claim of a weighted permit at once.
 
 -- THE EXTENDED CLAIM. One call, one round trip, one transaction.
---   p_permits  slots to hold at once: all of them or none.
+--   p_permits  slots to hold at once: all of them or none;
+--   p_priority 1 high, 0 low: a low-priority claim only succeeds if at least
+--              p_reserve slots stay free after it.
 -- o_status: 'claimed' (o_ids/o_slots set, lowest id first), 'full' (not
--- enough free slots), 'too_many' (p_permits exceeds the capacity).
+-- enough free slots), 'too_many' (p_permits exceeds what the capacity and
+-- reserve could ever allow).
 CREATE FUNCTION pgsemaphore.claim_many(
     p_semaphore    text,
     p_holder       text,
     p_lease        interval,
     p_metadata     jsonb,
-    p_permits      integer
+    p_permits      integer,
+    p_priority     smallint,
+    p_reserve      integer
 )
 RETURNS TABLE (
     o_status     text,
@@ -33,6 +40,7 @@ DECLARE
     v_now      timestamptz;
     v_live     integer;
     v_expired  integer;
+    v_reserve  integer := CASE WHEN p_priority = 0 THEN p_reserve ELSE 0 END;
     v_pick     integer[] := '{}';
     v_next     integer := 0;
     v_taken    integer;
@@ -53,7 +61,7 @@ BEGIN
     END IF;
     o_capacity := v_capacity;
     o_free := 0;
-    IF p_permits > v_capacity THEN
+    IF p_permits + v_reserve > v_capacity THEN
         o_status := 'too_many';
         RETURN NEXT;
         RETURN;
@@ -79,7 +87,7 @@ BEGIN
          WHERE s.id = expired.id;
     END IF;
 
-    IF v_capacity - v_live < p_permits THEN
+    IF v_capacity - v_live - p_permits < v_reserve THEN
         o_status := 'full';
         o_free := greatest(v_capacity - v_live, 0);
         RETURN NEXT;

@@ -1,8 +1,10 @@
 //! Claims beyond the fast path: weighted permits (n slots at once, all or
-//! nothing). One SQL function does them, `pgsemaphore.claim_many` in
-//! `migrations/20261121000005_pgsemaphore_extensions.sql`.
+//! nothing), low-priority claims that leave a reserve free for critical
+//! traffic (seed 002's fleet usage load shedder). One SQL function does them,
+//! `pgsemaphore.claim_many` in `migrations/20261121000005_pgsemaphore_extensions.sql`.
 //!
-//! A plain claim (one permit) keeps the fast path of `src/semaphore.rs`.
+//! A plain claim (one permit, high priority) keeps the fast path
+//! of `src/semaphore.rs`.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
@@ -12,16 +14,109 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::error::{Error, LostReason, Result};
-use crate::semaphore::{Claim, ClaimArgs, Inner, Permit, Semaphore};
+use crate::semaphore::{Claim, ClaimArgs, Inner, Permit, Semaphore, SemaphoreBuilder};
 
 /// The extended claim, one round trip; see the migration for its statuses.
 const CLAIM_MANY: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at, o_capacity, o_free \
-                          FROM pgsemaphore.claim_many($1, $2, $3, $4, $5)";
+                          FROM pgsemaphore.claim_many($1, $2, $3, $4, $5, $6, $7)";
 
 /// Ends every claim of a weighted permit and notifies waiters, in one round trip.
 const RELEASE_MANY: &str = "SELECT o_outcome, o_id, o_at FROM pgsemaphore.release_many($1)";
 
+/// Which claims may use the reserved capacity of a semaphore (see
+/// [`SemaphoreBuilder::reserved`]).
+///
+/// ```no_run
+/// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+/// use pg_semaphore::Priority;
+/// // Analytics: shed first, leave the reserve to charges.
+/// let permit = sem.claim().priority(Priority::Low).try_acquire().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Priority {
+    /// Critical traffic (the default): may use every slot, reserved ones included.
+    #[default]
+    High,
+    /// Traffic to shed first: succeeds only while more than the semaphore's
+    /// reserved slots are free, so that the reserve stays for
+    /// [`High`](Priority::High) claims.
+    Low,
+}
+
+impl Priority {
+    fn sql(self) -> i16 {
+        match self {
+            Priority::High => 1,
+            Priority::Low => 0,
+        }
+    }
+
+    /// Rank in the local order: high priority first.
+    pub(crate) fn rank(self) -> u8 {
+        match self {
+            Priority::High => 0,
+            Priority::Low => 1,
+        }
+    }
+}
+
+/// A handle's reserved capacity.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Extensions {
+    pub(crate) reserved: u32,
+}
+
+impl Extensions {
+    pub(crate) fn validate(&self, capacity: u32) -> Result<()> {
+        if self.reserved >= capacity {
+            return Err(Error::invalid(
+                "reserved",
+                format!(
+                    "{} reserved slots leave none to low-priority claims: reserve fewer than the capacity ({capacity})",
+                    self.reserved
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl SemaphoreBuilder {
+    /// Reserves `slots` of the capacity for critical traffic (default 0):
+    /// claims with [`Priority::Low`] succeed only while more than `slots`
+    /// slots are free; [`Priority::High`] claims (the default) may use them
+    /// all. Seed 002's fleet usage load shedder: analytics is shed before
+    /// charges are.
+    ///
+    /// The reserve belongs to this handle and is sent with each of its
+    /// low-priority claims: build every handle of a semaphore with the same
+    /// value. Must be below the capacity ([`build`](Self::build) returns
+    /// [`Error::InvalidArgument`] otherwise).
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// use pg_semaphore::{Priority, Semaphore};
+    /// let sem = Semaphore::builder("workers", 10).reserved(2).build(&pool).await?;
+    /// let report = sem.claim().priority(Priority::Low).try_acquire().await; // needs 3 free
+    /// let charge = sem.try_acquire().await; // may take the last slot
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn reserved(mut self, slots: u32) -> Self {
+        self.ext.reserved = slots;
+        self
+    }
+}
+
 impl Semaphore {
+    /// The slots this handle reserves for [`Priority::High`] claims.
+    pub fn reserved(&self) -> u32 {
+        self.inner.ext.reserved
+    }
+
     /// Claims `n` slots at once if that many are free, or fails at once:
     /// all or nothing, released together by one [`Permit::release`].
     ///
@@ -88,11 +183,20 @@ impl Semaphore {
 }
 
 impl Claim<'_> {
+    /// The claim's priority (default [`Priority::High`]): a
+    /// [`Priority::Low`] claim leaves the semaphore's
+    /// [`reserved`](SemaphoreBuilder::reserved) slots free.
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+
     /// As [`Semaphore::try_acquire_many`], with this claim's options.
     ///
     /// # Errors
     ///
-    /// As [`Semaphore::try_acquire_many`].
+    /// As [`Semaphore::try_acquire_many`]; [`Error::InvalidArgument`] also
+    /// for a low-priority `n` above the capacity minus the reserve.
     ///
     /// # Cancel safety
     ///
@@ -155,15 +259,20 @@ impl Permit {
 }
 
 impl ClaimArgs {
-    /// Whether this claim needs `claim_many`: weighted.
+    /// Whether this claim needs `claim_many`: weighted or low priority.
     pub(crate) fn is_extended(&self, _waiting: bool) -> bool {
-        self.permits != 1
+        self.permits != 1 || self.priority == Priority::Low
     }
 }
 
-/// Checks a claim's weight against what the handle's capacity could ever allow.
-pub(crate) fn validate(semaphore: &Semaphore, permits: u32) -> Result<()> {
-    let usable = semaphore.capacity();
+/// Checks a claim's weight against what the handle's capacity and reserve
+/// could ever allow.
+pub(crate) fn validate(semaphore: &Semaphore, permits: u32, priority: Priority) -> Result<()> {
+    let capacity = semaphore.capacity();
+    let usable = match priority {
+        Priority::High => capacity,
+        Priority::Low => capacity - semaphore.reserved(),
+    };
     if permits == 0 {
         return Err(Error::invalid("permits", "must be at least 1"));
     }
@@ -185,11 +294,11 @@ fn too_many(semaphore: &str, permits: u32, usable: u32) -> Error {
 /// What one extended claim attempt found.
 enum Outcome {
     Claimed(Permit),
-    /// Not enough free slots.
+    /// Not enough free slots (or the reserve would be touched).
     Full {
         capacity: u32,
     },
-    /// More permits than the database's capacity allows.
+    /// More permits than the database's capacity (and reserve) allow.
     TooMany {
         capacity: u32,
     },
@@ -245,6 +354,8 @@ async fn claim_many_round_trip(args: &ClaimArgs) -> Result<Outcome> {
             .bind(args.lease)
             .bind(&args.metadata)
             .bind(args.permits as i32)
+            .bind(args.priority.sql())
+            .bind(inner.ext.reserved as i32)
             .persistent(!inner.pooled)
             .fetch_one(conn)
     })
@@ -291,7 +402,11 @@ pub(crate) async fn try_acquire(args: &ClaimArgs) -> Result<Permit> {
 /// The database's capacity (changed since this handle was built) can never
 /// admit this claim.
 fn refused(args: &ClaimArgs, capacity: u32) -> Error {
-    too_many(args.semaphore.name(), args.permits, capacity)
+    let usable = match args.priority {
+        Priority::High => capacity,
+        Priority::Low => capacity.saturating_sub(args.semaphore.reserved()),
+    };
+    too_many(args.semaphore.name(), args.permits, usable)
 }
 
 /// Local arrival order of waiting extended claims.
@@ -300,9 +415,9 @@ static LOCAL_ORDER: AtomicI64 = AtomicI64::new(0);
 /// The waiting loop of extended claims.
 ///
 /// Every waiting extended claim of a semaphore in this process holds a
-/// place in a local order (by arrival); on each wake-up only the first place
-/// claims, so a release costs one round trip per process, and a heavy
-/// request at the front is not overtaken locally.
+/// place in a local order (high priority first, then by arrival); on each
+/// wake-up only the first place claims, so a release costs one round trip
+/// per process, and a heavy request at the front is not overtaken locally.
 pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
     let inner = &args.semaphore.inner;
     let listener = &inner.listener;
@@ -311,7 +426,8 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
         listener.start(inner.fallback, !inner.pooled).await;
     }
     let mut watch = listener.watch(&inner.name, inner.fallback);
-    watch.take_place((1, 0, LOCAL_ORDER.fetch_add(1, Ordering::Relaxed)), None);
+    let rank = args.priority.rank();
+    watch.take_place((1, rank, LOCAL_ORDER.fetch_add(1, Ordering::Relaxed)), None);
     let started = Instant::now();
     loop {
         // Mark wake-ups seen *before* claiming, so a release that lands

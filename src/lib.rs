@@ -126,6 +126,7 @@ mod validate;
 
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
+pub use extended::Priority;
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};

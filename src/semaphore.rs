@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::audit::{AuditLog, Holder, Summary};
 use crate::error::{Error, LostReason, Result};
-use crate::extended;
+use crate::extended::{self, Extensions, Priority};
 use crate::listener::Listener;
 use crate::validate;
 
@@ -108,6 +108,8 @@ pub(crate) struct Inner {
     pub(crate) fallback: Duration,
     pub(crate) pooled: bool,
     pub(crate) listener: Arc<Listener>,
+    /// Reserved capacity (src/extended.rs).
+    pub(crate) ext: Extensions,
 }
 
 impl fmt::Debug for Semaphore {
@@ -119,6 +121,7 @@ impl fmt::Debug for Semaphore {
             .field("holder", &self.inner.holder)
             .field("fallback_interval", &self.inner.fallback)
             .field("transaction_pooling", &self.inner.pooled)
+            .field("reserved", &self.inner.ext.reserved)
             .finish_non_exhaustive()
     }
 }
@@ -133,6 +136,7 @@ pub struct SemaphoreBuilder {
     holder: Option<String>,
     fallback: Duration,
     pooled: bool,
+    pub(crate) ext: Extensions,
 }
 
 impl SemaphoreBuilder {
@@ -216,6 +220,7 @@ impl SemaphoreBuilder {
             }
             None => default_holder(),
         };
+        self.ext.validate(self.capacity)?;
         let capacity: i32 = on_pool!(pool, self.pooled, |conn| {
             sqlx::query_scalar(CONFIGURE)
                 .bind(&self.name)
@@ -236,6 +241,7 @@ impl SemaphoreBuilder {
                 holder,
                 fallback: self.fallback,
                 pooled: self.pooled,
+                ext: self.ext,
             }),
         })
     }
@@ -253,6 +259,7 @@ impl Semaphore {
             holder: None,
             fallback: DEFAULT_FALLBACK_INTERVAL,
             pooled: false,
+            ext: Extensions::default(),
         }
     }
 
@@ -329,6 +336,7 @@ impl Semaphore {
             metadata: None,
             lease: None,
             permits: 1,
+            priority: Priority::default(),
         }
     }
 
@@ -431,6 +439,7 @@ pub struct Claim<'a> {
     metadata: Option<serde_json::Value>,
     lease: Option<Duration>,
     pub(crate) permits: u32,
+    pub(crate) priority: Priority,
 }
 
 /// What the spawned claim task needs.
@@ -441,6 +450,7 @@ pub(crate) struct ClaimArgs {
     pub(crate) metadata: Option<serde_json::Value>,
     pub(crate) lease: Option<PgInterval>,
     pub(crate) permits: u32,
+    pub(crate) priority: Priority,
 }
 
 impl<'a> Claim<'a> {
@@ -538,18 +548,20 @@ impl<'a> Claim<'a> {
             Some(lease) => Some(lease_interval(lease)?),
             None => None,
         };
-        extended::validate(self.semaphore, self.permits)?;
+        extended::validate(self.semaphore, self.permits, self.priority)?;
         Ok(ClaimArgs {
             semaphore: self.semaphore.clone(),
             holder,
             metadata: self.metadata,
             lease,
             permits: self.permits,
+            priority: self.priority,
         })
     }
 }
 
-/// Waits for a claim: the fast loop below, or the extended one for weighted claims.
+/// Waits for a claim: the fast loop below, or the extended one for weighted
+/// and low-priority claims.
 async fn wait(args: &ClaimArgs) -> Result<Permit> {
     if args.is_extended(true) {
         extended::wait(args).await

@@ -1,5 +1,5 @@
 //! The semaphore extensions on a real PostgreSQL: `wait_idle`, weighted
-//! permits.
+//! permits, reserved capacity for critical traffic.
 
 mod support;
 
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{Error, Semaphore};
+use pg_semaphore::{Error, Priority, Semaphore};
 use sqlx::PgPool;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -311,5 +311,106 @@ async fn a_waiting_weighted_claim_never_holds_part_of_its_slots() -> TestResult 
     assert_eq!(live_rows(&db.pool, "triple").await, 3);
     permit.release().await?;
     assert_eq!(live_rows(&db.pool, "triple").await, 0);
+    Ok(())
+}
+
+// ---------------------------------------------------------------- reserved
+
+#[tokio::test]
+async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
+    let db = support::migrated_db().await;
+    let err = Semaphore::builder("shed", 5)
+        .reserved(5)
+        .build(&db.pool)
+        .await
+        .expect_err("reserving every slot");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                argument: "reserved",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    let sem = Semaphore::builder("shed", 5)
+        .reserved(2)
+        .build(&db.pool)
+        .await?;
+    assert_eq!(sem.reserved(), 2);
+    let low = || sem.claim().priority(Priority::Low);
+    // Low priority succeeds while more than 2 slots are free: 5, 4, 3.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(low().try_acquire().await?);
+    }
+    assert_eq!(sem.available_permits().await?, 2);
+    let err = low()
+        .try_acquire()
+        .await
+        .expect_err("only the reserve is left");
+    assert!(err.is_busy(), "{err:?}");
+    assert_eq!(live_rows(&db.pool, "shed").await, 3);
+    // High priority (the default) may use the reserve, down to the last slot.
+    held.push(sem.try_acquire().await?);
+    held.push(sem.claim().priority(Priority::High).try_acquire().await?);
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+
+    // Two free again: still the reserve for low priority, not for high.
+    held.pop().expect("held").release().await?;
+    held.pop().expect("held").release().await?;
+    assert!(low().try_acquire().await.is_err());
+    let critical = sem.try_acquire().await?;
+    critical.release().await?;
+
+    // A weighted low-priority claim must leave the reserve too: with 3 free
+    // (after one more release), 2 would leave 1 < 2.
+    held.pop().expect("held").release().await?;
+    assert!(low().try_acquire_many(2).await.is_err());
+    let one = low().try_acquire_many(1).await?;
+    // A low-priority weight above capacity - reserve can never succeed.
+    let err = low().acquire_many(4).await.expect_err("4 > 5 - 2");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                argument: "permits",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    one.release().await?;
+
+    // A waiting low-priority claim is admitted once more than 2 are free.
+    let other = support::another_pool(&db, 2).await;
+    let low_sem = Semaphore::builder("shed", 5)
+        .reserved(2)
+        .fallback_interval(NO_FALLBACK)
+        .build(&other)
+        .await?;
+    assert_eq!(sem.available_permits().await?, 3);
+    held.push(sem.try_acquire().await?); // 2 free: low must wait
+    let waiter = tokio::spawn(async move {
+        low_sem
+            .claim()
+            .priority(Priority::Low)
+            .acquire_timeout(PATIENCE)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiter.is_finished(), "low priority took the reserve");
+    held.pop().expect("held").release().await?;
+    let admitted = waiter.await??;
+    assert_eq!(sem.available_permits().await?, 2);
+    admitted.release().await?;
+    for permit in held {
+        permit.release().await?;
+    }
     Ok(())
 }
