@@ -19,6 +19,17 @@ pub enum Error {
         capacity: u32,
     },
 
+    /// The semaphore's queue of waiters already holds its limit: an acquire
+    /// on a handle built with [`queue_limit`](crate::SemaphoreBuilder::queue_limit)
+    /// is refused at once instead of waiting (answer 429 or 503).
+    #[error("queue full: {limit} waiters are already queued on semaphore {semaphore:?}")]
+    QueueFull {
+        /// The semaphore's name.
+        semaphore: String,
+        /// The queue limit that was reached.
+        limit: u32,
+    },
+
     /// A wait gave up after its timeout: a semaphore's `acquire_timeout`, or a
     /// mutex's `lock_timeout` (PostgreSQL's `lock_timeout`, SQLSTATE 55P03).
     #[error("timed out after {timeout:?} waiting for {name}")]
@@ -149,11 +160,15 @@ impl From<sqlx::Error> for Error {
 }
 
 impl Error {
-    /// Whether the error only means "busy": no slot was free, or a wait timed out.
+    /// Whether the error only means "busy": no slot was free, the queue was
+    /// full, or a wait timed out.
     ///
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
     pub fn is_busy(&self) -> bool {
-        matches!(self, Error::NoSlotsAvailable { .. } | Error::Timeout { .. })
+        matches!(
+            self,
+            Error::NoSlotsAvailable { .. } | Error::QueueFull { .. } | Error::Timeout { .. }
+        )
     }
 
     pub(crate) fn invalid(argument: &'static str, reason: impl Into<String>) -> Self {

@@ -1,9 +1,10 @@
 //! Claims beyond the fast path: weighted permits (n slots at once, all or
 //! nothing), low-priority claims that leave a reserve free for critical
-//! traffic (seed 002's fleet usage load shedder). One SQL function does them,
+//! traffic (seed 002's fleet usage load shedder), and claims through the
+//! fair queue (`src/queue.rs`). One SQL function does them all,
 //! `pgsemaphore.claim_many` in `migrations/20261121000005_pgsemaphore_extensions.sql`.
 //!
-//! A plain claim (one permit, high priority) keeps the fast path
+//! A plain claim (one permit, high priority, no queue) keeps the fast path
 //! of `src/semaphore.rs`.
 
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -14,11 +15,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::error::{Error, LostReason, Result};
+use crate::queue::{self, Ticket};
 use crate::semaphore::{Claim, ClaimArgs, Inner, Permit, Semaphore, SemaphoreBuilder};
 
 /// The extended claim, one round trip; see the migration for its statuses.
 const CLAIM_MANY: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at, o_capacity, o_free \
-                          FROM pgsemaphore.claim_many($1, $2, $3, $4, $5, $6, $7)";
+                          FROM pgsemaphore.claim_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 /// Ends every claim of a weighted permit and notifies waiters, in one round trip.
 const RELEASE_MANY: &str = "SELECT o_outcome, o_id, o_at FROM pgsemaphore.release_many($1)";
@@ -63,10 +65,11 @@ impl Priority {
     }
 }
 
-/// A handle's reserved capacity.
+/// A handle's reserved capacity and queue settings.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Extensions {
     pub(crate) reserved: u32,
+    pub(crate) queue: Option<queue::QueueOptions>,
 }
 
 impl Extensions {
@@ -137,7 +140,8 @@ impl Semaphore {
     ///
     /// - [`Error::InvalidArgument`] for `n` = 0 or more than the capacity
     ///   (it could never succeed).
-    /// - [`Error::NoSlotsAvailable`] when fewer than `n` slots are free.
+    /// - [`Error::NoSlotsAvailable`] when fewer than `n` slots are free, or
+    ///   waiters are queued on the semaphore (see [`SemaphoreBuilder::queue`]).
     /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
     ///
     /// # Cancel safety
@@ -151,19 +155,20 @@ impl Semaphore {
     /// Waits without limit until `n` slots are free, then claims them all at
     /// once. Never holds some while waiting for the rest.
     ///
-    /// Within a process, waiting weighted acquires of a semaphore are served
-    /// in order: a large request at the front is not overtaken by smaller
-    /// ones behind it (as with `tokio::sync::Semaphore`).
+    /// Within a process, waiting acquires of a semaphore are served in
+    /// order: a large request at the front is not overtaken by smaller ones
+    /// behind it (as with `tokio::sync::Semaphore`). Across processes, build
+    /// with [`SemaphoreBuilder::queue`] for the same guarantee.
     ///
     /// # Errors
     ///
     /// As [`try_acquire_many`](Self::try_acquire_many), except that a full
-    /// semaphore is waited for.
+    /// semaphore is waited for; [`Error::QueueFull`] with a queue limit.
     ///
     /// # Cancel safety
     ///
     /// Cancel-safe: dropping the future never leaves a slot held, and gives
-    /// up its place in the local order.
+    /// up its place in the queue.
     pub async fn acquire_many(&self, n: u32) -> Result<Permit> {
         self.claim().acquire_many(n).await
     }
@@ -259,9 +264,16 @@ impl Permit {
 }
 
 impl ClaimArgs {
-    /// Whether this claim needs `claim_many`: weighted or low priority.
-    pub(crate) fn is_extended(&self, _waiting: bool) -> bool {
-        self.permits != 1 || self.priority == Priority::Low
+    pub(crate) fn priority_sql(&self) -> i16 {
+        self.priority.sql()
+    }
+
+    /// Whether this claim needs `claim_many`: weighted, low priority, or
+    /// (when it waits) queued.
+    pub(crate) fn is_extended(&self, waiting: bool) -> bool {
+        self.permits != 1
+            || self.priority == Priority::Low
+            || (waiting && self.semaphore.inner.ext.queue.is_some())
     }
 }
 
@@ -298,6 +310,12 @@ enum Outcome {
     Full {
         capacity: u32,
     },
+    /// A waiter is ahead in the queue.
+    Behind {
+        capacity: u32,
+    },
+    /// The caller's waiter row is gone (its lease ended): queue again.
+    NoTicket,
     /// More permits than the database's capacity (and reserve) allow.
     TooMany {
         capacity: u32,
@@ -325,11 +343,11 @@ struct ClaimManyRow {
 /// One attempt, cancel-safe by construction as the fast path's: the round
 /// trip runs in a spawned task that releases what it claimed if the caller
 /// has gone.
-async fn claim_many_once(args: &ClaimArgs) -> Result<Outcome> {
+async fn claim_many_once(args: &ClaimArgs, ticket: Option<i64>) -> Result<Outcome> {
     let (tx, rx) = oneshot::channel();
     let task_args = args.clone();
     tokio::spawn(async move {
-        let result = claim_many_round_trip(&task_args).await;
+        let result = claim_many_round_trip(&task_args, ticket).await;
         if let Err(Ok(Outcome::Claimed(permit))) = tx.send(result) {
             tracing::debug!(
                 semaphore = %task_args.semaphore.name(),
@@ -345,8 +363,12 @@ async fn claim_many_once(args: &ClaimArgs) -> Result<Outcome> {
         .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
 }
 
-async fn claim_many_round_trip(args: &ClaimArgs) -> Result<Outcome> {
+async fn claim_many_round_trip(args: &ClaimArgs, ticket: Option<i64>) -> Result<Outcome> {
     let inner = &args.semaphore.inner;
+    let (lifo, waiter_lease) = match inner.ext.queue {
+        Some(queue) => (queue.order.is_lifo(), queue::waiter_lease()),
+        None => (false, queue::waiter_lease()),
+    };
     let row: ClaimManyRow = on_pool!(inner.pool, inner.pooled, |conn| {
         sqlx::query_as(CLAIM_MANY)
             .bind(&inner.name)
@@ -356,6 +378,9 @@ async fn claim_many_round_trip(args: &ClaimArgs) -> Result<Outcome> {
             .bind(args.permits as i32)
             .bind(args.priority.sql())
             .bind(inner.ext.reserved as i32)
+            .bind(ticket)
+            .bind(lifo)
+            .bind(waiter_lease)
             .persistent(!inner.pooled)
             .fetch_one(conn)
     })
@@ -382,18 +407,25 @@ async fn claim_many_round_trip(args: &ClaimArgs) -> Result<Outcome> {
                 row.free.max(0) as u32,
             ))
         }
+        ("behind", _, _) => Outcome::Behind { capacity },
+        ("no_ticket", _, _) => Outcome::NoTicket,
         ("too_many", _, _) => Outcome::TooMany { capacity },
         _ => Outcome::Full { capacity },
     })
 }
 
-/// `try_acquire` for an extended claim: one attempt.
+/// `try_acquire` for an extended claim: one attempt outside the queue.
 pub(crate) async fn try_acquire(args: &ClaimArgs) -> Result<Permit> {
-    match claim_many_once(args).await? {
+    match claim_many_once(args, None).await? {
         Outcome::Claimed(permit) => Ok(permit),
-        Outcome::Full { capacity } => Err(Error::NoSlotsAvailable {
+        Outcome::Full { capacity } | Outcome::Behind { capacity } => Err(Error::NoSlotsAvailable {
             semaphore: args.semaphore.name().to_owned(),
             capacity,
+        }),
+        // Only a queued claim carries a ticket.
+        Outcome::NoTicket => Err(Error::NoSlotsAvailable {
+            semaphore: args.semaphore.name().to_owned(),
+            capacity: args.semaphore.capacity(),
         }),
         Outcome::TooMany { capacity } => Err(refused(args, capacity)),
     }
@@ -409,15 +441,17 @@ fn refused(args: &ClaimArgs, capacity: u32) -> Error {
     too_many(args.semaphore.name(), args.permits, usable)
 }
 
-/// Local arrival order of waiting extended claims.
+/// Local arrival order of waiting extended claims outside the queue.
 static LOCAL_ORDER: AtomicI64 = AtomicI64::new(0);
 
 /// The waiting loop of extended claims.
 ///
 /// Every waiting extended claim of a semaphore in this process holds a
-/// place in a local order (high priority first, then by arrival); on each
-/// wake-up only the first place claims, so a release costs one round trip
-/// per process, and a heavy request at the front is not overtaken locally.
+/// place in a local order (queued claims by their database place, then the
+/// others by arrival); on each wake-up only the first place claims, so a
+/// release costs one round trip per process, and a heavy request at the
+/// front is not overtaken locally. Queued claims also hold a database
+/// ticket ([`Ticket`]) that the first place renews for the whole process.
 pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
     let inner = &args.semaphore.inner;
     let listener = &inner.listener;
@@ -428,14 +462,22 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
     let mut watch = listener.watch(&inner.name, inner.fallback);
     let rank = args.priority.rank();
     watch.take_place((1, rank, LOCAL_ORDER.fetch_add(1, Ordering::Relaxed)), None);
+    let queue = inner.ext.queue;
+    let mut ticket: Option<Ticket> = None;
+    let mut renew_at = Instant::now() + queue::renew_every();
     let started = Instant::now();
     loop {
         // Mark wake-ups seen *before* claiming, so a release that lands
         // between a failed claim and the wait still wakes this task.
         watch.seen();
-        if watch.is_first() {
-            match claim_many_once(args).await? {
+        // A queued claim that has no ticket yet tries once, then queues.
+        let joining = queue.is_some() && ticket.is_none();
+        if joining || watch.is_first() {
+            match claim_many_once(args, ticket.as_ref().map(Ticket::id)).await? {
                 Outcome::Claimed(permit) => {
+                    if let Some(ticket) = ticket {
+                        ticket.served();
+                    }
                     watch.leave(permit.free_after > 0);
                     tracing::debug!(
                         semaphore = %inner.name,
@@ -446,10 +488,37 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
                     return Ok(permit);
                 }
                 Outcome::TooMany { capacity } => return Err(refused(args, capacity)),
-                Outcome::Full { .. } => {}
+                Outcome::NoTicket => {
+                    tracing::warn!(
+                        semaphore = %inner.name,
+                        "a queued acquire's waiter lease ended (renewal failed?); queueing again at the back"
+                    );
+                    if let Some(ticket) = ticket.take() {
+                        ticket.served();
+                    }
+                }
+                Outcome::Full { .. } | Outcome::Behind { .. } => {}
+            }
+            if let Some(options) = queue
+                && ticket.is_none()
+            {
+                let id = queue::enqueue(args, options).await?;
+                watch.take_place((0, rank, options.order.place(id)), Some(id));
+                ticket = Some(Ticket::new(args.semaphore.clone(), id));
+                renew_at = Instant::now() + queue::renew_every();
+                // It may be at the head already: look again at once.
+                continue;
             }
         }
-        watch.changed().await;
+        tokio::select! {
+            () = watch.changed() => {}
+            () = tokio::time::sleep_until(renew_at), if ticket.is_some() => {
+                renew_at = Instant::now() + queue::renew_every();
+                if watch.is_first() {
+                    queue::renew(inner, &watch.local_tickets()).await;
+                }
+            }
+        }
     }
 }
 

@@ -120,6 +120,7 @@ mod idle;
 mod listener;
 mod migrate;
 mod mutex;
+mod queue;
 mod reaper;
 mod semaphore;
 mod validate;
@@ -129,6 +130,7 @@ pub use error::{Error, LostReason, Result};
 pub use extended::Priority;
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
+pub use queue::QueueOrder;
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,

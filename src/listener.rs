@@ -402,6 +402,15 @@ impl WatchGuard {
         self.place.is_some() && places.keys().next() == self.place.as_ref()
     }
 
+    /// The database waiter ids of every place in the local order.
+    pub(crate) fn local_tickets(&self) -> Vec<i64> {
+        lock(&self.watched.places)
+            .values()
+            .flatten()
+            .copied()
+            .collect()
+    }
+
     /// Gives up the place; if it was first and `wake`, the next one is woken
     /// to take over.
     pub(crate) fn leave(&mut self, wake: bool) {

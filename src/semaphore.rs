@@ -108,7 +108,7 @@ pub(crate) struct Inner {
     pub(crate) fallback: Duration,
     pub(crate) pooled: bool,
     pub(crate) listener: Arc<Listener>,
-    /// Reserved capacity (src/extended.rs).
+    /// Reserved capacity and the fair queue (src/extended.rs, src/queue.rs).
     pub(crate) ext: Extensions,
 }
 
@@ -122,6 +122,7 @@ impl fmt::Debug for Semaphore {
             .field("fallback_interval", &self.inner.fallback)
             .field("transaction_pooling", &self.inner.pooled)
             .field("reserved", &self.inner.ext.reserved)
+            .field("queue", &self.inner.ext.queue)
             .finish_non_exhaustive()
     }
 }
@@ -560,8 +561,8 @@ impl<'a> Claim<'a> {
     }
 }
 
-/// Waits for a claim: the fast loop below, or the extended one for weighted
-/// and low-priority claims.
+/// Waits for a claim: the fast loop below, or the extended one for weighted,
+/// low-priority and queued claims.
 async fn wait(args: &ClaimArgs) -> Result<Permit> {
     if args.is_extended(true) {
         extended::wait(args).await

@@ -1,14 +1,18 @@
 //! The semaphore extensions on a real PostgreSQL: `wait_idle`, weighted
-//! permits, reserved capacity for critical traffic.
+//! permits, reserved capacity for critical traffic, the fair queue (FIFO
+//! across processes, LIFO, queue limit, cancelled and crashed waiters).
 
 mod support;
 
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{Error, Priority, Semaphore};
+use pg_semaphore::{Error, Priority, QueueOrder, Semaphore};
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::time::Instant;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -29,6 +33,29 @@ async fn live_rows(pool: &PgPool, semaphore: &str) -> i64 {
     .fetch_one(pool)
     .await
     .expect("count live rows")
+}
+
+/// Polls `check` until it holds or `PATIENCE` passes.
+async fn eventually<F, Fut>(mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until `n` waiters are queued on `sem`.
+async fn queued(sem: &Semaphore, n: u32) -> bool {
+    eventually(|| async { sem.queue_len().await.ok() == Some(n) }).await
 }
 
 #[tokio::test]
@@ -413,4 +440,337 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
         permit.release().await?;
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------- queue
+
+/// Runs queued waiters `indices` of a queue test: waiter `i` joins the queue
+/// when the `turn` table says `i`, then takes the permit as holder `w{i}`
+/// and releases it at once. The service order is the order of the claims' ids.
+async fn queued_waiters(pool: &PgPool, order: QueueOrder, indices: &[i32]) -> TestResult {
+    let sem = Semaphore::builder("fair", 1)
+        .queue(order)
+        .fallback_interval(NO_FALLBACK)
+        .build(pool)
+        .await?;
+    let mut tasks = tokio::task::JoinSet::new();
+    for &i in indices {
+        let (sem, pool) = (sem.clone(), pool.clone());
+        tasks.spawn(async move {
+            assert!(
+                eventually(|| async {
+                    sqlx::query_scalar::<_, i32>("SELECT i FROM turn")
+                        .fetch_one(&pool)
+                        .await
+                        .ok()
+                        == Some(i)
+                })
+                .await,
+                "waiter {i} never got its turn"
+            );
+            let permit = sem
+                .claim()
+                .holder(format!("w{i}"))
+                .acquire_timeout(PATIENCE)
+                .await?;
+            permit.release().await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    Ok(())
+}
+
+/// Run as a separate OS process by the queue order tests.
+#[tokio::test]
+async fn queue_child_process_entry_point() -> TestResult {
+    let Ok(url) = std::env::var("PGSEM_QUEUE_CHILD_URL") else {
+        return Ok(()); // not a child: nothing to do
+    };
+    let order = match std::env::var("PGSEM_QUEUE_CHILD_ORDER")?.as_str() {
+        "lifo" => QueueOrder::NewestFirst,
+        _ => QueueOrder::OldestFirst,
+    };
+    let indices: Vec<i32> = std::env::var("PGSEM_QUEUE_CHILD_INDICES")?
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&url)
+        .await?;
+    queued_waiters(&pool, order, &indices).await
+}
+
+/// Six waiters join a capacity-1 queue one at a time, alternating between
+/// a child process (odd ones) and two pools of this one (even ones), while
+/// the permit is held; returns the order in which they were served.
+async fn serve_across_processes(
+    order: QueueOrder,
+) -> Result<Vec<String>, Box<dyn std::error::Error + Send + Sync>> {
+    const WAITERS: i32 = 6;
+    let db = support::migrated_db().await;
+    sqlx::query("CREATE TABLE turn (i int NOT NULL)")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("INSERT INTO turn VALUES (-1)")
+        .execute(&db.pool)
+        .await?;
+    let sem = Semaphore::builder("fair", 1)
+        .queue(order)
+        .build(&db.pool)
+        .await?;
+    let holder = sem.claim().holder("first").try_acquire().await?;
+
+    let child_indices: Vec<i32> = (0..WAITERS).filter(|i| i % 2 == 1).collect();
+    let child = Command::new(std::env::current_exe()?)
+        .args([
+            "queue_child_process_entry_point",
+            "--exact",
+            "--test-threads=1",
+        ])
+        .env("PGSEM_QUEUE_CHILD_URL", support::server::url_for(&db.name))
+        .env(
+            "PGSEM_QUEUE_CHILD_ORDER",
+            if order == QueueOrder::NewestFirst {
+                "lifo"
+            } else {
+                "fifo"
+            },
+        )
+        .env(
+            "PGSEM_QUEUE_CHILD_INDICES",
+            child_indices
+                .iter()
+                .map(i32::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // The even waiters live in this process, on two pools of their own.
+    let mut local = Vec::new();
+    for indices in [vec![0, 4], vec![2]] {
+        let pool = support::another_pool(&db, 3).await;
+        local.push(tokio::spawn(async move {
+            queued_waiters(&pool, order, &indices).await
+        }));
+    }
+    // Let them join one at a time, so arrival order is known.
+    for i in 0..WAITERS {
+        sqlx::query("UPDATE turn SET i = $1")
+            .bind(i)
+            .execute(&db.pool)
+            .await?;
+        assert!(
+            queued(&sem, (i + 1) as u32).await,
+            "waiter {i} did not queue"
+        );
+    }
+    // Each served waiter releases at once: the queue drains in its order.
+    holder.release().await?;
+    for task in local {
+        task.await??;
+    }
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+    assert!(
+        out.status.success(),
+        "child failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(sem.queue_len().await?, 0);
+    let served: Vec<String> = sqlx::query_scalar(
+        "SELECT holder FROM pgsemaphore.slots WHERE semaphore = 'fair' AND holder <> 'first' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    Ok(served)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_queue_serves_in_arrival_order_across_processes() -> TestResult {
+    let served = serve_across_processes(QueueOrder::OldestFirst).await?;
+    assert_eq!(served, ["w0", "w1", "w2", "w3", "w4", "w5"]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifo_queue_serves_the_newest_first_across_processes() -> TestResult {
+    let served = serve_across_processes(QueueOrder::NewestFirst).await?;
+    assert_eq!(served, ["w5", "w4", "w3", "w2", "w1", "w0"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_new_waiters_at_once() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("bounded", 1)
+        .queue_limit(2)
+        .build(&db.pool)
+        .await?;
+    let held = sem.try_acquire().await?;
+    let mut waiters = Vec::new();
+    for n in 1..=2 {
+        let waiter = sem.clone();
+        waiters.push(tokio::spawn(async move {
+            waiter.acquire_timeout(PATIENCE).await
+        }));
+        assert!(queued(&sem, n).await);
+    }
+    // The third is refused without waiting for PATIENCE.
+    let err = sem.acquire_timeout(PATIENCE).await.expect_err("queue full");
+    match &err {
+        Error::QueueFull { semaphore, limit } => {
+            assert_eq!(semaphore, "bounded");
+            assert_eq!(*limit, 2);
+        }
+        other => panic!("expected QueueFull, got {other:?}"),
+    }
+    assert!(err.is_busy());
+    assert_eq!(sem.queue_len().await?, 2);
+    held.release().await?;
+    for waiter in waiters {
+        waiter.await??.release().await?;
+    }
+    // Served waiters left the queue: there is room again.
+    assert_eq!(sem.queue_len().await?, 0);
+    sem.acquire_timeout(PATIENCE).await?.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn no_claim_jumps_a_queued_waiter() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("nojump", 2)
+        .queue(QueueOrder::OldestFirst)
+        .build(&db.pool)
+        .await?;
+    // A handle without a queue, in another "process".
+    let other = support::another_pool(&db, 2).await;
+    let plain = Semaphore::builder("nojump", 2).build(&other).await?;
+    let a = sem.try_acquire().await?;
+    let b = sem.try_acquire().await?;
+    // The head of the queue wants both slots.
+    let head = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire_many_timeout(2, PATIENCE).await }
+    });
+    assert!(queued(&sem, 1).await);
+    a.release().await?;
+    // One slot is free, but a waiter is queued: fail-fast claims are refused,
+    // with or without a queue, weighted or not.
+    assert!(matches!(
+        plain.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    assert!(matches!(
+        sem.try_acquire_many(1).await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    assert_eq!(live_rows(&db.pool, "nojump").await, 1);
+    b.release().await?;
+    let both = head.await??;
+    assert_eq!(both.num_permits(), 2);
+    assert_eq!(sem.queue_len().await?, 0);
+    both.release().await?;
+    plain.try_acquire().await?.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_cancelled_waiter_leaves_the_queue_and_the_next_is_served() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("cancel", 1)
+        .queue(QueueOrder::OldestFirst)
+        .fallback_interval(NO_FALLBACK)
+        .build(&db.pool)
+        .await?;
+    let held = sem.try_acquire().await?;
+    let first = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.claim().holder("first").acquire().await }
+    });
+    assert!(queued(&sem, 1).await);
+    let other = support::another_pool(&db, 2).await;
+    let second_sem = Semaphore::builder("cancel", 1)
+        .queue(QueueOrder::OldestFirst)
+        .fallback_interval(NO_FALLBACK)
+        .build(&other)
+        .await?;
+    let second = tokio::spawn(async move { second_sem.claim().holder("second").acquire().await });
+    assert!(queued(&sem, 2).await);
+
+    // The head gives up: its row goes, the second becomes the head.
+    first.abort();
+    assert!(first.await.is_err_and(|e| e.is_cancelled()));
+    assert!(queued(&sem, 1).await, "the cancelled waiter stayed queued");
+    held.release().await?;
+    let permit = second.await??;
+    assert_eq!(
+        sqlx::query_scalar::<_, String>("SELECT holder FROM pgsemaphore.slots WHERE id = $1")
+            .bind(permit.id())
+            .fetch_one(&db.pool)
+            .await?,
+        "second"
+    );
+    permit.release().await?;
+    assert_eq!(sem.queue_len().await?, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("crash", 1)
+        .queue(QueueOrder::OldestFirst)
+        .fallback_interval(Duration::from_millis(100))
+        .build(&db.pool)
+        .await?;
+    // A waiter row left by a process that died: nobody renews it.
+    let ghost: i64 = sqlx::query_scalar(
+        "INSERT INTO pgsemaphore.waiters (semaphore, permits, priority, holder, expires_at) \
+         VALUES ('crash', 1, 1, 'dead-process', clock_timestamp() + interval '500 milliseconds') \
+         RETURNING id",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    // While it is live, nobody jumps it, although the slot is free.
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    // A queued acquire is served once its lease has ended, and removes it.
+    let permit = sem.acquire_timeout(PATIENCE).await?;
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters WHERE id = $1")
+        .bind(ghost)
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(left, 0);
+    permit.release().await?;
+    Ok(())
+}
+
+/// The public futures and guards can cross threads.
+#[allow(dead_code)]
+fn bounds(sem: Semaphore, permit: pg_semaphore::Permit) {
+    fn send<T: Send>(_: &T) {}
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    send(&sem.wait_idle());
+    send(&sem.wait_idle_timeout(PATIENCE));
+    send(&sem.acquire_many(2));
+    send(&sem.try_acquire_many(2));
+    send(&sem.acquire_many_timeout(2, PATIENCE));
+    send(&sem.claim().priority(Priority::Low).acquire());
+    send(&sem.queue_len());
+    send_sync(&permit);
+    send_sync(&Priority::Low);
+    send_sync(&QueueOrder::NewestFirst);
 }
