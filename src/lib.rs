@@ -21,6 +21,18 @@
 //!   with a slow fallback re-check in case a notification is lost.
 //! - [`Permit::release`] ends the claim (one round trip) and wakes a waiter.
 //!
+//! # Beyond one permit
+//!
+//! - [`Semaphore::acquire_many`] and friends hold `n` slots at once, all or
+//!   nothing, released together.
+//! - [`SemaphoreBuilder::reserved`] keeps slots for critical traffic:
+//!   [`Priority::Low`] claims succeed only while more than that many are free.
+//! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])
+//!   across every process, with an optional
+//!   [`queue_limit`](SemaphoreBuilder::queue_limit) ([`Error::QueueFull`]).
+//! - [`Semaphore::wait_idle`] waits until nobody holds a permit (a
+//!   distributed WaitGroup).
+//!
 //! # Crashes and timeouts
 //!
 //! Each permit has a **lease** measured on the database clock. If its holder
