@@ -389,23 +389,26 @@ async fn claim_many_round_trip(args: &ClaimArgs, ticket: Option<i64>) -> Result<
     let capacity = row.capacity.max(0) as u32;
     Ok(match (row.status.as_str(), row.ids, row.slots) {
         ("claimed", Some(ids), Some(slots)) => {
-            let (Some(acquired_at), Some(expires_at)) = (row.created_at, row.expires_at) else {
+            let mut claims = ids
+                .into_iter()
+                .zip(slots.into_iter().map(|slot| slot.max(0) as u32));
+            let (Some(first), Some(acquired_at), Some(expires_at)) =
+                (claims.next(), row.created_at, row.expires_at)
+            else {
                 return Err(Error::Database(sqlx::Error::Protocol(
-                    "pgsemaphore.claim_many returned a claim without timestamps".into(),
+                    "pgsemaphore.claim_many returned a claim without ids or timestamps".into(),
                 )));
             };
-            tracing::debug!(semaphore = %inner.name, ids = ?ids, "permits acquired");
-            let claims = ids
-                .into_iter()
-                .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
-                .collect();
-            Outcome::Claimed(Permit::new(
+            let permit = Permit::new(
                 args.semaphore.clone(),
-                claims,
+                first,
+                claims.collect(),
                 acquired_at,
                 expires_at,
                 row.free.max(0) as u32,
-            ))
+            );
+            tracing::debug!(semaphore = %inner.name, ids = ?permit.ids(), "permits acquired");
+            Outcome::Claimed(permit)
         }
         ("behind", _, _) => Outcome::Behind { capacity },
         ("no_ticket", _, _) => Outcome::NoTicket,

@@ -16,14 +16,12 @@
 //! and so do extended acquires (weighted, low priority, queued), which keep a
 //! local order: only the first of them in this process claims when woken.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
-use std::collections::BTreeMap;
-
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;

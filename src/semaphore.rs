@@ -620,7 +620,8 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
             tracing::debug!(semaphore = %inner.name, id, slot, "permit acquired");
             Ok(Claimed::Permit(Permit::new(
                 args.semaphore.clone(),
-                vec![(id, slot as u32)],
+                (id, slot as u32),
+                Vec::new(),
                 acquired_at,
                 expires_at,
                 row.free.max(0) as u32,
@@ -730,16 +731,16 @@ impl fmt::Debug for Permit {
 }
 
 impl Permit {
-    /// A permit for `claims` (id, slot), lowest id first: one for a plain
-    /// claim, n for a weighted one.
+    /// A permit for the claim `(id, slot)` and, if weighted, the claims
+    /// `more` made with it (higher ids).
     pub(crate) fn new(
         semaphore: Semaphore,
-        mut claims: Vec<(i64, u32)>,
+        (id, slot): (i64, u32),
+        more: Vec<(i64, u32)>,
         acquired_at: DateTime<Utc>,
         expires_at: DateTime<Utc>,
         free_after: u32,
     ) -> Permit {
-        let (id, slot) = claims.remove(0);
         Permit {
             semaphore,
             id,
@@ -748,7 +749,7 @@ impl Permit {
             expires_at,
             free_after,
             released: false,
-            more: claims,
+            more,
         }
     }
 
