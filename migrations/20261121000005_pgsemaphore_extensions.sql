@@ -11,7 +11,9 @@
 --     the waiter at the head may claim).
 --   * pgsemaphore.release_many: ends every claim of a weighted permit at once.
 --   * pgsemaphore.claim is replaced by the same function plus one check: it
---     refuses while waiters are queued, so no claim jumps the queue.
+--     refuses while waiters are queued, so no claim jumps the queue. The
+--     check costs one column read for semaphores whose queue was never used
+--     (semaphores.queue_used), one index probe for the others.
 
 CREATE TABLE pgsemaphore.waiters (
     -- Arrival order: FIFO serves the smallest id first, LIFO the largest.
@@ -31,6 +33,12 @@ CREATE TABLE pgsemaphore.waiters (
 
 -- The head of a semaphore's queue, and "is anyone queued?", by index.
 CREATE INDEX waiters_queue_idx ON pgsemaphore.waiters (semaphore, priority, id);
+
+-- A hint that keeps the fast path of pgsemaphore.claim free of the queue:
+-- false guarantees that the semaphore has no waiter row. Set by enqueue and
+-- cleared by claim_many when it finds the queue empty, both with the
+-- semaphore's row locked; true only means "look at pgsemaphore.waiters".
+ALTER TABLE pgsemaphore.semaphores ADD COLUMN queue_used boolean NOT NULL DEFAULT false;
 
 -- A queue churns: one insert and one delete per queued acquire.
 ALTER TABLE pgsemaphore.waiters SET (
@@ -86,6 +94,7 @@ DECLARE
     v_pick     integer[] := '{}';
     v_next     integer := 0;
     v_taken    integer;
+    v_queue    boolean;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'pg_semaphore.claim_many needs READ COMMITTED isolation, the session uses %',
@@ -93,7 +102,7 @@ BEGIN
             USING ERRCODE = 'invalid_transaction_state';
     END IF;
 
-    SELECT s.capacity, s.default_lease INTO v_capacity, v_lease
+    SELECT s.capacity, s.default_lease, s.queue_used INTO v_capacity, v_lease, v_queue
       FROM pgsemaphore.semaphores s
      WHERE s.name = p_semaphore
        FOR NO KEY UPDATE;
@@ -110,10 +119,13 @@ BEGIN
     END IF;
 
     -- The queue: drop waiters whose process stopped renewing them, then make
-    -- sure nobody is ahead of this claim.
+    -- sure nobody is ahead of this claim (a caller with a ticket has set
+    -- queue_used, by enqueue).
     v_now := clock_timestamp();
-    DELETE FROM pgsemaphore.waiters w
-     WHERE w.semaphore = p_semaphore AND w.expires_at <= v_now;
+    IF v_queue THEN
+        DELETE FROM pgsemaphore.waiters w
+         WHERE w.semaphore = p_semaphore AND w.expires_at <= v_now;
+    END IF;
     IF p_ticket IS NOT NULL THEN
         UPDATE pgsemaphore.waiters w
            SET expires_at = v_now + p_waiter_lease
@@ -124,17 +136,19 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    IF EXISTS (SELECT 1
-                 FROM pgsemaphore.waiters w
-                WHERE w.semaphore = p_semaphore
-                  AND w.priority >= p_priority
-                  AND (p_ticket IS NULL
-                       OR w.priority > p_priority
-                       OR (NOT p_lifo AND w.id < p_ticket)
-                       OR (p_lifo AND w.id > p_ticket))) THEN
-        o_status := 'behind';
-        RETURN NEXT;
-        RETURN;
+    IF v_queue THEN
+        IF EXISTS (SELECT 1
+                     FROM pgsemaphore.waiters w
+                    WHERE w.semaphore = p_semaphore
+                      AND w.priority >= p_priority
+                      AND (p_ticket IS NULL
+                           OR w.priority > p_priority
+                           OR (NOT p_lifo AND w.id < p_ticket)
+                           OR (p_lifo AND w.id > p_ticket))) THEN
+            o_status := 'behind';
+            RETURN NEXT;
+            RETURN;
+        END IF;
     END IF;
 
     -- Live slots, split by whether their lease has expired; reap the expired.
@@ -212,9 +226,16 @@ BEGIN
     END IF;
     o_status := 'claimed';
     o_free := v_capacity - v_live - p_permits;
-    -- Slots are left and others wait: the next head should look.
-    IF o_free > 0 AND EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = p_semaphore) THEN
-        PERFORM pg_notify('pgsemaphore', p_semaphore);
+    IF v_queue THEN
+        IF EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = p_semaphore) THEN
+            -- Slots are left and others wait: the next head should look.
+            IF o_free > 0 THEN
+                PERFORM pg_notify('pgsemaphore', p_semaphore);
+            END IF;
+        ELSE
+            -- The queue is empty: plain claims can skip it again.
+            UPDATE pgsemaphore.semaphores s SET queue_used = false WHERE s.name = p_semaphore;
+        END IF;
     END IF;
     RETURN NEXT;
 END;
@@ -256,6 +277,7 @@ BEGIN
     INSERT INTO pgsemaphore.waiters (semaphore, permits, priority, holder, enqueued_at, expires_at)
     VALUES (p_semaphore, p_permits, p_priority, p_holder, v_now, v_now + p_waiter_lease)
     RETURNING id INTO v_id;
+    UPDATE pgsemaphore.semaphores s SET queue_used = true WHERE s.name = p_semaphore AND NOT s.queue_used;
     RETURN v_id;
 END;
 $$;
@@ -312,8 +334,8 @@ $$;
 
 -- pgsemaphore.claim as in 20261121000001, plus the queue check in its first
 -- (unlocked) step: while a live waiter is queued on the semaphore, a claim
--- outside the queue is refused like a full one. One index probe on the
--- (usually empty) queue.
+-- outside the queue is refused like a full one. Free unless the semaphore's
+-- queue is in use (queue_used), then one index probe.
 CREATE OR REPLACE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb)
 RETURNS TABLE (
     o_id         bigint,
@@ -332,7 +354,7 @@ DECLARE
     v_live     integer;
     v_expired  integer;
     v_reaped   integer;
-    v_queued   boolean;
+    v_queue    boolean;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'pg_semaphore.claim needs READ COMMITTED isolation, the session uses %',
@@ -341,8 +363,15 @@ BEGIN
     END IF;
 
     -- Fail fast without queueing behind other claims: if, as of this
-    -- snapshot, every slot is held by an unexpired claim, or waiters are
-    -- queued (high-priority ones: this claim is high priority), the answer is no.
+    -- snapshot, every slot is held by an unexpired claim, the semaphore was
+    -- full at that instant and the answer is no. (Claims in flight would only
+    -- make it fuller; expired slots are left to the locked path, which reaps.)
+    -- While waiters are queued (high-priority ones: this claim is high
+    -- priority), it counts as full too: no claim jumps the queue. The queue
+    -- is looked at, in a statement of its own, only if the semaphore's
+    -- queue_used says it may be in use: semaphores without a queue pay
+    -- nothing for it (a waiters subquery in the first statement would cost
+    -- opening that table and index on every call, even unexecuted).
     v_now := clock_timestamp();
     SELECT s.capacity,
            (SELECT count(*)
@@ -350,16 +379,23 @@ BEGIN
              WHERE l.semaphore = s.name
                AND l.completed_at IS NULL AND l.timed_out_at IS NULL
                AND l.expires_at > v_now),
-           EXISTS (SELECT 1
-                     FROM pgsemaphore.waiters w
-                    WHERE w.semaphore = s.name AND w.priority >= 1
-                      AND w.expires_at > v_now)
-      INTO v_capacity, v_live, v_queued
+           s.queue_used
+      INTO v_capacity, v_live, v_queue
       FROM pgsemaphore.semaphores s
      WHERE s.name = p_semaphore;
-    IF FOUND AND (v_live >= v_capacity OR v_queued) THEN
+    -- (Two IFs: the outer one is a simple expression, evaluated without the
+    -- executor; the query only runs when the queue may be in use.)
+    IF v_queue AND v_live < v_capacity THEN
+        IF EXISTS (SELECT 1
+                     FROM pgsemaphore.waiters w
+                    WHERE w.semaphore = p_semaphore AND w.priority >= 1
+                      AND w.expires_at > v_now) THEN
+            v_live := v_capacity;
+        END IF;
+    END IF;
+    IF FOUND AND v_live >= v_capacity THEN
         RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::timestamptz, NULL::timestamptz,
-                            v_capacity, greatest(v_capacity - v_live, 0);
+                            v_capacity, 0;
         RETURN;
     END IF;
 

@@ -734,11 +734,11 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
         .fallback_interval(Duration::from_millis(100))
         .build(&db.pool)
         .await?;
-    // A waiter row left by a process that died: nobody renews it.
+    // A process queued a waiter (as `acquire` does, with a short lease
+    // here) and died: nobody renews it.
     let ghost: i64 = sqlx::query_scalar(
-        "INSERT INTO pgsemaphore.waiters (semaphore, permits, priority, holder, expires_at) \
-         VALUES ('crash', 1, 1, 'dead-process', clock_timestamp() + interval '500 milliseconds') \
-         RETURNING id",
+        "SELECT pgsemaphore.enqueue('crash', 1, 1::smallint, 'dead-process', NULL, \
+         interval '500 milliseconds')",
     )
     .fetch_one(&db.pool)
     .await?;
