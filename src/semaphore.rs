@@ -348,6 +348,9 @@ impl Semaphore {
     /// # Errors
     ///
     /// - [`Error::NoSlotsAvailable`] when every slot is held: answer 429/503.
+    ///   Also while waiters are queued in the semaphore's fair queue (see
+    ///   [`SemaphoreBuilder::queue`]), even if a slot is free: a fail-fast
+    ///   claim never jumps the queue.
     /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
     ///
     /// # Cancel safety
@@ -790,6 +793,9 @@ impl Permit {
     /// Work committed in that transaction therefore happened while the permit
     /// was held, even if the holder stalled for longer than its lease before
     /// getting there.
+    ///
+    /// A weighted permit is checked by its first claim ([`id`](Self::id)):
+    /// its claims were made together, share one lease and are released together.
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool, permit: pg_semaphore::Permit) -> Result<(), Box<dyn std::error::Error>> {
