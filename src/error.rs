@@ -38,6 +38,17 @@ pub enum Error {
         capacity: u32,
     },
 
+    /// The semaphore's queue of waiters already holds its limit: an acquire
+    /// on a handle built with [`queue_limit`](crate::SemaphoreBuilder::queue_limit)
+    /// is refused at once instead of waiting (answer 429 or 503).
+    #[error("queue full: {limit} waiters are already queued on semaphore {semaphore:?}")]
+    QueueFull {
+        /// The semaphore's name.
+        semaphore: String,
+        /// The queue limit that was reached.
+        limit: u32,
+    },
+
     /// A wait gave up after its timeout: a semaphore's `acquire_timeout`, or a
     /// mutex's `lock_timeout` (PostgreSQL's `lock_timeout`, SQLSTATE 55P03).
     #[error("timed out after {timeout:?} waiting for {name}")]
@@ -174,7 +185,8 @@ impl From<sqlx::Error> for Error {
 }
 
 impl Error {
-    /// Whether the error only means "busy": no slot was free, or a wait timed out.
+    /// Whether the error only means "busy": no slot was free, the queue was
+    /// full, or a wait timed out.
     ///
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
     ///
@@ -190,14 +202,18 @@ impl Error {
     /// # }
     /// ```
     pub fn is_busy(&self) -> bool {
-        matches!(self, Error::NoSlotsAvailable { .. } | Error::Timeout { .. })
+        matches!(
+            self,
+            Error::NoSlotsAvailable { .. } | Error::QueueFull { .. } | Error::Timeout { .. }
+        )
     }
 
     /// Whether the error means the database could not be reached or the
     /// connection died (as opposed to an answer from the database): I/O, TLS
-    /// and protocol failures, pool timeouts, SQLSTATE class 08 (connection
+    /// and protocol failures, a closed pool, SQLSTATE class 08 (connection
     /// exception), 57P01-57P05 (server shutting down, starting up, session
-    /// ended) and 53300 (too many connections).
+    /// ended) and 53300 (too many connections). A pool timeout does not
+    /// count on its own: the pool may only be busy.
     pub fn is_unreachable(&self) -> bool {
         match self {
             Error::Database(error) => unreachable_database(error),
@@ -219,12 +235,37 @@ pub(crate) fn unreachable_database(error: &sqlx::Error) -> bool {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
+        | sqlx::Error::PoolClosed => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
             code.starts_with("08") || code.starts_with("57P") || code == "53300"
         }),
         _ => false,
+    }
+}
+
+/// Whether a fail-open handle may admit after `error` from `pool`: the
+/// database is unreachable. A pool timeout is ambiguous: a pool that is only
+/// busy must not fail open (that would lift the limit exactly when it
+/// matters), so unless the pool holds no connection at all, one direct
+/// connection attempt decides.
+pub(crate) async fn fails_open(error: &sqlx::Error, pool: &sqlx::PgPool) -> bool {
+    if unreachable_database(error) {
+        return true;
+    }
+    if !matches!(error, sqlx::Error::PoolTimedOut) {
+        return false;
+    }
+    if pool.size() == 0 {
+        return true;
+    }
+    let options = pool.connect_options();
+    let attempt = sqlx::ConnectOptions::connect(&*options);
+    match tokio::time::timeout(std::time::Duration::from_secs(2), attempt).await {
+        Ok(Ok(conn)) => {
+            let _ = sqlx::Connection::close(conn).await;
+            false
+        }
+        Ok(Err(error)) => unreachable_database(&error),
+        Err(_timed_out) => true,
     }
 }

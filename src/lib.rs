@@ -21,6 +21,18 @@
 //!   with a slow fallback re-check in case a notification is lost.
 //! - [`Permit::release`] ends the claim (one round trip) and wakes a waiter.
 //!
+//! # Beyond one permit
+//!
+//! - [`Semaphore::acquire_many`] and friends hold `n` slots at once, all or
+//!   nothing, released together.
+//! - [`SemaphoreBuilder::reserved`] keeps slots for critical traffic:
+//!   [`Priority::Low`] claims succeed only while more than that many are free.
+//! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])
+//!   across every process, with an optional
+//!   [`queue_limit`](SemaphoreBuilder::queue_limit) ([`Error::QueueFull`]).
+//! - [`Semaphore::wait_idle`] waits until nobody holds a permit (a
+//!   distributed WaitGroup).
+//!
 //! # Crashes and timeouts
 //!
 //! Each permit has a **lease** measured on the database clock. If its holder
@@ -166,10 +178,13 @@ macro_rules! on_pool {
 mod admin;
 mod audit;
 mod error;
+mod extended;
+mod idle;
 mod lease;
 mod listener;
 mod migrate;
 mod mutex;
+mod queue;
 mod rate_limit;
 mod reaper;
 #[cfg(feature = "refinery")]
@@ -186,8 +201,10 @@ pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{ReleaseOutcome, SemaphoreInfo, force_release, semaphores, set_capacity};
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
 pub use error::{Error, LostReason, Result};
+pub use extended::Priority;
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
+pub use queue::QueueOrder;
 pub use rate_limit::{
     Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
     SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,

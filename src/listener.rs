@@ -9,8 +9,14 @@
 //! reconnecting, database restart) costs at most one interval, never a hang.
 //! Waiting tasks hold no pooled connection: only the listener's own
 //! connection, opened outside the application's pool.
+//!
+//! A *watch* ([`Listener::watch`]) is the other kind of registration: it is
+//! woken on every notification of its semaphore (and by the same fallback
+//! ticker), never consuming the wake-one of acquirers. `wait_idle` uses it,
+//! and so do extended acquires (weighted, low priority, queued), which keep a
+//! local order: only the first of them in this process claims when woken.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -142,6 +148,12 @@ impl Listener {
     pub(crate) fn register(&self, semaphore: &str, fallback: Duration) -> WaiterGuard {
         self.waiters.register(semaphore, fallback)
     }
+
+    /// Registers a watch on `semaphore`, woken on every notification; the
+    /// registration ends when the guard drops.
+    pub(crate) fn watch(&self, semaphore: &str, fallback: Duration) -> WatchGuard {
+        self.waiters.watch(semaphore, fallback)
+    }
 }
 
 /// The `LISTEN` loop. Runs until aborted.
@@ -208,6 +220,7 @@ async fn tick(waiters: Weak<Waiters>) {
 #[derive(Default)]
 struct Waiters {
     by_semaphore: Mutex<HashMap<String, Arc<Entry>>>,
+    watched: Mutex<HashMap<String, Arc<Watched>>>,
 }
 
 /// The waiters of one semaphore in this process.
@@ -254,6 +267,12 @@ impl Waiters {
     }
 
     fn wake_one(&self, semaphore: &str) {
+        if let Some(watched) = lock(&self.watched).get(semaphore) {
+            let mut state = lock(&watched.state);
+            state.next_check = Instant::now() + state.fallback;
+            drop(state);
+            watched.wake();
+        }
         if let Some(entry) = lock(&self.by_semaphore).get(semaphore) {
             // Notifications are flowing: the fallback re-check can wait.
             let mut state = lock(&entry.state);
@@ -267,6 +286,9 @@ impl Waiters {
         for entry in lock(&self.by_semaphore).values() {
             entry.notify.notify_one();
         }
+        for watched in lock(&self.watched).values() {
+            watched.wake();
+        }
     }
 
     fn wake_due(&self, now: Instant) {
@@ -276,6 +298,141 @@ impl Waiters {
                 state.next_check = now + state.fallback;
                 entry.notify.notify_one();
             }
+        }
+        for watched in lock(&self.watched).values() {
+            let mut state = lock(&watched.state);
+            if state.next_check <= now {
+                state.next_check = now + state.fallback;
+                drop(state);
+                watched.wake();
+            }
+        }
+    }
+
+    fn watch(self: &Arc<Self>, semaphore: &str, fallback: Duration) -> WatchGuard {
+        let mut map = lock(&self.watched);
+        let watched = map
+            .entry(semaphore.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Watched {
+                    wake: watch::Sender::new(()),
+                    state: Mutex::new(EntryState {
+                        waiting: 0,
+                        fallback,
+                        next_check: Instant::now() + fallback,
+                    }),
+                    places: Mutex::new(BTreeMap::new()),
+                })
+            })
+            .clone();
+        {
+            let mut state = lock(&watched.state);
+            state.waiting += 1;
+            if fallback < state.fallback {
+                state.fallback = fallback;
+                state.next_check = state.next_check.min(Instant::now() + fallback);
+            }
+        }
+        WatchGuard {
+            waiters: self.clone(),
+            semaphore: semaphore.to_owned(),
+            rx: watched.wake.subscribe(),
+            watched,
+            place: None,
+        }
+    }
+}
+
+/// The watches of one semaphore in this process.
+struct Watched {
+    /// Every receiver sees a change on each wake-up.
+    wake: watch::Sender<()>,
+    state: Mutex<EntryState>,
+    /// The local order of extended acquires: only the first one claims.
+    places: Mutex<BTreeMap<Place, Option<i64>>>,
+}
+
+impl Watched {
+    fn wake(&self) {
+        self.wake.send_modify(|()| {});
+    }
+}
+
+/// A place in the local order of extended acquires, smallest first.
+pub(crate) type Place = (u8, u8, i64);
+
+/// A registered watch. Dropping it unregisters (and gives up its place).
+pub(crate) struct WatchGuard {
+    waiters: Arc<Waiters>,
+    semaphore: String,
+    watched: Arc<Watched>,
+    rx: watch::Receiver<()>,
+    place: Option<Place>,
+}
+
+impl WatchGuard {
+    /// Marks every wake-up so far as seen: call before checking, then
+    /// [`changed`](Self::changed) returns at the next wake-up after it.
+    pub(crate) fn seen(&mut self) {
+        self.rx.borrow_and_update();
+    }
+
+    /// Waits for a wake-up not yet [`seen`](Self::seen).
+    pub(crate) async fn changed(&mut self) {
+        // The sender lives as long as `self.watched`: this never fails.
+        let _ = self.rx.changed().await;
+    }
+
+    /// Takes (or moves to) `place` in the local order; `ticket` is the
+    /// database waiter id it stands for, if any.
+    pub(crate) fn take_place(&mut self, place: Place, ticket: Option<i64>) {
+        let mut places = lock(&self.watched.places);
+        if let Some(old) = self.place.take() {
+            places.remove(&old);
+        }
+        places.insert(place, ticket);
+        self.place = Some(place);
+    }
+
+    /// Whether this watch holds the first place in the local order.
+    pub(crate) fn is_first(&self) -> bool {
+        let places = lock(&self.watched.places);
+        self.place.is_some() && places.keys().next() == self.place.as_ref()
+    }
+
+    /// The database waiter ids of every place in the local order.
+    pub(crate) fn local_tickets(&self) -> Vec<i64> {
+        lock(&self.watched.places)
+            .values()
+            .flatten()
+            .copied()
+            .collect()
+    }
+
+    /// Gives up the place; if it was first and `wake`, the next one is woken
+    /// to take over.
+    pub(crate) fn leave(&mut self, wake: bool) {
+        if let Some(place) = self.place.take() {
+            let mut places = lock(&self.watched.places);
+            let was_first = places.keys().next() == Some(&place);
+            places.remove(&place);
+            if wake && was_first && !places.is_empty() {
+                drop(places);
+                self.watched.wake();
+            }
+        }
+    }
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        self.leave(true);
+        let mut map = lock(&self.waiters.watched);
+        let mut state = lock(&self.watched.state);
+        state.waiting -= 1;
+        if state.waiting == 0 {
+            drop(state);
+            map.remove(&self.semaphore);
         }
     }
 }

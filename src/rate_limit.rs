@@ -14,7 +14,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
-use crate::error::{Error, Result, unreachable_database};
+use crate::error::{Error, Result, fails_open};
 use crate::semaphore::MAX_NAME_LEN;
 use crate::validate;
 
@@ -202,7 +202,7 @@ impl Limiter {
                 limit,
                 failed_open: false,
             }),
-            Err(error) if self.fail_open && unreachable_database(&error) => {
+            Err(error) if self.fail_open && fails_open(&error, &self.pool).await => {
                 tracing::warn!(
                     limiter = %self.name,
                     %error,

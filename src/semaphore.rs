@@ -10,7 +10,8 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::audit::{AuditLog, Holder, Summary};
-use crate::error::{Error, LostReason, Result};
+use crate::error::{Error, LostReason, Result, fails_open};
+use crate::extended::{self, Extensions, Priority};
 use crate::lease::Lease;
 use crate::listener::Listener;
 use crate::validate;
@@ -96,20 +97,22 @@ const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaph
 /// ```
 #[derive(Clone)]
 pub struct Semaphore {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) name: String,
-    capacity: u32,
-    lease: Duration,
-    holder: String,
-    fallback: Duration,
+    pub(crate) capacity: u32,
+    pub(crate) lease: Duration,
+    pub(crate) holder: String,
+    pub(crate) fallback: Duration,
     pub(crate) pooled: bool,
+    pub(crate) listener: Arc<Listener>,
+    /// Reserved capacity and the fair queue (src/extended.rs, src/queue.rs).
+    pub(crate) ext: Extensions,
     heartbeat: Heartbeat,
     fail_open: bool,
-    listener: Arc<Listener>,
 }
 
 /// How held permits renew their leases.
@@ -164,6 +167,8 @@ impl fmt::Debug for Semaphore {
             .field("transaction_pooling", &self.inner.pooled)
             .field("heartbeat", &self.inner.heartbeat)
             .field("fail_open", &self.inner.fail_open)
+            .field("reserved", &self.inner.ext.reserved)
+            .field("queue", &self.inner.ext.queue)
             .finish_non_exhaustive()
     }
 }
@@ -180,6 +185,7 @@ pub struct SemaphoreBuilder {
     pooled: bool,
     heartbeat: Heartbeat,
     fail_open: bool,
+    pub(crate) ext: Extensions,
 }
 
 impl SemaphoreBuilder {
@@ -315,6 +321,7 @@ impl SemaphoreBuilder {
             }
             None => default_holder(),
         };
+        self.ext.validate(self.capacity)?;
         let capacity: i32 = on_pool!(pool, self.pooled, |conn| {
             sqlx::query_scalar(CONFIGURE)
                 .bind(&self.name)
@@ -337,6 +344,7 @@ impl SemaphoreBuilder {
                 pooled: self.pooled,
                 heartbeat: self.heartbeat,
                 fail_open: self.fail_open,
+                ext: self.ext,
             }),
         })
     }
@@ -356,6 +364,7 @@ impl Semaphore {
             pooled: false,
             heartbeat: Heartbeat::Default,
             fail_open: false,
+            ext: Extensions::default(),
         }
     }
 
@@ -431,6 +440,8 @@ impl Semaphore {
             holder: None,
             metadata: None,
             lease: None,
+            permits: 1,
+            priority: Priority::default(),
         }
     }
 
@@ -441,6 +452,9 @@ impl Semaphore {
     /// # Errors
     ///
     /// - [`Error::NoSlotsAvailable`] when every slot is held: answer 429/503.
+    ///   Also while waiters are queued in the semaphore's fair queue (see
+    ///   [`SemaphoreBuilder::queue`]), even if a slot is free: a fail-fast
+    ///   claim never jumps the queue.
     /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
     ///
     /// # Cancel safety
@@ -532,15 +546,19 @@ pub struct Claim<'a> {
     holder: Option<String>,
     metadata: Option<serde_json::Value>,
     lease: Option<Duration>,
+    pub(crate) permits: u32,
+    pub(crate) priority: Priority,
 }
 
 /// What the spawned claim task needs.
 #[derive(Clone)]
-struct ClaimArgs {
-    semaphore: Semaphore,
-    holder: String,
-    metadata: Option<serde_json::Value>,
-    lease: Option<PgInterval>,
+pub(crate) struct ClaimArgs {
+    pub(crate) semaphore: Semaphore,
+    pub(crate) holder: String,
+    pub(crate) metadata: Option<serde_json::Value>,
+    pub(crate) lease: Option<PgInterval>,
+    pub(crate) permits: u32,
+    pub(crate) priority: Priority,
 }
 
 impl<'a> Claim<'a> {
@@ -575,16 +593,25 @@ impl<'a> Claim<'a> {
     pub async fn try_acquire(self) -> Result<Permit> {
         let args = self.into_args()?;
         let inner = &args.semaphore.inner;
-        match claim_once(&args).await {
-            Ok(Claimed::Permit(permit)) => Ok(permit),
-            Ok(Claimed::Full { capacity }) => {
-                tracing::debug!(semaphore = %inner.name, capacity, "no slots available");
-                Err(Error::NoSlotsAvailable {
-                    semaphore: inner.name.clone(),
-                    capacity,
-                })
+        let result = if args.is_extended(false) {
+            extended::try_acquire(&args).await
+        } else {
+            match claim_once(&args).await {
+                Ok(Claimed::Permit(permit)) => Ok(permit),
+                Ok(Claimed::Full { capacity }) => {
+                    tracing::debug!(semaphore = %inner.name, capacity, "no slots available");
+                    Err(Error::NoSlotsAvailable {
+                        semaphore: inner.name.clone(),
+                        capacity,
+                    })
+                }
+                Err(error) => Err(error),
             }
-            Err(error) if inner.fail_open && error.is_unreachable() => {
+        };
+        match result {
+            Err(Error::Database(error))
+                if inner.fail_open && fails_open(&error, &inner.pool).await =>
+            {
                 tracing::warn!(
                     semaphore = %inner.name,
                     %error,
@@ -592,7 +619,7 @@ impl<'a> Claim<'a> {
                 );
                 Ok(Permit::unchecked(args.semaphore.clone()))
             }
-            Err(error) => Err(error),
+            other => other,
         }
     }
 
@@ -608,7 +635,7 @@ impl<'a> Claim<'a> {
     /// As [`Semaphore::acquire`].
     pub async fn acquire(self) -> Result<Permit> {
         let args = self.into_args()?;
-        wait_and_claim(&args).await
+        wait(&args).await
     }
 
     /// As [`Semaphore::acquire_timeout`], with this claim's options.
@@ -625,9 +652,9 @@ impl<'a> Claim<'a> {
         let args = self.into_args()?;
         // A deadline too far to represent is no deadline.
         let Some(deadline) = Instant::now().checked_add(timeout) else {
-            return wait_and_claim(&args).await;
+            return wait(&args).await;
         };
-        match tokio::time::timeout_at(deadline, wait_and_claim(&args)).await {
+        match tokio::time::timeout_at(deadline, wait(&args)).await {
             Ok(result) => result,
             Err(_elapsed) => {
                 tracing::debug!(
@@ -658,12 +685,25 @@ impl<'a> Claim<'a> {
             }
             None => None,
         };
+        extended::validate(self.semaphore, self.permits, self.priority)?;
         Ok(ClaimArgs {
             semaphore: self.semaphore.clone(),
             holder,
             metadata: self.metadata,
             lease,
+            permits: self.permits,
+            priority: self.priority,
         })
+    }
+}
+
+/// Waits for a claim: the fast loop below, or the extended one for weighted,
+/// low-priority and queued claims.
+async fn wait(args: &ClaimArgs) -> Result<Permit> {
+    if args.is_extended(true) {
+        extended::wait(args).await
+    } else {
+        wait_and_claim(args).await
     }
 }
 
@@ -715,21 +755,15 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
     match (row.id, row.slot, row.created_at, row.expires_at) {
         (Some(id), Some(slot), Some(acquired_at), Some(expires_at)) => {
             tracing::debug!(semaphore = %inner.name, id, slot, "permit acquired");
-            // The lease as the database applied it (the claim's, or the
-            // semaphore's default as stored when the claim ran).
-            let lease = (expires_at - acquired_at).to_std().unwrap_or(inner.lease);
-            let interval = inner.heartbeat.interval(lease);
-            Ok(Claimed::Permit(Permit {
-                lease: Lease::start(&args.semaphore.inner, vec![id], sent, lease, interval),
-                semaphore: args.semaphore.clone(),
-                id,
-                slot: slot as u32,
+            Ok(Claimed::Permit(Permit::new(
+                args.semaphore.clone(),
+                (id, slot as u32),
+                Vec::new(),
                 acquired_at,
                 expires_at,
-                free_after: row.free.max(0) as u32,
-                released: false,
-                unchecked: false,
-            }))
+                row.free.max(0) as u32,
+                sent,
+            )))
         }
         _ => Ok(Claimed::Full { capacity }),
     }
@@ -815,11 +849,13 @@ pub struct Permit {
     slot: u32,
     acquired_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
-    free_after: u32,
+    pub(crate) free_after: u32,
     released: bool,
     /// Admitted without the database (fail-open): holds no slot.
     unchecked: bool,
     lease: Lease,
+    /// A weighted permit's other claims (id, slot), after the first.
+    pub(crate) more: Vec<(i64, u32)>,
 }
 
 impl fmt::Debug for Permit {
@@ -828,6 +864,7 @@ impl fmt::Debug for Permit {
             .field("semaphore", &self.semaphore.inner.name)
             .field("id", &self.id)
             .field("slot", &self.slot)
+            .field("permits", &(1 + self.more.len()))
             .field("acquired_at", &self.acquired_at)
             .field("expires_at", &self.expires_at)
             .field("heartbeat", &self.lease.has_heartbeat())
@@ -837,6 +874,40 @@ impl fmt::Debug for Permit {
 }
 
 impl Permit {
+    /// A permit for the claim `(id, slot)` and, if weighted, the claims
+    /// `more` made with it (higher ids), in a statement sent at `sent`; starts
+    /// renewing their lease if the semaphore has a heartbeat.
+    pub(crate) fn new(
+        semaphore: Semaphore,
+        (id, slot): (i64, u32),
+        more: Vec<(i64, u32)>,
+        acquired_at: DateTime<Utc>,
+        expires_at: DateTime<Utc>,
+        free_after: u32,
+        sent: Instant,
+    ) -> Permit {
+        let inner = &semaphore.inner;
+        // The lease as the database applied it (the claim's, or the
+        // semaphore's default as stored when the claim ran).
+        let lease = (expires_at - acquired_at).to_std().unwrap_or(inner.lease);
+        let ids = std::iter::once(id)
+            .chain(more.iter().map(|&(id, _)| id))
+            .collect();
+        let lease = Lease::start(inner, ids, sent, lease, inner.heartbeat.interval(lease));
+        Permit {
+            semaphore,
+            id,
+            slot,
+            acquired_at,
+            expires_at,
+            free_after,
+            released: false,
+            unchecked: false,
+            lease,
+            more,
+        }
+    }
+
     /// A permit admitted without the database (fail-open).
     fn unchecked(semaphore: Semaphore) -> Self {
         let now = Utc::now();
@@ -853,13 +924,17 @@ impl Permit {
             released: false,
             unchecked: true,
             lease: Lease::unchecked(),
+            more: Vec::new(),
             semaphore,
         }
     }
 
     /// The claim's id: unique and strictly increasing across the database
     /// (a `bigint` identity, which never wraps), usable as a fencing token.
-    /// `0` for an [unchecked](Self::is_unchecked) permit.
+    /// A weighted permit (see [`Semaphore::acquire_many`]) holds several
+    /// claims made in one statement: this is the lowest of their ids, and it
+    /// is still greater than every id of any claim on this semaphore made
+    /// before it. `0` for an [unchecked](Self::is_unchecked) permit.
     pub fn id(&self) -> i64 {
         self.id
     }
@@ -907,7 +982,7 @@ impl Permit {
         self.lease.lost_reason().is_some()
     }
 
-    /// The slot number held, in `0..capacity`.
+    /// The slot number held, in `0..capacity` (a weighted permit's lowest).
     pub fn slot(&self) -> u32 {
         self.slot
     }
@@ -935,6 +1010,9 @@ impl Permit {
     /// Work committed in that transaction therefore happened while the permit
     /// was held, even if the holder stalled for longer than its lease before
     /// getting there.
+    ///
+    /// A weighted permit is checked by its first claim ([`id`](Self::id)):
+    /// its claims were made together, share one lease and are released together.
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool, permit: pg_semaphore::Permit) -> Result<(), Box<dyn std::error::Error>> {
@@ -1007,9 +1085,24 @@ impl Permit {
         }
         let inner = self.semaphore.inner.clone();
         let (id, acquired_at) = (self.id, self.acquired_at);
-        tokio::spawn(async move { release_by_id(&inner, id, acquired_at).await })
+        let more = std::mem::take(&mut self.more);
+        tokio::spawn(async move { release_claims(&inner, id, more, acquired_at).await })
             .await
             .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
+    }
+}
+
+/// Releases a permit's claims: one by id, or a weighted permit's together.
+async fn release_claims(
+    inner: &Inner,
+    id: i64,
+    more: Vec<(i64, u32)>,
+    acquired_at: DateTime<Utc>,
+) -> Result<()> {
+    if more.is_empty() {
+        release_by_id(inner, id, acquired_at).await
+    } else {
+        extended::release_many(inner, id, &more).await
     }
 }
 
@@ -1049,10 +1142,11 @@ impl Drop for Permit {
         }
         let inner = self.semaphore.inner.clone();
         let (id, acquired_at) = (self.id, self.acquired_at);
+        let more = std::mem::take(&mut self.more);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    if let Err(error) = release_by_id(&inner, id, acquired_at).await {
+                    if let Err(error) = release_claims(&inner, id, more, acquired_at).await {
                         tracing::warn!(semaphore = %inner.name, id, %error, "background release of a dropped permit failed");
                     }
                 });
@@ -1066,7 +1160,7 @@ impl Drop for Permit {
     }
 }
 
-fn not_found_or(error: sqlx::Error, semaphore: &str) -> Error {
+pub(crate) fn not_found_or(error: sqlx::Error, semaphore: &str) -> Error {
     // P0002 no_data_found: raised by pgsemaphore.claim for an unknown semaphore.
     let code = error.as_database_error().and_then(|e| e.code());
     if code.as_deref() == Some("P0002") {

@@ -216,13 +216,14 @@ async fn fail_open_admits_unchecked_when_the_database_is_unreachable() -> TestRe
 
     // Fail-closed (the default) reports the outage.
     match closed.try_acquire().await {
-        Err(error) => assert!(error.is_unreachable(), "{error:?}"),
+        // A refused connection, or a pool timeout after failed attempts.
+        Err(error) => assert!(matches!(error, Error::Database(_)), "{error:?}"),
         Ok(permit) => panic!("admitted without the database: {permit:?}"),
     }
     // Waiting acquires never fail open.
     match open.acquire_timeout(Duration::from_secs(3)).await {
         Err(error) => assert!(
-            error.is_unreachable() || matches!(error, Error::Timeout { .. }),
+            matches!(error, Error::Database(_) | Error::Timeout { .. }),
             "{error:?}"
         ),
         Ok(permit) => panic!("a waiting acquire failed open: {permit:?}"),
@@ -240,5 +241,60 @@ async fn fail_open_admits_unchecked_when_the_database_is_unreachable() -> TestRe
         .fetch_one(&db.pool)
         .await?;
     assert_eq!(claims, 1, "only the claim made while the database answered");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_busy_pool_is_not_an_outage_and_never_fails_open() -> TestResult {
+    let db = support::migrated_db().await;
+    let tiny = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(db.options.clone())
+        .await?;
+    let sem = Semaphore::builder("busy-pool", 5)
+        .fail_open(true)
+        .build(&tiny)
+        .await?;
+    // Every connection of the pool is in use: a pool timeout, with the
+    // database perfectly reachable.
+    let hog = tiny.acquire().await?;
+    match sem.try_acquire().await {
+        Err(Error::Database(sqlx::Error::PoolTimedOut)) => {}
+        Ok(permit) => panic!("a busy pool failed open: {permit:?}"),
+        Err(other) => panic!("expected a pool timeout, got {other:?}"),
+    }
+    drop(hog);
+    let permit = sem.try_acquire().await?;
+    assert!(!permit.is_unchecked());
+    permit.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_weighted_permits_heartbeat_renews_every_claim() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("renewed-many", 4)
+        .lease(Duration::from_secs(2))
+        .heartbeat(Duration::from_millis(300))
+        .build(&db.pool)
+        .await?;
+    let permit = sem.try_acquire_many(3).await?;
+    assert_eq!(permit.ids().len(), 3);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        pg_semaphore::reap(&db.pool).await?,
+        0,
+        "a claim of the permit expired"
+    );
+    for id in permit.ids() {
+        assert!(
+            live_and_unexpired(&db.pool, id).await?,
+            "claim {id} was not renewed"
+        );
+    }
+    assert!(!permit.is_lost());
+    permit.release().await?;
+    assert_eq!(sem.available_permits().await?, 4);
     Ok(())
 }

@@ -160,7 +160,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{AuditLog, Error, Mutex, Semaphore};
+use pg_semaphore::{AuditLog, Error, Mutex, Priority, QueueOrder, Semaphore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
@@ -246,6 +246,54 @@ async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
     held.release().await?;
     let permit = tokio::time::timeout(Duration::from_secs(20), waiter).await???;
     permit.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_extensions_work_through_the_bouncer() -> TestResult {
+    let db = support::migrated_db().await;
+    let direct = Semaphore::builder("extended", 3).build(&db.pool).await?;
+    let pool = pool_through_bouncer(&db, 2).await;
+    let behind = Semaphore::builder("extended", 3)
+        .transaction_pooling(true)
+        .reserved(1)
+        .queue(QueueOrder::OldestFirst)
+        .fallback_interval(Duration::from_millis(100))
+        .build(&pool)
+        .await?;
+    let held = direct.try_acquire().await?;
+    // A weighted claim, a queued waiter, a low-priority claim, wait_idle.
+    let waiter = tokio::spawn({
+        let behind = behind.clone();
+        async move {
+            behind
+                .acquire_many_timeout(3, Duration::from_secs(30))
+                .await
+        }
+    });
+    while behind.queue_len().await? == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    held.release().await?;
+    let all = tokio::time::timeout(Duration::from_secs(20), waiter).await???;
+    assert_eq!(all.num_permits(), 3);
+    assert_eq!(behind.queue_len().await?, 0);
+    all.release().await?;
+    let low = behind
+        .claim()
+        .priority(Priority::Low)
+        .try_acquire_many(2)
+        .await?;
+    assert!(
+        behind
+            .claim()
+            .priority(Priority::Low)
+            .try_acquire()
+            .await
+            .is_err()
+    );
+    low.release().await?;
+    tokio::time::timeout(Duration::from_secs(20), behind.wait_idle()).await??;
     Ok(())
 }
 

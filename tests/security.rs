@@ -6,7 +6,10 @@ mod support;
 use std::time::Duration;
 
 use chrono::Utc;
-use pg_semaphore::{AuditLog, FixedWindow, Mutex, Reaper, Semaphore, SlidingWindow, TokenBucket};
+use pg_semaphore::{
+    AuditLog, FixedWindow, Mutex, Priority, QueueOrder, Reaper, Semaphore, SlidingWindow,
+    TokenBucket,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 
@@ -111,6 +114,33 @@ async fn the_main_paths_work_with_only_the_documented_grants() -> TestResult {
             "renewals failed under the documented grants"
         );
         busy.release().await?;
+
+        // The extensions: weighted and low-priority claims, the fair queue, wait_idle.
+        let fair = Semaphore::builder("least-privilege-fair", 2)
+            .reserved(1)
+            .queue(QueueOrder::OldestFirst)
+            .fallback_interval(Duration::from_secs(600))
+            .build(&app)
+            .await?;
+        let both = fair
+            .acquire_many_timeout(2, Duration::from_secs(30))
+            .await?;
+        let queued = {
+            let fair = fair.clone();
+            tokio::spawn(async move {
+                fair.claim()
+                    .priority(Priority::Low)
+                    .acquire_timeout(Duration::from_secs(30))
+                    .await
+            })
+        };
+        while fair.queue_len().await? == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        both.release().await?;
+        queued.await??.release().await?;
+        fair.wait_idle_timeout(Duration::from_secs(30)).await?;
+        assert_eq!(fair.queue_len().await?, 0);
 
         // Leases, reaping, retention (the VACUUM is skipped with a warning).
         let short = Semaphore::builder("least-privilege-short", 1)
