@@ -161,6 +161,10 @@ AS $$
 DECLARE
     v_semaphore text;
 BEGIN
+    IF p_lease IS NULL OR p_lease <= interval '0' THEN
+        RAISE EXCEPTION 'pg_semaphore.renew needs a positive lease, got %', p_lease
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     PERFORM pgsemaphore.durable_commit();
 
     -- Unexpired live claims: extend (row locks serialise with release and reap).

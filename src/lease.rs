@@ -3,10 +3,15 @@
 //!
 //! The holder only trusts its own monotonic clock. A claim or renewal sent at
 //! instant `t` makes the database set `expires_at = now() + lease` with a
-//! `now()` no earlier than `t`, so the lease is certainly valid until
-//! `t + lease` whatever the two clocks say. The holder is told the permit is
-//! lost a little *before* that (a tenth of the lease), so that its work has
-//! stopped by the time anyone else can be admitted to the slot.
+//! `now()` no earlier than `t`, so, as long as the database's clock runs
+//! steadily, the lease is valid until `t + lease` whatever the offset between
+//! the two clocks. The holder is told the permit is lost a little *before*
+//! that (a tenth of the lease, at least a few milliseconds), so that its work
+//! can stop before anyone else can be admitted to the slot.
+//!
+//! This is an early warning, not a guarantee: a database clock that jumps
+//! forward, a holder process suspended (its monotonic clock stops) or work
+//! that does not yield can all outrun it. `Permit::fence` is the guarantee.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,9 +47,11 @@ pub(crate) struct Lease {
     heartbeat: Option<AbortHandle>,
 }
 
-/// How early, before the lease certainly ends, the holder is told it is lost.
+/// How early, before the lease certainly ends, the holder is told it is lost:
+/// a tenth of the lease, but at least 20 ms (timer resolution and scheduling),
+/// and at most half of it.
 fn margin(lease: Duration) -> Duration {
-    lease / 10
+    (lease / 10).max(Duration::from_millis(20)).min(lease / 2)
 }
 
 /// The instant until which a lease sent at `sent` is certainly held, margin included.
@@ -70,7 +77,14 @@ impl Lease {
                 // Never let the interval come close to the lease, whatever a
                 // concurrent reconfiguration did to the lease.
                 let interval = interval.min(lease / 2).max(Duration::from_millis(1));
-                let task = tokio::spawn(renew_loop(inner.clone(), ids, lease, interval, sender));
+                let task = tokio::spawn(renew_loop(
+                    inner.clone(),
+                    ids,
+                    sent,
+                    lease,
+                    interval,
+                    sender,
+                ));
                 Lease {
                     state,
                     _sender: None,
@@ -163,6 +177,7 @@ impl Drop for Lease {
 async fn renew_loop(
     inner: Arc<Inner>,
     ids: Vec<i64>,
+    sent: Instant,
     lease: Duration,
     interval: Duration,
     state: watch::Sender<LeaseState>,
@@ -177,7 +192,8 @@ async fn renew_loop(
         LeaseState::Held { until } => until,
         LeaseState::Lost(_) => return,
     };
-    let mut next = Instant::now() + interval;
+    let mut next = sent + interval;
+    let mut failures = 0u32;
     loop {
         if next >= until {
             // No attempt left before the deadline.
@@ -189,21 +205,38 @@ async fn renew_loop(
         let sent = Instant::now();
         match tokio::time::timeout_at(until, renew(&inner, &ids, &lease_pg)).await {
             Ok(Ok(Renewal::Renewed)) => {
-                until = held_until(sent, lease);
-                state.send_replace(LeaseState::Held { until });
+                // "Lost" is final: a renewal that returns after the deadline
+                // (this task ran late) must not revive a permit whose holder
+                // may already have been told to stop.
+                let renewed = held_until(sent, lease);
+                let extended = state.send_if_modified(|current| match *current {
+                    LeaseState::Held { until: old } if Instant::now() < old => {
+                        *current = LeaseState::Held { until: renewed };
+                        true
+                    }
+                    _ => false,
+                });
+                if !extended {
+                    lose(&inner, &ids, &state, LostReason::LeaseExpired);
+                    return;
+                }
+                until = renewed;
                 next = sent + interval;
+                failures = 0;
             }
             Ok(Ok(Renewal::Lost(reason))) => {
                 lose(&inner, &ids, &state, reason);
                 return;
             }
             Ok(Err(error)) => {
-                tracing::warn!(
-                    semaphore = %inner.name,
-                    id = ids.first().copied().unwrap_or_default(),
-                    %error,
-                    "lease renewal failed; retrying until the lease ends"
-                );
+                // Once per outage at WARN; the retries at DEBUG.
+                let id = ids.first().copied().unwrap_or_default();
+                if failures == 0 {
+                    tracing::warn!(semaphore = %inner.name, id, %error, "lease renewal failed; retrying until the lease ends");
+                } else {
+                    tracing::debug!(semaphore = %inner.name, id, %error, failures, "lease renewal failed again");
+                }
+                failures = failures.saturating_add(1);
                 next = Instant::now() + retry;
             }
             Err(_deadline) => {

@@ -842,6 +842,11 @@ async fn wait_and_claim(args: &ClaimArgs) -> Result<Permit> {
 /// the release on the tokio runtime: it is not immediate**, and if no runtime
 /// is available (or the process dies) the slot is freed when its lease
 /// expires and a reaper or the next claim notices.
+///
+/// While a permit is held, its [heartbeat](SemaphoreBuilder::heartbeat)
+/// renews the lease: a permit leaked with [`std::mem::forget`] (or kept
+/// alive by a hung task) therefore holds its slot for as long as the process
+/// lives. See [`lost`](Permit::lost) for how a holder learns it lost the slot.
 #[must_use = "dropping a permit releases it in the background at once; hold it while you work"]
 pub struct Permit {
     semaphore: Semaphore,
@@ -954,10 +959,14 @@ impl Permit {
     /// and the lease ran out). Stop the protected work then: another holder
     /// may be admitted to the slot.
     ///
-    /// The signal is conservative: it fires a tenth of the lease *before*
-    /// the lease certainly ends, measured on this process's monotonic clock
-    /// from when the claim or last renewal was sent, so clock differences
-    /// between hosts do not matter.
+    /// The signal is an early warning: it fires a tenth of the lease (at
+    /// least 20 ms) *before* the lease ends, measured on this process's
+    /// monotonic clock from when the claim or last renewal was sent, so an
+    /// offset between the hosts' clocks does not matter. It cannot see a
+    /// database clock that jumps forward, or time this process spent
+    /// suspended, and work that never yields cannot hear it: where a write
+    /// must never happen after the permit is lost, [`fence`](Self::fence) it.
+    /// Once lost, a permit stays lost.
     ///
     /// ```no_run
     /// # async fn run(permit: pg_semaphore::Permit) -> Result<(), Box<dyn std::error::Error>> {
@@ -992,8 +1001,10 @@ impl Permit {
         self.acquired_at
     }
 
-    /// When the lease ends (database clock): from then on a reaper, or any
-    /// claim on this semaphore, may free the slot.
+    /// When the lease ended as granted (database clock): from then on a
+    /// reaper, or any claim on this semaphore, may free the slot, unless a
+    /// [heartbeat](SemaphoreBuilder::heartbeat) has renewed it meanwhile
+    /// (renewals move the lease on the database, not this value).
     pub fn expires_at(&self) -> DateTime<Utc> {
         self.expires_at
     }
@@ -1009,7 +1020,9 @@ impl Permit {
     /// share-locked: a release waits for the transaction, reapers skip it).
     /// Work committed in that transaction therefore happened while the permit
     /// was held, even if the holder stalled for longer than its lease before
-    /// getting there.
+    /// getting there. Keep the fenced transaction short: the heartbeat's
+    /// renewals wait for it too, and a fence held longer than the lease
+    /// loses the permit once it ends.
     ///
     /// A weighted permit is checked by its first claim ([`id`](Self::id)):
     /// its claims were made together, share one lease and are released together.

@@ -27,14 +27,14 @@ async fn live_and_unexpired(pool: &PgPool, id: i64) -> sqlx::Result<bool> {
 async fn a_heartbeat_keeps_a_busy_holders_slot_past_its_lease() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("renewed", 1)
-        .lease(Duration::from_millis(600))
-        .heartbeat(Duration::from_millis(150))
+        .lease(Duration::from_secs(3))
+        .heartbeat(Duration::from_millis(300))
         .build(&db.pool)
         .await?;
     let permit = sem.try_acquire().await?;
     let first_expiry = permit.expires_at();
-    // Hold for over four leases while a reaper runs flat out.
-    let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+    // Hold for over two leases while a reaper runs flat out.
+    let until = tokio::time::Instant::now() + Duration::from_secs(8);
     while tokio::time::Instant::now() < until {
         assert_eq!(
             pg_semaphore::reap(&db.pool).await?,
@@ -54,7 +54,7 @@ async fn a_heartbeat_keeps_a_busy_holders_slot_past_its_lease() -> TestResult {
             .fetch_one(&db.pool)
             .await?;
     assert!(
-        expires_at > first_expiry + chrono::Duration::seconds(1),
+        expires_at > first_expiry + chrono::Duration::seconds(4),
         "the lease was renewed on the database: {first_expiry} -> {expires_at}"
     );
     permit.release().await?;
@@ -66,7 +66,7 @@ async fn a_heartbeat_keeps_a_busy_holders_slot_past_its_lease() -> TestResult {
 async fn without_a_heartbeat_the_lease_runs_out_and_the_holder_is_told() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("unrenewed", 1)
-        .lease(Duration::from_millis(400))
+        .lease(Duration::from_secs(2))
         .without_heartbeat()
         .build(&db.pool)
         .await?;
@@ -78,8 +78,20 @@ async fn without_a_heartbeat_the_lease_runs_out_and_the_holder_is_told() -> Test
     assert_eq!(reason, LostReason::LeaseExpired);
     assert!(permit.is_lost());
     // Told before the database would let anyone else in.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
+    assert!(
+        live_and_unexpired(&db.pool, permit.id()).await?,
+        "the lease had already ended on the database when the holder was told"
+    );
+    let mut reaped = 0;
+    for _ in 0..100 {
+        reaped += pg_semaphore::reap(&db.pool).await?;
+        if reaped > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(reaped, 1);
+    assert!(permit.is_lost(), "lost is final");
     let next = sem.try_acquire().await?;
     match permit.release().await {
         Err(Error::PermitLost {
@@ -149,9 +161,10 @@ async fn a_holder_cut_off_from_the_database_is_told_before_its_lease_ends() -> T
         .build(&remote)
         .await?;
     let permit = sem.try_acquire().await?;
-    // Renewals work while the network does.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Renewals work while the network does: held past a whole lease.
+    tokio::time::sleep(lease + Duration::from_millis(500)).await;
     assert!(!permit.is_lost());
+    assert!(live_and_unexpired(&db.pool, permit.id()).await?);
 
     proxy.cut().await;
     let reason = tokio::time::timeout(Duration::from_secs(20), permit.lost())
