@@ -216,7 +216,14 @@ async fn semaphore_task(
             permit.slot(),
             now_us()
         ));
-        let hold = Duration::from_micros(rng.below(40_000));
+        // Mostly short holds; now and then, on the wide semaphore, a long one
+        // that outlives the heartbeat interval (renewals) and may be caught
+        // by the server's crash (lost permits).
+        let hold = if sem.capacity() == 16 && rng.below(50) == 0 {
+            Duration::from_millis(800 + rng.below(1700))
+        } else {
+            Duration::from_micros(rng.below(40_000))
+        };
         tokio::select! {
             () = tokio::time::sleep(hold) => {
                 log.line(format!("E {id} {}", now_us()));
@@ -434,6 +441,7 @@ async fn torture() -> TestResult {
     let started = tokio::time::Instant::now();
     let chaos_started_us = now_us();
     let mut restart_window: Option<(i64, i64)> = None;
+    let mut sentinel = None;
     let mut next_kill = started + Duration::from_secs(3);
     let mut next_terminate = started + Duration::from_millis(700);
     let restart_at = started + chaos_for / 2;
@@ -453,6 +461,24 @@ async fn torture() -> TestResult {
             next_terminate = now + Duration::from_millis(300 + rng.below(700));
         }
         if restart_window.is_none() && now >= restart_at && server.can_restart() {
+            // A permit of the driver's own, renewed by its heartbeat, held
+            // through the outage: its holder must be told it is lost.
+            let sentinel_sem = Semaphore::builder("cap16", 16)
+                .lease(LEASE)
+                .holder("sentinel")
+                .build(&driver)
+                .await?;
+            let permit = sentinel_sem.try_acquire().await?;
+            let told = {
+                let id = permit.id();
+                tokio::spawn(async move {
+                    let reason = permit.lost().await;
+                    let at = now_us();
+                    drop(permit);
+                    (id, at, reason)
+                })
+            };
+            sentinel = Some(told);
             let from = now_us();
             // Down for longer than a lease: holders cannot renew, and must be
             // told their permits are lost before anyone else gets the slots.
@@ -466,6 +492,11 @@ async fn torture() -> TestResult {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let chaos_ended_us = now_us();
+    // The sentinel was told, with no renewal possible during the outage.
+    let sentinel = match sentinel {
+        Some(told) => Some(tokio::time::timeout(Duration::from_secs(5), told).await??),
+        None => None,
+    };
 
     // Calm: the system must serve again, undisturbed.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -495,7 +526,13 @@ async fn torture() -> TestResult {
     pg_semaphore::reap(&driver).await?;
     reaper.shutdown().await;
 
-    let logs = read_logs(&dir)?;
+    let mut logs = read_logs(&dir)?;
+    if let Some((id, at, reason)) = sentinel {
+        println!(
+            "torture: the driver's own permit {id} held through the outage was reported lost ({reason:?})"
+        );
+        logs.lost_at.push((id, at, format!("{reason:?}")));
+    }
     let report = check(
         &driver,
         &logs,
@@ -549,6 +586,10 @@ async fn torture() -> TestResult {
     );
     if server.can_restart() {
         assert_eq!(counts.restarts, 1);
+        assert!(
+            sentinel.is_some(),
+            "the sentinel permit was not reported lost"
+        );
     } else {
         println!(
             "torture: the server is not ours ({}): no restart",
@@ -570,6 +611,8 @@ struct Logs {
     /// id -> what release said, or the lost reason
     outcome: HashMap<i64, String>,
     lost: u64,
+    /// (id, µs the holder was told, reason) for every lost permit.
+    lost_at: Vec<(i64, i64, String)>,
     timeouts: Vec<String>,
     cancellations: u64,
     errors: u64,
@@ -610,6 +653,7 @@ fn read_logs(dir: &Path) -> std::io::Result<Logs> {
                         logs.outcome
                             .insert(id, format!("lost {}", fields[3..].join(" ")));
                         logs.lost += 1;
+                        logs.lost_at.push((id, at, fields[3..].join(" ")));
                     }
                 }
                 "R" => {
@@ -792,6 +836,50 @@ async fn check(
         freed_after_kill.push(freed);
     }
 
+    // 3b. A holder told its permit was lost was told before its slot went to
+    //     anyone else (both clocks are this host's), and for the right reason.
+    let mut next_on_slot: HashMap<i64, i64> = HashMap::new();
+    let mut last_on_slot: HashMap<(&str, i32), &SlotRow> = HashMap::new();
+    for row in &rows {
+        if let Some(previous) = last_on_slot.insert((row.semaphore.as_str(), row.slot), row) {
+            next_on_slot.insert(previous.id, us(row.created_at));
+        }
+    }
+    for (id, told_at, reason) in &logs.lost_at {
+        let row = by_id
+            .get(id)
+            .unwrap_or_else(|| panic!("lost claim {id} is missing"));
+        if let Some(next) = next_on_slot.get(id) {
+            assert!(
+                next > told_at,
+                "claim {id}'s slot went to another holder {} µs before its holder was told",
+                told_at - next
+            );
+        }
+        if reason.starts_with("TimedOut") {
+            assert!(
+                row.timed_out_at.is_some(),
+                "claim {id}: told {reason}, but not timed out"
+            );
+        } else if reason.starts_with("AlreadyReleased") {
+            assert!(
+                row.completed_at.is_some(),
+                "claim {id}: told {reason}, but not completed"
+            );
+        }
+    }
+    let renewed = rows
+        .iter()
+        .filter(|r| {
+            (r.expires_at - r.created_at).to_std().unwrap_or_default()
+                > LEASE + Duration::from_millis(100)
+        })
+        .count();
+    assert!(
+        renewed > 0,
+        "no lease was ever renewed: the heartbeat was not exercised"
+    );
+
     // 4. Nothing hung.
     assert!(
         logs.timeouts.is_empty(),
@@ -850,7 +938,7 @@ async fn check(
     let timed_out = rows.iter().filter(|r| r.timed_out_at.is_some()).count();
     Ok(format!(
         "torture: {} claims in the slot table ({} during the chaos, {} after it; {} timed out), \
-         {} acquires cancelled on purpose, {} permits reported lost to their holders, \
+         {} acquires cancelled on purpose, {} leases renewed by heartbeats, {} permits reported lost to their holders, \
          {} held by workers when they were killed, {} database errors seen by workers, \
          {} mutex-protected increments (counter = {counter}).\n\
          torture: max concurrent holders, workers' clocks: {worker_max:?}; slot table: {db_max:?}; mutex: {mutex_max}.\n\
@@ -860,7 +948,8 @@ async fn check(
         calm,
         timed_out,
         logs.cancellations,
-        logs.lost,
+        renewed,
+        logs.lost_at.len(),
         open_at_kill,
         logs.errors,
         logs.mutex_commits,
