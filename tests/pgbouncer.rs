@@ -250,6 +250,32 @@ async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
 }
 
 #[tokio::test]
+async fn heartbeats_renew_through_the_bouncer() -> TestResult {
+    let db = support::migrated_db().await;
+    let pool = pool_through_bouncer(&db, 2).await;
+    let lease = Duration::from_secs(2);
+    let sem = Semaphore::builder("renewed-behind", 1)
+        .transaction_pooling(true)
+        .lease(lease)
+        .heartbeat(Duration::from_millis(300))
+        .build(&pool)
+        .await?;
+    let permit = sem.try_acquire().await?;
+    tokio::time::sleep(lease * 2).await;
+    assert!(!permit.is_lost(), "renewals failed behind the bouncer");
+    assert_eq!(pg_semaphore::reap(&db.pool).await?, 0);
+    let unexpired: bool = sqlx::query_scalar(
+        "SELECT expires_at > clock_timestamp() FROM pgsemaphore.slots WHERE id = $1",
+    )
+    .bind(permit.id())
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(unexpired);
+    permit.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn the_extensions_work_through_the_bouncer() -> TestResult {
     let db = support::migrated_db().await;
     let direct = Semaphore::builder("extended", 3).build(&db.pool).await?;
