@@ -298,6 +298,7 @@ DECLARE
     v_timed_out timestamptz;
     v_now       timestamptz := clock_timestamp();
 BEGIN
+    PERFORM pgsemaphore.durable_commit();
     -- One completed_at for all: the claims were one permit.
     WITH done AS (
         UPDATE pgsemaphore.slots s
@@ -333,9 +334,9 @@ BEGIN
 END;
 $$;
 
--- pgsemaphore.claim as in 20261121000003 (20261121000001 with a durable
--- commit), plus the queue check in its first
--- (unlocked) step: while a live waiter is queued on the semaphore, a claim
+-- pgsemaphore.claim as in 20261121000001, with a durable commit (see
+-- pgsemaphore.durable_commit in 20261121000003), plus the queue check in its
+-- first (unlocked) step: while a live waiter is queued on the semaphore, a claim
 -- outside the queue is refused like a full one. Free unless the semaphore's
 -- queue is in use (queue_used), then one index probe.
 CREATE OR REPLACE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb)
