@@ -174,6 +174,20 @@ impl fmt::Debug for Semaphore {
 }
 
 /// Configures a [`Semaphore`]; made by [`Semaphore::builder`].
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// let sem = pg_semaphore::Semaphore::builder("payments-api", 4)
+///     .lease(Duration::from_secs(30))          // a crashed holder frees its slot after 30 s
+///     .heartbeat(Duration::from_secs(10))      // a live one renews every 10 s
+///     .holder("api-7")                         // recorded in the audit log
+///     .fallback_interval(Duration::from_secs(2))
+///     .build(&pool)
+///     .await?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `.build(&pool).await`"]
 pub struct SemaphoreBuilder {
@@ -847,6 +861,22 @@ async fn wait_and_claim(args: &ClaimArgs) -> Result<Permit> {
 /// renews the lease: a permit leaked with [`std::mem::forget`] (or kept
 /// alive by a hung task) therefore holds its slot for as long as the process
 /// lives. See [`lost`](Permit::lost) for how a holder learns it lost the slot.
+///
+/// ```no_run
+/// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), Box<dyn std::error::Error>> {
+/// let permit = sem.acquire().await?;
+/// println!(
+///     "claim {} holds slot {} of {:?} since {} (lease granted until {})",
+///     permit.id(),   // strictly increasing: a fencing token
+///     permit.slot(), // 0..capacity
+///     permit.semaphore().name(),
+///     permit.acquired_at(),
+///     permit.expires_at(),
+/// );
+/// permit.release().await?; // Err(PermitLost) if it was reaped meanwhile
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
 #[must_use = "dropping a permit releases it in the background at once; hold it while you work"]
 pub struct Permit {
     semaphore: Semaphore,

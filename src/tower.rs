@@ -12,7 +12,7 @@ use ::tower::{Layer, Service};
 use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 
-use crate::error::Error;
+use crate::error::{Error, fails_open};
 use crate::semaphore::{Permit, Semaphore};
 
 /// Limits the requests in flight in the wrapped service to the capacity of a
@@ -132,9 +132,12 @@ impl SemaphoreLayer {
         self.config(|c| c.retry_after = Some(HeaderValue::from(seconds)))
     }
 
-    /// When the semaphore cannot be used (database down, migrations missing),
-    /// serve requests without a limit instead of answering 503 (default
-    /// `false`). The error is logged either way.
+    /// When the database cannot be reached, serve requests without a limit
+    /// instead of answering 503 (default `false`), as
+    /// [`SemaphoreBuilder::fail_open`](crate::SemaphoreBuilder::fail_open)
+    /// decides it: a pool that is merely busy, missing migrations or any
+    /// other answer from the database still get 503. The error is logged
+    /// either way.
     pub fn fail_open(self, enabled: bool) -> Self {
         self.config(|c| c.fail_open = enabled)
     }
@@ -212,7 +215,9 @@ where
                     Err(error) if error.is_busy() => {
                         return Ok(reject(config.status, config.retry_after.as_ref()));
                     }
-                    Err(error) if config.fail_open => {
+                    Err(Error::Database(error))
+                        if config.fail_open && fails_open(&error, semaphore.pool()).await =>
+                    {
                         tracing::warn!(semaphore = semaphore.name(), %error,
                             "cannot use the semaphore: serving the request without a limit");
                         None
