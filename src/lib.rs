@@ -39,10 +39,18 @@
 //! dies, the slot stays held until the lease expires; then the next claim on
 //! that semaphore, or a [`Reaper`] / [`reap`], marks it timed out. A holder
 //! that releases after being reaped gets [`Error::PermitLost`]: it learns
-//! that someone else may have used its slot. Dropping a [`Permit`] without
-//! releasing it schedules the release in the background (not immediate). A
-//! cancelled acquire never leaks a slot: the claim round trip runs in a
-//! spawned task that releases what it claimed if the caller has gone.
+//! that someone else may have used its slot. While the holder lives, a
+//! heartbeat renews the lease (every third of it by default,
+//! [`SemaphoreBuilder::heartbeat`]), so leases can be short and work long;
+//! [`Permit::lost`] tells the holder when a renewal found the claim reaped
+//! or the lease can no longer be guaranteed, and [`Permit::fence`] checks,
+//! inside the transaction of a protected write, that the permit still
+//! holds. Claims, renewals and releases are durable even under
+//! `synchronous_commit = off`, so a database crash never forgets a holder.
+//! Dropping a [`Permit`] without releasing it schedules the release in the
+//! background (not immediate). A cancelled acquire never leaks a slot: the
+//! claim round trip runs in a spawned task that releases what it claimed if
+//! the caller has gone.
 //!
 //! # The mutex
 //!
