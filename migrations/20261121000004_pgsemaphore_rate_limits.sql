@@ -17,8 +17,9 @@
 --     on it (greatest() guards against the server clock being set back);
 --   * idle_at is the instant from which the row is at rest: the bucket is
 --     full again, or every window that counted a permit has ended. Deleting a
---     row at rest changes no decision (a missing row is a full bucket, an
---     empty window), which is what pgsemaphore.prune_rate_limits does.
+--     row at rest never admits more (a missing row is a full bucket, an empty
+--     window; windows restart from the next check), which is what
+--     pgsemaphore.prune_rate_limits does.
 
 CREATE TABLE pgsemaphore.rate_limits (
     kind          text        NOT NULL,

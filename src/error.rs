@@ -211,9 +211,9 @@ impl Error {
     /// Whether the error means the database could not be reached or the
     /// connection died (as opposed to an answer from the database): I/O, TLS
     /// and protocol failures, a closed pool, SQLSTATE class 08 (connection
-    /// exception), 57P01-57P05 (server shutting down, starting up, session
-    /// ended) and 53300 (too many connections). A pool timeout does not
-    /// count on its own: the pool may only be busy.
+    /// exception) and 57P01-57P05 (server shutting down, starting up,
+    /// session ended). Neither a pool timeout nor 53300 (too many
+    /// connections) counts: both can mean a server that is only busy.
     pub fn is_unreachable(&self) -> bool {
         match self {
             Error::Database(error) => unreachable_database(error),
@@ -236,9 +236,9 @@ pub(crate) fn unreachable_database(error: &sqlx::Error) -> bool {
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
         | sqlx::Error::PoolClosed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08") || code.starts_with("57P") || code == "53300"
-        }),
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
         _ => false,
     }
 }
@@ -247,7 +247,8 @@ pub(crate) fn unreachable_database(error: &sqlx::Error) -> bool {
 /// database is unreachable. A pool timeout is ambiguous: a pool that is only
 /// busy must not fail open (that would lift the limit exactly when it
 /// matters), so unless the pool holds no connection at all, one direct
-/// connection attempt decides.
+/// connection attempt decides, and only a refusal (not a slow or "too many
+/// connections" answer, signs of a server that is up but loaded) counts.
 pub(crate) async fn fails_open(error: &sqlx::Error, pool: &sqlx::PgPool) -> bool {
     if unreachable_database(error) {
         return true;
@@ -266,6 +267,6 @@ pub(crate) async fn fails_open(error: &sqlx::Error, pool: &sqlx::PgPool) -> bool
             false
         }
         Ok(Err(error)) => unreachable_database(&error),
-        Err(_timed_out) => true,
+        Err(_timed_out) => false,
     }
 }

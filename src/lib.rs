@@ -214,8 +214,8 @@ pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
 pub use queue::QueueOrder;
 pub use rate_limit::{
-    Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
-    SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,
+    Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW,
+    SlidingWindow, SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,
 };
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{

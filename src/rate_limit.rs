@@ -21,6 +21,10 @@ use crate::validate;
 /// The longest rate limiter key (per user, per IP, ...), in characters.
 pub const MAX_KEY_LEN: usize = 256;
 
+/// The highest token bucket rate, in tokens per second (far above any real
+/// limit; higher rates would overflow the refill arithmetic).
+pub const MAX_RATE: f64 = 1e9;
+
 /// The shortest window of a [`FixedWindow`] or [`SlidingWindow`].
 pub const MIN_WINDOW: Duration = Duration::from_millis(1);
 
@@ -383,7 +387,8 @@ impl TokenBucketBuilder {
     ///
     /// [`Error::InvalidArgument`] for a name that is empty, longer than
     /// [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) or contains NUL; a rate or a
-    /// burst not set; a rate that is not a positive finite number; a burst of
+    /// burst not set; a rate that is not a positive finite number or is above
+    /// [`MAX_RATE`]; a burst of
     /// 0; a bucket that would take longer than [`MAX_WINDOW`] to refill from
     /// empty.
     pub fn build(self, pool: &PgPool) -> Result<TokenBucket> {
@@ -397,6 +402,12 @@ impl TokenBucketBuilder {
             return Err(Error::invalid(
                 "rate",
                 format!("{rate} is not a positive number of tokens per second"),
+            ));
+        }
+        if rate > MAX_RATE {
+            return Err(Error::invalid(
+                "rate",
+                format!("{rate} tokens per second is above the maximum, {MAX_RATE}"),
             ));
         }
         let burst = match self.burst {
@@ -668,8 +679,9 @@ impl SlidingWindow {
 ///
 /// A key is at rest once its state no longer limits anyone: its token bucket
 /// is full again, or every window that counted one of its permits has ended.
-/// Deleting such a key changes no decision (its next check starts afresh, as
-/// it would have anyway), so `idle_for` may be zero; a longer one keeps
+/// Deleting such a key never admits more (its next check starts afresh: a
+/// full bucket, or windows counted from that check, which may fall later
+/// than the deleted key's would have), so `idle_for` may be zero; a longer one keeps
 /// recently active keys' rows around to save their re-insertion. Keys still
 /// limited are never deleted.
 ///

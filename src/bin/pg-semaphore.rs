@@ -226,9 +226,17 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(cli)) {
         Ok(output) => {
-            // A closed pipe (`| head`) is not an error worth reporting.
-            let _ = std::io::stdout().lock().write_all(output.as_bytes());
-            ExitCode::from(EXIT_OK)
+            match std::io::stdout().lock().write_all(output.as_bytes()) {
+                // A closed pipe (`| head`) is not an error worth reporting.
+                Ok(()) => ExitCode::from(EXIT_OK),
+                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => {
+                    ExitCode::from(EXIT_OK)
+                }
+                Err(error) => {
+                    eprintln!("pg-semaphore: error: cannot write the output: {error}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
         }
         Err(failure) => {
             eprintln!("pg-semaphore: error: {}", failure.message);
@@ -406,7 +414,15 @@ fn status_json(sem: &SemaphoreInfo) -> serde_json::Value {
 async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Failure> {
     let now = Utc::now();
     let (since, until) = match args.last {
-        Some(last) => (now - delta(last)?, now),
+        Some(last) => {
+            let since = now.checked_sub_signed(delta(last)?).ok_or_else(|| {
+                Failure::new(
+                    EXIT_USAGE,
+                    format!("--last {} reaches before year 1", human(last)),
+                )
+            })?;
+            (since, now)
+        }
         None => {
             let until = args.until.unwrap_or(now);
             (
