@@ -79,6 +79,8 @@ LANGUAGE plpgsql
 AS $$
 DECLARE
     v_semaphore text;
+    -- One instant for every claim of the permit: they expire together.
+    v_now       timestamptz := clock_timestamp();
 BEGIN
     IF p_lease IS NULL OR p_lease <= interval '0' THEN
         RAISE EXCEPTION 'pg_semaphore.renew needs a positive lease, got %', p_lease
@@ -89,7 +91,7 @@ BEGIN
     -- Unexpired live claims: extend (row locks serialise with release and reap).
     RETURN QUERY
         UPDATE pgsemaphore.slots s
-           SET expires_at = clock_timestamp() + p_lease
+           SET expires_at = v_now + p_lease
          WHERE s.id = ANY (p_ids)
            AND s.completed_at IS NULL AND s.timed_out_at IS NULL
            AND s.expires_at > clock_timestamp()

@@ -95,6 +95,7 @@ DECLARE
     v_next     integer := 0;
     v_taken    integer;
     v_queue    boolean;
+    v_reaped   integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'pg_semaphore.claim_many needs READ COMMITTED isolation, the session uses %',
@@ -169,6 +170,11 @@ BEGIN
                    AND e.expires_at <= v_now
                    FOR UPDATE SKIP LOCKED) expired
          WHERE s.id = expired.id;
+        GET DIAGNOSTICS v_reaped = ROW_COUNT;
+        IF v_reaped > 0 THEN
+            -- Freed slots this claim may not take: tell other waiters.
+            PERFORM pg_notify('pgsemaphore', p_semaphore);
+        END IF;
     END IF;
 
     IF v_capacity - v_live - p_permits < v_reserve THEN
@@ -234,8 +240,12 @@ BEGIN
                 PERFORM pg_notify('pgsemaphore', p_semaphore);
             END IF;
         ELSE
-            -- The queue is empty: plain claims can skip it again.
+            -- The queue is empty: plain claims can skip it again, and those
+            -- refused while it was not must look again if slots are left.
             UPDATE pgsemaphore.semaphores s SET queue_used = false WHERE s.name = p_semaphore;
+            IF o_free > 0 THEN
+                PERFORM pg_notify('pgsemaphore', p_semaphore);
+            END IF;
         END IF;
     END IF;
     RETURN NEXT;
@@ -403,13 +413,26 @@ BEGIN
         RETURN;
     END IF;
 
-    SELECT s.capacity, s.default_lease INTO v_capacity, v_lease
+    SELECT s.capacity, s.default_lease, s.queue_used INTO v_capacity, v_lease, v_queue
       FROM pgsemaphore.semaphores s
      WHERE s.name = p_semaphore
        FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
             USING ERRCODE = 'no_data_found';
+    END IF;
+    -- Waiters may have queued while this claim waited for the lock (enqueue
+    -- sets queue_used under the same lock): look again, so that no claim
+    -- jumps the queue.
+    IF v_queue THEN
+        IF EXISTS (SELECT 1
+                     FROM pgsemaphore.waiters w
+                    WHERE w.semaphore = p_semaphore AND w.priority >= 1
+                      AND w.expires_at > clock_timestamp()) THEN
+            RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::timestamptz, NULL::timestamptz,
+                                v_capacity, 0;
+            RETURN;
+        END IF;
     END IF;
 
     v_now := clock_timestamp();
@@ -467,5 +490,55 @@ BEGIN
         END IF;
     END IF;
     RETURN NEXT;
+END;
+$$;
+
+-- pgsemaphore.reap as in 20261121000001, and it also removes dead waiters.
+-- Marks every expired live slot (of every semaphore) timed out, notifies the
+-- semaphores that gained free slots, and returns how many were reaped.
+CREATE OR REPLACE FUNCTION pgsemaphore.reap()
+RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_now       timestamptz := clock_timestamp();
+    v_total     bigint := 0;
+    v_semaphore text;
+    v_count     bigint;
+BEGIN
+    FOR v_semaphore, v_count IN
+        WITH expired AS (
+            SELECT e.id
+              FROM pgsemaphore.slots e
+             WHERE e.completed_at IS NULL AND e.timed_out_at IS NULL
+               AND e.expires_at <= v_now
+               FOR UPDATE SKIP LOCKED
+        ), reaped AS (
+            UPDATE pgsemaphore.slots s
+               SET timed_out_at = v_now
+              FROM expired
+             WHERE s.id = expired.id
+            RETURNING s.semaphore
+        )
+        SELECT r.semaphore, count(*) FROM reaped r GROUP BY r.semaphore
+    LOOP
+        PERFORM pg_notify('pgsemaphore', v_semaphore);
+        v_total := v_total + v_count;
+    END LOOP;
+    -- Waiters whose process stopped renewing them (it crashed): remove them,
+    -- and wake the semaphores they were holding up.
+    FOR v_semaphore IN
+        WITH dead AS (
+            DELETE FROM pgsemaphore.waiters w
+             WHERE w.id IN (SELECT d.id FROM pgsemaphore.waiters d
+                             WHERE d.expires_at <= v_now
+                               FOR UPDATE SKIP LOCKED)
+            RETURNING w.semaphore
+        )
+        SELECT DISTINCT d.semaphore FROM dead d
+    LOOP
+        PERFORM pg_notify('pgsemaphore', v_semaphore);
+    END LOOP;
+    RETURN v_total;
 END;
 $$;

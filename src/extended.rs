@@ -466,7 +466,7 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
     }
     let mut watch = listener.watch(&inner.name, inner.fallback);
     let rank = args.priority.rank();
-    watch.take_place((1, rank, LOCAL_ORDER.fetch_add(1, Ordering::Relaxed)), None);
+    watch.take_place((rank, 1, LOCAL_ORDER.fetch_add(1, Ordering::Relaxed)), None);
     let queue = inner.ext.queue;
     let mut ticket: Option<Ticket> = None;
     let mut renew_at = Instant::now() + queue::renew_every();
@@ -483,7 +483,11 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
                     if let Some(ticket) = ticket {
                         ticket.served();
                     }
-                    watch.leave(permit.free_after > 0);
+                    // Pass the turn on if slots are left, or if a release
+                    // landed while this claim ran (its snapshot may not
+                    // have seen it, and the others slept through it).
+                    let wake = permit.free_after > 0 || watch.has_unseen();
+                    watch.leave(wake);
                     tracing::debug!(
                         semaphore = %inner.name,
                         waited_ms = started.elapsed().as_millis() as u64,
@@ -508,7 +512,7 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
                 && ticket.is_none()
             {
                 let id = queue::enqueue(args, options).await?;
-                watch.take_place((0, rank, options.order.place(id)), Some(id));
+                watch.take_place((rank, 0, options.order.place(id)), Some(id));
                 ticket = Some(Ticket::new(args.semaphore.clone(), id));
                 renew_at = Instant::now() + queue::renew_every();
                 // It may be at the head already: look again at once.

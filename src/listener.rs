@@ -358,7 +358,10 @@ impl Watched {
     }
 }
 
-/// A place in the local order of extended acquires, smallest first.
+/// A place in the local order of extended acquires, smallest first:
+/// (priority rank, 0 if queued in the database else 1, order). As in the
+/// database, a waiter outside the queue only yields to queued waiters of at
+/// least its own priority.
 pub(crate) type Place = (u8, u8, i64);
 
 /// A registered watch. Dropping it unregisters (and gives up its place).
@@ -407,6 +410,11 @@ impl WatchGuard {
             .flatten()
             .copied()
             .collect()
+    }
+
+    /// Whether a wake-up arrived since the last [`seen`](Self::seen).
+    pub(crate) fn has_unseen(&self) -> bool {
+        self.rx.has_changed().unwrap_or(false)
     }
 
     /// Gives up the place; if it was first and `wake`, the next one is woken

@@ -36,9 +36,15 @@ const ENQUEUE: &str = "SELECT pgsemaphore.enqueue($1, $2, $3, $4, $5, $6)";
 const LEAVE: &str = "WITH gone AS (DELETE FROM pgsemaphore.waiters WHERE id = $1 RETURNING semaphore) \
                      SELECT pg_notify('pgsemaphore', semaphore) FROM gone";
 
-/// Renews the leases of a process's waiters.
-const RENEW: &str = "UPDATE pgsemaphore.waiters SET expires_at = clock_timestamp() + $2 \
-                     WHERE id = ANY ($1)";
+/// Renews the leases of a process's waiters that are still live: a waiter
+/// whose lease ended is gone for everyone else and stays gone (its acquire
+/// queues again). Rows are locked in id order, skipping any a claim holds
+/// right now, so a renewal never deadlocks with a claim deleting them.
+const RENEW: &str = "UPDATE pgsemaphore.waiters w SET expires_at = clock_timestamp() + $2 \
+                     FROM (SELECT id FROM pgsemaphore.waiters \
+                            WHERE id = ANY ($1) AND expires_at > clock_timestamp() \
+                            ORDER BY id FOR UPDATE SKIP LOCKED) live \
+                     WHERE w.id = live.id";
 
 /// Live waiters of a semaphore.
 const QUEUED: &str = "SELECT count(*) FROM pgsemaphore.waiters \
@@ -88,7 +94,9 @@ impl SemaphoreBuilder {
     /// [`try_acquire`](Semaphore::try_acquire) (on any handle) fails fast with
     /// [`Error::NoSlotsAvailable`] rather than jump the queue. A waiter that
     /// is cancelled leaves the queue at once; one whose process crashes
-    /// leaves it within 10 seconds.
+    /// leaves it within 10 seconds. Every queued handle of a semaphore must
+    /// use the same order: a FIFO and a LIFO waiter can each find the other
+    /// ahead of it, and wait until one of them gives up.
     ///
     /// Costs: a waiting acquire takes two round trips more than without a
     /// queue (joining and leaving), and each process renews its waiters in

@@ -52,8 +52,8 @@ const CONFIGURE: &str = "SELECT o_capacity FROM pgsemaphore.configure($1, $2, $3
 /// Checks, inside the caller's transaction, that a claim is live and its lease
 /// unexpired, and share-locks its row so that it stays live (a release waits,
 /// reapers skip it) until that transaction ends.
-const FENCE: &str = "SELECT completed_at, timed_out_at, expires_at > clock_timestamp() AS unexpired \
-                     FROM pgsemaphore.slots WHERE id = $1 FOR SHARE";
+const FENCE: &str = "SELECT id, completed_at, timed_out_at, expires_at > clock_timestamp() AS unexpired \
+                     FROM pgsemaphore.slots WHERE id = ANY ($1) ORDER BY id FOR SHARE";
 
 /// Free slots right now (expired but unreaped slots count as held).
 const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaphore.slots l \
@@ -785,6 +785,7 @@ async fn claim_round_trip(args: &ClaimArgs) -> Result<Claimed> {
 
 #[derive(sqlx::FromRow)]
 struct FenceRow {
+    id: i64,
     completed_at: Option<DateTime<Utc>>,
     timed_out_at: Option<DateTime<Utc>>,
     unexpired: bool,
@@ -1054,8 +1055,7 @@ impl Permit {
     /// renewals wait for it too, and a fence held longer than the lease
     /// loses the permit once it ends.
     ///
-    /// A weighted permit is checked by its first claim ([`id`](Self::id)):
-    /// its claims were made together, share one lease and are released together.
+    /// A weighted permit is checked, and kept, by every one of its claims.
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool, permit: pg_semaphore::Permit) -> Result<(), Box<dyn std::error::Error>> {
@@ -1083,19 +1083,27 @@ impl Permit {
         if self.unchecked {
             return Err(self.lost_error(LostReason::Unchecked));
         }
-        let row: Option<FenceRow> = sqlx::query_as(FENCE)
-            .bind(self.id)
+        let ids: Vec<i64> = std::iter::once(self.id)
+            .chain(self.more.iter().map(|&(id, _)| id))
+            .collect();
+        let rows: Vec<FenceRow> = sqlx::query_as(FENCE)
+            .bind(&ids)
             .persistent(!self.semaphore.inner.pooled)
-            .fetch_optional(&mut **tx)
+            .fetch_all(&mut **tx)
             .await?;
-        let reason = match row.map(|r| (r.completed_at, r.timed_out_at, r.unexpired)) {
-            Some((None, None, true)) => return Ok(()),
-            Some((_, Some(at), _)) => LostReason::TimedOut { at },
-            Some((Some(at), None, _)) => LostReason::AlreadyReleased { at },
-            Some((None, None, false)) => LostReason::LeaseExpired,
-            None => LostReason::Missing,
-        };
-        Err(self.lost_error(reason))
+        for id in &ids {
+            let reason = match rows.iter().find(|r| r.id == *id) {
+                Some(r) => match (r.completed_at, r.timed_out_at, r.unexpired) {
+                    (None, None, true) => continue,
+                    (_, Some(at), _) => LostReason::TimedOut { at },
+                    (Some(at), None, _) => LostReason::AlreadyReleased { at },
+                    (None, None, false) => LostReason::LeaseExpired,
+                },
+                None => LostReason::Missing,
+            };
+            return Err(self.lost_error(reason));
+        }
+        Ok(())
     }
 
     fn lost_error(&self, reason: LostReason) -> Error {

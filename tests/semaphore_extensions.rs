@@ -738,7 +738,7 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
     // here) and died: nobody renews it.
     let ghost: i64 = sqlx::query_scalar(
         "SELECT pgsemaphore.enqueue('crash', 1, 1::smallint, 'dead-process', NULL, \
-         interval '500 milliseconds')",
+         interval '3 seconds')",
     )
     .fetch_one(&db.pool)
     .await?;
@@ -755,6 +755,70 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
         .await?;
     assert_eq!(left, 0);
     permit.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_reaper_removes_a_crashed_waiter_and_wakes_the_semaphore() -> TestResult {
+    let db = support::migrated_db().await;
+    Semaphore::builder("crash-reaped", 1)
+        .queue(QueueOrder::OldestFirst)
+        .build(&db.pool)
+        .await?;
+    let ghost: i64 = sqlx::query_scalar(
+        "SELECT pgsemaphore.enqueue('crash-reaped', 1, 1::smallint, 'dead-process', NULL, \
+         interval '100 milliseconds')",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    pg_semaphore::reap(&db.pool).await?;
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters WHERE id = $1")
+        .bind(ghost)
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(left, 0, "the reaper left a dead waiter in the queue");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() -> TestResult {
+    let db = support::migrated_db().await;
+    let queued = Semaphore::builder("mixed", 4)
+        .reserved(2)
+        .queue(QueueOrder::OldestFirst)
+        .fallback_interval(Duration::from_millis(100))
+        .build(&db.pool)
+        .await?;
+    let plain = Semaphore::builder("mixed", 4)
+        .reserved(2)
+        .fallback_interval(Duration::from_millis(100))
+        .build(&db.pool)
+        .await?;
+    let held = plain.try_acquire_many(2).await?;
+    // A low-priority claim must leave the reserve of 2 free: it queues.
+    let low = {
+        let queued = queued.clone();
+        tokio::spawn(async move {
+            queued
+                .claim()
+                .priority(Priority::Low)
+                .acquire_timeout(PATIENCE)
+                .await
+        })
+    };
+    while queued.queue_len().await? == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A high-priority weighted claim in the same process may use the reserve,
+    // as the database allows: it must not wait behind the low one.
+    let high = plain
+        .acquire_many_timeout(2, Duration::from_secs(10))
+        .await?;
+    assert_eq!(high.num_permits(), 2);
+    high.release().await?;
+    held.release().await?;
+    low.await??.release().await?;
     Ok(())
 }
 
