@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::error::{Error, LostReason, Result};
@@ -250,9 +249,7 @@ impl Permit {
 
     /// The ids of every claim this permit holds, lowest (= [`id`](Self::id)) first.
     pub fn ids(&self) -> Vec<i64> {
-        std::iter::once(self.id())
-            .chain(self.more.iter().map(|&(id, _)| id))
-            .collect()
+        crate::semaphore::claim_ids(self.id(), &self.more)
     }
 
     /// Every slot number this permit holds, in the order of [`ids`](Self::ids).
@@ -344,23 +341,15 @@ struct ClaimManyRow {
 /// trip runs in a spawned task that releases what it claimed if the caller
 /// has gone.
 async fn claim_many_once(args: &ClaimArgs, ticket: Option<i64>) -> Result<Outcome> {
-    let (tx, rx) = oneshot::channel();
-    let task_args = args.clone();
-    tokio::spawn(async move {
-        let result = claim_many_round_trip(&task_args, ticket).await;
-        if let Err(Ok(Outcome::Claimed(permit))) = tx.send(result) {
-            tracing::debug!(
-                semaphore = %task_args.semaphore.name(),
-                id = permit.id(),
-                "acquire cancelled while claiming; releasing the claimed slots"
-            );
-            if let Err(error) = permit.release().await {
-                tracing::warn!(%error, "releasing the slots of a cancelled acquire failed; their lease will free them");
-            }
-        }
-    });
-    rx.await
-        .unwrap_or(Err(Error::Database(sqlx::Error::WorkerCrashed)))
+    let args = args.clone();
+    crate::semaphore::detached(
+        async move { claim_many_round_trip(&args, ticket).await },
+        |outcome| match outcome {
+            Outcome::Claimed(permit) => Some(permit),
+            _ => None,
+        },
+    )
+    .await
 }
 
 async fn claim_many_round_trip(args: &ClaimArgs, ticket: Option<i64>) -> Result<Outcome> {
@@ -534,9 +523,7 @@ pub(crate) async fn wait(args: &ClaimArgs) -> Result<Permit> {
 /// Releases a weighted permit's claims together, reporting a lost slot as
 /// [`Error::PermitLost`] (with the id of a claim that was lost).
 pub(crate) async fn release_many(inner: &Inner, id: i64, more: &[(i64, u32)]) -> Result<()> {
-    let ids: Vec<i64> = std::iter::once(id)
-        .chain(more.iter().map(|&(id, _)| id))
-        .collect();
+    let ids = crate::semaphore::claim_ids(id, more);
     let (outcome, lost_id, at): (String, Option<i64>, Option<DateTime<Utc>>) =
         on_pool!(inner.pool, inner.pooled, |conn| {
             sqlx::query_as(RELEASE_MANY)

@@ -730,18 +730,38 @@ enum Claimed {
 /// spawned task, and if the caller has gone by the time it returns, the
 /// permit is released there and then.
 async fn claim_once(args: &ClaimArgs) -> Result<Claimed> {
+    let args = args.clone();
+    detached(
+        async move { claim_round_trip(&args).await },
+        |claimed| match claimed {
+            Claimed::Permit(permit) => Some(permit),
+            Claimed::Full { .. } => None,
+        },
+    )
+    .await
+}
+
+/// Runs a claim round trip in a spawned task, so that dropping the caller's
+/// future never leaves a slot held: if the caller has gone by the time the
+/// round trip returns, the permit it claimed (`permit_of`) is released there
+/// and then. Shared by every kind of claim.
+pub(crate) async fn detached<T: Send + 'static>(
+    round_trip: impl Future<Output = Result<T>> + Send + 'static,
+    permit_of: fn(T) -> Option<Permit>,
+) -> Result<T> {
     let (tx, rx) = oneshot::channel();
-    let task_args = args.clone();
     tokio::spawn(async move {
-        let result = claim_round_trip(&task_args).await;
-        if let Err(Ok(Claimed::Permit(permit))) = tx.send(result) {
+        let result = round_trip.await;
+        if let Err(Ok(unclaimed)) = tx.send(result)
+            && let Some(permit) = permit_of(unclaimed)
+        {
             tracing::debug!(
                 semaphore = %permit.semaphore.inner.name,
-                id = permit.id,
-                "acquire cancelled while claiming; releasing the claimed slot"
+                ids = ?permit.ids(),
+                "acquire cancelled while claiming; releasing what it claimed"
             );
             if let Err(error) = permit.release().await {
-                tracing::warn!(%error, "releasing the slot of a cancelled acquire failed; its lease will free it");
+                tracing::warn!(%error, "releasing the slots of a cancelled acquire failed; their lease will free them");
             }
         }
     });
@@ -926,9 +946,7 @@ impl Permit {
         // The lease as the database applied it (the claim's, or the
         // semaphore's default as stored when the claim ran).
         let lease = (expires_at - acquired_at).to_std().unwrap_or(inner.lease);
-        let ids = std::iter::once(id)
-            .chain(more.iter().map(|&(id, _)| id))
-            .collect();
+        let ids = claim_ids(id, &more);
         let lease = Lease::start(inner, ids, sent, lease, inner.heartbeat.interval(lease));
         Permit {
             semaphore,
@@ -1083,9 +1101,7 @@ impl Permit {
         if self.unchecked {
             return Err(self.lost_error(LostReason::Unchecked));
         }
-        let ids: Vec<i64> = std::iter::once(self.id)
-            .chain(self.more.iter().map(|&(id, _)| id))
-            .collect();
+        let ids = self.ids();
         let rows: Vec<FenceRow> = sqlx::query_as(FENCE)
             .bind(&ids)
             .persistent(!self.semaphore.inner.pooled)
@@ -1155,6 +1171,14 @@ async fn release_claims(
     } else {
         extended::release_many(inner, id, &more).await
     }
+}
+
+/// The ids of a permit's claims: the first, then those of a weighted
+/// permit's other claims.
+pub(crate) fn claim_ids(id: i64, more: &[(i64, u32)]) -> Vec<i64> {
+    std::iter::once(id)
+        .chain(more.iter().map(|&(id, _)| id))
+        .collect()
 }
 
 /// Releases a claim by id, reporting a lost slot as [`Error::PermitLost`].
