@@ -117,18 +117,7 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
 
     // From the audit log's own timestamps: never more than CAPACITY claims
     // overlapping at any instant, and no slot outside 0..CAPACITY.
-    let max_overlap: i64 = sqlx::query_scalar(
-        "WITH events AS (
-             SELECT created_at AS at, 1 AS delta FROM pgsemaphore.slots WHERE semaphore = 'contended'
-             UNION ALL
-             SELECT completed_at, -1 FROM pgsemaphore.slots WHERE semaphore = 'contended'
-         )
-         SELECT max(running) FROM (
-             SELECT sum(delta) OVER (ORDER BY at, delta ROWS UNBOUNDED PRECEDING) AS running FROM events
-         ) r",
-    )
-    .fetch_one(&db.pool)
-    .await?;
+    let max_overlap = support::max_overlap(&db.pool, "contended").await?;
     assert!(
         max_overlap <= CAPACITY as i64,
         "audit log shows {max_overlap} overlapping claims"

@@ -211,18 +211,7 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
     .fetch_one(&db.pool)
     .await?;
     assert_eq!(bad_groups, 0, "a weighted claim was split");
-    let max_overlap: i64 = sqlx::query_scalar(
-        "WITH events AS (
-             SELECT created_at AS at, 1 AS delta FROM pgsemaphore.slots WHERE semaphore = 'weighted'
-             UNION ALL
-             SELECT completed_at, -1 FROM pgsemaphore.slots WHERE semaphore = 'weighted'
-         )
-         SELECT max(running) FROM (
-             SELECT sum(delta) OVER (ORDER BY at, delta ROWS UNBOUNDED PRECEDING) AS running FROM events
-         ) r",
-    )
-    .fetch_one(&db.pool)
-    .await?;
+    let max_overlap = support::max_overlap(&db.pool, "weighted").await?;
     assert!(
         max_overlap <= i64::from(CAPACITY),
         "audit log shows {max_overlap} overlapping"

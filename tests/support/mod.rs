@@ -125,3 +125,22 @@ impl Drop for TestDb {
         .join();
     }
 }
+
+/// The most claims of `semaphore` that overlapped at any instant, swept over
+/// the audit log's own timestamps (a claim ending as another starts is a
+/// hand-over, not an overlap). Claims must have ended.
+pub async fn max_overlap(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "WITH events AS (
+             SELECT created_at AS at, 1 AS delta FROM pgsemaphore.slots WHERE semaphore = $1
+             UNION ALL
+             SELECT completed_at, -1 FROM pgsemaphore.slots WHERE semaphore = $1
+         )
+         SELECT max(running) FROM (
+             SELECT sum(delta) OVER (ORDER BY at, delta ROWS UNBOUNDED PRECEDING) AS running FROM events
+         ) r",
+    )
+    .bind(semaphore)
+    .fetch_one(pool)
+    .await
+}
