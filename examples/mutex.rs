@@ -151,12 +151,13 @@ async fn take_turn(pool: &PgPool, id: u32, job: &str, start_at: u64) -> Result<(
             Err(other) => return Err(other.into()),
         }
     } else {
-        match mutex.try_lock(pool).await? {
-            Some(guard) => guard,
-            None => {
+        match mutex.try_lock(pool).await {
+            Ok(guard) => guard,
+            Err(Error::Locked { .. }) => {
                 say("skipped: another process holds the lock");
                 return Ok(());
             }
+            Err(other) => return Err(other.into()),
         }
     };
     let how = if patient {

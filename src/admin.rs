@@ -1,6 +1,8 @@
 //! Operator functions: list every semaphore with its live holders, force a
-//! claim's release, change a capacity. The `pg-semaphore` CLI is built on
-//! them; applications can call them too (an admin endpoint, a runbook script).
+//! claim's release, change a capacity or lease. The `pg-semaphore` CLI is
+//! built on them; applications can call them too (an admin endpoint, a
+//! runbook script). Under the README's grants, listing needs only the
+//! application role; the others need the operator role.
 
 use std::time::Duration;
 
@@ -8,8 +10,9 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use crate::audit::Holder;
+use crate::db::Db;
 use crate::error::{Error, Result};
-use crate::semaphore::{MAX_CAPACITY, MAX_NAME_LEN};
+use crate::semaphore::{MAX_CAPACITY, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE};
 use crate::validate;
 
 /// Every semaphore with its live claims, read in one statement (one
@@ -22,20 +25,22 @@ SELECT s.name, s.capacity,
        statement_timestamp() AS as_of,
        l.id, l.slot, l.holder, l.metadata, l.created_at, l.expires_at
   FROM pgsemaphore.semaphores s
-  LEFT JOIN pgsemaphore.slots l
-         ON l.semaphore = s.name AND l.completed_at IS NULL AND l.timed_out_at IS NULL
+  LEFT JOIN pgsemaphore.live_slots l ON l.semaphore = s.name
  ORDER BY s.name, l.created_at, l.id";
 
-/// Ends a claim, whoever holds it (the same function a permit's release calls).
-const RELEASE: &str = "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.release($1)";
+/// Ends a claim, whoever holds it.
+const FORCE_RELEASE: &str =
+    "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.force_release($1)";
 
-/// Locks the semaphore's row and reads its lease, so the capacity change
-/// below keeps exactly the lease in force.
-const LOCK_SEMAPHORE: &str = "\
-SELECT default_lease FROM pgsemaphore.semaphores WHERE name = $1 FOR NO KEY UPDATE";
+/// Creates a semaphore or sets its capacity and lease (NULL keeps one; `$4`
+/// false: an unknown name is an error), waking waiters when the capacity grew.
+const CONFIGURE: &str = "SELECT o_previous_capacity FROM pgsemaphore.configure($1, $2, $3, $4)";
 
-/// Sets capacity and lease (notifying waiters when the capacity grows).
-const CONFIGURE: &str = "SELECT o_previous_capacity FROM pgsemaphore.configure($1, $2, $3)";
+/// Admin statements run unnamed inside a transaction, so they work through
+/// a transaction pooler too; they are never on a hot path.
+fn db(pool: &PgPool) -> Db {
+    Db::new(pool, true)
+}
 
 /// A semaphore as stored, with its live claims; listed by [`semaphores`].
 #[derive(Debug, Clone, PartialEq)]
@@ -127,10 +132,8 @@ struct StatusRow {
 ///
 /// Read-only: cancel at will.
 pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
-    let rows: Vec<StatusRow> = on_pool!(pool, true, |conn| {
-        sqlx::query_as(STATUS).persistent(false).fetch_all(conn)
-    })
-    .await?;
+    let db = db(pool);
+    let rows: Vec<StatusRow> = db.fetch_all(db.query_as(STATUS)).await?;
     let mut list: Vec<SemaphoreInfo> = Vec::new();
     for row in rows {
         if list.last().is_none_or(|last| last.name != row.name) {
@@ -191,14 +194,9 @@ pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
 ///
 /// One statement: cancelling either releases or not.
 pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
+    let db = db(pool);
     let (outcome, semaphore, at): (String, Option<String>, Option<DateTime<Utc>>) =
-        on_pool!(pool, true, |conn| {
-            sqlx::query_as(RELEASE)
-                .bind(id)
-                .persistent(false)
-                .fetch_one(conn)
-        })
-        .await?;
+        db.fetch_one(db.query_as(FORCE_RELEASE).bind(id)).await?;
     Ok(match (outcome.as_str(), semaphore, at) {
         ("released", Some(semaphore), Some(at)) => {
             tracing::info!(semaphore, id, "claim force-released");
@@ -219,8 +217,9 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 /// shrinking it lets holders above the new capacity keep their slots until
 /// they release (new claims see the new capacity).
 ///
-/// Processes that build the semaphore with another capacity set it back:
-/// change it in their configuration too.
+/// Processes that open the semaphore with another capacity do not change
+/// it back: [`SemaphoreBuilder::build`](crate::SemaphoreBuilder::build)
+/// only creates a semaphore that does not exist.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
@@ -238,36 +237,12 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 ///
 /// # Cancel safety
 ///
-/// One transaction: cancelling either applies the change or not.
+/// One statement: cancelling either applies the change or not.
 pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u32> {
     validate::text("name", name, MAX_NAME_LEN)?;
-    if capacity == 0 || capacity > MAX_CAPACITY {
-        return Err(Error::invalid(
-            "capacity",
-            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
-        ));
-    }
-    // Unnamed statements in an explicit transaction: works through PgBouncer.
-    let mut tx = pool.begin().await?;
-    let lease: Option<sqlx::postgres::types::PgInterval> = sqlx::query_scalar(LOCK_SEMAPHORE)
-        .bind(name)
-        .persistent(false)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let Some(lease) = lease else {
-        return Err(Error::SemaphoreNotFound {
-            semaphore: name.to_owned(),
-        });
-    };
-    let previous: Option<i32> = sqlx::query_scalar(CONFIGURE)
-        .bind(name)
-        .bind(capacity as i32)
-        .bind(lease)
-        .persistent(false)
-        .fetch_one(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    let previous = previous.unwrap_or(capacity as i32).max(0) as u32;
+    check_capacity(capacity)?;
+    let previous = run_configure(pool, name, Some(capacity), None, false).await?;
+    let previous = previous.unwrap_or(capacity);
     tracing::info!(
         semaphore = name,
         previous,
@@ -275,4 +250,90 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
         "semaphore capacity set"
     );
     Ok(previous)
+}
+
+/// Creates the semaphore `name` with this capacity and default lease, or
+/// changes an existing one's; returns the previous capacity (`None` when it
+/// was created). The operator's counterpart of
+/// [`SemaphoreBuilder::build`](crate::SemaphoreBuilder::build), which never
+/// changes an existing semaphore. Growing the capacity wakes waiters at once;
+/// holders above a reduced one keep their slots until they release. The new
+/// lease applies to claims made from now on (and to handles opened from now
+/// on; a handle keeps the lease it read when it was opened).
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// use std::time::Duration;
+/// pg_semaphore::configure(&pool, "payments-api", 8, Duration::from_secs(60)).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name, capacity or lease (nothing is
+/// written); [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either applies the change or not.
+pub async fn configure(
+    pool: &PgPool,
+    name: &str,
+    capacity: u32,
+    lease: Duration,
+) -> Result<Option<u32>> {
+    validate::text("name", name, MAX_NAME_LEN)?;
+    check_capacity(capacity)?;
+    validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?;
+    let previous = run_configure(pool, name, Some(capacity), Some(lease), true).await?;
+    tracing::info!(
+        semaphore = name,
+        previous,
+        capacity,
+        lease_ms = lease.as_millis() as u64,
+        "semaphore configured"
+    );
+    Ok(previous)
+}
+
+fn check_capacity(capacity: u32) -> Result<()> {
+    if capacity == 0 || capacity > MAX_CAPACITY {
+        return Err(Error::invalid(
+            "capacity",
+            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
+        ));
+    }
+    Ok(())
+}
+
+async fn run_configure(
+    pool: &PgPool,
+    name: &str,
+    capacity: Option<u32>,
+    lease: Option<Duration>,
+    create: bool,
+) -> Result<Option<u32>> {
+    let lease = match lease {
+        Some(lease) => Some(validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?),
+        None => None,
+    };
+    let db = db(pool);
+    let query = db
+        .query_as::<(Option<i32>,)>(CONFIGURE)
+        .bind(name.to_owned())
+        .bind(capacity.map(|c| c as i32))
+        .bind(lease)
+        .bind(create);
+    match db.fetch_one(query).await {
+        Ok((previous,)) => Ok(previous.map(|p| p.max(0) as u32)),
+        Err(Error::Database(error))
+            if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("P0002") =>
+        {
+            Err(Error::SemaphoreNotFound {
+                semaphore: name.to_owned(),
+            })
+        }
+        Err(error) => Err(error),
+    }
 }

@@ -4,14 +4,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
+use crate::db::Db;
 use crate::error::{Error, Result};
 
 /// Live holders of one semaphore, oldest first.
 const HOLDERS: &str = "\
 SELECT id, slot, holder, metadata, created_at, expires_at
-  FROM pgsemaphore.slots
+  FROM pgsemaphore.live_slots
  WHERE semaphore = $1
-   AND completed_at IS NULL AND timed_out_at IS NULL
  ORDER BY created_at, id";
 
 /// Claims of one semaphore that overlap the window [$2, $3), in claim order.
@@ -182,6 +182,12 @@ impl AuditLog {
         AuditLog { pool: pool.clone() }
     }
 
+    /// Reads run unnamed inside a transaction, so they work through a
+    /// transaction pooler too.
+    fn db(&self) -> Db {
+        Db::new(&self.pool, true)
+    }
+
     /// The live claims of `semaphore`, oldest first.
     ///
     /// # Errors
@@ -192,13 +198,9 @@ impl AuditLog {
     ///
     /// Read-only: cancel at will.
     pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
-        Ok(on_pool!(self.pool, true, |conn| {
-            sqlx::query_as(HOLDERS)
-                .bind(semaphore)
-                .persistent(false)
-                .fetch_all(conn)
-        })
-        .await?)
+        let db = self.db();
+        db.fetch_all(db.query_as(HOLDERS).bind(semaphore.to_owned()))
+            .await
     }
 
     /// Every claim of `semaphore` that was held at some point of `window`
@@ -218,15 +220,13 @@ impl AuditLog {
         window: Range<DateTime<Utc>>,
     ) -> Result<Vec<ClaimRecord>> {
         check_window(&window)?;
-        let rows: Vec<HistoryRow> = on_pool!(self.pool, true, |conn| {
-            sqlx::query_as(HISTORY)
-                .bind(semaphore)
-                .bind(window.start)
-                .bind(window.end)
-                .persistent(false)
-                .fetch_all(conn)
-        })
-        .await?;
+        let db = self.db();
+        let query = db
+            .query_as::<HistoryRow>(HISTORY)
+            .bind(semaphore.to_owned())
+            .bind(window.start)
+            .bind(window.end);
+        let rows = db.fetch_all(query).await?;
         Ok(rows
             .into_iter()
             .map(|row| {
@@ -264,15 +264,13 @@ impl AuditLog {
     /// Read-only: cancel at will.
     pub async fn summary(&self, semaphore: &str, window: Range<DateTime<Utc>>) -> Result<Summary> {
         check_window(&window)?;
-        let row: SummaryRow = on_pool!(self.pool, true, |conn| {
-            sqlx::query_as(SUMMARY)
-                .bind(semaphore)
-                .bind(window.start)
-                .bind(window.end)
-                .persistent(false)
-                .fetch_one(conn)
-        })
-        .await?;
+        let db = self.db();
+        let query = db
+            .query_as::<SummaryRow>(SUMMARY)
+            .bind(semaphore.to_owned())
+            .bind(window.start)
+            .bind(window.end);
+        let row = db.fetch_one(query).await?;
         Ok(Summary {
             completed: row.completed as u64,
             timed_out: row.timed_out as u64,

@@ -49,32 +49,49 @@ pub enum Error {
         limit: u32,
     },
 
-    /// A wait gave up after its timeout: a semaphore's `acquire_timeout`, or a
-    /// mutex's `lock_timeout` (PostgreSQL's `lock_timeout`, SQLSTATE 55P03).
-    #[error("timed out after {timeout:?} waiting for {name}")]
+    /// A wait gave up after its timeout: a semaphore's `acquire_timeout` or
+    /// `wait_idle_timeout`, or a mutex's `lock_timeout` (PostgreSQL's
+    /// `lock_timeout`, SQLSTATE 55P03). Nothing is left held or queued.
+    #[error("timed out after {timeout:?} waiting for {waited_for}")]
     Timeout {
-        /// What was waited for: `semaphore "name"` or `mutex "name"`.
-        name: String,
+        /// What was waited for.
+        waited_for: WaitedFor,
         /// How long the caller was willing to wait.
         timeout: Duration,
     },
 
-    /// PostgreSQL found a deadlock involving this lock wait and aborted it
-    /// (SQLSTATE 40P01). The transaction is rolled back; retry it.
-    #[error("deadlock detected while waiting for {name}; the transaction was rolled back")]
-    Deadlock {
-        /// What was waited for: `mutex "name"`.
-        name: String,
+    /// The mutex is held by someone else: `try_lock` and friends fail fast
+    /// with this, as `try_acquire` does with [`Error::NoSlotsAvailable`].
+    #[error("{mutex} is held by someone else")]
+    Locked {
+        /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
+        mutex: String,
     },
 
-    /// A session lock's connection died (terminated, network failure, database
-    /// restart): the server has released the lock, and another holder may
-    /// already have it. Stop the work it protected.
-    #[error("{name} was lost: its session ended")]
-    LockLost {
-        /// The lock: `mutex "name"`.
-        name: String,
+    /// PostgreSQL found a deadlock involving this lock wait and aborted it
+    /// (SQLSTATE 40P01). The transaction is rolled back; retry it.
+    #[error("deadlock detected while waiting for {mutex}; the transaction was rolled back")]
+    Deadlock {
+        /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
+        mutex: String,
     },
+
+    /// A session lock's connection died or stopped answering (terminated,
+    /// network failure, database restart): the server has released the lock
+    /// or will shortly, and another holder may already have it. Stop the work
+    /// it protected.
+    #[error("{mutex} was lost: {reason}")]
+    LockLost {
+        /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
+        mutex: String,
+        /// Why it was lost.
+        reason: LostReason,
+    },
+
+    /// The tokio runtime is shutting down: a round trip's task was dropped
+    /// before it could answer.
+    #[error("the tokio runtime is shutting down")]
+    Shutdown,
 
     /// The database does not have pg-semaphore's schema.
     #[error(
@@ -125,12 +142,44 @@ pub enum Error {
     #[error("applying pg-semaphore migrations failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
 
-    /// Any other database error (connection refused, pool timeout, ...).
+    /// Any other database error (connection refused, pool timeout, an error
+    /// of the caller's own statement, ...).
     #[error(transparent)]
-    Database(sqlx::Error),
+    Database(#[from] sqlx::Error),
 }
 
-/// Why a permit was found not to hold its slot any more.
+/// What a wait that timed out ([`Error::Timeout`]) was waiting for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitedFor {
+    /// A permit of this semaphore (`acquire_timeout`, `acquire_many_timeout`).
+    Permit {
+        /// The semaphore's name.
+        semaphore: String,
+    },
+    /// This semaphore to have no holders (`wait_idle_timeout`).
+    Idle {
+        /// The semaphore's name.
+        semaphore: String,
+    },
+    /// This mutex (`lock_timeout` and friends).
+    Mutex {
+        /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
+        mutex: String,
+    },
+}
+
+impl std::fmt::Display for WaitedFor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WaitedFor::Permit { semaphore } => write!(f, "a permit of semaphore {semaphore:?}"),
+            WaitedFor::Idle { semaphore } => write!(f, "semaphore {semaphore:?} to be idle"),
+            WaitedFor::Mutex { mutex } => f.write_str(mutex),
+        }
+    }
+}
+
+/// Why a permit or a session lock was found not to hold any more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LostReason {
@@ -150,9 +199,16 @@ pub enum LostReason {
     LeaseExpired,
     /// No claim with this id exists (its audit row was deleted).
     Missing,
+    /// The claim belongs to another holder: the secret token this permit
+    /// holds does not match it.
+    NotHolder,
     /// The permit never held a slot: it was admitted without the database
     /// (fail-open, see [`Permit::is_unchecked`](crate::Permit::is_unchecked)).
     Unchecked,
+    /// A session lock's connection died, or stopped answering within its
+    /// heartbeat: the server frees the lock when it notices the session is
+    /// gone.
+    ConnectionLost,
 }
 
 impl std::fmt::Display for LostReason {
@@ -162,31 +218,18 @@ impl std::fmt::Display for LostReason {
             Self::AlreadyReleased { at } => write!(f, "it was already released at {at}"),
             Self::LeaseExpired => f.write_str("its lease has expired"),
             Self::Missing => f.write_str("no such claim exists"),
+            Self::NotHolder => f.write_str("it belongs to another holder"),
             Self::Unchecked => {
                 f.write_str("it was admitted without the database (fail-open) and holds no slot")
             }
-        }
-    }
-}
-
-impl From<sqlx::Error> for Error {
-    fn from(error: sqlx::Error) -> Self {
-        // 3F000 invalid_schema_name, 42P01 undefined_table, 42883 undefined_function.
-        let missing = error
-            .as_database_error()
-            .and_then(|e| e.code())
-            .is_some_and(|code| matches!(&*code, "3F000" | "42P01" | "42883"));
-        if missing {
-            Error::MigrationsMissing { source: error }
-        } else {
-            Error::Database(error)
+            Self::ConnectionLost => f.write_str("its connection died or stopped answering"),
         }
     }
 }
 
 impl Error {
     /// Whether the error only means "busy": no slot was free, the queue was
-    /// full, or a wait timed out.
+    /// full, a mutex was held, or a wait timed out.
     ///
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
     ///
@@ -204,7 +247,10 @@ impl Error {
     pub fn is_busy(&self) -> bool {
         matches!(
             self,
-            Error::NoSlotsAvailable { .. } | Error::QueueFull { .. } | Error::Timeout { .. }
+            Error::NoSlotsAvailable { .. }
+                | Error::QueueFull { .. }
+                | Error::Locked { .. }
+                | Error::Timeout { .. }
         )
     }
 
@@ -216,7 +262,7 @@ impl Error {
     /// connections) counts: both can mean a server that is only busy.
     pub fn is_unreachable(&self) -> bool {
         match self {
-            Error::Database(error) => unreachable_database(error),
+            Error::Database(error) => crate::db::unreachable(error),
             _ => false,
         }
     }
@@ -226,47 +272,5 @@ impl Error {
             argument,
             reason: reason.into(),
         }
-    }
-}
-
-/// See [`Error::is_unreachable`].
-pub(crate) fn unreachable_database(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolClosed => true,
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
-        _ => false,
-    }
-}
-
-/// Whether a fail-open handle may admit after `error` from `pool`: the
-/// database is unreachable. A pool timeout is ambiguous: a pool that is only
-/// busy must not fail open (that would lift the limit exactly when it
-/// matters), so unless the pool holds no connection at all, one direct
-/// connection attempt decides, and only a refusal (not a slow or "too many
-/// connections" answer, signs of a server that is up but loaded) counts.
-pub(crate) async fn fails_open(error: &sqlx::Error, pool: &sqlx::PgPool) -> bool {
-    if unreachable_database(error) {
-        return true;
-    }
-    if !matches!(error, sqlx::Error::PoolTimedOut) {
-        return false;
-    }
-    if pool.size() == 0 {
-        return true;
-    }
-    let options = pool.connect_options();
-    let attempt = sqlx::ConnectOptions::connect(&*options);
-    match tokio::time::timeout(std::time::Duration::from_secs(2), attempt).await {
-        Ok(Ok(conn)) => {
-            let _ = sqlx::Connection::close(conn).await;
-            false
-        }
-        Ok(Err(error)) => unreachable_database(&error),
-        Err(_timed_out) => false,
     }
 }

@@ -158,41 +158,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
-/// Runs one statement on a connection of `$pool`, inside BEGIN/COMMIT when
-/// `$in_tx` (needed behind a transaction pooler: sqlx sends Parse/Describe
-/// and Bind/Execute as two synced steps, which PgBouncer may route to
-/// different server connections outside a transaction). Evaluates to a
-/// `Result<T, sqlx::Error>` future.
-macro_rules! on_pool {
-    ($pool:expr, $in_tx:expr, |$conn:ident| $body:expr) => {
-        async {
-            if $in_tx {
-                let mut tx = $pool.begin().await?;
-                let value = {
-                    let $conn: &mut ::sqlx::PgConnection = &mut *tx;
-                    $body.await?
-                };
-                tx.commit().await?;
-                Ok::<_, ::sqlx::Error>(value)
-            } else {
-                let mut conn = $pool.acquire().await?;
-                let $conn: &mut ::sqlx::PgConnection = &mut *conn;
-                $body.await
-            }
-        }
-    };
-}
-
 mod admin;
 mod audit;
+mod db;
 mod error;
-mod extended;
-mod idle;
-mod lease;
-mod listener;
 mod migrate;
 mod mutex;
-mod queue;
 mod rate_limit;
 mod reaper;
 #[cfg(feature = "refinery")]
@@ -206,13 +177,13 @@ mod validate;
 pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner};
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
-pub use admin::{ReleaseOutcome, SemaphoreInfo, force_release, semaphores, set_capacity};
+pub use admin::{
+    ReleaseOutcome, SemaphoreInfo, configure, force_release, semaphores, set_capacity,
+};
 pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
-pub use error::{Error, LostReason, Result};
-pub use extended::Priority;
+pub use error::{Error, LostReason, Result, WaitedFor};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
-pub use queue::QueueOrder;
 pub use rate_limit::{
     Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW,
     SlidingWindow, SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,
@@ -220,7 +191,7 @@ pub use rate_limit::{
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
-    MAX_NAME_LEN, MIN_LEASE, Permit, Semaphore, SemaphoreBuilder,
+    MAX_NAME_LEN, MIN_LEASE, Permit, Priority, QueueOrder, Semaphore, SemaphoreBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;

@@ -14,7 +14,8 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
-use crate::error::{Error, Result, fails_open};
+use crate::db::{self, Db};
+use crate::error::{Error, Result};
 use crate::semaphore::MAX_NAME_LEN;
 use crate::validate;
 
@@ -113,11 +114,10 @@ impl Policy {
 
 /// The engine shared by the three limiters.
 struct Limiter {
-    pool: PgPool,
+    db: Db,
     name: String,
     policy: Policy,
     fail_open: bool,
-    pooled: bool,
 }
 
 impl fmt::Debug for Limiter {
@@ -126,7 +126,7 @@ impl fmt::Debug for Limiter {
             .field("name", &self.name)
             .field("policy", &self.policy)
             .field("fail_open", &self.fail_open)
-            .field("transaction_pooling", &self.pooled)
+            .field("transaction_pooling", &self.db.is_pooled())
             .finish_non_exhaustive()
     }
 }
@@ -151,11 +151,10 @@ impl Common {
     fn build(self, pool: &PgPool, policy: Policy) -> Result<Arc<Limiter>> {
         validate::text("name", &self.name, MAX_NAME_LEN)?;
         Ok(Arc::new(Limiter {
-            pool: pool.clone(),
+            db: Db::new(pool, self.pooled),
             name: self.name,
             policy,
             fail_open: self.fail_open,
-            pooled: self.pooled,
         }))
     }
 }
@@ -173,32 +172,32 @@ impl Limiter {
                 format!("{permits} is more than the limit of {limit}: it could never be granted"),
             ));
         }
+        let (name, key) = (self.name.clone(), key.to_owned());
+        let db = &self.db;
         let query = match self.policy {
-            Policy::TokenBucket { rate, burst } => sqlx::query_as(TOKEN_BUCKET)
-                .bind(&self.name)
+            Policy::TokenBucket { rate, burst } => db
+                .query_as::<(bool, i64, i64)>(TOKEN_BUCKET)
+                .bind(name)
                 .bind(key)
                 .bind(rate)
                 .bind(f64::from(burst))
                 .bind(f64::from(permits)),
-            Policy::FixedWindow { limit, window } => sqlx::query_as(FIXED_WINDOW)
-                .bind(&self.name)
+            Policy::FixedWindow { limit, window } => db
+                .query_as(FIXED_WINDOW)
+                .bind(name)
                 .bind(key)
                 .bind(i64::from(limit))
                 .bind(interval(window))
                 .bind(i64::from(permits)),
-            Policy::SlidingWindow { limit, window } => sqlx::query_as(SLIDING_WINDOW)
-                .bind(&self.name)
+            Policy::SlidingWindow { limit, window } => db
+                .query_as(SLIDING_WINDOW)
+                .bind(name)
                 .bind(key)
                 .bind(i64::from(limit))
                 .bind(interval(window))
                 .bind(i64::from(permits)),
         };
-        let row: std::result::Result<(bool, i64, i64), sqlx::Error> =
-            on_pool!(self.pool, self.pooled, |conn| {
-                query.persistent(!self.pooled).fetch_one(conn)
-            })
-            .await;
-        match row {
+        match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us)) => Ok(Decision {
                 allowed,
                 remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
@@ -206,7 +205,7 @@ impl Limiter {
                 limit,
                 failed_open: false,
             }),
-            Err(error) if self.fail_open && fails_open(&error, &self.pool).await => {
+            Err(error) if self.fail_open && db::fails_open(&error, db.pool()).await => {
                 tracing::warn!(
                     limiter = %self.name,
                     %error,
@@ -214,7 +213,7 @@ impl Limiter {
                 );
                 Ok(Decision::open(limit))
             }
-            Err(error) => Err(error.into()),
+            Err(error) => Err(error),
         }
     }
 }
@@ -293,7 +292,7 @@ macro_rules! common_limiter_methods {
 
         /// The pool this limiter uses.
         pub fn pool(&self) -> &PgPool {
-            &self.inner.pool
+            self.inner.db.pool()
         }
 
         #[doc = concat!("Asks for `permits` ", $what, " for `key` (a user, an IP, a route, ...), in one round trip.")]
@@ -713,18 +712,15 @@ pub async fn prune_rate_limits(pool: &PgPool, idle_for: Duration) -> Result<u64>
     let mut cursor = (String::new(), String::new(), String::new());
     let mut total = 0u64;
     loop {
-        let (deleted, kind, limiter, key): (i64, Option<String>, Option<String>, Option<String>) =
-            on_pool!(pool, true, |conn| {
-                sqlx::query_as(PRUNE)
-                    .bind(idle_for)
-                    .bind(&cursor.0)
-                    .bind(&cursor.1)
-                    .bind(&cursor.2)
-                    .bind(PRUNE_BATCH)
-                    .persistent(false)
-                    .fetch_one(conn)
-            })
-            .await?;
+        let db = Db::new(pool, true);
+        let query = db
+            .query_as::<(i64, Option<String>, Option<String>, Option<String>)>(PRUNE)
+            .bind(idle_for)
+            .bind(cursor.0.clone())
+            .bind(cursor.1.clone())
+            .bind(cursor.2.clone())
+            .bind(PRUNE_BATCH);
+        let (deleted, kind, limiter, key) = db.fetch_one(query).await?;
         total += deleted.max(0) as u64;
         match (kind, limiter, key) {
             (Some(kind), Some(limiter), Some(key)) => cursor = (kind, limiter, key),

@@ -3,6 +3,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
+use crate::db::Db;
 use crate::error::{Error, Result};
 use crate::validate;
 
@@ -27,10 +28,8 @@ const REAP: &str = "SELECT pgsemaphore.reap()";
 /// One statement: cancelling either reaps or not.
 pub async fn reap(pool: &PgPool) -> Result<u64> {
     // Unnamed, in a transaction of its own, so that it also works through PgBouncer.
-    let reaped: i64 = on_pool!(pool, true, |conn| {
-        sqlx::query_scalar(REAP).persistent(false).fetch_one(conn)
-    })
-    .await?;
+    let db = Db::new(pool, true);
+    let (reaped,): (i64,) = db.fetch_one(db.query_as(REAP)).await?;
     if reaped > 0 {
         tracing::info!(reaped, "reaped expired pg-semaphore slots");
     }
@@ -82,14 +81,10 @@ pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
     let interval = validate::interval("older_than", older_than, Duration::ZERO..=MAX_RETENTION)?;
     let mut total = 0u64;
     loop {
-        let deleted: i64 = on_pool!(pool, true, |conn| {
-            sqlx::query_scalar(PRUNE)
-                .bind(interval)
-                .bind(PRUNE_BATCH)
-                .persistent(false)
-                .fetch_one(conn)
-        })
-        .await?;
+        let db = Db::new(pool, true);
+        let (deleted,): (i64,) = db
+            .fetch_one(db.query_as(PRUNE).bind(interval).bind(PRUNE_BATCH))
+            .await?;
         total += deleted.max(0) as u64;
         if deleted < i64::from(PRUNE_BATCH) {
             break;

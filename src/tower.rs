@@ -12,7 +12,8 @@ use ::tower::{Layer, Service};
 use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 
-use crate::error::{Error, fails_open};
+use crate::db;
+use crate::error::Error;
 use crate::semaphore::{Permit, Semaphore};
 
 /// Limits the requests in flight in the wrapped service to the capacity of a
@@ -215,8 +216,8 @@ where
                     Err(error) if error.is_busy() => {
                         return Ok(reject(config.status, config.retry_after.as_ref()));
                     }
-                    Err(Error::Database(error))
-                        if config.fail_open && fails_open(&error, semaphore.pool()).await =>
+                    Err(error)
+                        if config.fail_open && db::fails_open(&error, semaphore.pool()).await =>
                     {
                         tracing::warn!(semaphore = semaphore.name(), %error,
                             "cannot use the semaphore: serving the request without a limit");

@@ -323,3 +323,42 @@ async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
     ));
     Ok(())
 }
+
+/// Pruning with nothing old enough reads (almost) nothing: the reaper calls
+/// it every round, and a slot table of a busy semaphore holds hundreds of
+/// thousands of recent claims. Counted by the statistics of the pruning
+/// transaction itself: rows fetched by sequential and index scans.
+#[tokio::test]
+async fn pruning_nothing_does_not_walk_the_audit_log() -> TestResult {
+    let db = support::migrated_db().await;
+    Semaphore::builder("busy-log", 4).build(&db.pool).await?;
+    sqlx::query(
+        "INSERT INTO pgsemaphore.slots (semaphore, slot, holder, created_at, expires_at, completed_at)
+         SELECT 'busy-log', 0, 'recent', t, t + interval '1 minute', t + interval '1 second'
+           FROM (SELECT clock_timestamp() - interval '1 hour' + i * interval '10 ms' AS t
+                   FROM generate_series(1, 50000) AS i) AS s",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query("ANALYZE pgsemaphore.slots")
+        .execute(&db.pool)
+        .await?;
+
+    let mut tx = db.pool.begin().await?;
+    let deleted: i64 = sqlx::query_scalar("SELECT pgsemaphore.prune(interval '1 day', 5000)")
+        .fetch_one(&mut *tx)
+        .await?;
+    let (seq_read, idx_fetched): (i64, i64) = sqlx::query_as(
+        "SELECT coalesce(seq_tup_read, 0), coalesce(idx_tup_fetch, 0)
+           FROM pg_stat_xact_user_tables WHERE relid = 'pgsemaphore.slots'::regclass",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.rollback().await?;
+    assert_eq!(deleted, 0);
+    assert!(
+        seq_read + idx_fetched < 1_000,
+        "pruning nothing read {seq_read} rows sequentially and fetched {idx_fetched} by index"
+    );
+    Ok(())
+}

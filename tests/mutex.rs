@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{Error, Mutex, MutexGuard, PgAdvisoryLockKey, SessionGuard};
+use pg_semaphore::{
+    Error, LostReason, Mutex, MutexGuard, PgAdvisoryLockKey, SessionGuard, WaitedFor,
+};
 use sqlx::postgres::{PgAdvisoryLock, PgPoolOptions};
 use sqlx::{Either, PgPool};
 use tokio::time::Instant;
@@ -193,8 +195,11 @@ async fn lock_timeout_gives_up_promptly() -> TestResult {
         .expect_err("the lock is held");
     let waited = started.elapsed();
     match err {
-        Error::Timeout { name, timeout } => {
-            assert_eq!(name, r#"mutex "slow""#);
+        Error::Timeout {
+            waited_for: WaitedFor::Mutex { mutex },
+            timeout,
+        } => {
+            assert_eq!(mutex, r#"mutex "slow""#);
             assert_eq!(timeout, Duration::from_millis(300));
         }
         other => panic!("expected Timeout, got {other:?}"),
@@ -206,7 +211,7 @@ async fn lock_timeout_gives_up_promptly() -> TestResult {
     assert!(waited < Duration::from_secs(3), "not prompt: {waited:?}");
     assert!(err_is_busy(&mutex, &other).await);
     held.commit().await?;
-    assert!(mutex.try_lock(&other).await?.is_some());
+    assert!(mutex.try_lock(&other).await.is_ok());
     Ok(())
 }
 
@@ -218,20 +223,18 @@ async fn err_is_busy(mutex: &Mutex, pool: &PgPool) -> bool {
 }
 
 #[tokio::test]
-async fn try_lock_is_none_while_held_and_some_when_free() -> TestResult {
+async fn try_lock_is_refused_while_held_and_succeeds_when_free() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::with_key(7);
-    let first = mutex.try_lock(&db.pool).await?.expect("free");
-    assert!(mutex.try_lock(&db.pool).await?.is_none());
+    let first = mutex.try_lock(&db.pool).await?;
+    assert!(matches!(
+        mutex.try_lock(&db.pool).await,
+        Err(Error::Locked { .. })
+    ));
     // The pair key space is a different lock.
-    assert!(
-        Mutex::with_key_pair(0, 7)
-            .try_lock(&db.pool)
-            .await?
-            .is_some()
-    );
+    assert!(Mutex::with_key_pair(0, 7).try_lock(&db.pool).await.is_ok());
     first.rollback().await?;
-    assert!(mutex.try_lock(&db.pool).await?.is_some());
+    assert!(mutex.try_lock(&db.pool).await.is_ok());
     Ok(())
 }
 
@@ -243,7 +246,10 @@ async fn excludes_and_is_excluded_by_sqlx_advisory_locks() -> TestResult {
     let mutex = Mutex::new(name);
 
     let held_by_sqlx = sqlx_lock.acquire(db.pool.acquire().await?).await?;
-    assert!(mutex.try_lock(&db.pool).await?.is_none(), "sqlx holds it");
+    assert!(
+        matches!(mutex.try_lock(&db.pool).await, Err(Error::Locked { .. })),
+        "sqlx holds it"
+    );
     held_by_sqlx.release_now().await?;
 
     let ours = mutex.lock(&db.pool).await?;
@@ -269,11 +275,11 @@ async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
         .await?;
     assert!(r1.is_shared() && r2.is_shared());
     assert!(
-        mutex.try_lock_shared(&db.pool).await?.is_some(),
+        mutex.try_lock_shared(&db.pool).await.is_ok(),
         "a third reader"
     );
     assert!(
-        mutex.try_lock(&db.pool).await?.is_none(),
+        matches!(mutex.try_lock(&db.pool).await, Err(Error::Locked { .. })),
         "no writer among readers"
     );
     assert!(matches!(
@@ -285,10 +291,13 @@ async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
     r1.commit().await?;
     r2.commit().await?;
 
-    let writer = mutex.try_lock(&db.pool).await?.expect("free again");
+    let writer = mutex.try_lock(&db.pool).await?;
     assert!(!writer.is_shared());
     assert!(
-        mutex.try_lock_shared(&db.pool).await?.is_none(),
+        matches!(
+            mutex.try_lock_shared(&db.pool).await,
+            Err(Error::Locked { .. })
+        ),
         "no reader beside a writer"
     );
     writer.commit().await?;
@@ -329,7 +338,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
     let mutex = Mutex::new("closure");
 
     let n = mutex
-        .with_lock(&db.pool, Some(Duration::from_secs(5)), |conn| {
+        .with_lock_timeout(&db.pool, Duration::from_secs(5), |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE counter SET n = n + 1")
                     .execute(&mut *conn)
@@ -356,7 +365,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
         }
     }
     let result: Result<(), AppError> = mutex
-        .with_lock(&db.pool, None, |conn| {
+        .with_lock(&db.pool, |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE counter SET n = 50")
                     .execute(conn)
@@ -368,7 +377,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
         .await;
     assert!(matches!(result, Err(AppError::Refused)));
     assert_eq!(counter(&db.pool).await, 1, "rolled back");
-    assert!(mutex.try_lock(&db.pool).await?.is_some(), "released");
+    assert!(mutex.try_lock(&db.pool).await.is_ok(), "released");
     Ok(())
 }
 
@@ -381,22 +390,25 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
         .execute(&mut *tx)
         .await?;
     mutex
-        .lock_in(&mut tx, Some(Duration::from_millis(250)))
+        .lock_in_timeout(&mut tx, Duration::from_millis(250))
         .await?;
     let setting: String = sqlx::query_scalar("SHOW lock_timeout")
         .fetch_one(&mut *tx)
         .await?;
     assert_eq!(setting, "7s", "the caller's lock_timeout is restored");
     assert!(
-        mutex.try_lock(&db.pool).await?.is_none(),
+        matches!(mutex.try_lock(&db.pool).await, Err(Error::Locked { .. })),
         "held by the transaction"
     );
 
     let mut other = db.pool.begin().await?;
-    assert!(!mutex.try_lock_in(&mut other).await?);
+    assert!(matches!(
+        mutex.try_lock_in(&mut other).await,
+        Err(Error::Locked { .. })
+    ));
     assert!(matches!(
         mutex
-            .lock_in(&mut other, Some(Duration::from_millis(100)))
+            .lock_in_timeout(&mut other, Duration::from_millis(100))
             .await,
         Err(Error::Timeout { .. })
     ));
@@ -404,7 +416,7 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
 
     tx.commit().await?;
     let mut third = db.pool.begin().await?;
-    assert!(mutex.try_lock_in(&mut third).await?);
+    assert!(mutex.try_lock_in(&mut third).await.is_ok());
     third.rollback().await?;
 
     // The transaction-scoped guard restores the session's own setting too.
@@ -428,15 +440,15 @@ async fn a_deadlock_is_reported_as_such() -> TestResult {
     let (a, b) = (Mutex::new("deadlock-a"), Mutex::new("deadlock-b"));
     let mut tx1 = db.pool.begin().await?;
     let mut tx2 = db.pool.begin().await?;
-    a.lock_in(&mut tx1, None).await?;
-    b.lock_in(&mut tx2, None).await?;
+    a.lock_in(&mut tx1).await?;
+    b.lock_in(&mut tx2).await?;
     let (a2, b2) = (a.clone(), b.clone());
     let first = tokio::spawn(async move {
-        let r = b2.lock_in(&mut tx1, Some(Duration::from_secs(30))).await;
+        let r = b2.lock_in_timeout(&mut tx1, Duration::from_secs(30)).await;
         (r, tx1)
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let second = a2.lock_in(&mut tx2, Some(Duration::from_secs(30))).await;
+    let second = a2.lock_in_timeout(&mut tx2, Duration::from_secs(30)).await;
     let (first, _tx1) = first.await?;
     let deadlocks = [&first, &second]
         .iter()
@@ -472,7 +484,7 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
                     .await,
             ),
             2 => drop(tokio::time::timeout(cancel_after, m.lock_shared(pool)).await),
-            3 => drop(tokio::time::timeout(cancel_after, m.lock_session(pool, None)).await),
+            3 => drop(tokio::time::timeout(cancel_after, m.lock_session(pool)).await),
             _ => drop(tokio::time::timeout(cancel_after, m.try_lock(pool)).await),
         }
     }
@@ -491,10 +503,10 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
 
     // So another connection gets the lock at once.
     let other = support::another_pool(&db, 1).await;
-    let guard = mutex.try_lock(&other).await?;
+    let guard = mutex.try_lock(&other).await;
     assert!(
-        guard.is_some(),
-        "the lock was not free right after the holder released"
+        guard.is_ok(),
+        "the lock was not free right after the holder released: {guard:?}"
     );
     Ok(())
 }
@@ -510,32 +522,38 @@ async fn session_locks_exclude_until_unlocked() -> TestResult {
         .await?;
     let mutex = Mutex::new("leader");
     let leader = mutex
-        .lock_session(&pool, Some(Duration::from_secs(5)))
+        .lock_session_timeout(&pool, Duration::from_secs(5))
         .await?;
     assert!(leader.backend_pid() > 0);
     assert!(!leader.is_lost());
     // The pool still serves other work, and the lock excludes others.
-    assert!(mutex.try_lock(&pool).await?.is_none());
-    assert!(mutex.try_lock_session(&pool).await?.is_none());
+    assert!(matches!(
+        mutex.try_lock(&pool).await,
+        Err(Error::Locked { .. })
+    ));
+    assert!(matches!(
+        mutex.try_lock_session(&pool).await,
+        Err(Error::Locked { .. })
+    ));
     assert!(matches!(
         mutex
-            .lock_session(&pool, Some(Duration::from_millis(200)))
+            .lock_session_timeout(&pool, Duration::from_millis(200))
             .await,
         Err(Error::Timeout { .. })
     ));
     // It outlives transactions: still held after other work commits.
     sqlx::query("SELECT 1").execute(&pool).await?;
-    assert!(mutex.try_lock(&pool).await?.is_none());
+    assert!(matches!(
+        mutex.try_lock(&pool).await,
+        Err(Error::Locked { .. })
+    ));
 
     leader.unlock().await?;
-    let next = mutex
-        .try_lock_session(&pool)
-        .await?
-        .expect("free after unlock");
+    let next = mutex.try_lock_session(&pool).await?; // free after unlock
     drop(next); // closes its connection in the background
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if mutex.try_lock(&pool).await?.is_some() {
+        if mutex.try_lock(&pool).await.is_ok() {
             break;
         }
         assert!(
@@ -551,7 +569,7 @@ async fn session_locks_exclude_until_unlocked() -> TestResult {
 async fn a_terminated_session_is_reported_as_lost() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("fragile-leader").heartbeat(Duration::from_millis(100));
-    let leader: SessionGuard = mutex.lock_session(&db.pool, None).await?;
+    let leader: SessionGuard = mutex.lock_session(&db.pool).await?;
     let lost = leader.lost();
     let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(leader.backend_pid())
@@ -563,9 +581,12 @@ async fn a_terminated_session_is_reported_as_lost() -> TestResult {
         .expect("the holder was not told it lost the lock");
     assert!(leader.is_lost());
     // The lock is free for others, and unlocking says what happened.
-    assert!(mutex.try_lock(&db.pool).await?.is_some());
+    assert!(mutex.try_lock(&db.pool).await.is_ok());
     match leader.unlock().await {
-        Err(Error::LockLost { name }) => assert_eq!(name, r#"mutex "fragile-leader""#),
+        Err(Error::LockLost { mutex, reason }) => {
+            assert_eq!(mutex, r#"mutex "fragile-leader""#);
+            assert_eq!(reason, LostReason::ConnectionLost);
+        }
         other => panic!("expected LockLost, got {other:?}"),
     }
     Ok(())
@@ -575,7 +596,7 @@ async fn a_terminated_session_is_reported_as_lost() -> TestResult {
 async fn an_unlocked_session_guard_is_never_reported_lost() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("calm").heartbeat(Duration::from_millis(50));
-    let guard = mutex.lock_session(&db.pool, None).await?;
+    let guard = mutex.lock_session(&db.pool).await?;
     let lost = guard.lost();
     guard.unlock().await?;
     assert!(
@@ -597,7 +618,7 @@ fn bounds(mutex: Mutex, pool: PgPool, guard: MutexGuard, session: SessionGuard) 
     send_sync(&session);
     send(&mutex.lock(&pool));
     send(&mutex.try_lock(&pool));
-    send(&mutex.lock_session(&pool, None));
+    send(&mutex.lock_session(&pool));
     send(&session.lost());
     send(&guard.commit());
     send(&session.unlock());
@@ -635,5 +656,49 @@ async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
     held.commit().await?;
     let guard = mutex.lock_timeout(&single, Duration::from_secs(5)).await?;
     guard.commit().await?;
+    Ok(())
+}
+
+/// Sessions opened in `db`'s database so far (PostgreSQL 14+ counts them).
+async fn sessions(admin: &mut sqlx::PgConnection) -> sqlx::Result<i64> {
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *admin)
+        .await?;
+    sqlx::query_scalar("SELECT sessions FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(&mut *admin)
+        .await
+}
+
+/// An abandoned lock wait that never reached the server (its pool is
+/// exhausted) has nothing to cancel: dropping it must not make the crate
+/// open connection after connection to look for it, exactly when the pool
+/// is exhausted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_wait_for_a_pool_connection_opens_no_connections() -> TestResult {
+    use sqlx::Connection;
+    let db = support::migrated_db().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect_with(db.options.clone())
+        .await?;
+    let mutex = Mutex::new("exhausted");
+    let held = mutex.lock(&pool).await?; // the pool's only connection
+
+    let mut admin = sqlx::PgConnection::connect_with(&db.options).await?;
+    let before = sessions(&mut admin).await?;
+    let abandoned = tokio::time::timeout(Duration::from_millis(200), mutex.lock(&pool)).await;
+    assert!(abandoned.is_err(), "the wait cannot succeed");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Let closed sessions' statistics reach the shared counters.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let opened = sessions(&mut admin).await? - before;
+    assert!(
+        opened <= 2,
+        "abandoning one wait for a pool connection opened {opened} connections in 3 s"
+    );
+    held.commit().await?;
+    // The pool still works, and the lock is free.
+    mutex.try_lock(&pool).await?.commit().await?;
     Ok(())
 }

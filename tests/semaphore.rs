@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{Error, LostReason, Permit, Reaper, Semaphore};
+use pg_semaphore::{Error, LostReason, Permit, Reaper, Semaphore, WaitedFor};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
@@ -175,8 +175,11 @@ async fn acquire_timeout_gives_up_after_the_timeout() -> TestResult {
         .expect_err("no slot frees up");
     let waited = started.elapsed();
     match err {
-        Error::Timeout { name, timeout } => {
-            assert_eq!(name, r#"semaphore "timed""#);
+        Error::Timeout {
+            waited_for: WaitedFor::Permit { semaphore },
+            timeout,
+        } => {
+            assert_eq!(semaphore, "timed");
             assert_eq!(timeout, Duration::from_millis(400));
         }
         other => panic!("expected Timeout, got {other:?}"),
@@ -479,7 +482,9 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
 
     // Shrink to 1: nobody loses a slot, nobody new gets in until only
     // fewer than 1 remain.
+    assert_eq!(pg_semaphore::set_capacity(&db.pool, "resized", 1).await?, 3);
     let small = Semaphore::builder("resized", 1).build(&db.pool).await?;
+    assert_eq!(small.capacity(), 1);
     assert!(matches!(
         small.try_acquire().await,
         Err(Error::NoSlotsAvailable { capacity: 1, .. })
@@ -503,7 +508,7 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
         tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(30)).await });
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!waiter.is_finished());
-    let _grown = Semaphore::builder("resized", 2).build(&db.pool).await?;
+    pg_semaphore::set_capacity(&db.pool, "resized", 2).await?;
     let permit = tokio::time::timeout(Duration::from_secs(20), waiter).await???;
     assert_eq!(permit.slot(), 1);
     Ok(())
@@ -740,7 +745,9 @@ async fn a_fence_keeps_the_permit_live_until_the_callers_transaction_ends() -> T
         0,
         "a fenced claim was reaped"
     );
-    // ... and a release waits for the transaction.
+    // ... and a release waits for the transaction. The lease has ended by
+    // then, so the release says the permit is lost and the audit log agrees
+    // (timed out, not completed).
     let id = permit.id();
     let release = tokio::spawn(permit.release());
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -749,13 +756,13 @@ async fn a_fence_keeps_the_permit_live_until_the_callers_transaction_ends() -> T
         "the release did not wait for the fence"
     );
     tx.commit().await?;
-    release.await??;
-    let completed: bool =
-        sqlx::query_scalar("SELECT completed_at IS NOT NULL FROM pgsemaphore.slots WHERE id = $1")
+    assert!(matches!(release.await?, Err(Error::PermitLost { .. })));
+    let timed_out: bool =
+        sqlx::query_scalar("SELECT timed_out_at IS NOT NULL FROM pgsemaphore.slots WHERE id = $1")
             .bind(id)
             .fetch_one(&db.pool)
             .await?;
-    assert!(completed);
+    assert!(timed_out);
     Ok(())
 }
 
@@ -774,7 +781,7 @@ async fn a_fence_reports_how_the_slot_was_lost() -> TestResult {
         .await?;
     let expired = sem.try_acquire().await?;
     let reaped = sem.try_acquire().await?;
-    sqlx::query("SELECT pgsemaphore.release($1)")
+    sqlx::query("SELECT pgsemaphore.force_release($1)")
         .bind(released_elsewhere.id())
         .execute(&db.pool)
         .await?;

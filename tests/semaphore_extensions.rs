@@ -726,8 +726,8 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
     // A process queued a waiter (as `acquire` does, with a short lease
     // here) and died: nobody renews it.
     let ghost: i64 = sqlx::query_scalar(
-        "SELECT pgsemaphore.enqueue('crash', 1, 1::smallint, 'dead-process', NULL, \
-         interval '3 seconds')",
+        "SELECT o_ticket FROM pgsemaphore.enqueue('crash', 1, 1::smallint, 'dead-process', NULL, \
+         interval '3 seconds', '\\xdead'::bytea)",
     )
     .fetch_one(&db.pool)
     .await?;
@@ -755,8 +755,8 @@ async fn the_reaper_removes_a_crashed_waiter_and_wakes_the_semaphore() -> TestRe
         .build(&db.pool)
         .await?;
     let ghost: i64 = sqlx::query_scalar(
-        "SELECT pgsemaphore.enqueue('crash-reaped', 1, 1::smallint, 'dead-process', NULL, \
-         interval '100 milliseconds')",
+        "SELECT o_ticket FROM pgsemaphore.enqueue('crash-reaped', 1, 1::smallint, 'dead-process', \
+         NULL, interval '100 milliseconds', '\\xdead'::bytea)",
     )
     .fetch_one(&db.pool)
     .await?;

@@ -16,18 +16,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use sqlx::postgres::types::PgInterval;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::error::{Error, LostReason, Result};
-use crate::semaphore::Inner;
+use crate::db::Token;
+use crate::error::LostReason;
 
-/// Renews claims, in one round trip. The function body is in
-/// `migrations/20261121000003_pgsemaphore_heartbeat.sql`.
-const RENEW: &str = "SELECT o_id, o_outcome, o_at FROM pgsemaphore.renew($1, $2)";
+use super::engine::{self, Core, Ended};
 
 /// Where a held permit stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,8 +59,9 @@ impl Lease {
     /// Starts tracking a claim sent at `sent` whose lease is `lease`, renewing
     /// it every `heartbeat` if one is given.
     pub(crate) fn start(
-        inner: &Arc<Inner>,
+        core: &Arc<Core>,
         ids: Vec<i64>,
+        token: Token,
         sent: Instant,
         lease: Duration,
         heartbeat: Option<Duration>,
@@ -78,8 +75,8 @@ impl Lease {
                 // concurrent reconfiguration did to the lease.
                 let interval = interval.min(lease / 2).max(Duration::from_millis(1));
                 let task = tokio::spawn(renew_loop(
-                    inner.clone(),
-                    ids,
+                    core.clone(),
+                    Renewing { ids, token },
                     sent,
                     lease,
                     interval,
@@ -171,18 +168,25 @@ impl Drop for Lease {
     }
 }
 
+/// The claims a heartbeat renews, and the token that proves them.
+struct Renewing {
+    ids: Vec<i64>,
+    token: Token,
+}
+
 /// The heartbeat: renews every `interval` until the permit is released (the
 /// task is aborted) or lost. A failed renewal is retried quickly until the
 /// lease certainly ends; then the permit is lost.
 async fn renew_loop(
-    inner: Arc<Inner>,
-    ids: Vec<i64>,
+    core: Arc<Core>,
+    renewing: Renewing,
     sent: Instant,
     lease: Duration,
     interval: Duration,
     state: watch::Sender<LeaseState>,
 ) {
-    let lease_pg = match PgInterval::try_from(lease) {
+    let ids = &renewing.ids;
+    let lease_pg = match engine::lease_interval(lease) {
         Ok(lease_pg) => lease_pg,
         // The lease came from the database, which accepted it: cannot happen.
         Err(_) => return,
@@ -198,13 +202,14 @@ async fn renew_loop(
         if next >= until {
             // No attempt left before the deadline.
             tokio::time::sleep_until(until).await;
-            lose(&inner, &ids, &state, LostReason::LeaseExpired);
+            lose(&core, ids, &state, LostReason::LeaseExpired);
             return;
         }
         tokio::time::sleep_until(next).await;
         let sent = Instant::now();
-        match tokio::time::timeout_at(until, renew(&inner, &ids, &lease_pg)).await {
-            Ok(Ok(Renewal::Renewed)) => {
+        let renewal = engine::renew(&core, ids, &renewing.token, lease_pg);
+        match tokio::time::timeout_at(until, renewal).await {
+            Ok(Ok(Ended::Done)) => {
                 // "Lost" is final: a renewal that returns after the deadline
                 // (this task ran late) must not revive a permit whose holder
                 // may already have been told to stop.
@@ -217,39 +222,39 @@ async fn renew_loop(
                     _ => false,
                 });
                 if !extended {
-                    lose(&inner, &ids, &state, LostReason::LeaseExpired);
+                    lose(&core, ids, &state, LostReason::LeaseExpired);
                     return;
                 }
                 until = renewed;
                 next = sent + interval;
                 failures = 0;
             }
-            Ok(Ok(Renewal::Lost(reason))) => {
-                lose(&inner, &ids, &state, reason);
+            Ok(Ok(Ended::Lost { reason, .. })) => {
+                lose(&core, ids, &state, reason);
                 return;
             }
             Ok(Err(error)) => {
                 // Once per outage at WARN; the retries at DEBUG.
                 let id = ids.first().copied().unwrap_or_default();
                 if failures == 0 {
-                    tracing::warn!(semaphore = %inner.name, id, %error, "lease renewal failed; retrying until the lease ends");
+                    tracing::warn!(semaphore = %core.name, id, %error, "lease renewal failed; retrying until the lease ends");
                 } else {
-                    tracing::debug!(semaphore = %inner.name, id, %error, failures, "lease renewal failed again");
+                    tracing::debug!(semaphore = %core.name, id, %error, failures, "lease renewal failed again");
                 }
                 failures = failures.saturating_add(1);
                 next = Instant::now() + retry;
             }
             Err(_deadline) => {
-                lose(&inner, &ids, &state, LostReason::LeaseExpired);
+                lose(&core, ids, &state, LostReason::LeaseExpired);
                 return;
             }
         }
     }
 }
 
-fn lose(inner: &Inner, ids: &[i64], state: &watch::Sender<LeaseState>, reason: LostReason) {
+fn lose(core: &Core, ids: &[i64], state: &watch::Sender<LeaseState>, reason: LostReason) {
     tracing::warn!(
-        semaphore = %inner.name,
+        semaphore = %core.name,
         id = ids.first().copied().unwrap_or_default(),
         %reason,
         "permit lost; its holder must stop the work it protects"
@@ -257,31 +262,43 @@ fn lose(inner: &Inner, ids: &[i64], state: &watch::Sender<LeaseState>, reason: L
     state.send_replace(LeaseState::Lost(reason));
 }
 
-enum Renewal {
-    Renewed,
-    Lost(LostReason),
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-async fn renew(inner: &Inner, ids: &[i64], lease: &PgInterval) -> Result<Renewal> {
-    let rows: Vec<(i64, String, Option<DateTime<Utc>>)> =
-        on_pool!(inner.pool, inner.pooled, |conn| {
-            sqlx::query_as(RENEW)
-                .bind(ids)
-                .bind(lease)
-                .persistent(!inner.pooled)
-                .fetch_all(conn)
-        })
-        .await
-        .map_err(Error::from)?;
-    // One lost claim loses the whole permit.
-    for (_, outcome, at) in rows {
-        let reason = match (outcome.as_str(), at) {
-            ("renewed", _) => continue,
-            ("timed_out", Some(at)) => LostReason::TimedOut { at },
-            ("completed", Some(at)) => LostReason::AlreadyReleased { at },
-            _ => LostReason::Missing,
-        };
-        return Ok(Renewal::Lost(reason));
+    #[test]
+    fn the_margin_is_a_tenth_at_least_20_ms_at_most_half() {
+        assert_eq!(margin(Duration::from_secs(90)), Duration::from_secs(9));
+        assert_eq!(
+            margin(Duration::from_millis(100)),
+            Duration::from_millis(20)
+        );
+        assert_eq!(margin(Duration::from_millis(30)), Duration::from_millis(15));
     }
-    Ok(Renewal::Renewed)
+
+    #[test]
+    fn a_lease_is_held_until_its_end_minus_the_margin() {
+        let sent = Instant::now();
+        assert_eq!(
+            held_until(sent, Duration::from_secs(10)),
+            sent + Duration::from_secs(9)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_heartbeat_a_lease_is_lost_at_its_deadline() {
+        let lease = Lease::unchecked();
+        assert_eq!(lease.lost_reason(), None);
+        let (sender, state) = watch::channel(LeaseState::Held {
+            until: Instant::now() + Duration::from_secs(1),
+        });
+        let lease = Lease {
+            state,
+            _sender: Some(sender),
+            heartbeat: None,
+        };
+        assert_eq!(lease.lost_reason(), None);
+        assert_eq!(lease.lost().await, LostReason::LeaseExpired);
+        assert_eq!(lease.lost_reason(), Some(LostReason::LeaseExpired));
+    }
 }

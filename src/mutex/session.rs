@@ -1,0 +1,346 @@
+//! Session-scoped locks (`pg_advisory_lock`) on a dedicated connection: the
+//! [`Session`] task that holds one, and its [`SessionGuard`].
+//!
+//! Who learns of a dead link, and when:
+//! - the holder: the session pings its connection every heartbeat, and a
+//!   ping that fails, or does not answer within a heartbeat, loses the lock
+//!   ([`SessionGuard::lost`]). A half-open link (a partition, a host gone
+//!   without a reset) blocks a ping forever; the bound turns it into a loss
+//!   within two heartbeats, instead of the kernel's ~15 minutes;
+//! - the server: it would otherwise keep a partitioned session, and its
+//!   lock, until its TCP keepalive gives up (hours with Linux defaults). The
+//!   session sets `idle_session_timeout` to three heartbeats (at least a
+//!   second): pings keep a live session busy, so only a session cut off (or
+//!   a frozen process) is ended, and its lock freed. It also sets the
+//!   server's TCP keepalives and `tcp_user_timeout` for the connection.
+//!   (sqlx gives no access to the client's socket options: on this side the
+//!   ping's bound does that job.)
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::db::{self, CallerGone};
+use crate::error::{Error, LostReason, Result};
+
+use super::cancel::{run_or_cancel, token};
+use super::{Mode, Mutex, Wait, run_on};
+
+/// The server-side dead-man switch of a dedicated session, for a heartbeat
+/// of `heartbeat`: the session ends after three silent heartbeats (at least
+/// a second), and the server's keepalives probe a silent peer at that pace.
+fn dead_man_sql(heartbeat: Duration) -> String {
+    let idle_ms = (heartbeat * 3).max(Duration::from_secs(1)).as_millis();
+    let keepalive_s = (idle_ms / 1000).max(1);
+    format!(
+        "SET idle_session_timeout = '{idle_ms}ms'; \
+         SET tcp_keepalives_idle = {keepalive_s}; \
+         SET tcp_keepalives_interval = {keepalive_s}; \
+         SET tcp_keepalives_count = 3; \
+         SET tcp_user_timeout = {idle_ms}"
+    )
+}
+
+/// Takes a session lock on a dedicated connection, in a spawned task that
+/// then holds it (see [`Session`]).
+pub(super) async fn lock(mutex: &Mutex, pool: &PgPool, wait: Wait) -> Result<SessionGuard> {
+    let (mutex, pool) = (mutex.clone(), pool.clone());
+    let (commands, inbox) = mpsc::channel(1);
+    let (lost_tx, lost) = watch::channel(None);
+    let reply = db::detached(move |mut caller| async move {
+        let conn = tokio::select! {
+            conn = pool.acquire() => conn?,
+            () = caller.wait() => return Err(Error::Shutdown),
+        };
+        let session = Session::start(mutex, &pool, conn, wait, &mut caller).await?;
+        let pid = session.pid;
+        let name = session.mutex.label.clone();
+        tokio::spawn(session.hold(inbox, lost_tx));
+        Ok((pid, name))
+    })
+    .await;
+    let (pid, name) = reply?;
+    Ok(SessionGuard {
+        name,
+        pid,
+        commands,
+        lost,
+    })
+}
+
+/// The task that holds a session lock: owns the dedicated connection until
+/// the guard unlocks or drops, or the connection dies.
+struct Session {
+    mutex: Mutex,
+    conn: PgConnection,
+    pid: i32,
+}
+
+impl Session {
+    /// Detaches the connection from the pool (so it can never be handed to
+    /// someone else while it holds the lock), sets the server's dead-man
+    /// switch, and takes the lock.
+    async fn start(
+        mutex: Mutex,
+        pool: &PgPool,
+        conn: PoolConnection<Postgres>,
+        wait: Wait,
+        caller: &mut CallerGone,
+    ) -> Result<Session> {
+        let mut conn = conn.detach();
+        let result = async {
+            sqlx::raw_sql(AssertSqlSafe(dead_man_sql(mutex.heartbeat)))
+                .execute(&mut conn)
+                .await?;
+            let token = token();
+            let started = std::time::Instant::now();
+            let statement = run_on(&mut conn, mutex.session_sql(wait, &token));
+            let Some(result) = run_or_cancel(pool, statement, &token, caller).await else {
+                return Err(Error::Shutdown);
+            };
+            let rows = match result {
+                Ok(rows) => rows,
+                Err(error) => return Err(mutex.lock_error(error, wait)),
+            };
+            let (pid, held) = session_row(rows.first(), wait)?;
+            if !held {
+                return Err(mutex.locked());
+            }
+            if wait != Wait::Try {
+                mutex.trace_locked(Mode::Exclusive, "session", started);
+            }
+            Ok(pid)
+        }
+        .await;
+        match result {
+            Ok(pid) => Ok(Session { mutex, conn, pid }),
+            Err(error) => {
+                if matches!(error, Error::Timeout { .. }) {
+                    // lock_timeout can fire just as the lock is granted; a
+                    // session lock would then outlive the error. Closing the
+                    // session below frees it anyway; unlock to say so.
+                    if let Ok(true) =
+                        sqlx::query_scalar::<_, bool>(AssertSqlSafe(mutex.unlock_sql()))
+                            .fetch_one(&mut conn)
+                            .await
+                    {
+                        tracing::debug!(mutex = %mutex.label, "lock granted as lock_timeout fired; released");
+                    }
+                }
+                // The session ends: any lock it had is freed.
+                let _ = conn.close().await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Holds the lock: answers the guard's unlock, pings every heartbeat,
+    /// reports a loss. Closing the connection ends the session and frees the
+    /// lock on the server.
+    async fn hold(
+        mut self,
+        mut inbox: mpsc::Receiver<oneshot::Sender<Result<()>>>,
+        lost: watch::Sender<Option<LostReason>>,
+    ) {
+        let mut heartbeat = tokio::time::interval(self.mutex.heartbeat);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        heartbeat.tick().await; // the first tick is immediate
+        loop {
+            tokio::select! {
+                command = inbox.recv() => {
+                    match command {
+                        Some(done) => {
+                            let result = self.unlock(&lost).await;
+                            let _ = done.send(result);
+                        }
+                        // The guard was dropped: closing the session frees the lock.
+                        None => {
+                            let _ = self.conn.close().await;
+                        }
+                    }
+                    return;
+                }
+                _ = heartbeat.tick() => {
+                    if let Err(why) = self.ping().await {
+                        tracing::warn!(mutex = %self.mutex.label, %why, "session lock lost");
+                        let _ = lost.send(Some(LostReason::ConnectionLost));
+                        drop(self.conn);
+                        // Answer a later unlock with LockLost; stop when the guard drops.
+                        while let Some(done) = inbox.recv().await {
+                            let _ = done.send(Err(self.mutex.lost_error()));
+                        }
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One heartbeat: the connection answers within a heartbeat, or the lock
+    /// is lost.
+    async fn ping(&mut self) -> std::result::Result<(), String> {
+        match tokio::time::timeout(self.mutex.heartbeat, self.conn.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(format!("its connection died: {error}")),
+            Err(_) => Err(format!(
+                "its connection did not answer within {:?}",
+                self.mutex.heartbeat
+            )),
+        }
+    }
+
+    /// Releases the lock and closes the session.
+    async fn unlock(mut self, lost: &watch::Sender<Option<LostReason>>) -> Result<()> {
+        let unlock = sqlx::query_scalar::<_, bool>(AssertSqlSafe(self.mutex.unlock_sql()));
+        let result = match tokio::time::timeout(
+            self.mutex.heartbeat * 3,
+            unlock.fetch_one(&mut self.conn),
+        )
+        .await
+        {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(self.mutex.lost_error()),
+            Ok(Err(_)) | Err(_) => {
+                let _ = lost.send(Some(LostReason::ConnectionLost));
+                tracing::warn!(mutex = %self.mutex.label, "session lock connection failed at unlock");
+                Err(self.mutex.lost_error())
+            }
+        };
+        let _ = self.conn.close().await;
+        result
+    }
+}
+
+impl Mutex {
+    fn lost_error(&self) -> Error {
+        Error::LockLost {
+            mutex: self.label.clone(),
+            reason: LostReason::ConnectionLost,
+        }
+    }
+}
+
+/// `(pid, held)` from a session lock statement's row.
+fn session_row(row: Option<&PgRow>, wait: Wait) -> Result<(i32, bool)> {
+    let row = row.ok_or(Error::Database(sqlx::Error::RowNotFound))?;
+    let pid: i32 = row.try_get(0)?;
+    let held = match wait {
+        Wait::Try => row.try_get(1)?,
+        _ => true,
+    };
+    Ok((pid, held))
+}
+
+/// A session-scoped lock on a dedicated connection; made by
+/// [`Mutex::lock_session`].
+///
+/// Release it with [`unlock`](SessionGuard::unlock). **Dropping the guard
+/// closes its connection in the background** (not immediate), and the server
+/// frees the lock when the session ends. Watch [`lost`](SessionGuard::lost)
+/// to learn that the connection died and the lock is gone.
+#[must_use = "the lock is released (its connection closed) when the guard is dropped"]
+pub struct SessionGuard {
+    name: String,
+    pid: i32,
+    commands: mpsc::Sender<oneshot::Sender<Result<()>>>,
+    lost: watch::Receiver<Option<LostReason>>,
+}
+
+impl fmt::Debug for SessionGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionGuard")
+            .field("mutex", &self.name)
+            .field("backend_pid", &self.pid)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+impl SessionGuard {
+    /// The PostgreSQL backend process that holds the lock (as in `pg_locks.pid`).
+    pub fn backend_pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Whether the lock is known to be lost (its connection died or stopped
+    /// answering). Checked every heartbeat; `false` does not prove the lock
+    /// is still held.
+    pub fn is_lost(&self) -> bool {
+        self.lost.borrow().is_some()
+    }
+
+    /// Resolves when the lock is lost because its connection died (server
+    /// restart, `pg_terminate_backend`, network failure) or stopped
+    /// answering, detected within about two
+    /// [`heartbeat`](Mutex::heartbeat)s, with the reason
+    /// ([`LostReason::ConnectionLost`]). Never resolves otherwise. The
+    /// future is `'static`: hand it to the task doing the protected work.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool, long_job: impl std::future::Future<Output = ()>) -> Result<(), pg_semaphore::Error> {
+    /// let leader = pg_semaphore::Mutex::new("leader").lock_session(&pool).await?;
+    /// tokio::select! {
+    ///     () = long_job => leader.unlock().await?,
+    ///     reason = leader.lost() => eprintln!("lost leadership ({reason}): stopping"),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
+        let mut lost = self.lost.clone();
+        async move {
+            let reason = lost.wait_for(Option::is_some).await.map(|reason| *reason);
+            match reason {
+                Ok(reason) => reason.unwrap_or(LostReason::ConnectionLost),
+                // Released without being lost: never resolve.
+                Err(_) => std::future::pending().await,
+            }
+        }
+    }
+
+    /// Releases the lock and closes the connection.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LockLost`] when the connection had died or does not answer
+    /// (the lock is or will be free, and someone else may have held it since).
+    ///
+    /// # Cancel safety
+    ///
+    /// If cancelled, the connection is closed and the lock freed anyway.
+    pub async fn unlock(self) -> Result<()> {
+        let (done, result) = oneshot::channel();
+        let lost = Error::LockLost {
+            mutex: self.name.clone(),
+            reason: LostReason::ConnectionLost,
+        };
+        if self.commands.send(done).await.is_err() {
+            return Err(lost);
+        }
+        result.await.unwrap_or(Err(lost))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dead_man_switch_follows_the_heartbeat() {
+        let sql = dead_man_sql(Duration::from_secs(2));
+        assert!(sql.contains("idle_session_timeout = '6000ms'"));
+        assert!(sql.contains("tcp_keepalives_idle = 6"));
+        assert!(sql.contains("tcp_user_timeout = 6000"));
+        let fast = dead_man_sql(Duration::from_millis(10));
+        assert!(
+            fast.contains("idle_session_timeout = '1000ms'"),
+            "at least a second"
+        );
+        assert!(fast.contains("tcp_keepalives_idle = 1"));
+    }
+}

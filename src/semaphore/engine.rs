@@ -1,0 +1,660 @@
+//! The semaphore's engine: the state every handle of a semaphore shares
+//! ([`Core`]), the options a claim carries ([`Attempt`]), and every statement
+//! that decides admission or ends it: claim, release, renew, fence. Each
+//! calls one SQL function of `schema/pgsemaphore.sql`, whose comment names
+//! the invariant it keeps and the concurrent transactions it meets.
+//!
+//! Nothing here waits or retries; [`wait`](super::wait) does. Every claim is
+//! one round trip to `pgsemaphore.claim`, whatever its kind (one permit or
+//! several, high or low priority, in the fair queue or not), decoded by one
+//! decoder into an [`Admission`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::types::PgInterval;
+use sqlx::{PgConnection, Row};
+use tokio::time::Instant;
+
+use crate::db::{self, Db, Token};
+use crate::error::{Error, LostReason, Result};
+use crate::validate;
+
+use super::wake::Wakeups;
+
+/// The shortest lease a permit may have.
+pub const MIN_LEASE: Duration = Duration::from_millis(10);
+
+/// The longest lease a permit may have (366 days).
+pub const MAX_LEASE: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
+/// The claim, one round trip. `o_retry_in` and `o_wake`: see the function.
+const CLAIM: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at, o_capacity, \
+                            o_free, o_retry_in, o_wake \
+                     FROM pgsemaphore.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+
+/// Renews a permit's claims, one round trip.
+const RENEW: &str = "SELECT o_id, o_outcome, o_at FROM pgsemaphore.renew($1, $2, $3)";
+
+/// Share-locks a permit's claims inside the caller's transaction.
+const FENCE: &str = "SELECT o_id, o_outcome, o_at FROM pgsemaphore.fence($1, $2)";
+
+/// Ends whatever live claims carry a token whose claim reply was lost.
+const RELEASE_BY_TOKEN: &str = "SELECT pgsemaphore.release_by_token($1, $2)";
+
+/// Sends a semaphore's wake-up if anyone waits (after the transaction that
+/// freed slots committed).
+const WAKE: &str = "SELECT pgsemaphore.wake($1)";
+
+/// The release: a durable transaction that ends the claims, then, in a
+/// transaction of its own after that commit (see
+/// `pgsemaphore.notify_if_waited` for why after), the wake-up, only sent if
+/// a waiter is registered. One round trip (the simple query protocol, so
+/// the two transactions travel in one message); only integers and hex
+/// digits are inlined.
+fn release_batch(ids: &[i64], token: &Token, lost: bool) -> String {
+    let ids = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let first = ids.split(',').next().unwrap_or("0");
+    format!(
+        "BEGIN; \
+         SELECT o_outcome, o_id, o_at FROM pgsemaphore.release('{{{ids}}}'::bigint[], \
+             decode('{token}', 'hex'), {lost}); \
+         COMMIT; \
+         SELECT pgsemaphore.wake_claimed({first})",
+        token = token.hex(),
+    )
+}
+
+/// Which claims may use the reserved capacity of a semaphore (see
+/// [`SemaphoreBuilder::reserved`](crate::SemaphoreBuilder::reserved)).
+///
+/// ```no_run
+/// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+/// use pg_semaphore::Priority;
+/// // Analytics: shed first, leave the reserve to charges.
+/// let permit = sem.claim().priority(Priority::Low).try_acquire().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Priority {
+    /// Critical traffic (the default): may use every slot, reserved ones included.
+    #[default]
+    High,
+    /// Traffic to shed first: succeeds only while more than the semaphore's
+    /// reserved slots are free, so that the reserve stays for
+    /// [`High`](Priority::High) claims.
+    Low,
+}
+
+impl Priority {
+    pub(crate) fn sql(self) -> i16 {
+        match self {
+            Priority::High => 1,
+            Priority::Low => 0,
+        }
+    }
+
+    /// Rank in the local order of waiters: high priority first.
+    pub(crate) fn rank(self) -> u8 {
+        match self {
+            Priority::High => 0,
+            Priority::Low => 1,
+        }
+    }
+}
+
+/// The order in which a semaphore's fair queue serves its waiters (.NET's
+/// `QueueProcessingOrder`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum QueueOrder {
+    /// First come, first served (FIFO; the default).
+    #[default]
+    OldestFirst,
+    /// Last come, first served (LIFO): under overload the freshest requests,
+    /// whose callers are still there, are served; old ones time out.
+    NewestFirst,
+}
+
+impl QueueOrder {
+    fn is_lifo(self) -> bool {
+        self == QueueOrder::NewestFirst
+    }
+
+    /// A ticket's place in the local order: smallest first.
+    pub(crate) fn place(self, ticket: i64) -> i64 {
+        if self.is_lifo() { -ticket } else { ticket }
+    }
+}
+
+/// A handle's queue settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct QueueOptions {
+    pub(crate) order: QueueOrder,
+    pub(crate) limit: Option<u32>,
+}
+
+/// How held permits renew their leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Heartbeat {
+    /// Every third of the permit's lease.
+    Default,
+    /// Every given interval.
+    Every(Duration),
+    /// Not at all: the lease runs out.
+    Off,
+}
+
+impl Heartbeat {
+    /// The renewal interval for a permit whose lease is `lease`.
+    pub(crate) fn interval(self, lease: Duration) -> Option<Duration> {
+        match self {
+            Heartbeat::Default => Some(lease / 3),
+            Heartbeat::Every(interval) => Some(interval),
+            Heartbeat::Off => None,
+        }
+    }
+
+    /// Checks an explicit interval against a lease: the lease must cover two.
+    pub(crate) fn check(self, lease: Duration, argument: &'static str) -> Result<()> {
+        match self {
+            Heartbeat::Every(interval) if interval.is_zero() => {
+                Err(Error::invalid("heartbeat", "must be greater than zero"))
+            }
+            Heartbeat::Every(interval) if interval.checked_mul(2).is_none_or(|two| two > lease) => {
+                Err(Error::invalid(
+                    argument,
+                    format!(
+                        "a lease of {lease:?} is shorter than twice the heartbeat interval \
+                         {interval:?}: a single late renewal would lose the permit"
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What every handle of one semaphore shares.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) db: Db,
+    pub(crate) name: String,
+    /// The capacity stored when the handle was opened (claims always use the
+    /// database's current value).
+    pub(crate) capacity: u32,
+    /// The default lease stored when the handle was opened.
+    pub(crate) lease: Duration,
+    pub(crate) holder: String,
+    pub(crate) fallback: Duration,
+    pub(crate) heartbeat: Heartbeat,
+    pub(crate) fail_open: bool,
+    pub(crate) reserved: u32,
+    pub(crate) queue: Option<QueueOptions>,
+    /// Wake-ups of this pool (one LISTEN connection per pool).
+    pub(crate) wakeups: Arc<Wakeups>,
+}
+
+/// One claim's options.
+#[derive(Debug, Clone)]
+pub(crate) struct Attempt {
+    pub(crate) holder: String,
+    pub(crate) metadata: Option<serde_json::Value>,
+    pub(crate) lease: Option<PgInterval>,
+    pub(crate) permits: u32,
+    pub(crate) priority: Priority,
+}
+
+impl Attempt {
+    /// The slots this claim could ever use, given the handle's capacity and reserve.
+    pub(crate) fn usable(&self, capacity: u32, reserved: u32) -> u32 {
+        match self.priority {
+            Priority::High => capacity,
+            Priority::Low => capacity.saturating_sub(reserved),
+        }
+    }
+}
+
+/// What one claim round trip found; `C` is what was claimed ([`Claimed`],
+/// or the permit made of it).
+#[derive(Debug)]
+pub(crate) enum Admission<C = Claimed> {
+    Claimed(C),
+    /// Not enough free slots (or the reserve would be touched); look again
+    /// after `retry_in` at the latest (a lease ends then).
+    Full {
+        capacity: u32,
+        retry_in: Option<Duration>,
+    },
+    /// A waiter is ahead in the fair queue.
+    Behind {
+        capacity: u32,
+        retry_in: Option<Duration>,
+    },
+    /// The caller's queue ticket is gone (its lease ended): queue again.
+    NoTicket,
+    /// More permits than the database's capacity (and reserve) ever allow.
+    TooMany {
+        capacity: u32,
+    },
+}
+
+impl<C> Admission<C> {
+    pub(crate) fn map<D>(self, f: impl FnOnce(C) -> D) -> Admission<D> {
+        match self {
+            Admission::Claimed(claimed) => Admission::Claimed(f(claimed)),
+            Admission::Full { capacity, retry_in } => Admission::Full { capacity, retry_in },
+            Admission::Behind { capacity, retry_in } => Admission::Behind { capacity, retry_in },
+            Admission::NoTicket => Admission::NoTicket,
+            Admission::TooMany { capacity } => Admission::TooMany { capacity },
+        }
+    }
+}
+
+/// Claims made, as the database returned them.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    /// Lowest id first; a weighted claim has several.
+    pub(crate) claims: Vec<(i64, u32)>,
+    pub(crate) acquired_at: DateTime<Utc>,
+    pub(crate) expires_at: DateTime<Utc>,
+    /// Slots still free right after this claim.
+    pub(crate) free: u32,
+    pub(crate) token: Token,
+    /// When the claim was sent (this process's monotonic clock).
+    pub(crate) sent: Instant,
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    o_status: String,
+    o_ids: Option<Vec<i64>>,
+    o_slots: Option<Vec<i32>>,
+    o_created_at: Option<DateTime<Utc>>,
+    o_expires_at: Option<DateTime<Utc>>,
+    o_capacity: i32,
+    o_free: i32,
+    o_retry_in: Option<PgInterval>,
+    o_wake: bool,
+}
+
+/// One claim round trip. `ticket`: the caller's place in the fair queue,
+/// with the token it was queued with.
+pub(crate) async fn claim(
+    core: &Arc<Core>,
+    attempt: &Attempt,
+    ticket: Option<(i64, &Token)>,
+) -> Result<Admission> {
+    let token = Token::new();
+    let (lifo, waiter_lease) = match core.queue {
+        Some(queue) => (queue.order.is_lifo(), Some(super::wake::wait_lease())),
+        None => (false, None),
+    };
+    let query = core
+        .db
+        .query_as::<ClaimRow>(CLAIM)
+        .bind(core.name.clone())
+        .bind(attempt.holder.clone())
+        .bind(attempt.lease)
+        .bind(attempt.metadata.clone())
+        .bind(token.bytes())
+        .bind(attempt.permits as i32)
+        .bind(attempt.priority.sql())
+        .bind(core.reserved as i32)
+        .bind(ticket.map(|(id, _)| id))
+        .bind(ticket.map(|(_, ticket_token)| ticket_token.bytes()))
+        .bind(lifo)
+        .bind(waiter_lease);
+    let sent = Instant::now();
+    let row = match core.db.fetch_one(query).await {
+        Ok(row) => row,
+        Err(error) => {
+            if db::outcome_unknown(&error) {
+                forget_claim(core.clone(), token, attempt.lease);
+            }
+            return Err(not_found_or(error, &core.name));
+        }
+    };
+    if row.o_wake {
+        wake_later(core);
+    }
+    let capacity = row.o_capacity.max(0) as u32;
+    let retry_in = row.o_retry_in.map(|interval| duration_of(&interval));
+    Ok(match row.o_status.as_str() {
+        "claimed" => {
+            let (Some(ids), Some(slots), Some(acquired_at), Some(expires_at)) =
+                (row.o_ids, row.o_slots, row.o_created_at, row.o_expires_at)
+            else {
+                return Err(Error::Database(sqlx::Error::Protocol(
+                    "pgsemaphore.claim returned a claim without ids or timestamps".into(),
+                )));
+            };
+            Admission::Claimed(Claimed {
+                claims: ids
+                    .into_iter()
+                    .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
+                    .collect(),
+                acquired_at,
+                expires_at,
+                free: row.o_free.max(0) as u32,
+                token,
+                sent,
+            })
+        }
+        "behind" => Admission::Behind { capacity, retry_in },
+        "no_ticket" => Admission::NoTicket,
+        "too_many" => Admission::TooMany { capacity },
+        _ => Admission::Full { capacity, retry_in },
+    })
+}
+
+/// A claim whose reply was lost may have committed: end it by its token in
+/// the background, retrying while its lease could still hold the slot, so
+/// that a claim nobody knows about does not block a slot for a whole lease.
+fn forget_claim(core: Arc<Core>, token: Token, lease: Option<PgInterval>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let lease = lease.map_or(core.lease, |interval| duration_of(&interval));
+    runtime.spawn(async move {
+        let give_up = Instant::now() + lease;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let query = core
+                .db
+                .query_as::<(i32,)>(RELEASE_BY_TOKEN)
+                .bind(core.name.clone())
+                .bind(token.bytes());
+            match core.db.fetch_one(query).await {
+                Ok((ended,)) => {
+                    if ended > 0 {
+                        tracing::info!(
+                            semaphore = %core.name,
+                            ended,
+                            "a claim whose reply was lost had committed; released it"
+                        );
+                        wake(&core).await;
+                    }
+                    return;
+                }
+                Err(error) if Instant::now() + backoff < give_up => {
+                    tracing::debug!(semaphore = %core.name, %error, "releasing a claim whose reply was lost failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                Err(error) => {
+                    tracing::warn!(
+                        semaphore = %core.name, %error,
+                        "could not release a claim whose reply was lost; its lease frees the slot"
+                    );
+                    return;
+                }
+            }
+        }
+    });
+}
+
+/// Sends the semaphore's wake-up (if anyone waits) in the background.
+fn wake_later(core: &Arc<Core>) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let core = core.clone();
+        runtime.spawn(async move { wake(&core).await });
+    }
+}
+
+/// Sends the semaphore's wake-up if anyone waits; failures are logged (a
+/// wake-up is a hint: waiters re-check on their own).
+pub(crate) async fn wake(core: &Core) {
+    let query = core.db.query_as::<(bool,)>(WAKE).bind(core.name.clone());
+    if let Err(error) = core.db.fetch_one(query).await {
+        tracing::debug!(semaphore = %core.name, %error, "sending a wake-up failed");
+    }
+}
+
+/// How ending (or checking) a permit's claims went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// Released, renewed or held, as asked.
+    Done,
+    /// Claim `id` no longer held its slot.
+    Lost { id: i64, reason: LostReason },
+}
+
+/// The outcome text of `pgsemaphore.release`, `renew` and `fence`.
+fn ended(id: i64, outcome: &str, at: Option<DateTime<Utc>>) -> Ended {
+    let reason = match (outcome, at) {
+        ("released" | "renewed" | "held", _) => return Ended::Done,
+        ("timed_out", Some(at)) => LostReason::TimedOut { at },
+        ("completed", Some(at)) => LostReason::AlreadyReleased { at },
+        ("expired" | "timed_out", _) => LostReason::LeaseExpired,
+        ("not_holder", _) => LostReason::NotHolder,
+        _ => LostReason::Missing,
+    };
+    Ended::Lost { id, reason }
+}
+
+/// The first lost claim among a statement's rows, if any.
+fn first_lost(rows: Vec<(i64, String, Option<DateTime<Utc>>)>) -> Ended {
+    rows.into_iter()
+        .map(|(id, outcome, at)| ended(id, &outcome, at))
+        .find(|e| *e != Ended::Done)
+        .unwrap_or(Ended::Done)
+}
+
+/// Ends a permit's claims (and wakes waiters, if any, after the commit), in
+/// one round trip. `lost`: the holder was already told the permit is lost,
+/// so the claims are recorded as timed out, never as completed.
+pub(crate) async fn release(core: &Core, ids: &[i64], token: &Token, lost: bool) -> Result<Ended> {
+    let rows = core.db.batch(release_batch(ids, token, lost)).await?;
+    let row = rows.first().ok_or_else(|| {
+        Error::Database(sqlx::Error::Protocol(
+            "pgsemaphore.release returned no row".into(),
+        ))
+    })?;
+    let outcome: String = row.try_get("o_outcome")?;
+    let id: Option<i64> = row.try_get("o_id")?;
+    let at: Option<DateTime<Utc>> = row.try_get("o_at")?;
+    Ok(ended(id.unwrap_or(ids[0]), &outcome, at))
+}
+
+/// Renews a permit's claims to end `lease` from now (never earlier than
+/// they do), in one round trip.
+pub(crate) async fn renew(
+    core: &Core,
+    ids: &[i64],
+    token: &Token,
+    lease: PgInterval,
+) -> Result<Ended> {
+    let query = core
+        .db
+        .query_as::<(i64, String, Option<DateTime<Utc>>)>(RENEW)
+        .bind(ids.to_vec())
+        .bind(token.bytes())
+        .bind(lease);
+    Ok(first_lost(core.db.fetch_all(query).await?))
+}
+
+/// Fences a permit's claims inside the caller's transaction.
+pub(crate) async fn fence(
+    conn: &mut PgConnection,
+    pooled: bool,
+    ids: &[i64],
+    token: &Token,
+) -> Result<Ended> {
+    let rows: Vec<(i64, String, Option<DateTime<Utc>>)> = sqlx::query_as(FENCE)
+        .bind(ids)
+        .bind(token.bytes())
+        .persistent(!pooled)
+        .fetch_all(conn)
+        .await
+        .map_err(db::ours)?;
+    Ok(first_lost(rows))
+}
+
+/// P0002 no_data_found: raised by the claim and enqueue for an unknown semaphore.
+pub(crate) fn not_found_or(error: Error, semaphore: &str) -> Error {
+    let code = match &error {
+        Error::Database(error) => error.as_database_error().and_then(|e| e.code()),
+        _ => None,
+    };
+    if code.as_deref() == Some("P0002") {
+        Error::SemaphoreNotFound {
+            semaphore: semaphore.to_owned(),
+        }
+    } else {
+        error
+    }
+}
+
+/// A lease as the database computed it.
+pub(crate) fn duration_of(interval: &PgInterval) -> Duration {
+    // Leases and waits are microseconds only (no months or days are produced).
+    let micros = interval.microseconds + interval.days as i64 * 86_400_000_000;
+    Duration::from_micros(micros.max(0) as u64)
+}
+
+/// A lease as an interval for the database.
+pub(crate) fn lease_interval(lease: Duration) -> Result<PgInterval> {
+    validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_decode_to_lost_reasons() {
+        let at = Utc::now();
+        assert_eq!(ended(1, "released", None), Ended::Done);
+        assert_eq!(ended(1, "renewed", Some(at)), Ended::Done);
+        assert_eq!(ended(1, "held", None), Ended::Done);
+        assert_eq!(
+            ended(2, "timed_out", Some(at)),
+            Ended::Lost {
+                id: 2,
+                reason: LostReason::TimedOut { at }
+            }
+        );
+        assert_eq!(
+            ended(2, "completed", Some(at)),
+            Ended::Lost {
+                id: 2,
+                reason: LostReason::AlreadyReleased { at }
+            }
+        );
+        assert_eq!(
+            ended(3, "expired", None),
+            Ended::Lost {
+                id: 3,
+                reason: LostReason::LeaseExpired
+            }
+        );
+        assert_eq!(
+            ended(3, "not_holder", None),
+            Ended::Lost {
+                id: 3,
+                reason: LostReason::NotHolder
+            }
+        );
+        assert_eq!(
+            ended(4, "missing", None),
+            Ended::Lost {
+                id: 4,
+                reason: LostReason::Missing
+            }
+        );
+    }
+
+    #[test]
+    fn the_first_lost_claim_of_a_permit_is_reported() {
+        let rows = vec![
+            (1, "renewed".to_owned(), None),
+            (2, "completed".to_owned(), Some(Utc::now())),
+            (3, "missing".to_owned(), None),
+        ];
+        assert!(matches!(first_lost(rows), Ended::Lost { id: 2, .. }));
+        assert_eq!(first_lost(Vec::new()), Ended::Done);
+    }
+
+    #[test]
+    fn the_release_batch_inlines_only_integers_and_hex() {
+        let token = Token::from_bytes([0xab; 16]);
+        let sql = release_batch(&[7, 9], &token, false);
+        assert!(sql.starts_with("BEGIN; "));
+        assert!(sql.contains("pgsemaphore.release('{7,9}'::bigint[], decode('abababababababababababababababab', 'hex'), false)"));
+        assert!(sql.ends_with("COMMIT; SELECT pgsemaphore.wake_claimed(7)"));
+        assert_eq!(format!("{token:?}"), "Token(..)", "never printed");
+    }
+
+    #[test]
+    fn heartbeats_must_fit_twice_in_the_lease() {
+        let lease = Duration::from_secs(30);
+        assert_eq!(
+            Heartbeat::Default.interval(lease),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(Heartbeat::Off.interval(lease), None);
+        assert!(
+            Heartbeat::Every(Duration::from_secs(15))
+                .check(lease, "lease")
+                .is_ok()
+        );
+        assert!(
+            Heartbeat::Every(Duration::from_secs(16))
+                .check(lease, "lease")
+                .is_err()
+        );
+        assert!(
+            Heartbeat::Every(Duration::ZERO)
+                .check(lease, "lease")
+                .is_err()
+        );
+        assert!(
+            Heartbeat::Every(Duration::MAX)
+                .check(lease, "lease")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn low_priority_claims_leave_the_reserve() {
+        let attempt = |priority| Attempt {
+            holder: "h".into(),
+            metadata: None,
+            lease: None,
+            permits: 1,
+            priority,
+        };
+        assert_eq!(attempt(Priority::High).usable(10, 3), 10);
+        assert_eq!(attempt(Priority::Low).usable(10, 3), 7);
+        assert_eq!(attempt(Priority::Low).usable(2, 5), 0);
+    }
+
+    #[test]
+    fn queue_places_follow_the_order() {
+        assert!(QueueOrder::OldestFirst.place(1) < QueueOrder::OldestFirst.place(2));
+        assert!(QueueOrder::NewestFirst.place(2) < QueueOrder::NewestFirst.place(1));
+    }
+
+    #[test]
+    fn intervals_convert_to_durations() {
+        let interval = PgInterval {
+            months: 0,
+            days: 1,
+            microseconds: 1_500_000,
+        };
+        assert_eq!(
+            duration_of(&interval),
+            Duration::from_micros(86_401_500_000)
+        );
+        let negative = PgInterval {
+            months: 0,
+            days: 0,
+            microseconds: -5,
+        };
+        assert_eq!(duration_of(&negative), Duration::ZERO);
+    }
+}

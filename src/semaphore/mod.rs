@@ -1,0 +1,984 @@
+//! The counting semaphore: its public face. Each public method is a short
+//! delegation, straight down:
+//!
+//! - [`engine`]: the state a handle shares and every admission statement
+//!   (claim, release, renew, fence), one SQL function each;
+//! - [`wait`]: the wait loops, over the wake-ups of [`wake`];
+//! - [`permit`]: [`Permit`] (release, fence, lost, Drop), with its
+//!   heartbeat in [`lease`];
+//! - [`queue`]: tickets of the fair queue.
+
+mod engine;
+mod lease;
+mod permit;
+mod queue;
+mod wait;
+mod wake;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
+use tokio::time::Instant;
+
+use crate::audit::{AuditLog, Holder, Summary};
+use crate::db::{self, Db};
+use crate::error::{Error, Result, WaitedFor};
+use crate::validate;
+
+use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions};
+pub use self::engine::{MAX_LEASE, MIN_LEASE, Priority, QueueOrder};
+pub use self::permit::Permit;
+use self::wake::Wakeups;
+
+/// The largest capacity a semaphore may have (a CHECK constraint enforces it too).
+pub const MAX_CAPACITY: u32 = 100_000;
+
+/// The longest semaphore name, in characters.
+pub const MAX_NAME_LEN: usize = 200;
+
+/// The longest holder label, in characters.
+pub const MAX_HOLDER_LEN: usize = 1000;
+
+/// The default lease: how long a permit is held before a reaper may free it.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(90);
+
+/// The default interval of the fallback re-check that covers a lost notification.
+pub const DEFAULT_FALLBACK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Opens a semaphore: creates it if it does not exist, and returns the
+/// settings in force.
+const OPEN: &str =
+    "SELECT o_capacity, o_default_lease, o_created FROM pgsemaphore.open($1, $2, $3)";
+
+/// Free slots right now (live claims count as held until a reaper or a
+/// claim ends them, expired or not).
+const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaphore.live_slots l \
+                                              WHERE l.semaphore = s.name) \
+                         FROM pgsemaphore.semaphores s WHERE s.name = $1";
+
+/// A counting semaphore shared by every process that uses the same database.
+///
+/// At most `capacity` permits of a semaphore are held at once, across all
+/// processes and machines: the database enforces it (a partial unique index on
+/// live slots, and claims serialised on the semaphore's own row). Each permit
+/// is a row in `pgsemaphore.slots` that stays after release as an audit log.
+///
+/// `Semaphore` is a cheap handle (an [`Arc`] inside): clone it freely.
+///
+/// # Example
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use pg_semaphore::{Error, Semaphore};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+/// pg_semaphore::migrate(&pool).await?;
+/// let sem = Semaphore::builder("payments-api", 4)
+///     .lease(Duration::from_secs(90))
+///     .build(&pool)
+///     .await?;
+///
+/// match sem.try_acquire().await {
+///     Ok(permit) => {
+///         // ... call the fragile upstream ...
+///         permit.release().await?;
+///     }
+///     Err(Error::NoSlotsAvailable { .. }) => { /* answer 503 at once */ }
+///     Err(other) => return Err(other.into()),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Semaphore {
+    core: Arc<Core>,
+}
+
+impl fmt::Debug for Semaphore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let core = &self.core;
+        f.debug_struct("Semaphore")
+            .field("name", &core.name)
+            .field("capacity", &core.capacity)
+            .field("lease", &core.lease)
+            .field("holder", &core.holder)
+            .field("fallback_interval", &core.fallback)
+            .field("transaction_pooling", &core.db.is_pooled())
+            .field("heartbeat", &core.heartbeat)
+            .field("fail_open", &core.fail_open)
+            .field("reserved", &core.reserved)
+            .field("queue", &core.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`Semaphore`]; made by [`Semaphore::builder`].
+///
+/// The capacity and lease given here are the ones a **new** semaphore is
+/// created with. An existing semaphore keeps its own (processes of two
+/// versions of an application, in a rolling deploy, never fight over them):
+/// change them with [`configure`](crate::configure) or
+/// [`set_capacity`](crate::set_capacity), or `pg-semaphore set-capacity`.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// let sem = pg_semaphore::Semaphore::builder("payments-api", 4)
+///     .lease(Duration::from_secs(30))          // a crashed holder frees its slot after 30 s
+///     .heartbeat(Duration::from_secs(10))      // a live one renews every 10 s
+///     .holder("api-7")                         // recorded in the audit log
+///     .fallback_interval(Duration::from_secs(2))
+///     .build(&pool)
+///     .await?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.build(&pool).await`"]
+pub struct SemaphoreBuilder {
+    name: String,
+    capacity: u32,
+    lease: Duration,
+    holder: Option<String>,
+    fallback: Duration,
+    pooled: bool,
+    heartbeat: Heartbeat,
+    fail_open: bool,
+    reserved: u32,
+    queue: Option<QueueOptions>,
+}
+
+impl SemaphoreBuilder {
+    /// The default lease of a new semaphore: how long a permit is held
+    /// before a reaper may free it (default [`DEFAULT_LEASE`], between
+    /// [`MIN_LEASE`] and [`MAX_LEASE`]). Measured on the database clock.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The holder label recorded with every claim (default: `host:pid`).
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+
+    /// How often a waiting acquire re-checks even without a wake-up
+    /// (default [`DEFAULT_FALLBACK_INTERVAL`]). It only matters when a
+    /// notification is lost; one re-check per semaphore per process and interval.
+    pub fn fallback_interval(mut self, interval: Duration) -> Self {
+        self.fallback = interval;
+        self
+    }
+
+    /// Declares that the pool connects through a **transaction-pooling proxy**
+    /// such as PgBouncer with `pool_mode = transaction` (default `false`).
+    ///
+    /// `LISTEN` cannot work there, so waiting acquires re-check every
+    /// [`fallback_interval`](Self::fallback_interval) instead of being woken
+    /// by notifications (shorten it accordingly), or when the lease that
+    /// blocks them ends. Each prepared statement runs unnamed
+    /// (`persistent(false)`) inside an explicit transaction, so that sqlx's
+    /// two extended-protocol steps reach the same server connection and no
+    /// statement name collides with another client's; that costs two extra
+    /// round trips per claim (a release is one message either way).
+    /// Migrations must still run on a direct connection.
+    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
+        self.pooled = enabled;
+        self
+    }
+
+    /// Renews each held permit's lease every `interval` (by default every
+    /// third of the lease). The lease must be at least twice the interval.
+    ///
+    /// A renewal sets the lease to end one full lease after the database's
+    /// clock (never earlier than it already did). If renewals fail (database
+    /// unreachable) the permit is retried until its lease can no longer be
+    /// guaranteed, and then reported lost through [`Permit::lost`]: stop the
+    /// protected work then, because the slot may be reaped and claimed by
+    /// someone else.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// let sem = pg_semaphore::Semaphore::builder("exports", 2)
+    ///     .lease(Duration::from_secs(30))
+    ///     .heartbeat(Duration::from_secs(5))
+    ///     .build(&pool)
+    ///     .await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = Heartbeat::Every(interval);
+        self
+    }
+
+    /// Turns lease renewal off: every permit's slot is freed by a reaper (or
+    /// the next claim) once its lease ends, even while its holder still works.
+    /// [`Permit::lost`] still fires when the lease ends.
+    pub fn without_heartbeat(mut self) -> Self {
+        self.heartbeat = Heartbeat::Off;
+        self
+    }
+
+    /// **Fail open** (default `false`): when the database cannot be reached,
+    /// [`try_acquire`](Semaphore::try_acquire) admits the caller anyway with an
+    /// *unchecked* permit ([`Permit::is_unchecked`]) and a `WARN` event,
+    /// instead of returning [`Error::Database`].
+    ///
+    /// This trades the hard limit for availability while the database is
+    /// down (Stripe's rate limiters "fail open" so that an outage of their
+    /// store does not take the site down): use it only where going over the
+    /// limit is cheaper than an outage. Only connection failures fail open;
+    /// errors that say the database answered (missing migrations, unknown
+    /// semaphore, bad input) are still returned. Waiting acquires (`acquire`,
+    /// `acquire_timeout`) never fail open.
+    pub fn fail_open(mut self, enabled: bool) -> Self {
+        self.fail_open = enabled;
+        self
+    }
+
+    /// Reserves `slots` of the capacity for critical traffic (default 0):
+    /// claims with [`Priority::Low`] succeed only while more than `slots`
+    /// slots are free; [`Priority::High`] claims (the default) may use them
+    /// all, as Stripe's fleet usage load shedder keeps room for critical
+    /// requests: analytics is shed before charges are.
+    ///
+    /// The reserve belongs to this handle and is sent with each of its
+    /// low-priority claims: build every handle of a semaphore with the same
+    /// value. Must be below the capacity ([`build`](Self::build) returns
+    /// [`Error::InvalidArgument`] otherwise).
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// use pg_semaphore::{Priority, Semaphore};
+    /// let sem = Semaphore::builder("workers", 10).reserved(2).build(&pool).await?;
+    /// let report = sem.claim().priority(Priority::Low).try_acquire().await; // needs 3 free
+    /// let charge = sem.try_acquire().await; // may take the last slot
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn reserved(mut self, slots: u32) -> Self {
+        self.reserved = slots;
+        self
+    }
+
+    /// Makes this handle's waiting acquires wait in the semaphore's **fair
+    /// queue**, shared by every process, served in `order` (default: no
+    /// queue).
+    ///
+    /// Without a queue, waiting acquires are served in order within each
+    /// process, and across processes the fastest claim after a release wins.
+    /// With one, waiters are served strictly in order
+    /// ([`QueueOrder::OldestFirst`] or [`QueueOrder::NewestFirst`]),
+    /// high-priority ones first, whatever process they are in; and while
+    /// anyone is queued, no other claim on the semaphore succeeds:
+    /// [`try_acquire`](Semaphore::try_acquire) (on any handle) fails fast with
+    /// [`Error::NoSlotsAvailable`] rather than jump the queue. A waiter that
+    /// is cancelled leaves the queue at once; one whose process crashes
+    /// leaves it within 10 seconds. Every queued handle of a semaphore must
+    /// use the same order: a FIFO and a LIFO waiter can each find the other
+    /// ahead of it, and wait until one of them gives up.
+    ///
+    /// Costs: a waiting acquire takes two round trips more than without a
+    /// queue (joining and leaving), and each process renews its waiters in
+    /// one statement every few seconds. An acquire that finds a free slot
+    /// and nobody queued never touches the queue.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// use pg_semaphore::{QueueOrder, Semaphore};
+    /// let sem = Semaphore::builder("exports", 2)
+    ///     .queue(QueueOrder::OldestFirst)
+    ///     .queue_limit(100)
+    ///     .build(&pool)
+    ///     .await?;
+    /// let permit = sem.acquire().await?; // Err(QueueFull) if 100 are waiting
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn queue(mut self, order: QueueOrder) -> Self {
+        let limit = self.queue.and_then(|q| q.limit);
+        self.queue = Some(QueueOptions { order, limit });
+        self
+    }
+
+    /// Bounds the fair queue (.NET's `QueueLimit`): an acquire that would
+    /// wait while `limit` waiters are already queued fails at once with
+    /// [`Error::QueueFull`]. Turns the queue on
+    /// ([`QueueOrder::OldestFirst`] unless [`queue`](Self::queue) says
+    /// otherwise). The limit is checked with the semaphore's row locked, so
+    /// it is exact across processes.
+    pub fn queue_limit(mut self, limit: u32) -> Self {
+        let order = self.queue.map(|q| q.order).unwrap_or_default();
+        self.queue = Some(QueueOptions {
+            order,
+            limit: Some(limit),
+        });
+        self
+    }
+
+    /// Validates the settings and opens the semaphore: creates it with this
+    /// capacity and lease if it does not exist. An existing semaphore keeps
+    /// its capacity and lease (a `WARN` event says so when they differ from
+    /// this builder's); the handle reports and uses the stored ones.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidArgument`] for a name that is empty, longer than
+    ///   [`MAX_NAME_LEN`] or contains NUL; a capacity of 0 or above
+    ///   [`MAX_CAPACITY`]; a lease outside [`MIN_LEASE`]..=[`MAX_LEASE`]; a
+    ///   zero fallback interval; a zero heartbeat interval or one above half
+    ///   the lease; a reserve not below the capacity; a bad holder label.
+    ///   Nothing is written.
+    /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+    /// - [`Error::Database`] for connection and other database errors.
+    ///
+    /// # Cancel safety
+    ///
+    /// Opening is one statement: cancelling either creates the semaphore or not.
+    pub async fn build(self, pool: &PgPool) -> Result<Semaphore> {
+        validate::text("name", &self.name, MAX_NAME_LEN)?;
+        check_capacity(self.capacity)?;
+        let lease = engine::lease_interval(self.lease)?;
+        if self.fallback.is_zero() {
+            return Err(Error::invalid(
+                "fallback_interval",
+                "must be greater than zero",
+            ));
+        }
+        self.heartbeat.check(self.lease, "lease")?;
+        let holder = match self.holder {
+            Some(holder) => {
+                validate_holder(&holder)?;
+                holder
+            }
+            None => default_holder(),
+        };
+        check_reserve(self.reserved, self.capacity)?;
+        let db = Db::new(pool, self.pooled);
+        let query = db
+            .query_as::<(i32, PgInterval, bool)>(OPEN)
+            .bind(self.name.clone())
+            .bind(self.capacity as i32)
+            .bind(lease);
+        let (capacity, stored_lease, created) = db.fetch_one(query).await?;
+        let capacity = capacity.max(1) as u32;
+        let stored_lease = engine::duration_of(&stored_lease);
+        if created {
+            tracing::debug!(semaphore = %self.name, capacity, "semaphore created");
+        } else if capacity != self.capacity || stored_lease != self.lease {
+            tracing::warn!(
+                semaphore = %self.name,
+                capacity,
+                lease_ms = stored_lease.as_millis() as u64,
+                requested_capacity = self.capacity,
+                requested_lease_ms = self.lease.as_millis() as u64,
+                "semaphore exists with other settings, which stay in force; \
+                 change them with pg_semaphore::configure or `pg-semaphore set-capacity`"
+            );
+        }
+        self.heartbeat.check(stored_lease, "lease")?;
+        check_reserve(self.reserved, capacity)?;
+        Ok(Semaphore {
+            core: Arc::new(Core {
+                wakeups: Wakeups::for_pool(pool),
+                db,
+                name: self.name,
+                capacity,
+                lease: stored_lease,
+                holder,
+                fallback: self.fallback,
+                heartbeat: self.heartbeat,
+                fail_open: self.fail_open,
+                reserved: self.reserved,
+                queue: self.queue,
+            }),
+        })
+    }
+}
+
+fn check_capacity(capacity: u32) -> Result<()> {
+    if capacity == 0 || capacity > MAX_CAPACITY {
+        return Err(Error::invalid(
+            "capacity",
+            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_reserve(reserved: u32, capacity: u32) -> Result<()> {
+    if reserved >= capacity {
+        return Err(Error::invalid(
+            "reserved",
+            format!(
+                "{reserved} reserved slots leave none to low-priority claims: reserve fewer than the capacity ({capacity})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Semaphore {
+    /// Starts configuring the semaphore `name` with `capacity` slots.
+    ///
+    /// Nothing is validated or written until [`SemaphoreBuilder::build`].
+    pub fn builder(name: impl Into<String>, capacity: u32) -> SemaphoreBuilder {
+        SemaphoreBuilder {
+            name: name.into(),
+            capacity,
+            lease: DEFAULT_LEASE,
+            holder: None,
+            fallback: DEFAULT_FALLBACK_INTERVAL,
+            pooled: false,
+            heartbeat: Heartbeat::Default,
+            fail_open: false,
+            reserved: 0,
+            queue: None,
+        }
+    }
+
+    /// The semaphore's name.
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    /// The capacity stored when this handle was opened. An operator may
+    /// have changed it since; claims always use the database's current value.
+    pub fn capacity(&self) -> u32 {
+        self.core.capacity
+    }
+
+    /// The default lease stored when this handle was opened (permits from
+    /// this handle get it, unless a claim sets its own).
+    pub fn lease(&self) -> Duration {
+        self.core.lease
+    }
+
+    /// The holder label recorded with claims from this handle.
+    pub fn holder(&self) -> &str {
+        &self.core.holder
+    }
+
+    /// The pool this semaphore uses.
+    pub fn pool(&self) -> &PgPool {
+        self.core.db.pool()
+    }
+
+    /// The slots this handle reserves for [`Priority::High`] claims.
+    pub fn reserved(&self) -> u32 {
+        self.core.reserved
+    }
+
+    /// This handle's queue order, if its acquires wait in the fair queue.
+    pub fn queue_order(&self) -> Option<QueueOrder> {
+        self.core.queue.map(|q| q.order)
+    }
+
+    /// How many slots are free right now, according to the database.
+    ///
+    /// Only a snapshot: by the time it returns another process may have
+    /// claimed or released. Slots whose lease expired but that were not reaped
+    /// yet count as held.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn available_permits(&self) -> Result<u32> {
+        let core = &self.core;
+        let query = core
+            .db
+            .query_as::<(i32,)>(AVAILABLE)
+            .bind(core.name.clone());
+        match core.db.fetch_optional(query).await? {
+            Some((free,)) => Ok(free.max(0) as u32),
+            None => Err(Error::SemaphoreNotFound {
+                semaphore: core.name.clone(),
+            }),
+        }
+    }
+
+    /// How many waiters are queued on this semaphore right now, across every
+    /// process (crashed waiters whose lease has ended do not count).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn queue_len(&self) -> Result<u32> {
+        queue::queue_len(&self.core).await
+    }
+
+    /// Starts a claim with per-claim options (metadata, holder label, lease,
+    /// priority).
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let permit = sem
+    ///     .claim()
+    ///     .metadata(serde_json::json!({ "request_id": "r-42", "route": "/charge" }))
+    ///     .try_acquire()
+    ///     .await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    pub fn claim(&self) -> Claim<'_> {
+        Claim {
+            semaphore: self,
+            holder: None,
+            metadata: None,
+            lease: None,
+            priority: Priority::default(),
+        }
+    }
+
+    /// Claims a slot if one is free, or fails at once.
+    ///
+    /// One round trip: the claim reaps this semaphore's expired slots first.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::NoSlotsAvailable`] when every slot is held: answer 429/503.
+    ///   Also while waiters are queued in the semaphore's fair queue (see
+    ///   [`SemaphoreBuilder::queue`]), even if a slot is free: a fail-fast
+    ///   claim never jumps the queue.
+    /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the claim runs in a spawned task, and a claim that
+    /// completes after the caller stopped waiting is released at once.
+    pub async fn try_acquire(&self) -> Result<Permit> {
+        self.claim().try_acquire().await
+    }
+
+    /// Waits without limit until a slot is free, then claims it.
+    ///
+    /// Waiting holds no pooled connection: the task sleeps until a release
+    /// anywhere wakes this semaphore (one shared `LISTEN` connection per
+    /// pool), until the lease that blocks it ends, or until a slow fallback
+    /// re-check in case a notification is lost. Within a process, waiting
+    /// acquires are served in order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`]
+    /// (a claim attempt failed; the wait stops).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping the future at any point never leaves a slot
+    /// held (see [`try_acquire`](Self::try_acquire)).
+    pub async fn acquire(&self) -> Result<Permit> {
+        self.claim().acquire().await
+    }
+
+    /// Waits up to `timeout` for a slot, then claims it.
+    ///
+    /// The timeout bounds the whole call, claim round trips included.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::Timeout`] when no slot could be claimed in time.
+    /// - As [`acquire`](Self::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`acquire`](Self::acquire).
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<Permit> {
+        self.claim().acquire_timeout(timeout).await
+    }
+
+    /// Claims `n` slots at once if that many are free, or fails at once:
+    /// all or nothing, released together by one [`Permit::release`].
+    ///
+    /// One round trip, the `n` claims inserted in one statement under the
+    /// semaphore's row lock; the database's hard limit covers each of them.
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+    /// // A heavy job counts for three.
+    /// let permit = sem.try_acquire_many(3).await?;
+    /// assert_eq!(permit.num_permits(), 3);
+    /// permit.release().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidArgument`] for `n` = 0 or more than the capacity
+    ///   (it could never succeed).
+    /// - [`Error::NoSlotsAvailable`] when fewer than `n` slots are free, or
+    ///   waiters are queued on the semaphore (see [`SemaphoreBuilder::queue`]).
+    /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: as [`try_acquire`](Self::try_acquire), a claim that
+    /// completes after the caller stopped waiting is released at once.
+    pub async fn try_acquire_many(&self, n: u32) -> Result<Permit> {
+        self.claim().try_acquire_many(n).await
+    }
+
+    /// Waits without limit until `n` slots are free, then claims them all at
+    /// once. Never holds some while waiting for the rest.
+    ///
+    /// Within a process, waiting acquires of a semaphore are served in
+    /// order: a large request at the front is not overtaken by smaller ones
+    /// behind it (as with `tokio::sync::Semaphore`). Across processes, build
+    /// with [`SemaphoreBuilder::queue`] for the same guarantee.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_many`](Self::try_acquire_many), except that a full
+    /// semaphore is waited for; [`Error::QueueFull`] with a queue limit.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping the future never leaves a slot held, and gives
+    /// up its place in the queue.
+    pub async fn acquire_many(&self, n: u32) -> Result<Permit> {
+        self.claim().acquire_many(n).await
+    }
+
+    /// As [`acquire_many`](Self::acquire_many), giving up after `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; as [`acquire_many`](Self::acquire_many).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`acquire_many`](Self::acquire_many).
+    pub async fn acquire_many_timeout(&self, n: u32, timeout: Duration) -> Result<Permit> {
+        self.claim().acquire_many_timeout(n, timeout).await
+    }
+
+    /// Waits until the semaphore has no live holders, in any process.
+    ///
+    /// The distributed counterpart of a WaitGroup's `Wait` (as in Go's
+    /// `sync.WaitGroup`, across processes): start workers that each hold a
+    /// permit, then wait for all of them to release. Returns at once if
+    /// nobody holds a permit. A holder whose lease has ended counts as gone.
+    ///
+    /// Waiting holds no pooled connection: the task re-checks (one round
+    /// trip) when a release anywhere wakes this semaphore, when the earliest
+    /// lease ends, or every
+    /// [`fallback_interval`](SemaphoreBuilder::fallback_interval) in case a
+    /// notification is lost.
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+    /// // ... workers in many processes hold permits of `sem` while they work ...
+    /// sem.wait_idle().await?;
+    /// println!("every worker has finished");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: it only reads; dropping the future unregisters it.
+    pub async fn wait_idle(&self) -> Result<()> {
+        wait::idle(&self.core).await
+    }
+
+    /// As [`wait_idle`](Self::wait_idle), giving up after `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when holders remain after `timeout`; as
+    /// [`wait_idle`](Self::wait_idle).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`wait_idle`](Self::wait_idle).
+    pub async fn wait_idle_timeout(&self, timeout: Duration) -> Result<()> {
+        let waited_for = WaitedFor::Idle {
+            semaphore: self.core.name.clone(),
+        };
+        with_timeout(timeout, waited_for, wait::idle(&self.core)).await
+    }
+
+    /// Live holders of this semaphore. See [`AuditLog::holders`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn holders(&self) -> Result<Vec<Holder>> {
+        AuditLog::new(self.pool()).holders(&self.core.name).await
+    }
+
+    /// Summary of this semaphore's claims over a time window. See [`AuditLog::summary`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a window whose end precedes its start,
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn summary(&self, window: std::ops::Range<DateTime<Utc>>) -> Result<Summary> {
+        AuditLog::new(self.pool())
+            .summary(&self.core.name, window)
+            .await
+    }
+}
+
+/// One claim's options; made by [`Semaphore::claim`].
+#[derive(Debug)]
+#[must_use = "a claim does nothing until one of its acquire methods is awaited"]
+pub struct Claim<'a> {
+    semaphore: &'a Semaphore,
+    holder: Option<String>,
+    metadata: Option<serde_json::Value>,
+    lease: Option<Duration>,
+    priority: Priority,
+}
+
+impl Claim<'_> {
+    /// Overrides the holder label for this claim.
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+
+    /// JSON recorded with the claim in the audit log (request id, route, ...).
+    pub fn metadata(mut self, metadata: serde_json::Value) -> Self {
+        self.metadata = Some(metadata);
+        self
+    }
+
+    /// Overrides the lease for this claim.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The claim's priority (default [`Priority::High`]): a
+    /// [`Priority::Low`] claim leaves the semaphore's
+    /// [`reserved`](SemaphoreBuilder::reserved) slots free.
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// As [`Semaphore::try_acquire`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::try_acquire`], plus [`Error::InvalidArgument`] for a
+    /// bad holder label, lease or metadata (NUL characters).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::try_acquire`].
+    pub async fn try_acquire(self) -> Result<Permit> {
+        self.try_acquire_many(1).await
+    }
+
+    /// As [`Semaphore::acquire`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::acquire`], plus [`Error::InvalidArgument`] for a bad
+    /// holder label, lease or metadata.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire`].
+    pub async fn acquire(self) -> Result<Permit> {
+        self.acquire_many(1).await
+    }
+
+    /// As [`Semaphore::acquire_timeout`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::acquire_timeout`], plus [`Error::InvalidArgument`] for
+    /// a bad holder label, lease or metadata.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire_timeout`].
+    pub async fn acquire_timeout(self, timeout: Duration) -> Result<Permit> {
+        self.acquire_many_timeout(1, timeout).await
+    }
+
+    /// As [`Semaphore::try_acquire_many`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Semaphore::try_acquire_many`]; [`Error::InvalidArgument`] also
+    /// for a low-priority `n` above the capacity minus the reserve.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::try_acquire_many`].
+    pub async fn try_acquire_many(self, n: u32) -> Result<Permit> {
+        let core = &self.semaphore.core;
+        let attempt = self.attempt(n)?;
+        let refused = |capacity| Error::NoSlotsAvailable {
+            semaphore: core.name.clone(),
+            capacity,
+        };
+        let result = match Permit::claim(core, &attempt, None).await {
+            Ok(Admission::Claimed(permit)) => Ok(permit),
+            Ok(Admission::Full { capacity, .. } | Admission::Behind { capacity, .. }) => {
+                tracing::debug!(semaphore = %core.name, capacity, "no slots available");
+                Err(refused(capacity))
+            }
+            // Only a queued claim carries a ticket.
+            Ok(Admission::NoTicket) => Err(refused(core.capacity)),
+            Ok(Admission::TooMany { capacity }) => Err(wait::too_many(core, &attempt, capacity)),
+            Err(error) => Err(error),
+        };
+        match result {
+            Err(error) if core.fail_open && db::fails_open(&error, core.db.pool()).await => {
+                tracing::warn!(
+                    semaphore = %core.name,
+                    %error,
+                    "database unreachable: admitting without a slot (fail-open)"
+                );
+                Ok(Permit::unchecked(core))
+            }
+            other => other,
+        }
+    }
+
+    /// As [`Semaphore::acquire_many`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Claim::try_acquire_many`], waiting instead of
+    /// [`Error::NoSlotsAvailable`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire_many`].
+    pub async fn acquire_many(self, n: u32) -> Result<Permit> {
+        let core = &self.semaphore.core;
+        let attempt = self.attempt(n)?;
+        wait::acquire(core, &attempt).await
+    }
+
+    /// As [`Semaphore::acquire_many_timeout`], with this claim's options.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; as [`Claim::acquire_many`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Semaphore::acquire_many`].
+    pub async fn acquire_many_timeout(self, n: u32, timeout: Duration) -> Result<Permit> {
+        let core = &self.semaphore.core;
+        let attempt = self.attempt(n)?;
+        let waited_for = WaitedFor::Permit {
+            semaphore: core.name.clone(),
+        };
+        with_timeout(timeout, waited_for, wait::acquire(core, &attempt)).await
+    }
+
+    /// Validates the options for a claim of `permits` slots.
+    fn attempt(self, permits: u32) -> Result<Attempt> {
+        let core = &self.semaphore.core;
+        let holder = match self.holder {
+            Some(holder) => {
+                validate_holder(&holder)?;
+                holder
+            }
+            None => core.holder.clone(),
+        };
+        let lease = match self.lease {
+            Some(lease) => {
+                core.heartbeat.check(lease, "lease")?;
+                Some(engine::lease_interval(lease)?)
+            }
+            None => None,
+        };
+        if let Some(metadata) = &self.metadata {
+            validate::json("metadata", metadata)?;
+        }
+        let attempt = Attempt {
+            holder,
+            metadata: self.metadata,
+            lease,
+            permits,
+            priority: self.priority,
+        };
+        if permits == 0 {
+            return Err(Error::invalid("permits", "must be at least 1"));
+        }
+        if permits > attempt.usable(core.capacity, core.reserved) {
+            return Err(wait::too_many(core, &attempt, core.capacity));
+        }
+        Ok(attempt)
+    }
+}
+
+/// Runs `wait`, giving up with [`Error::Timeout`] after `timeout` (a deadline
+/// too far to represent is no deadline).
+async fn with_timeout<T>(
+    timeout: Duration,
+    waited_for: WaitedFor,
+    wait: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    let Some(deadline) = Instant::now().checked_add(timeout) else {
+        return wait.await;
+    };
+    match tokio::time::timeout_at(deadline, wait).await {
+        Ok(result) => result,
+        Err(_elapsed) => {
+            tracing::debug!(
+                waited_for = %waited_for,
+                timeout_ms = timeout.as_millis() as u64,
+                "wait timed out"
+            );
+            Err(Error::Timeout {
+                waited_for,
+                timeout,
+            })
+        }
+    }
+}
+
+fn validate_holder(holder: &str) -> Result<()> {
+    validate::text("holder", holder, MAX_HOLDER_LEN)
+}
+
+/// `host:pid`, the default holder label.
+fn default_holder() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| std::env::var("COMPUTERNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    format!("{host}:{}", std::process::id())
+}

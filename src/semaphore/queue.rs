@@ -1,0 +1,146 @@
+//! The fair queue: waiters of a semaphore served in arrival order across
+//! every process (.NET's `ConcurrencyLimiter` with `QueueLimit` and
+//! `QueueProcessingOrder`).
+//!
+//! A queued acquire that finds no room inserts a row in `pgsemaphore.waiters`
+//! (its *ticket*: the row's id is its place), and from then on only the head
+//! of the queue may claim (`pgsemaphore.claim` checks it under the
+//! semaphore's row lock); every other claim on the semaphore, queued or not,
+//! is refused while a waiter is ahead of it. The head is the oldest waiter
+//! (or the newest, for [`QueueOrder::NewestFirst`](super::QueueOrder)); high-priority
+//! waiters come before low-priority ones.
+//!
+//! Leaving: a served waiter's row is deleted by its claim; a cancelled one
+//! deletes its row (in a spawned task) and wakes the semaphore's waiters so
+//! the next head looks. A crashed process stops renewing its waiters' rows
+//! (the keeper of [`wake`](super::wake) renews every local ticket); a row
+//! whose lease has ended is ignored by every claim, deleted by the next claim
+//! or enqueue that sees it (which wakes the waiters behind it), and waiters
+//! behind it look again when its lease ends.
+
+use std::sync::Arc;
+
+use crate::db::{self, Token};
+use crate::error::{Error, Result};
+
+use super::engine::{self, Attempt, Core, QueueOptions};
+use super::wake::wait_lease;
+
+/// Joins the queue: a ticket (NULL when the queue is full), and whether dead
+/// waiters were removed.
+const ENQUEUE: &str =
+    "SELECT o_ticket, o_wake FROM pgsemaphore.enqueue($1, $2, $3, $4, $5, $6, $7)";
+
+/// Leaves the queue and wakes the semaphore's waiters, so the next head looks.
+const LEAVE: &str = "SELECT pgsemaphore.leave_queue($1, $2)";
+
+/// Live waiters of a semaphore.
+const QUEUED: &str = "SELECT count(*) FROM pgsemaphore.waiters \
+                      WHERE semaphore = $1 AND expires_at > clock_timestamp()";
+
+/// Joins the queue, cancel-safe: if the caller has gone by the time the
+/// round trip returns, the ticket is dropped there, which leaves the queue.
+pub(crate) async fn enqueue(
+    core: &Arc<Core>,
+    attempt: &Attempt,
+    options: QueueOptions,
+    token: &Token,
+) -> Result<Ticket> {
+    let (core, attempt, token) = (core.clone(), attempt.clone(), token.clone());
+    db::detached(move |_| async move {
+        let limit = options.limit.map(|l| l.min(i32::MAX as u32) as i32);
+        let query = core
+            .db
+            .query_as::<(Option<i64>, bool)>(ENQUEUE)
+            .bind(core.name.clone())
+            .bind(attempt.permits as i32)
+            .bind(attempt.priority.sql())
+            .bind(attempt.holder.clone())
+            .bind(limit)
+            .bind(wait_lease())
+            .bind(token.bytes());
+        let (ticket, wake) = core
+            .db
+            .fetch_one(query)
+            .await
+            .map_err(|error| engine::not_found_or(error, &core.name))?;
+        if wake {
+            engine::wake(&core).await;
+        }
+        match ticket {
+            Some(id) => {
+                tracing::debug!(semaphore = %core.name, ticket = id, "queued");
+                Ok(Ticket {
+                    core,
+                    id,
+                    token,
+                    armed: true,
+                })
+            }
+            None => Err(Error::QueueFull {
+                semaphore: core.name.clone(),
+                limit: options.limit.unwrap_or(0),
+            }),
+        }
+    })
+    .await
+}
+
+/// How many live waiters are queued on the semaphore.
+pub(crate) async fn queue_len(core: &Core) -> Result<u32> {
+    let query = core.db.query_as::<(i64,)>(QUEUED).bind(core.name.clone());
+    let (queued,) = core.db.fetch_one(query).await?;
+    Ok(queued.clamp(0, u32::MAX as i64) as u32)
+}
+
+/// A place in the database queue. Dropping it leaves the queue (in a
+/// spawned task), unless its claim was served.
+pub(crate) struct Ticket {
+    core: Arc<Core>,
+    id: i64,
+    token: Token,
+    armed: bool,
+}
+
+impl Ticket {
+    pub(crate) fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// What a claim through the queue proves its place with.
+    pub(crate) fn proof(&self) -> (i64, Token) {
+        (self.id, self.token.clone())
+    }
+
+    /// The claim deleted the row itself (or it is gone): nothing to leave.
+    pub(crate) fn served(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (core, id, token) = (self.core.clone(), self.id, self.token.clone());
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(semaphore = %core.name, ticket = id, "waiter dropped outside a runtime; its lease ends its place");
+            return;
+        };
+        runtime.spawn(async move {
+            let query = core
+                .db
+                .query_as::<(bool,)>(LEAVE)
+                .bind(id)
+                .bind(token.bytes());
+            match core.db.fetch_one(query).await {
+                Ok(_) => tracing::debug!(semaphore = %core.name, ticket = id, "left the queue"),
+                Err(error) => tracing::warn!(
+                    semaphore = %core.name, ticket = id, %error,
+                    "leaving the queue failed; the waiter's lease ends its place"
+                ),
+            }
+        });
+    }
+}

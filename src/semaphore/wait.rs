@@ -1,0 +1,179 @@
+//! Waiting: for permits (`acquire` and friends, every kind of claim) and for
+//! a semaphore to have no holders (`wait_idle`). One loop each, over the
+//! wake-ups of [`wake`](super::wake).
+//!
+//! A waiting acquire:
+//! 1. takes a place in the semaphore's local order and, if it is first,
+//!    claims at once (whether or not the `LISTEN` connection is up yet);
+//! 2. refused, registers the process for the semaphore's wake-ups unless a
+//!    registration was already in force when it claimed, and then claims
+//!    again: a release that committed before the registration sent no
+//!    wake-up, but the second claim sees it;
+//! 3. a queued acquire (`SemaphoreBuilder::queue`) joins the queue and
+//!    claims once more with its ticket;
+//! 4. sleeps until a wake-up (a notification, its turn, the fallback tick)
+//!    or until the lease that blocks it ends (the claim says when), then
+//!    claims again if it is first.
+//!
+//! Every claim is cancel-safe ([`Permit::claim`]), and so is joining the
+//! queue: dropping the future at any point leaves nothing held or queued.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+
+use super::engine::{Admission, Attempt, Core};
+use super::permit::Permit;
+use super::queue::{self, Ticket};
+
+/// Whether the semaphore has no live, unexpired claim (NULL when it does not
+/// exist), and when its earliest lease ends. A claim whose lease has ended
+/// counts as gone (its holder is presumed dead; a reaper or the next claim
+/// frees it).
+const IDLE: &str = "SELECT NOT EXISTS (SELECT 1 FROM pgsemaphore.live_slots l \
+                                       WHERE l.semaphore = s.name AND l.expires_at > clock_timestamp()), \
+                           (SELECT min(l.expires_at) - clock_timestamp() FROM pgsemaphore.live_slots l \
+                             WHERE l.semaphore = s.name AND l.expires_at > clock_timestamp()) \
+                    FROM pgsemaphore.semaphores s WHERE s.name = $1";
+
+/// A waiter that wakes when a lease ends looks a little after it, so that the
+/// database's clock has certainly passed it.
+const AFTER_LEASE: Duration = Duration::from_millis(2);
+
+/// Arrival order of waiting acquires in this process.
+static ARRIVAL: AtomicI64 = AtomicI64::new(0);
+
+/// Waits until `attempt` can claim, then claims.
+pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permit> {
+    let wakeups = &core.wakeups;
+    wakeups.start(!core.db.is_pooled());
+    let mut watch = wakeups.watch(&core.name, core.fallback);
+    let rank = attempt.priority.rank();
+    watch.take_place((rank, 1, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
+    let mut ticket: Option<Ticket> = None;
+    let mut lease_ends: Option<Instant> = None;
+    let started = Instant::now();
+    loop {
+        // Mark wake-ups seen *before* claiming, so a release that lands
+        // between a failed claim and the wait still wakes this task.
+        watch.seen();
+        // A queued claim that has no ticket yet tries once, then queues.
+        let joining = core.queue.is_some() && ticket.is_none();
+        if joining || watch.is_first() {
+            let registered = watch.is_registered(&core.db);
+            match Permit::claim(core, attempt, ticket.as_ref().map(Ticket::proof)).await? {
+                Admission::Claimed(permit) => {
+                    if let Some(ticket) = ticket {
+                        ticket.served();
+                    }
+                    // Pass the turn on if slots are left, or if a wake-up
+                    // landed while this claim ran (its snapshot may not have
+                    // seen the release, and the others slept through it).
+                    watch.leave(permit.free_after > 0 || watch.has_unseen());
+                    tracing::debug!(
+                        semaphore = %core.name,
+                        waited_ms = started.elapsed().as_millis() as u64,
+                        permits = permit.num_permits(),
+                        "waiter acquired"
+                    );
+                    return Ok(permit);
+                }
+                Admission::TooMany { capacity } => return Err(too_many(core, attempt, capacity)),
+                Admission::NoTicket => {
+                    tracing::warn!(
+                        semaphore = %core.name,
+                        "a queued acquire's waiter lease ended (renewal failed?); queueing again at the back"
+                    );
+                    if let Some(ticket) = ticket.take() {
+                        ticket.served();
+                    }
+                    lease_ends = None;
+                }
+                Admission::Full { retry_in, .. } | Admission::Behind { retry_in, .. } => {
+                    lease_ends = retry_in.map(|wait| Instant::now() + wait + AFTER_LEASE);
+                }
+            }
+            if !registered {
+                watch.register(&core.db, wakeups.token()).await;
+                continue;
+            }
+            if let Some(options) = core.queue
+                && ticket.is_none()
+            {
+                let queued = queue::enqueue(core, attempt, options, wakeups.token()).await?;
+                watch.take_place(
+                    (rank, 0, options.order.place(queued.id())),
+                    Some(queued.id()),
+                );
+                ticket = Some(queued);
+                // It may be at the head already: look again at once.
+                continue;
+            }
+        }
+        match lease_ends {
+            Some(at) => {
+                tokio::select! {
+                    () = watch.changed() => {}
+                    () = tokio::time::sleep_until(at) => lease_ends = None,
+                }
+            }
+            None => watch.changed().await,
+        }
+    }
+}
+
+/// The database's capacity (changed since the handle was built) can never
+/// admit this claim.
+pub(crate) fn too_many(core: &Core, attempt: &Attempt, capacity: u32) -> Error {
+    let usable = attempt.usable(capacity, core.reserved);
+    Error::invalid(
+        "permits",
+        format!(
+            "{} can never be held at once: semaphore {:?} allows at most {usable} to this claim",
+            attempt.permits, core.name
+        ),
+    )
+}
+
+/// Waits until the semaphore has no live, unexpired claim.
+pub(crate) async fn idle(core: &Arc<Core>) -> Result<()> {
+    let wakeups = &core.wakeups;
+    wakeups.start(!core.db.is_pooled());
+    let mut watch = wakeups.watch(&core.name, core.fallback);
+    loop {
+        watch.seen();
+        let registered = watch.is_registered(&core.db);
+        let query = core
+            .db
+            .query_as::<(bool, Option<sqlx::postgres::types::PgInterval>)>(IDLE)
+            .bind(core.name.clone());
+        match core.db.fetch_optional(query).await? {
+            None => {
+                return Err(Error::SemaphoreNotFound {
+                    semaphore: core.name.clone(),
+                });
+            }
+            Some((true, _)) => return Ok(()),
+            Some((false, ends)) => {
+                if !registered {
+                    watch.register(&core.db, wakeups.token()).await;
+                    continue;
+                }
+                match ends {
+                    Some(ends) => {
+                        let at = Instant::now() + super::engine::duration_of(&ends) + AFTER_LEASE;
+                        tokio::select! {
+                            () = watch.changed() => {}
+                            () = tokio::time::sleep_until(at) => {}
+                        }
+                    }
+                    None => watch.changed().await,
+                }
+            }
+        }
+    }
+}

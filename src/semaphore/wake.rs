@@ -1,0 +1,560 @@
+//! Wake-ups for waiting acquires and `wait_idle`, per pool: one `LISTEN`
+//! connection, a local order of waiters per semaphore, and a registration
+//! that tells releases someone here waits.
+//!
+//! - **Only when someone waits.** Ending a claim sends a `NOTIFY` only if a
+//!   process registered for the semaphore (`pgsemaphore.wakeups`, a row with
+//!   a lease): PostgreSQL serialises notifying commits across the whole
+//!   instance, so a release nobody waits for must not send one. A process
+//!   registers before the claim that precedes its first wait (one round
+//!   trip, skipped while a registration is in force) and a *keeper* task
+//!   renews the registration, and the leases of the process's queue tickets,
+//!   every third of [`WAIT_LEASE`] while anyone here waits on the semaphore.
+//!   Why no wake-up is lost: see `pgsemaphore.notify_if_waited`.
+//! - **One claimer per process.** Every waiting acquire takes a place in the
+//!   semaphore's local order (priority first, then queued waiters by their
+//!   queue place, then arrival); on each wake-up only the first place claims.
+//!   It passes the turn on when it is served and slots are left (or a
+//!   wake-up arrived while it claimed), and when it leaves. So a release
+//!   costs one claim per process, and a large request at the front is never
+//!   overtaken by a smaller one behind it.
+//! - **Never a hang.** A ticker wakes each semaphore's waiters every
+//!   fallback interval, so a lost notification (listener reconnecting, a
+//!   database restart) costs at most one interval; waiters also wake by
+//!   themselves when the lease that blocks them ends (the claim says when).
+//!   Waiting tasks hold no pooled connection: the listener has its own,
+//!   opened outside the application's pool.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::db::{Db, Token};
+
+/// The channel every pg-semaphore notification is sent on; the payload is the
+/// semaphore's name.
+const CHANNEL: &str = "pgsemaphore";
+
+/// How often the fallback ticker looks for semaphores that are due a re-check.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Back-off after the listener fails to (re)connect.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
+
+/// How long a wake-up registration, and a queued waiter's row, outlive the
+/// process's last renewal: a crashed waiter holds up a queue, or makes
+/// releases notify nobody, for at most this long.
+pub(crate) const WAIT_LEASE: Duration = Duration::from_secs(10);
+
+/// Renews a process's registration (unless `$5` is false: behind a
+/// transaction pooler, where nothing can listen) and its queue tickets.
+const KEEP_WAITING: &str = "SELECT pgsemaphore.keep_waiting($1, $2, $3, $4, $5)";
+
+/// Wake-up services by pool (the pool's connect-options `Arc` identifies it).
+static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Wakeups>)>> = Mutex::new(Vec::new());
+
+/// The wake-up service of one pool. Dropping the last handle stops its tasks.
+pub(crate) struct Wakeups {
+    options: Arc<PgConnectOptions>,
+    entries: Arc<Entries>,
+    running: Mutex<Option<Running>>,
+    /// This process's secret for its queue tickets.
+    token: Token,
+}
+
+impl std::fmt::Debug for Wakeups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let running = lock(&self.running).is_some();
+        f.debug_struct("Wakeups")
+            .field("running", &running)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Running {
+    /// The `LISTEN` task; not started behind a transaction pooler.
+    listen: Option<JoinHandle<()>>,
+    tick: JoinHandle<()>,
+}
+
+impl Running {
+    fn is_alive(&self) -> bool {
+        !self.tick.is_finished() && self.listen.as_ref().is_none_or(|l| !l.is_finished())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.tick.abort();
+        if let Some(listen) = &self.listen {
+            listen.abort();
+        }
+    }
+}
+
+impl Wakeups {
+    /// The service shared by every semaphore built on `pool`.
+    pub(crate) fn for_pool(pool: &PgPool) -> Arc<Wakeups> {
+        let options = pool.connect_options();
+        let mut registry = lock(&REGISTRY);
+        registry.retain(|(_, wakeups)| wakeups.strong_count() > 0);
+        if let Some(wakeups) = registry
+            .iter()
+            .find(|(o, _)| Arc::ptr_eq(o, &options))
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return wakeups;
+        }
+        let wakeups = Arc::new(Wakeups {
+            options: options.clone(),
+            entries: Arc::new(Entries::default()),
+            running: Mutex::new(None),
+            token: Token::new(),
+        });
+        registry.push((options, Arc::downgrade(&wakeups)));
+        wakeups
+    }
+
+    /// This process's secret for its queue tickets.
+    pub(crate) fn token(&self) -> &Token {
+        &self.token
+    }
+
+    /// Starts the fallback ticker and, when `listen`, the `LISTEN` task, if
+    /// they are not running. Never waits: waiters claim at once, and the
+    /// listener wakes them all when it starts listening, so nothing released
+    /// before then is missed.
+    pub(crate) fn start(&self, listen: bool) {
+        let mut running = lock(&self.running);
+        // Tasks die with the runtime that spawned them: start afresh then.
+        if running.as_ref().is_some_and(|r| !r.is_alive()) {
+            *running = None;
+        }
+        let running = running.get_or_insert_with(|| Running {
+            listen: None,
+            tick: tokio::spawn(tick(Arc::downgrade(&self.entries))),
+        });
+        if listen && running.listen.is_none() {
+            running.listen = Some(tokio::spawn(listen_loop(
+                (*self.options).clone(),
+                self.entries.clone(),
+            )));
+        }
+    }
+
+    /// Watches `semaphore` (woken on each of its notifications and fallback
+    /// ticks) until the guard drops.
+    pub(crate) fn watch(&self, semaphore: &str, fallback: Duration) -> Watch {
+        self.entries.watch(semaphore, fallback)
+    }
+}
+
+/// The `LISTEN` loop. Runs until aborted.
+async fn listen_loop(options: PgConnectOptions, entries: Arc<Entries>) {
+    // A pool of one, apart from the application's pool, used by PgListener to reconnect.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_lazy_with(options);
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(%error, "pg-semaphore listener cannot connect; waiters fall back to polling");
+                tokio::time::sleep(RECONNECT_BACKOFF).await;
+                continue;
+            }
+        };
+        listener.ignore_pool_close_event(true);
+        if let Err(error) = listener.listen(CHANNEL).await {
+            tracing::warn!(%error, "pg-semaphore listener cannot LISTEN; waiters fall back to polling");
+            tokio::time::sleep(RECONNECT_BACKOFF).await;
+            continue;
+        }
+        // Anything released before LISTEN took effect is re-checked now.
+        entries.wake_all();
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(notification)) => entries.wake(notification.payload()),
+                Ok(None) => {
+                    // The connection dropped and was re-established (and
+                    // re-LISTENed): notifications in between are lost.
+                    tracing::debug!("pg-semaphore listener reconnected");
+                    entries.wake_all();
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "pg-semaphore listener lost its connection");
+                    tokio::time::sleep(RECONNECT_BACKOFF).await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The fallback ticker: wakes the waiters of each semaphore whose re-check is due.
+async fn tick(entries: Weak<Entries>) {
+    let mut interval = tokio::time::interval(TICK);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(entries) = entries.upgrade() else {
+            return;
+        };
+        entries.wake_due(Instant::now());
+    }
+}
+
+/// Local waiters, per semaphore.
+#[derive(Default)]
+struct Entries {
+    by_semaphore: Mutex<HashMap<String, Arc<Entry>>>,
+}
+
+/// The waiters of one semaphore in this process.
+struct Entry {
+    /// Every watch sees a change on each wake-up.
+    wake: watch::Sender<()>,
+    state: Mutex<EntryState>,
+}
+
+struct EntryState {
+    /// Watches alive (waiting acquires and wait_idle calls).
+    watchers: usize,
+    /// The local order of waiting acquires, with their queue tickets.
+    places: BTreeMap<Place, Option<i64>>,
+    fallback: Duration,
+    next_check: Instant,
+    /// Until when this process's wake-up registration certainly holds.
+    registered_until: Option<Instant>,
+    /// The task renewing the registration and the tickets.
+    keeper: Option<JoinHandle<()>>,
+}
+
+impl Entry {
+    fn wake(&self) {
+        self.wake.send_modify(|()| {});
+    }
+}
+
+impl Entries {
+    fn watch(self: &Arc<Self>, semaphore: &str, fallback: Duration) -> Watch {
+        let mut map = lock(&self.by_semaphore);
+        let entry = map
+            .entry(semaphore.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Entry {
+                    wake: watch::Sender::new(()),
+                    state: Mutex::new(EntryState {
+                        watchers: 0,
+                        places: BTreeMap::new(),
+                        fallback,
+                        next_check: Instant::now() + fallback,
+                        registered_until: None,
+                        keeper: None,
+                    }),
+                })
+            })
+            .clone();
+        {
+            let mut state = lock(&entry.state);
+            state.watchers += 1;
+            if fallback < state.fallback {
+                state.fallback = fallback;
+                state.next_check = state.next_check.min(Instant::now() + fallback);
+            }
+        }
+        Watch {
+            entries: self.clone(),
+            semaphore: semaphore.to_owned(),
+            rx: entry.wake.subscribe(),
+            entry,
+            place: None,
+        }
+    }
+
+    /// A notification for `semaphore` arrived.
+    fn wake(&self, semaphore: &str) {
+        if let Some(entry) = lock(&self.by_semaphore).get(semaphore) {
+            // Notifications are flowing: the fallback re-check can wait.
+            let mut state = lock(&entry.state);
+            state.next_check = Instant::now() + state.fallback;
+            drop(state);
+            entry.wake();
+        }
+    }
+
+    fn wake_all(&self) {
+        for entry in lock(&self.by_semaphore).values() {
+            entry.wake();
+        }
+    }
+
+    fn wake_due(&self, now: Instant) {
+        for entry in lock(&self.by_semaphore).values() {
+            let mut state = lock(&entry.state);
+            if state.next_check <= now {
+                state.next_check = now + state.fallback;
+                drop(state);
+                entry.wake();
+            }
+        }
+    }
+}
+
+/// A place in the local order of waiting acquires, smallest first:
+/// (priority rank, 0 if queued in the database else 1, order). As in the
+/// database, a waiter outside the queue only yields to queued waiters of at
+/// least its own priority.
+pub(crate) type Place = (u8, u8, i64);
+
+/// A registered watch on one semaphore. Dropping it gives up its place
+/// (waking the next one if it was first) and unregisters.
+pub(crate) struct Watch {
+    entries: Arc<Entries>,
+    semaphore: String,
+    entry: Arc<Entry>,
+    rx: watch::Receiver<()>,
+    place: Option<Place>,
+}
+
+impl Watch {
+    /// Marks every wake-up so far as seen: call before checking, then
+    /// [`changed`](Self::changed) returns at the next wake-up after it.
+    pub(crate) fn seen(&mut self) {
+        self.rx.borrow_and_update();
+    }
+
+    /// Waits for a wake-up not yet [`seen`](Self::seen).
+    pub(crate) async fn changed(&mut self) {
+        // The sender lives as long as `self.entry`: this never fails.
+        let _ = self.rx.changed().await;
+    }
+
+    /// Whether a wake-up arrived since the last [`seen`](Self::seen).
+    pub(crate) fn has_unseen(&self) -> bool {
+        self.rx.has_changed().unwrap_or(false)
+    }
+
+    /// Takes (or moves to) `place` in the local order; `ticket` is the
+    /// database waiter id it stands for, if any.
+    pub(crate) fn take_place(&mut self, place: Place, ticket: Option<i64>) {
+        let mut state = lock(&self.entry.state);
+        if let Some(old) = self.place.take() {
+            state.places.remove(&old);
+        }
+        state.places.insert(place, ticket);
+        self.place = Some(place);
+    }
+
+    /// Whether this watch holds the first place in the local order.
+    pub(crate) fn is_first(&self) -> bool {
+        let state = lock(&self.entry.state);
+        self.place.is_some() && state.places.keys().next() == self.place.as_ref()
+    }
+
+    /// Gives up the place; if it was first and `wake`, the next one is woken
+    /// to take over.
+    pub(crate) fn leave(&mut self, wake: bool) {
+        if let Some(place) = self.place.take() {
+            let mut state = lock(&self.entry.state);
+            let was_first = state.places.keys().next() == Some(&place);
+            state.places.remove(&place);
+            if wake && was_first && !state.places.is_empty() {
+                drop(state);
+                self.entry.wake();
+            }
+        }
+    }
+
+    /// Whether a wake-up registration of this process certainly covers the
+    /// semaphore now (always, behind a transaction pooler, where there is
+    /// nothing to register for: the fallback re-check wakes waiters there).
+    pub(crate) fn is_registered(&self, db: &Db) -> bool {
+        db.is_pooled()
+            || lock(&self.entry.state)
+                .registered_until
+                .is_some_and(|until| Instant::now() < until)
+    }
+
+    /// Registers this process for the semaphore's wake-ups (one round trip)
+    /// and makes sure a keeper renews the registration and the process's
+    /// queue tickets while anyone here waits. A failure is logged: waiters
+    /// then rely on the fallback re-check until the keeper gets through.
+    pub(crate) async fn register(&self, db: &Db, token: &Token) {
+        keep_waiting(db, &self.semaphore, &self.entry, token).await;
+        let mut state = lock(&self.entry.state);
+        if state.keeper.as_ref().is_none_or(|k| k.is_finished()) {
+            state.keeper = Some(tokio::spawn(keeper(
+                db.clone(),
+                self.semaphore.clone(),
+                Arc::downgrade(&self.entry),
+                token.clone(),
+            )));
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.leave(true);
+        let mut map = lock(&self.entries.by_semaphore);
+        let mut state = lock(&self.entry.state);
+        state.watchers -= 1;
+        if state.watchers == 0 {
+            if let Some(keeper) = state.keeper.take() {
+                keeper.abort();
+            }
+            drop(state);
+            // Only if the map still holds this entry (not a newer one).
+            if map
+                .get(&self.semaphore)
+                .is_some_and(|e| Arc::ptr_eq(e, &self.entry))
+            {
+                map.remove(&self.semaphore);
+            }
+        }
+    }
+}
+
+/// One renewal: the registration (unless behind a transaction pooler) and
+/// the leases of the queue tickets of every local place.
+async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) {
+    let tickets: Vec<i64> = lock(&entry.state)
+        .places
+        .values()
+        .flatten()
+        .copied()
+        .collect();
+    let register = !db.is_pooled();
+    let sent = Instant::now();
+    let query = db
+        .query(KEEP_WAITING)
+        .bind(semaphore.to_owned())
+        .bind(wait_lease())
+        .bind(tickets)
+        .bind(token.bytes())
+        .bind(register);
+    match db.execute(query).await {
+        Ok(_) => {
+            if register {
+                // The row ends at least two thirds of the lease after the
+                // send (it is rewritten only when it would end sooner); less
+                // a second for the clocks' drift.
+                let until = sent + WAIT_LEASE * 2 / 3 - Duration::from_secs(1);
+                lock(&entry.state).registered_until = Some(until);
+            }
+        }
+        Err(error) => {
+            tracing::debug!(semaphore, %error, "renewing the wake-up registration failed");
+        }
+    }
+}
+
+/// Renews every third of [`WAIT_LEASE`] while the entry has watchers.
+async fn keeper(db: Db, semaphore: String, entry: Weak<Entry>, token: Token) {
+    loop {
+        tokio::time::sleep(WAIT_LEASE / 3).await;
+        let Some(entry) = entry.upgrade() else {
+            return;
+        };
+        if lock(&entry.state).watchers == 0 {
+            return;
+        }
+        keep_waiting(&db, &semaphore, &entry, &token).await;
+    }
+}
+
+/// [`WAIT_LEASE`] as an interval.
+pub(crate) fn wait_lease() -> PgInterval {
+    PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: WAIT_LEASE.as_micros() as i64,
+    }
+}
+
+/// Locks a mutex, recovering from poisoning: the data here stays consistent
+/// because no code panics while holding these locks.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn only_the_first_place_claims_and_leaving_passes_the_turn() {
+        let entries = Arc::new(Entries::default());
+        let mut heavy = entries.watch("s", Duration::from_secs(1));
+        let mut light = entries.watch("s", Duration::from_secs(1));
+        heavy.take_place((0, 1, 1), None);
+        light.take_place((0, 1, 2), None);
+        assert!(heavy.is_first() && !light.is_first());
+
+        light.seen();
+        heavy.leave(true);
+        assert!(light.is_first());
+        assert!(light.has_unseen(), "the next in line is woken");
+    }
+
+    #[tokio::test]
+    async fn queued_and_high_priority_places_come_first() {
+        let entries = Arc::new(Entries::default());
+        let mut low_queued = entries.watch("s", Duration::from_secs(1));
+        let mut high_plain = entries.watch("s", Duration::from_secs(1));
+        let mut high_queued = entries.watch("s", Duration::from_secs(1));
+        low_queued.take_place((1, 0, 1), Some(1));
+        high_plain.take_place((0, 1, 2), None);
+        assert!(high_plain.is_first());
+        high_queued.take_place((0, 0, 5), Some(5));
+        assert!(high_queued.is_first());
+        drop(high_queued);
+        assert!(high_plain.is_first());
+        drop(high_plain);
+        assert!(low_queued.is_first());
+    }
+
+    #[tokio::test]
+    async fn a_semaphores_entry_lives_while_it_is_watched() {
+        let entries = Arc::new(Entries::default());
+        let a = entries.watch("s", Duration::from_secs(5));
+        let b = entries.watch("s", Duration::from_secs(1));
+        assert_eq!(
+            lock(&a.entry.state).fallback,
+            Duration::from_secs(1),
+            "the shortest fallback wins"
+        );
+        drop(a);
+        assert!(lock(&entries.by_semaphore).contains_key("s"));
+        drop(b);
+        assert!(!lock(&entries.by_semaphore).contains_key("s"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_fallback_tick_wakes_due_semaphores_only() {
+        let entries = Arc::new(Entries::default());
+        let mut fast = entries.watch("fast", Duration::from_millis(200));
+        let mut slow = entries.watch("slow", Duration::from_secs(60));
+        fast.seen();
+        slow.seen();
+        tokio::time::advance(Duration::from_millis(250)).await;
+        entries.wake_due(Instant::now());
+        assert!(fast.has_unseen());
+        assert!(!slow.has_unseen());
+        entries.wake("slow");
+        assert!(slow.has_unseen(), "a notification wakes it");
+    }
+}
