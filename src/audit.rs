@@ -75,7 +75,11 @@ pub struct AuditLog {
 }
 
 /// A live claim, as listed by [`AuditLog::holders`].
+///
+/// With the `serde` feature it serializes as `{"id", "slot", "holder",
+/// "metadata", "claimed_at", "expires_at"}`, times in RFC 3339.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct Holder {
     /// The claim's id (the permit's fencing token).
@@ -87,13 +91,21 @@ pub struct Holder {
     /// JSON recorded with the claim.
     pub metadata: Option<serde_json::Value>,
     /// When it was claimed.
+    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
     pub created_at: DateTime<Utc>,
     /// When its lease ends.
     pub expires_at: DateTime<Utc>,
 }
 
 /// How a claim ended (or that it has not).
+///
+/// With the `serde` feature: `"completed"`, `"timed_out"` or `"live"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum Outcome {
     /// Released by its holder.
     Completed,
@@ -104,7 +116,13 @@ pub enum Outcome {
 }
 
 /// One claim in a semaphore's history, as listed by [`AuditLog::history`].
+///
+/// With the `serde` feature it serializes as `{"id", "slot", "holder",
+/// "metadata", "claimed_at", "expires_at", "ended_at", "outcome",
+/// "held_seconds"}`: times in RFC 3339 (`ended_at` null while live), the hold
+/// time in seconds.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct ClaimRecord {
     /// The claim's id (the permit's fencing token).
@@ -116,6 +134,7 @@ pub struct ClaimRecord {
     /// JSON recorded with the claim.
     pub metadata: Option<serde_json::Value>,
     /// When it was claimed.
+    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
     pub created_at: DateTime<Utc>,
     /// When its lease ends (or ended).
     pub expires_at: DateTime<Utc>,
@@ -124,11 +143,19 @@ pub struct ClaimRecord {
     /// How it ended.
     pub outcome: Outcome,
     /// How long it was held (until now, for a live claim).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
+    )]
     pub held_for: Duration,
 }
 
 /// Counts and hold times of a semaphore's claims over a window, from
 /// [`AuditLog::summary`].
+///
+/// With the `serde` feature it serializes as `{"total", "completed",
+/// "timed_out", "live", "p50_hold_seconds", "p95_hold_seconds",
+/// "max_hold_seconds"}`, hold times in seconds (null when none finished).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 #[non_exhaustive]
 pub struct Summary {

@@ -128,7 +128,12 @@
 //!
 //! # Features
 //!
-//! - `cli`: the `pg-semaphore` operator binary.
+//! - `cli`: the `pg-semaphore` operator binary (enables `serde`).
+//! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
+//!   [`Holder`], [`ClaimRecord`], [`Outcome`], [`Summary`],
+//!   [`ReleaseOutcome`] and [`Decision`]. Times are RFC 3339 strings,
+//!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
+//!   the shapes `pg-semaphore ... --json` prints.
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
 //!   requests in flight (fail fast with 503/429, or wait up to a timeout).
 //! - `refinery`: `refinery_migrations`, `refinery_runner`, `refinery_migrate`.
@@ -198,6 +203,8 @@ mod reaper;
 #[cfg(feature = "refinery")]
 mod refinery;
 mod semaphore;
+#[cfg(feature = "serde")]
+mod serialize;
 #[cfg(feature = "tower")]
 mod tower;
 mod validate;

@@ -128,10 +128,7 @@ mod tests {
             assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
         }
         // Each term fits, their sum does not.
-        for bad in [
-            "18446744073709551615s1000ms",
-            "1w18446744073709551615s",
-        ] {
+        for bad in ["18446744073709551615s1000ms", "1w18446744073709551615s"] {
             assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
         }
     }

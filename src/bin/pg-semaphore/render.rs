@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{ClaimRecord, Outcome, SemaphoreInfo, Summary};
+use serde::Serialize;
 
 /// `pg-semaphore status`: one row per semaphore, then each one's holders.
 pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
@@ -63,32 +64,10 @@ pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
     out
 }
 
-/// `pg-semaphore status --json`: an array of semaphores.
+/// `pg-semaphore status --json`: an array of semaphores, as the library
+/// serializes them.
 pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
-    let value = serde_json::Value::Array(list.iter().map(status_json_one).collect());
-    format!("{value:#}\n")
-}
-
-fn status_json_one(sem: &SemaphoreInfo) -> serde_json::Value {
-    serde_json::json!({
-        "name": sem.name,
-        "capacity": sem.capacity,
-        "held": sem.holders.len(),
-        "default_lease_seconds": sem.default_lease.as_secs_f64(),
-        "created_at": rfc3339(sem.created_at),
-        "updated_at": rfc3339(sem.updated_at),
-        "as_of": rfc3339(sem.as_of),
-        "holders": sem.holders.iter().map(|h| serde_json::json!({
-            "id": h.id,
-            "slot": h.slot,
-            "holder": h.holder,
-            "metadata": h.metadata,
-            "claimed_at": rfc3339(h.created_at),
-            "expires_at": rfc3339(h.expires_at),
-            "age_seconds": seconds_f64(sem.as_of - h.created_at),
-            "lease_left_seconds": seconds_f64(h.expires_at - sem.as_of),
-        })).collect::<Vec<_>>(),
-    })
+    json(&list)
 }
 
 /// `pg-semaphore audit`: the claims as a table, then the summary line.
@@ -153,41 +132,30 @@ pub(crate) fn audit_json(
     claims: &[ClaimRecord],
     summary: &Summary,
 ) -> String {
-    let value = serde_json::json!({
-        "semaphore": name,
-        "since": rfc3339(window.start),
-        "until": rfc3339(window.end),
-        "claims": claims.iter().map(claim_json).collect::<Vec<_>>(),
-        "summary": summary_json(summary),
-    });
-    format!("{value:#}\n")
-}
-
-fn claim_json(c: &ClaimRecord) -> serde_json::Value {
-    serde_json::json!({
-        "id": c.id,
-        "slot": c.slot,
-        "holder": c.holder,
-        "metadata": c.metadata,
-        "claimed_at": rfc3339(c.created_at),
-        "expires_at": rfc3339(c.expires_at),
-        "ended_at": c.ended_at.map(rfc3339),
-        "outcome": outcome(c.outcome),
-        "held_seconds": c.held_for.as_secs_f64(),
+    #[derive(Serialize)]
+    struct Audit<'a> {
+        semaphore: &'a str,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        claims: &'a [ClaimRecord],
+        summary: &'a Summary,
+    }
+    json(&Audit {
+        semaphore: name,
+        since: window.start,
+        until: window.end,
+        claims,
+        summary,
     })
 }
 
-fn summary_json(s: &Summary) -> serde_json::Value {
-    let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
-    serde_json::json!({
-        "total": s.total(),
-        "completed": s.completed,
-        "timed_out": s.timed_out,
-        "live": s.live,
-        "p50_hold_seconds": secs(s.p50_hold),
-        "p95_hold_seconds": secs(s.p95_hold),
-        "max_hold_seconds": secs(s.max_hold),
-    })
+/// Pretty JSON and a newline.
+fn json(value: &impl Serialize) -> String {
+    // Serializing to a String fails only for maps with non-string keys, which
+    // none of these types has.
+    let mut text = serde_json::to_string_pretty(value).expect("JSON of plain data");
+    text.push('\n');
+    text
 }
 
 /// `pg-semaphore audit --csv`: a header line, then one line per claim.
@@ -270,12 +238,6 @@ pub(crate) fn plural(n: u64) -> &'static str {
 
 fn signed(delta: TimeDelta) -> Duration {
     delta.to_std().unwrap_or(Duration::ZERO)
-}
-
-fn seconds_f64(delta: TimeDelta) -> f64 {
-    delta
-        .num_microseconds()
-        .map_or(f64::NAN, |us| us as f64 / 1e6)
 }
 
 /// A short human form: 250ms, 4.2s, 3m07s, 2h05m, 3d04h.
