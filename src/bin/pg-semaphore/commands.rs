@@ -8,7 +8,7 @@ use pg_semaphore::{AuditLog, ReleaseOutcome};
 use sqlx::PgPool;
 
 use crate::render::{self, human, plural, rfc3339};
-use crate::{AuditArgs, Failure, parse};
+use crate::{AuditArgs, EXIT_FAILURE, Failure, ReportArgs, parse};
 
 pub(crate) async fn migrate(pool: &PgPool) -> Result<String, Failure> {
     pg_semaphore::migrate(pool).await?;
@@ -69,6 +69,40 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
     } else {
         render::audit_table(&args.name, &window, &claims, &summary)
     })
+}
+
+pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
+    let w = &args.window;
+    let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
+    let report = AuditLog::new(pool).report(&args.name, window).await?;
+    let page = render::report::html(&report);
+    if args.html.as_os_str() == "-" {
+        return Ok(page);
+    }
+    std::fs::write(&args.html, page).map_err(|e| {
+        Failure::new(
+            EXIT_FAILURE,
+            format!("cannot write {}: {e}", args.html.display()),
+        )
+    })?;
+    let drawn = if report.aggregated {
+        format!(
+            "aggregated into {} buckets of {}",
+            report.occupancy.len(),
+            human(report.bucket_width)
+        )
+    } else {
+        "one bar each".to_owned()
+    };
+    Ok(format!(
+        "wrote {}: {} claim{} of {:?} between {} and {} ({drawn})\n",
+        args.html.display(),
+        report.summary.total(),
+        plural(report.summary.total()),
+        report.semaphore,
+        rfc3339(report.since),
+        rfc3339(report.until),
+    ))
 }
 
 pub(crate) async fn reap(pool: &PgPool) -> Result<String, Failure> {

@@ -10,7 +10,7 @@
 //!
 //! - `main.rs`: the command line (clap), exit statuses, connecting;
 //! - `commands.rs`: one function per command, from arguments to output text;
-//! - `render.rs`: tables, JSON and CSV;
+//! - `render.rs`: tables, JSON and CSV; `render/report.rs` the HTML report;
 //! - `parse.rs`: durations, times and time windows.
 
 mod commands;
@@ -19,6 +19,7 @@ mod render;
 
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -46,7 +47,7 @@ Exit status:
   0  success (also when there was nothing to do)
   1  database or runtime error (connection refused, query failed, ...)
   2  usage error (bad arguments, no database URL)
-  3  not found: no such semaphore (audit, status NAME, set-capacity) or claim (release)
+  3  not found: no such semaphore (audit, report, status NAME, set-capacity) or claim (release)
   4  pg-semaphore's migrations are not applied to this database (run `pg-semaphore migrate`)
 
 The database URL comes from --database-url, else DATABASE_URL in the
@@ -101,6 +102,21 @@ enum Command {
   pg-semaphore audit payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --csv
   pg-semaphore audit payments-api --since 2d --until 1d --json")]
     Audit(AuditArgs),
+
+    /// Draw a semaphore's claims over a time window as one HTML page.
+    ///
+    /// The page is self-contained (it loads nothing, works offline): a
+    /// timeline of the claims per slot (a bar from claim to release or
+    /// timeout, colored by outcome; holder and metadata on hover),
+    /// occupancy over time against the capacity, a hold-time histogram and
+    /// the summary. Over 5,000 claims in the window (or over 100 slots), the
+    /// timeline shows each slot's busy share per time bucket instead of one
+    /// bar per claim, and the page says so. The window is the last hour
+    /// unless --last or --since/--until say otherwise. Times are UTC.
+    #[command(after_help = "Examples:
+  pg-semaphore report payments-api --since 1h --html report.html
+  pg-semaphore report payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --html 0800.html")]
+    Report(ReportArgs),
 
     /// Time out every live claim whose lease has expired.
     ///
@@ -160,6 +176,19 @@ struct AuditArgs {
     /// Print the claims as CSV (a header line, then one line per claim; no summary).
     #[arg(long)]
     csv: bool,
+}
+
+#[derive(Debug, Args)]
+struct ReportArgs {
+    /// The semaphore's name.
+    name: String,
+
+    #[command(flatten)]
+    window: WindowArgs,
+
+    /// Write the HTML page to FILE (`-`: to stdout).
+    #[arg(long, value_name = "FILE")]
+    html: PathBuf,
 }
 
 /// A time window: `--last`, or `--since` and `--until`.
@@ -280,6 +309,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         Command::Migrate => commands::migrate(&pool).await?,
         Command::Status { name, json } => commands::status(&pool, name.as_deref(), json).await?,
         Command::Audit(args) => commands::audit(&pool, args).await?,
+        Command::Report(args) => commands::report(&pool, args).await?,
         Command::Reap => commands::reap(&pool).await?,
         Command::Release { id } => commands::release(&pool, id).await?,
         Command::SetCapacity { name, capacity } => {

@@ -1,5 +1,8 @@
 //! Rendering the library's data for a terminal or a script: aligned tables,
-//! JSON and CSV, and the short human forms of times and durations.
+//! JSON and CSV, the short human forms of times and durations, and (in
+//! `report`) the HTML report.
+
+pub(crate) mod report;
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -156,6 +159,11 @@ fn json(value: &impl Serialize) -> String {
     let mut text = serde_json::to_string_pretty(value).expect("JSON of plain data");
     text.push('\n');
     text
+}
+
+/// JSON on one line.
+fn json_compact(value: &impl Serialize) -> String {
+    serde_json::to_string(value).expect("JSON of plain data")
 }
 
 /// `pg-semaphore audit --csv`: a header line, then one line per claim.
