@@ -102,7 +102,7 @@ function timeAxis(svg, top, bottom) {
   el("line", { x1: LEFT, x2: LEFT + PLOT, y1: bottom, y2: bottom }, axis);
   for (let t = Math.ceil(since / step) * step; t <= until; t += step) {
     el("line", { x1: x(t), x2: x(t), y1: top, y2: bottom }, grid);
-    const edge = x(t) - LEFT < 90 || LEFT + PLOT - x(t) < 90;
+    const edge = x(t) - LEFT < 40 || LEFT + PLOT - x(t) < 40;
     if (!edge) text(axis, x(t), bottom + 14, tickLabel(t, step), { "text-anchor": "middle", class: "tick" });
   }
   text(axis, LEFT, bottom + 28, stamp(since), { class: "edge axis-start" });
