@@ -603,3 +603,41 @@ async fn report_errors_have_the_documented_exit_statuses() -> TestResult {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn a_semaphore_with_many_slots_shares_lanes() -> TestResult {
+    let db = support::migrated_db().await;
+    let capacity = 250;
+    let sem = Semaphore::builder("wide", capacity).build(&db.pool).await?;
+    let since = Utc::now() - TimeDelta::seconds(1);
+    let held = [
+        sem.try_acquire().await?,
+        sem.try_acquire().await?,
+        sem.try_acquire().await?,
+    ];
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for permit in held {
+        permit.release().await?;
+    }
+    let until = Utc::now() + TimeDelta::seconds(1);
+
+    let report = AuditLog::new(&db.pool).report("wide", since..until).await?;
+    // At most 100 lanes (the documented limit): three claims, but aggregated.
+    let per_lane = capacity.div_ceil(100);
+    assert!(report.aggregated && report.claims.is_empty());
+    assert_eq!(report.slots_per_lane, per_lane);
+    assert_eq!(report.lanes, capacity.div_ceil(per_lane));
+    assert_eq!(report.summary.completed, 3);
+    // Slots 0, 1 and 2 share lane 0; the peak saw all three.
+    assert!(!report.cells.is_empty());
+    assert!(report.cells.iter().all(|c| c.lane == 0));
+    let most = report.occupancy.iter().map(|b| b.peak).max();
+    assert_eq!(most, Some(3));
+    let lane_time = report.bucket_width * per_lane;
+    assert!(
+        report.cells.iter().all(|c| c.busy <= lane_time),
+        "{:?}",
+        report.cells
+    );
+    Ok(())
+}

@@ -144,7 +144,8 @@ function header() {
     const notice = document.getElementById("notice");
     const lanes = data.slots_per_lane > 1 ? `, each lane standing for ${data.slots_per_lane} slots` : "";
     notice.textContent =
-      `Aggregated: ${count(s.total)} claims in this window are too many to draw one bar each. ` +
+      `Aggregated: ${count(s.total)} claims in this window, ` +
+      `${data.slots_per_lane > 1 ? "on too many slots to give each a lane" : "too many to draw one bar each"}. ` +
       `The timeline shows how busy each slot was in each of ${count(data.occupancy.length)} buckets of ` +
       `${human(data.bucket_seconds)}${lanes} (darker is busier; red where claims timed out). ` +
       `Hover a cell for its claims and most frequent holder.`;
