@@ -43,6 +43,11 @@ fn db(pool: &PgPool) -> Db {
 }
 
 /// A semaphore as stored, with its live claims; listed by [`semaphores`].
+///
+/// With the `serde` feature it serializes as `{"name", "capacity", "held",
+/// "default_lease_seconds", "created_at", "updated_at", "as_of", "holders"}`,
+/// each holder as a [`Holder`] plus its `age_seconds` and
+/// `lease_left_seconds` at `as_of` (negative once its lease has run out).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct SemaphoreInfo {
@@ -65,7 +70,16 @@ pub struct SemaphoreInfo {
 }
 
 /// What [`force_release`] found.
+///
+/// With the `serde` feature it serializes as `{"outcome": "released",
+/// "semaphore", "at"}` (`already_timed_out`, `already_completed`), or
+/// `{"outcome": "not_found"}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(tag = "outcome", rename_all = "snake_case")
+)]
 #[non_exhaustive]
 pub enum ReleaseOutcome {
     /// The claim was live and is now completed; its semaphore's waiters were

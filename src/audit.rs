@@ -1,10 +1,10 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use sqlx::PgPool;
 
-use crate::db::Db;
+use crate::db::{Db, ours};
 use crate::error::{Error, Result};
 
 /// Live holders of one semaphore, oldest first.
@@ -43,6 +43,106 @@ SELECT count(*) FILTER (WHERE completed_at IS NOT NULL) AS completed,
        max(held) AS max
   FROM w";
 
+/// A report's frame: the semaphore's capacity, the transaction's clock (live
+/// claims are drawn up to it) and the highest slot held in the window.
+const REPORT_SCOPE: &str = "\
+SELECT s.capacity, now() AS as_of,
+       (SELECT max(slot)
+          FROM pgsemaphore.slots
+         WHERE semaphore = $1
+           AND created_at < $3
+           AND coalesce(completed_at, timed_out_at, 'infinity') >= $2) AS max_slot
+  FROM pgsemaphore.semaphores s
+ WHERE s.name = $1";
+
+/// A report's cells: the window's claims clipped to it, as seconds since its
+/// start ($2), spread over the buckets of $4 seconds ($5 of them) each one
+/// overlaps, and grouped by lane (slot / $6) and bucket. Per cell: slot time
+/// held, claims held at some moment of it, claims that timed out in it,
+/// claims held at its start, and the holder of the most of them. At most
+/// lanes x buckets rows, however many claims.
+const REPORT_CELLS: &str = "\
+WITH c AS (
+    SELECT slot, holder,
+           coalesce(timed_out_at < $3, false) AS timed_out,
+           extract(epoch FROM greatest(created_at, $2) - $2)::float8 AS t0,
+           extract(epoch FROM least(coalesce(completed_at, timed_out_at, now()), $3) - $2)::float8 AS t1
+      FROM pgsemaphore.slots
+     WHERE semaphore = $1
+       AND created_at < $3
+       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
+), spread AS (
+    SELECT c.*, b
+      FROM c, generate_series(least(floor(t0 / $4)::int, $5 - 1),
+                              least(ceil(t1 / $4)::int - 1, $5 - 1)) AS b
+     WHERE t1 > t0
+)
+SELECT slot / $6 AS lane, b AS bucket,
+       sum(least(t1, (b + 1) * $4) - greatest(t0, b * $4)) AS busy_seconds,
+       count(*) AS claims,
+       count(*) FILTER (WHERE timed_out AND t1 <= (b + 1) * $4) AS timed_out,
+       count(*) FILTER (WHERE t0 <= b * $4) AS at_start,
+       mode() WITHIN GROUP (ORDER BY holder) AS top_holder
+  FROM spread
+ GROUP BY 1, 2
+ ORDER BY 1, 2";
+
+/// The most claims live at once in each bucket that has a claim start or end,
+/// swept over those events (an end sorts before a start at the same instant:
+/// a hand-over is not an overlap). Same clipping as `REPORT_CELLS`.
+const REPORT_PEAKS: &str = "\
+WITH c AS (
+    SELECT extract(epoch FROM greatest(created_at, $2) - $2)::float8 AS t0,
+           extract(epoch FROM least(coalesce(completed_at, timed_out_at, now()), $3) - $2)::float8 AS t1
+      FROM pgsemaphore.slots
+     WHERE semaphore = $1
+       AND created_at < $3
+       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
+), events AS (
+    SELECT t0 AS t, 1 AS delta FROM c
+    UNION ALL
+    SELECT t1, -1 FROM c
+), running AS (
+    SELECT t, sum(delta) OVER (ORDER BY t, delta ROWS UNBOUNDED PRECEDING) AS live
+      FROM events
+)
+SELECT least(floor(t / $4)::int, $5 - 1) AS bucket, max(live)::int8 AS peak
+  FROM running
+ GROUP BY 1";
+
+/// Hold times of the window's finished claims (the population of the
+/// summary's percentiles) in $4 equal bins from zero to the longest.
+const REPORT_HOLD_TIMES: &str = "\
+WITH held AS (
+    SELECT greatest(extract(epoch FROM coalesce(completed_at, timed_out_at) - created_at)::float8, 0)
+               AS seconds,
+           timed_out_at IS NOT NULL AS timed_out
+      FROM pgsemaphore.slots
+     WHERE semaphore = $1
+       AND created_at < $3
+       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
+       AND (completed_at IS NOT NULL OR timed_out_at IS NOT NULL)
+), top AS (
+    SELECT max(seconds) AS longest FROM held
+)
+SELECT CASE WHEN longest > 0 THEN least(floor(seconds * $4 / longest)::int, $4 - 1) ELSE 0 END
+           AS bin,
+       longest,
+       count(*) FILTER (WHERE NOT timed_out) AS completed,
+       count(*) FILTER (WHERE timed_out) AS timed_out
+  FROM held, top
+ GROUP BY 1, 2
+ ORDER BY 1";
+
+/// Time buckets in a report: the occupancy series and each lane's cells.
+const REPORT_BUCKETS: u32 = 240;
+/// Bins of a report's hold-time histogram.
+const REPORT_HOLD_BINS: u32 = 30;
+/// The most claims a report lists one by one; above, it only aggregates.
+const REPORT_MAX_CLAIMS: u64 = 5_000;
+/// The most lanes in a report's timeline; above, a lane groups several slots.
+const REPORT_MAX_LANES: u32 = 100;
+
 /// Read-only queries over the slot table, which keeps every claim after it
 /// ends: who held what, when, and for how long.
 ///
@@ -75,7 +175,11 @@ pub struct AuditLog {
 }
 
 /// A live claim, as listed by [`AuditLog::holders`].
+///
+/// With the `serde` feature it serializes as `{"id", "slot", "holder",
+/// "metadata", "claimed_at", "expires_at"}`, times in RFC 3339.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct Holder {
     /// The claim's id (the permit's fencing token).
@@ -87,13 +191,21 @@ pub struct Holder {
     /// JSON recorded with the claim.
     pub metadata: Option<serde_json::Value>,
     /// When it was claimed.
+    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
     pub created_at: DateTime<Utc>,
     /// When its lease ends.
     pub expires_at: DateTime<Utc>,
 }
 
 /// How a claim ended (or that it has not).
+///
+/// With the `serde` feature: `"completed"`, `"timed_out"` or `"live"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum Outcome {
     /// Released by its holder.
     Completed,
@@ -104,7 +216,13 @@ pub enum Outcome {
 }
 
 /// One claim in a semaphore's history, as listed by [`AuditLog::history`].
+///
+/// With the `serde` feature it serializes as `{"id", "slot", "holder",
+/// "metadata", "claimed_at", "expires_at", "ended_at", "outcome",
+/// "held_seconds"}`: times in RFC 3339 (`ended_at` null while live), the hold
+/// time in seconds.
 #[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct ClaimRecord {
     /// The claim's id (the permit's fencing token).
@@ -116,6 +234,7 @@ pub struct ClaimRecord {
     /// JSON recorded with the claim.
     pub metadata: Option<serde_json::Value>,
     /// When it was claimed.
+    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
     pub created_at: DateTime<Utc>,
     /// When its lease ends (or ended).
     pub expires_at: DateTime<Utc>,
@@ -124,11 +243,19 @@ pub struct ClaimRecord {
     /// How it ended.
     pub outcome: Outcome,
     /// How long it was held (until now, for a live claim).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
+    )]
     pub held_for: Duration,
 }
 
 /// Counts and hold times of a semaphore's claims over a window, from
 /// [`AuditLog::summary`].
+///
+/// With the `serde` feature it serializes as `{"total", "completed",
+/// "timed_out", "live", "p50_hold_seconds", "p95_hold_seconds",
+/// "max_hold_seconds"}`, hold times in seconds (null when none finished).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 #[non_exhaustive]
 pub struct Summary {
@@ -151,6 +278,156 @@ impl Summary {
     pub fn total(&self) -> u64 {
         self.completed + self.timed_out + self.live
     }
+}
+
+/// A picture of one semaphore's claims over a window, from
+/// [`AuditLog::report`]: what `pg-semaphore report` draws.
+///
+/// Its size is bounded whatever the traffic: the claims are listed one by
+/// one only when the window holds at most 5,000 and the semaphore at most
+/// 100 slots; otherwise [`aggregated`](Self::aggregated) is set, `claims`
+/// is empty, and the timeline is told by [`cells`](Self::cells) alone
+/// (computed by the database, one row per lane and time bucket). The
+/// occupancy series, the cells and the hold-time histogram are always
+/// there. Everything is read in one `REPEATABLE READ` snapshot, so the
+/// parts agree.
+///
+/// With the `serde` feature it serializes with the field names below,
+/// durations as seconds (`bucket_seconds`, `busy_seconds`, ...).
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct Report {
+    /// The semaphore's name.
+    pub semaphore: String,
+    /// Its capacity now (it may have been changed during the window).
+    pub capacity: u32,
+    /// The window's start.
+    pub since: DateTime<Utc>,
+    /// The window's end.
+    pub until: DateTime<Utc>,
+    /// The database clock when the report was read: live claims are held
+    /// up to here.
+    pub as_of: DateTime<Utc>,
+    /// The window's counts per outcome and hold-time percentiles, as
+    /// [`AuditLog::summary`] gives them.
+    pub summary: Summary,
+    /// Every claim held at some moment of the window, in claim order, as
+    /// [`AuditLog::history`]; empty when [`aggregated`](Self::aggregated).
+    pub claims: Vec<ClaimRecord>,
+    /// Whether the claims were too many (or the slots too many) to list,
+    /// so that only the aggregates describe them.
+    pub aggregated: bool,
+    /// How many slots a lane of the timeline stands for (1 unless the
+    /// semaphore has more than 100 slots).
+    pub slots_per_lane: u32,
+    /// Lanes in the timeline: enough for the capacity and every slot held.
+    pub lanes: u32,
+    /// The length of a time bucket: the window divided by the number of
+    /// [`occupancy`](Self::occupancy) buckets.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            rename = "bucket_seconds",
+            serialize_with = "crate::serialize::seconds"
+        )
+    )]
+    pub bucket_width: Duration,
+    /// Claims held per time bucket, over the whole window.
+    pub occupancy: Vec<OccupancyBucket>,
+    /// Each lane's use per time bucket, for the buckets where it was used,
+    /// by lane then bucket.
+    pub cells: Vec<SlotBucket>,
+    /// Hold times of the finished claims: equal bins from zero to the
+    /// longest; empty when none finished.
+    pub hold_times: Vec<HoldTimeBin>,
+}
+
+/// Claims held during one time bucket of a [`Report`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct OccupancyBucket {
+    /// When the bucket starts (it lasts [`Report::bucket_width`]).
+    pub start: DateTime<Utc>,
+    /// Claims held on average over the bucket (slot time held / its length).
+    pub mean: f64,
+    /// The most claims held at one instant of the bucket.
+    pub peak: u32,
+}
+
+/// One lane's use during one time bucket of a [`Report`].
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct SlotBucket {
+    /// The lane: slots `lane * slots_per_lane` up to, not including,
+    /// `(lane + 1) * slots_per_lane`.
+    pub lane: u32,
+    /// The time bucket: an index into [`Report::occupancy`].
+    pub bucket: u32,
+    /// Slot time held in the bucket, summed over the lane's slots (at most
+    /// `bucket_width * slots_per_lane`).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "busy_seconds", serialize_with = "crate::serialize::seconds")
+    )]
+    pub busy: Duration,
+    /// Claims held at some moment of the bucket.
+    pub claims: u64,
+    /// Claims that timed out (were reaped) during the bucket.
+    pub timed_out: u64,
+    /// The holder label of the most of those claims.
+    pub top_holder: String,
+}
+
+/// One bin of a [`Report`]'s hold-time histogram.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct HoldTimeBin {
+    /// The bin's start.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "from_seconds", serialize_with = "crate::serialize::seconds")
+    )]
+    pub from: Duration,
+    /// The bin's end (included in the last bin only).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "to_seconds", serialize_with = "crate::serialize::seconds")
+    )]
+    pub to: Duration,
+    /// Claims released by their holder after a hold in the bin.
+    pub completed: u64,
+    /// Claims reaped after a hold in the bin.
+    pub timed_out: u64,
+}
+
+#[derive(sqlx::FromRow)]
+struct ScopeRow {
+    capacity: i32,
+    as_of: DateTime<Utc>,
+    max_slot: Option<i32>,
+}
+
+#[derive(sqlx::FromRow)]
+struct CellRow {
+    lane: i32,
+    bucket: i32,
+    busy_seconds: f64,
+    claims: i64,
+    timed_out: i64,
+    at_start: i64,
+    top_holder: String,
+}
+
+#[derive(sqlx::FromRow)]
+struct HoldTimeRow {
+    bin: i32,
+    longest: f64,
+    completed: i64,
+    timed_out: i64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -227,27 +504,7 @@ impl AuditLog {
             .bind(window.start)
             .bind(window.end);
         let rows = db.fetch_all(query).await?;
-        Ok(rows
-            .into_iter()
-            .map(|row| {
-                let (outcome, ended_at) = match (row.completed_at, row.timed_out_at) {
-                    (Some(at), _) => (Outcome::Completed, Some(at)),
-                    (None, Some(at)) => (Outcome::TimedOut, Some(at)),
-                    (None, None) => (Outcome::Live, None),
-                };
-                ClaimRecord {
-                    id: row.id,
-                    slot: row.slot,
-                    holder: row.holder,
-                    metadata: row.metadata,
-                    created_at: row.created_at,
-                    expires_at: row.expires_at,
-                    ended_at,
-                    outcome,
-                    held_for: seconds(row.held_seconds),
-                }
-            })
-            .collect())
+        Ok(rows.into_iter().map(ClaimRecord::from).collect())
     }
 
     /// Counts per outcome and hold-time percentiles (p50, p95, max) of the
@@ -270,15 +527,253 @@ impl AuditLog {
             .bind(semaphore.to_owned())
             .bind(window.start)
             .bind(window.end);
-        let row = db.fetch_one(query).await?;
-        Ok(Summary {
-            completed: row.completed as u64,
-            timed_out: row.timed_out as u64,
-            live: row.live as u64,
-            p50_hold: row.p50.map(seconds),
-            p95_hold: row.p95.map(seconds),
-            max_hold: row.max.map(seconds),
+        Ok(summarize(db.fetch_one(query).await?))
+    }
+}
+
+impl AuditLog {
+    /// Everything needed to draw `semaphore`'s claims over `window`: the
+    /// claims themselves when they are few, occupancy per time bucket
+    /// against the capacity, each slot's use per bucket, a hold-time
+    /// histogram and the summary. See [`Report`] for what is aggregated
+    /// when: the aggregation runs in the database, so a window of millions
+    /// of claims takes no more memory here than one of thousands.
+    ///
+    /// ```no_run
+    /// use chrono::{Duration, Utc};
+    /// use pg_semaphore::AuditLog;
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let now = Utc::now();
+    /// let report = AuditLog::new(&pool)
+    ///     .report("payments-api", now - Duration::hours(1)..now)
+    ///     .await?;
+    /// let saturated = report.occupancy.iter().filter(|b| b.peak >= report.capacity).count();
+    /// println!("{saturated} of {} buckets reached the capacity", report.occupancy.len());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the window is empty or ends before it
+    /// starts; [`Error::SemaphoreNotFound`] when no semaphore has this name;
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn report(&self, semaphore: &str, window: Range<DateTime<Utc>>) -> Result<Report> {
+        check_window(&window)?;
+        let micros = (window.end - window.start)
+            .num_microseconds()
+            .filter(|&us| us > 0)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "window",
+                    "must last at least a microsecond and less than 290,000 years",
+                )
+            })?;
+        let bucket_seconds = micros as f64 / 1e6 / f64::from(REPORT_BUCKETS);
+        // One snapshot for every part, so that they agree. Unnamed statements
+        // in a transaction: works through PgBouncer.
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .await
+            .map_err(ours)?;
+        let scope: Option<ScopeRow> = sqlx::query_as(REPORT_SCOPE)
+            .bind(semaphore)
+            .bind(window.start)
+            .bind(window.end)
+            .persistent(false)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(ours)?;
+        let Some(scope) = scope else {
+            return Err(Error::SemaphoreNotFound {
+                semaphore: semaphore.to_owned(),
+            });
+        };
+        let capacity = scope.capacity.max(0) as u32;
+        let slots = capacity.max(scope.max_slot.map_or(0, |s| s.max(0) as u32 + 1));
+        let slots_per_lane = slots.div_ceil(REPORT_MAX_LANES).max(1);
+        let lanes = slots.div_ceil(slots_per_lane);
+
+        let summary = summarize(
+            sqlx::query_as(SUMMARY)
+                .bind(semaphore)
+                .bind(window.start)
+                .bind(window.end)
+                .persistent(false)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(ours)?,
+        );
+        // The count comes from the same snapshot as the claims: exact.
+        let aggregated = summary.total() > REPORT_MAX_CLAIMS || slots_per_lane > 1;
+        let claims = if aggregated {
+            Vec::new()
+        } else {
+            let rows: Vec<HistoryRow> = sqlx::query_as(HISTORY)
+                .bind(semaphore)
+                .bind(window.start)
+                .bind(window.end)
+                .persistent(false)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(ours)?;
+            rows.into_iter().map(ClaimRecord::from).collect()
+        };
+        let cells: Vec<CellRow> = sqlx::query_as(REPORT_CELLS)
+            .bind(semaphore)
+            .bind(window.start)
+            .bind(window.end)
+            .bind(bucket_seconds)
+            .bind(REPORT_BUCKETS as i32)
+            .bind(slots_per_lane as i32)
+            .persistent(false)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(ours)?;
+        let peaks: Vec<(i32, i64)> = sqlx::query_as(REPORT_PEAKS)
+            .bind(semaphore)
+            .bind(window.start)
+            .bind(window.end)
+            .bind(bucket_seconds)
+            .bind(REPORT_BUCKETS as i32)
+            .persistent(false)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(ours)?;
+        let hold_times: Vec<HoldTimeRow> = sqlx::query_as(REPORT_HOLD_TIMES)
+            .bind(semaphore)
+            .bind(window.start)
+            .bind(window.end)
+            .bind(REPORT_HOLD_BINS as i32)
+            .persistent(false)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(ours)?;
+        tx.commit().await.map_err(ours)?;
+
+        Ok(Report {
+            semaphore: semaphore.to_owned(),
+            capacity,
+            since: window.start,
+            until: window.end,
+            as_of: scope.as_of,
+            summary,
+            claims,
+            aggregated,
+            slots_per_lane,
+            lanes,
+            bucket_width: seconds(bucket_seconds),
+            occupancy: occupancy(window.start, bucket_seconds, &cells, &peaks),
+            cells: cells.into_iter().map(SlotBucket::from).collect(),
+            hold_times: hold_time_bins(&hold_times),
         })
+    }
+}
+
+/// The occupancy series: a bucket's mean from the slot time held in it; its
+/// peak from the sweep over the claims that started or ended in it, or the
+/// claims held at its start if more (or if none started or ended in it).
+fn occupancy(
+    since: DateTime<Utc>,
+    bucket_seconds: f64,
+    cells: &[CellRow],
+    peaks: &[(i32, i64)],
+) -> Vec<OccupancyBucket> {
+    let buckets = REPORT_BUCKETS as usize;
+    let index = |bucket: i32| usize::try_from(bucket).ok().filter(|&b| b < buckets);
+    let mut busy = vec![0.0; buckets];
+    let mut peak = vec![0_i64; buckets];
+    for cell in cells {
+        if let Some(b) = index(cell.bucket) {
+            busy[b] += cell.busy_seconds;
+            peak[b] += cell.at_start;
+        }
+    }
+    for &(bucket, live) in peaks {
+        if let Some(b) = index(bucket) {
+            peak[b] = peak[b].max(live);
+        }
+    }
+    (0..buckets)
+        .map(|b| OccupancyBucket {
+            start: since + TimeDelta::microseconds((b as f64 * bucket_seconds * 1e6) as i64),
+            mean: busy[b] / bucket_seconds,
+            peak: peak[b].clamp(0, i64::from(u32::MAX)) as u32,
+        })
+        .collect()
+}
+
+/// Every bin from zero to the longest hold, empty ones included.
+fn hold_time_bins(rows: &[HoldTimeRow]) -> Vec<HoldTimeBin> {
+    let Some(longest) = rows.first().map(|row| row.longest) else {
+        return Vec::new();
+    };
+    let width = longest / f64::from(REPORT_HOLD_BINS);
+    let mut bins: Vec<HoldTimeBin> = (0..REPORT_HOLD_BINS)
+        .map(|i| HoldTimeBin {
+            from: seconds(width * f64::from(i)),
+            to: seconds(width * f64::from(i + 1)),
+            completed: 0,
+            timed_out: 0,
+        })
+        .collect();
+    for row in rows {
+        if let Some(bin) = usize::try_from(row.bin).ok().and_then(|i| bins.get_mut(i)) {
+            bin.completed += row.completed as u64;
+            bin.timed_out += row.timed_out as u64;
+        }
+    }
+    bins
+}
+
+impl From<CellRow> for SlotBucket {
+    fn from(row: CellRow) -> Self {
+        SlotBucket {
+            lane: row.lane.max(0) as u32,
+            bucket: row.bucket.max(0) as u32,
+            busy: seconds(row.busy_seconds),
+            claims: row.claims as u64,
+            timed_out: row.timed_out as u64,
+            top_holder: row.top_holder,
+        }
+    }
+}
+
+impl From<HistoryRow> for ClaimRecord {
+    fn from(row: HistoryRow) -> Self {
+        let (outcome, ended_at) = match (row.completed_at, row.timed_out_at) {
+            (Some(at), _) => (Outcome::Completed, Some(at)),
+            (None, Some(at)) => (Outcome::TimedOut, Some(at)),
+            (None, None) => (Outcome::Live, None),
+        };
+        ClaimRecord {
+            id: row.id,
+            slot: row.slot,
+            holder: row.holder,
+            metadata: row.metadata,
+            created_at: row.created_at,
+            expires_at: row.expires_at,
+            ended_at,
+            outcome,
+            held_for: seconds(row.held_seconds),
+        }
+    }
+}
+
+fn summarize(row: SummaryRow) -> Summary {
+    Summary {
+        completed: row.completed as u64,
+        timed_out: row.timed_out as u64,
+        live: row.live as u64,
+        p50_hold: row.p50.map(seconds),
+        p95_hold: row.p95.map(seconds),
+        max_hold: row.max.map(seconds),
     }
 }
 
@@ -296,4 +791,61 @@ fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
 /// (clock adjustments can make an interval slightly negative).
 fn seconds(value: f64) -> Duration {
     Duration::try_from_secs_f64(value).unwrap_or(Duration::ZERO)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(bucket: i32, busy_seconds: f64, at_start: i64) -> CellRow {
+        CellRow {
+            lane: 0,
+            bucket,
+            busy_seconds,
+            claims: 1,
+            timed_out: 0,
+            at_start,
+            top_holder: "h".into(),
+        }
+    }
+
+    #[test]
+    fn occupancy_peaks_count_claims_held_across_a_bucket() {
+        let since = Utc::now();
+        // Bucket 0: two lanes, one claim each held half of it, and a
+        // moment with two held. Bucket 3: two claims held through it, no
+        // start or end in it.
+        let cells = [
+            cell(0, 1.0, 0),
+            cell(0, 1.0, 1),
+            cell(3, 2.0, 1),
+            cell(3, 2.0, 1),
+        ];
+        let buckets = occupancy(since, 2.0, &cells, &[(0, 2)]);
+        assert_eq!(buckets.len(), REPORT_BUCKETS as usize);
+        assert_eq!((buckets[0].mean, buckets[0].peak), (1.0, 2));
+        assert_eq!((buckets[1].mean, buckets[1].peak), (0.0, 0));
+        assert_eq!((buckets[3].mean, buckets[3].peak), (2.0, 2));
+        assert_eq!(buckets[3].start, since + TimeDelta::seconds(6));
+    }
+
+    #[test]
+    fn hold_times_fill_every_bin_up_to_the_longest() {
+        let row = |bin, completed, timed_out| HoldTimeRow {
+            bin,
+            longest: 3.0,
+            completed,
+            timed_out,
+        };
+        let bins = hold_time_bins(&[row(0, 2, 0), row(29, 0, 1)]);
+        assert_eq!(bins.len(), REPORT_HOLD_BINS as usize);
+        assert_eq!(bins[0].completed, 2);
+        assert_eq!(bins[29].timed_out, 1);
+        assert_eq!(bins[29].to, Duration::from_secs(3));
+        assert_eq!(
+            bins.iter().map(|b| b.completed + b.timed_out).sum::<u64>(),
+            3
+        );
+        assert!(hold_time_bins(&[]).is_empty());
+    }
 }

@@ -86,7 +86,9 @@
 //!
 //! Finished claims stay in the slot table with `completed_at` or
 //! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
-//! outcomes and hold times, and a summary with p50/p95 hold time.
+//! outcomes and hold times, a summary with p50/p95 hold time, and a
+//! [`Report`] to draw (occupancy against capacity, each slot's use, hold
+//! times), aggregated by the database when the window is busy.
 //!
 //! # Which primitive when
 //!
@@ -128,7 +130,12 @@
 //!
 //! # Features
 //!
-//! - `cli`: the `pg-semaphore` operator binary.
+//! - `cli`: the `pg-semaphore` operator binary (enables `serde`).
+//! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
+//!   [`Holder`], [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and
+//!   its parts, [`ReleaseOutcome`] and [`Decision`]. Times are RFC 3339 strings,
+//!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
+//!   the shapes `pg-semaphore ... --json` prints.
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
 //!   requests in flight (fail fast with 503/429, or wait up to a timeout).
 //! - `refinery`: `refinery_migrations`, `refinery_runner`, `refinery_migrate`.
@@ -169,6 +176,8 @@ mod reaper;
 #[cfg(feature = "refinery")]
 mod refinery;
 mod semaphore;
+#[cfg(feature = "serde")]
+mod serialize;
 #[cfg(feature = "tower")]
 mod tower;
 mod validate;
@@ -180,7 +189,10 @@ pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
     ReleaseOutcome, SemaphoreInfo, configure, force_release, semaphores, set_capacity,
 };
-pub use audit::{AuditLog, ClaimRecord, Holder, Outcome, Summary};
+pub use audit::{
+    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,
+    Summary,
+};
 pub use error::{Error, LostReason, Result, WaitedFor};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};

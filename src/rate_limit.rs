@@ -60,7 +60,11 @@ const MAX_IDLE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 ///
 /// Map it to HTTP as you like; for example 429 with `Retry-After:
 /// retry_after` when refused, and `RateLimit-Remaining: remaining`.
+///
+/// With the `serde` feature it serializes as `{"allowed", "remaining",
+/// "retry_after_seconds", "limit", "failed_open"}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 #[must_use = "a rate limit decision does nothing unless `allowed` is acted upon"]
 pub struct Decision {
@@ -73,6 +77,13 @@ pub struct Decision {
     /// When refused: how long until a check of the same size would be
     /// admitted if nothing else happened meanwhile (another caller may take
     /// the permits first). Zero when admitted.
+    #[cfg_attr(
+        feature = "serde",
+        serde(
+            rename = "retry_after_seconds",
+            serialize_with = "crate::serialize::seconds"
+        )
+    )]
     pub retry_after: Duration,
     /// The limiter's limit: the burst of a [`TokenBucket`], the permit limit
     /// of a [`FixedWindow`] or [`SlidingWindow`].

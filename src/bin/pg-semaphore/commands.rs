@@ -1,0 +1,146 @@
+//! One function per command: call the library, hand its data to `render`,
+//! return the text to print. Failures carry their exit status.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use pg_semaphore::{AuditLog, ReleaseOutcome};
+use sqlx::PgPool;
+
+use crate::render::{self, human, plural, rfc3339};
+use crate::{AuditArgs, EXIT_FAILURE, Failure, ReportArgs, parse};
+
+pub(crate) async fn migrate(pool: &PgPool) -> Result<String, Failure> {
+    pg_semaphore::migrate(pool).await?;
+    let migrator = pg_semaphore::migrator();
+    let latest = migrator.iter().last();
+    Ok(match latest {
+        Some(m) => format!(
+            "pg-semaphore schema is up to date: {} migrations, latest {} ({})\n",
+            migrator.iter().count(),
+            m.version,
+            m.description
+        ),
+        None => "pg-semaphore schema is up to date\n".to_owned(),
+    })
+}
+
+pub(crate) async fn status(
+    pool: &PgPool,
+    name: Option<&str>,
+    json: bool,
+) -> Result<String, Failure> {
+    let mut list = pg_semaphore::semaphores(pool).await?;
+    if let Some(name) = name {
+        list.retain(|s| s.name == name);
+        if list.is_empty() {
+            return Err(Failure::not_found(format!("no semaphore named {name:?}")));
+        }
+    }
+    Ok(if json {
+        render::status_json(&list)
+    } else {
+        render::status_table(&list)
+    })
+}
+
+pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Failure> {
+    let w = &args.window;
+    let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
+    // An unknown name would just give an empty log: say so instead.
+    if !pg_semaphore::semaphores(pool)
+        .await?
+        .iter()
+        .any(|s| s.name == args.name)
+    {
+        return Err(Failure::not_found(format!(
+            "no semaphore named {:?}",
+            args.name
+        )));
+    }
+    let log = AuditLog::new(pool);
+    let claims = log.history(&args.name, window.clone()).await?;
+    if args.csv {
+        return Ok(render::audit_csv(&claims));
+    }
+    let summary = log.summary(&args.name, window.clone()).await?;
+    Ok(if args.json {
+        render::audit_json(&args.name, &window, &claims, &summary)
+    } else {
+        render::audit_table(&args.name, &window, &claims, &summary)
+    })
+}
+
+pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
+    let w = &args.window;
+    let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
+    let report = AuditLog::new(pool).report(&args.name, window).await?;
+    let page = render::report::html(&report);
+    if args.html.as_os_str() == "-" {
+        return Ok(page);
+    }
+    std::fs::write(&args.html, page).map_err(|e| {
+        Failure::new(
+            EXIT_FAILURE,
+            format!("cannot write {}: {e}", args.html.display()),
+        )
+    })?;
+    let drawn = if report.aggregated {
+        format!(
+            "aggregated into {} buckets of {}",
+            report.occupancy.len(),
+            human(report.bucket_width)
+        )
+    } else {
+        "one bar each".to_owned()
+    };
+    Ok(format!(
+        "wrote {}: {} claim{} of {:?} between {} and {} ({drawn})\n",
+        args.html.display(),
+        report.summary.total(),
+        plural(report.summary.total()),
+        report.semaphore,
+        rfc3339(report.since),
+        rfc3339(report.until),
+    ))
+}
+
+pub(crate) async fn reap(pool: &PgPool) -> Result<String, Failure> {
+    let reaped = pg_semaphore::reap(pool).await?;
+    Ok(format!("reaped {reaped} expired claim{}\n", plural(reaped)))
+}
+
+pub(crate) async fn release(pool: &PgPool, id: i64) -> Result<String, Failure> {
+    Ok(match pg_semaphore::force_release(pool, id).await? {
+        ReleaseOutcome::Released { semaphore, at } => {
+            format!("released claim {id} of {semaphore:?} at {}\n", rfc3339(at))
+        }
+        ReleaseOutcome::AlreadyTimedOut { semaphore, at } => format!(
+            "claim {id} of {semaphore:?} had already timed out at {}: nothing to do\n",
+            rfc3339(at)
+        ),
+        ReleaseOutcome::AlreadyCompleted { semaphore, at } => format!(
+            "claim {id} of {semaphore:?} had already been released at {}: nothing to do\n",
+            rfc3339(at)
+        ),
+        _ => return Err(Failure::not_found(format!("no claim {id}"))),
+    })
+}
+
+pub(crate) async fn set_capacity(
+    pool: &PgPool,
+    name: &str,
+    capacity: u32,
+) -> Result<String, Failure> {
+    let previous = pg_semaphore::set_capacity(pool, name, capacity).await?;
+    Ok(format!("{name}: capacity {previous} -> {capacity}\n"))
+}
+
+pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String, Failure> {
+    let deleted = pg_semaphore::prune(pool, older_than).await?;
+    Ok(format!(
+        "deleted {deleted} finished claim{} that ended more than {} ago\n",
+        plural(deleted),
+        human(older_than)
+    ))
+}

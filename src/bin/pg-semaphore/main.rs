@@ -1,0 +1,364 @@
+//! `pg-semaphore`: the operator's command line for pg-semaphore.
+//!
+//! Built with the `cli` feature:
+//!
+//! ```text
+//! cargo install pg-semaphore --features cli     # or: cargo run --features cli -- status
+//! ```
+//!
+//! The library returns data; this binary only parses and renders:
+//!
+//! - `main.rs`: the command line (clap), exit statuses, connecting;
+//! - `commands.rs`: one function per command, from arguments to output text;
+//! - `render.rs`: tables, JSON and CSV; `render/report.rs` the HTML report;
+//! - `parse.rs`: durations, times and time windows.
+
+mod commands;
+mod parse;
+mod render;
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use clap::{Args, Parser, Subcommand};
+use pg_semaphore::Error;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::parse::{parse_duration, parse_time};
+
+/// Exit status: the command did what was asked (including "nothing to do").
+const EXIT_OK: u8 = 0;
+/// Exit status: a database or runtime error (connection refused, query failed).
+const EXIT_FAILURE: u8 = 1;
+/// Exit status: a usage error (bad arguments, no database URL); clap uses it too.
+const EXIT_USAGE: u8 = 2;
+/// Exit status: the semaphore or claim named does not exist.
+const EXIT_NOT_FOUND: u8 = 3;
+/// Exit status: the database has no pg-semaphore schema (run `pg-semaphore migrate`).
+const EXIT_NOT_MIGRATED: u8 = 4;
+
+const EXIT_CODES: &str = "\
+Exit status:
+  0  success (also when there was nothing to do)
+  1  database or runtime error (connection refused, query failed, ...)
+  2  usage error (bad arguments, no database URL)
+  3  not found: no such semaphore (audit, report, status NAME, set-capacity) or claim (release)
+  4  pg-semaphore's migrations are not applied to this database (run `pg-semaphore migrate`)
+
+The database URL comes from --database-url, else DATABASE_URL in the
+environment, else DATABASE_URL in a .env file (in this directory or a parent).";
+
+/// Operate pg-semaphore's distributed semaphores on a PostgreSQL database:
+/// apply the schema, see who holds what, read the audit log, free stuck slots.
+#[derive(Debug, Parser)]
+#[command(name = "pg-semaphore", version, after_help = EXIT_CODES)]
+struct Cli {
+    /// PostgreSQL URL, e.g. postgres://user:password@host:5432/app
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        global = true,
+        value_name = "URL"
+    )]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or upgrade the pgsemaphore schema.
+    ///
+    /// Idempotent. The history is kept in pgsemaphore._sqlx_migrations, apart
+    /// from the application's own; the same as `pg_semaphore::migrate(&pool)`
+    /// and `sqlx migrate run --source migrations --config migrations/sqlx.toml`.
+    Migrate,
+
+    /// Every semaphore: capacity, live holders, their age and lease left.
+    Status {
+        /// Only this semaphore (exit status 3 if it does not exist).
+        name: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+
+    /// A semaphore's claims over a time window, with a summary.
+    ///
+    /// The summary counts claims per outcome (completed, timed out, live) and
+    /// gives the p50, p95 and max hold time of the finished ones.
+    /// The window is the last hour unless --last or --since/--until say
+    /// otherwise. A claim is listed if it was held at any moment of the
+    /// window. Times are UTC.
+    #[command(after_help = "Examples:
+  pg-semaphore audit payments-api --last 15m
+  pg-semaphore audit payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --csv
+  pg-semaphore audit payments-api --since 2d --until 1d --json")]
+    Audit(AuditArgs),
+
+    /// Draw a semaphore's claims over a time window as one HTML page.
+    ///
+    /// The page is self-contained (it loads nothing, works offline): a
+    /// timeline of the claims per slot (a bar from claim to release or
+    /// timeout, colored by outcome; holder and metadata on hover),
+    /// occupancy over time against the capacity, a hold-time histogram and
+    /// the summary. Over 5,000 claims in the window (or over 100 slots), the
+    /// timeline shows each slot's busy share per time bucket instead of one
+    /// bar per claim, and the page says so. The window is the last hour
+    /// unless --last or --since/--until say otherwise. Times are UTC.
+    #[command(after_help = "Examples:
+  pg-semaphore report payments-api --since 1h --html report.html
+  pg-semaphore report payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --html 0800.html")]
+    Report(ReportArgs),
+
+    /// Time out every live claim whose lease has expired.
+    ///
+    /// What a `Reaper` does each round; prints how many were reaped.
+    Reap,
+
+    /// Force the release of one claim, for a holder that is stuck or gone.
+    ///
+    /// Its slot is freed at once and waiters are woken. If the holder is in
+    /// fact still working, another claimer may now overlap with it; it
+    /// learns so (PermitLost) when it releases. Prefer waiting for the lease
+    /// when unsure.
+    Release {
+        /// The claim's id (`CLAIM` in `status`, `ID` in `audit`).
+        #[arg(long, value_name = "N")]
+        id: i64,
+    },
+
+    /// Change a semaphore's capacity, keeping its lease.
+    ///
+    /// Growing wakes waiters at once; shrinking lets holders above the new
+    /// capacity finish (new claims see the new capacity).
+    ///
+    /// Processes that build the semaphore with another capacity set it back
+    /// when they start: change their configuration too.
+    SetCapacity {
+        /// The semaphore's name.
+        name: String,
+        /// The new capacity (1 to 100000).
+        capacity: u32,
+    },
+
+    /// Delete finished claims older than --older-than.
+    ///
+    /// Claims of every semaphore that completed or timed out more than that
+    /// long ago are deleted, oldest first, in short batches. Live claims are
+    /// never touched.
+    Prune {
+        /// How much history to keep, e.g. 30d, 12h, 1h30m.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        older_than: Duration,
+    },
+}
+
+#[derive(Debug, Args)]
+struct AuditArgs {
+    /// The semaphore's name.
+    name: String,
+
+    #[command(flatten)]
+    window: WindowArgs,
+
+    /// Print JSON: {"claims": [...], "summary": {...}}.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+
+    /// Print the claims as CSV (a header line, then one line per claim; no summary).
+    #[arg(long)]
+    csv: bool,
+}
+
+#[derive(Debug, Args)]
+struct ReportArgs {
+    /// The semaphore's name.
+    name: String,
+
+    #[command(flatten)]
+    window: WindowArgs,
+
+    /// Write the HTML page to FILE (`-`: to stdout).
+    #[arg(long, value_name = "FILE")]
+    html: PathBuf,
+}
+
+/// A time window: `--last`, or `--since` and `--until`.
+#[derive(Debug, Args)]
+struct WindowArgs {
+    /// The window is the last DURATION (e.g. 30s, 15m, 1h, 7d). Default: 1h.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration,
+          conflicts_with_all = ["since", "until"])]
+    last: Option<Duration>,
+
+    /// Window start: an RFC 3339 time (2026-11-21T08:00:00Z) or a duration
+    /// ago (2h). Default: one hour before --until.
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    since: Option<DateTime<Utc>>,
+
+    /// Window end: an RFC 3339 time, a duration ago, or `now` (the default).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    until: Option<DateTime<Utc>>,
+}
+
+/// A failure, with the exit status it maps to.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn new(code: u8, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn usage(message: impl Into<String>) -> Self {
+        Failure::new(EXIT_USAGE, message)
+    }
+
+    fn not_found(message: impl Into<String>) -> Self {
+        Failure::new(EXIT_NOT_FOUND, message)
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        let code = match &error {
+            Error::MigrationsMissing { .. } => {
+                return Failure::new(
+                    EXIT_NOT_MIGRATED,
+                    "pg-semaphore's migrations are not applied to this database: \
+                     run `pg-semaphore migrate` first",
+                );
+            }
+            Error::SemaphoreNotFound { semaphore } => {
+                return Failure::not_found(format!("no semaphore named {semaphore:?}"));
+            }
+            Error::InvalidArgument { .. } => EXIT_USAGE,
+            _ => EXIT_FAILURE,
+        };
+        let mut message = error.to_string();
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            let cause = cause.to_string();
+            if !message.contains(&cause) {
+                let _ = write!(message, ": {cause}");
+            }
+            source = cause_of(source);
+        }
+        Failure::new(code, message)
+    }
+}
+
+fn cause_of<'a>(
+    error: Option<&'a (dyn std::error::Error + 'static)>,
+) -> Option<&'a (dyn std::error::Error + 'static)> {
+    error.and_then(|e| e.source())
+}
+
+fn main() -> ExitCode {
+    // Variables already in the environment win over the .env file.
+    let _ = dotenvy::dotenv();
+    let cli = Cli::parse(); // usage errors exit with status 2, --help with 0
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("pg-semaphore: error: cannot start the runtime: {error}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(output) => {
+            match std::io::stdout().lock().write_all(output.as_bytes()) {
+                // A closed pipe (`| head`) is not an error worth reporting.
+                Ok(()) => ExitCode::from(EXIT_OK),
+                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => {
+                    ExitCode::from(EXIT_OK)
+                }
+                Err(error) => {
+                    eprintln!("pg-semaphore: error: cannot write the output: {error}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
+        }
+        Err(failure) => {
+            eprintln!("pg-semaphore: error: {}", failure.message);
+            ExitCode::from(failure.code)
+        }
+    }
+}
+
+/// Runs one command; its output goes to stdout.
+async fn run(cli: Cli) -> Result<String, Failure> {
+    let pool = connect(cli.database_url.as_deref()).await?;
+    let output = match cli.command {
+        Command::Migrate => commands::migrate(&pool).await?,
+        Command::Status { name, json } => commands::status(&pool, name.as_deref(), json).await?,
+        Command::Audit(args) => commands::audit(&pool, args).await?,
+        Command::Report(args) => commands::report(&pool, args).await?,
+        Command::Reap => commands::reap(&pool).await?,
+        Command::Release { id } => commands::release(&pool, id).await?,
+        Command::SetCapacity { name, capacity } => {
+            commands::set_capacity(&pool, &name, capacity).await?
+        }
+        Command::Prune { older_than } => commands::prune(&pool, older_than).await?,
+    };
+    pool.close().await;
+    Ok(output)
+}
+
+async fn connect(url: Option<&str>) -> Result<PgPool, Failure> {
+    let Some(url) = url.filter(|u| !u.trim().is_empty()) else {
+        return Err(Failure::usage(
+            "no database: set DATABASE_URL (in the environment or a .env file) \
+             or pass --database-url postgres://user@host/db",
+        ));
+    };
+    let options: PgConnectOptions = url
+        .parse()
+        .map_err(|e| Failure::usage(format!("DATABASE_URL is not a valid PostgreSQL URL: {e}")))?;
+    let target = format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("")
+    );
+    // One direct attempt first: a pool retries a refused connection until
+    // its acquire timeout, and an operator wants the answer now.
+    let probe = PgConnection::connect_with(&options).await.map_err(|e| {
+        Failure::new(
+            EXIT_FAILURE,
+            format!("cannot connect to the database at {target}: {e}"),
+        )
+    })?;
+    let _ = probe.close().await;
+    Ok(PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_lazy_with(options))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

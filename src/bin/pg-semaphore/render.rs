@@ -1,0 +1,286 @@
+//! Rendering the library's data for a terminal or a script: aligned tables,
+//! JSON and CSV, the short human forms of times and durations, and (in
+//! `report`) the HTML report.
+
+pub(crate) mod report;
+
+use std::fmt::Write as _;
+use std::ops::Range;
+use std::time::Duration;
+
+use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
+use pg_semaphore::{ClaimRecord, Outcome, SemaphoreInfo, Summary};
+use serde::Serialize;
+
+/// `pg-semaphore status`: one row per semaphore, then each one's holders.
+pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
+    if list.is_empty() {
+        return "no semaphores yet\n".to_owned();
+    }
+    let mut out = String::new();
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|sem| {
+            let held = sem.holders.len() as u32;
+            vec![
+                sem.name.clone(),
+                sem.capacity.to_string(),
+                held.to_string(),
+                sem.capacity.saturating_sub(held).to_string(),
+                human(sem.default_lease),
+            ]
+        })
+        .collect();
+    table(
+        &mut out,
+        "",
+        &["SEMAPHORE", "CAPACITY", "HELD", "FREE", "LEASE"],
+        &rows,
+    );
+    for sem in list.iter().filter(|s| !s.holders.is_empty()) {
+        let _ = writeln!(out, "\n{}:", sem.name);
+        let rows: Vec<Vec<String>> = sem
+            .holders
+            .iter()
+            .map(|h| {
+                let left = h.expires_at - sem.as_of;
+                vec![
+                    h.id.to_string(),
+                    h.slot.to_string(),
+                    h.holder.clone(),
+                    human(signed(sem.as_of - h.created_at)),
+                    if left > TimeDelta::zero() {
+                        human(signed(left))
+                    } else {
+                        format!("expired {} ago", human(signed(-left)))
+                    },
+                ]
+            })
+            .collect();
+        table(
+            &mut out,
+            "  ",
+            &["CLAIM", "SLOT", "HOLDER", "AGE", "LEASE LEFT"],
+            &rows,
+        );
+    }
+    out
+}
+
+/// `pg-semaphore status --json`: an array of semaphores, as the library
+/// serializes them.
+pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
+    json(&list)
+}
+
+/// `pg-semaphore audit`: the claims as a table, then the summary line.
+pub(crate) fn audit_table(
+    name: &str,
+    window: &Range<DateTime<Utc>>,
+    claims: &[ClaimRecord],
+    summary: &Summary,
+) -> String {
+    let mut out = format!(
+        "claims of {:?} held between {} and {}\n\n",
+        name,
+        rfc3339(window.start),
+        rfc3339(window.end)
+    );
+    if claims.is_empty() {
+        out.push_str("(none)\n");
+    } else {
+        let rows: Vec<Vec<String>> = claims
+            .iter()
+            .map(|c| {
+                vec![
+                    c.id.to_string(),
+                    c.slot.to_string(),
+                    c.holder.clone(),
+                    rfc3339(c.created_at),
+                    c.ended_at.map(rfc3339).unwrap_or_else(|| "-".to_owned()),
+                    outcome(c.outcome).to_owned(),
+                    human(c.held_for),
+                ]
+            })
+            .collect();
+        table(
+            &mut out,
+            "",
+            &[
+                "ID", "SLOT", "HOLDER", "CLAIMED", "ENDED", "OUTCOME", "HELD",
+            ],
+            &rows,
+        );
+    }
+    let hold = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), human);
+    let _ = writeln!(
+        out,
+        "\nsummary: {} claims: {} completed, {} timed out, {} live; \
+         hold time (finished claims) p50 {}, p95 {}, max {}",
+        summary.total(),
+        summary.completed,
+        summary.timed_out,
+        summary.live,
+        hold(summary.p50_hold),
+        hold(summary.p95_hold),
+        hold(summary.max_hold),
+    );
+    out
+}
+
+/// `pg-semaphore audit --json`: the window, its claims and the summary.
+pub(crate) fn audit_json(
+    name: &str,
+    window: &Range<DateTime<Utc>>,
+    claims: &[ClaimRecord],
+    summary: &Summary,
+) -> String {
+    #[derive(Serialize)]
+    struct Audit<'a> {
+        semaphore: &'a str,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        claims: &'a [ClaimRecord],
+        summary: &'a Summary,
+    }
+    json(&Audit {
+        semaphore: name,
+        since: window.start,
+        until: window.end,
+        claims,
+        summary,
+    })
+}
+
+/// Pretty JSON and a newline.
+fn json(value: &impl Serialize) -> String {
+    // Serializing to a String fails only for maps with non-string keys, which
+    // none of these types has.
+    let mut text = serde_json::to_string_pretty(value).expect("JSON of plain data");
+    text.push('\n');
+    text
+}
+
+/// JSON on one line.
+fn json_compact(value: &impl Serialize) -> String {
+    serde_json::to_string(value).expect("JSON of plain data")
+}
+
+/// `pg-semaphore audit --csv`: a header line, then one line per claim.
+pub(crate) fn audit_csv(claims: &[ClaimRecord]) -> String {
+    let mut out = String::from(
+        "id,slot,holder,claimed_at,expires_at,ended_at,outcome,held_seconds,metadata\n",
+    );
+    for c in claims {
+        let fields = [
+            c.id.to_string(),
+            c.slot.to_string(),
+            c.holder.clone(),
+            rfc3339(c.created_at),
+            rfc3339(c.expires_at),
+            c.ended_at.map(rfc3339).unwrap_or_default(),
+            outcome(c.outcome).to_owned(),
+            format!("{:.6}", c.held_for.as_secs_f64()),
+            c.metadata
+                .as_ref()
+                .map(|m| m.to_string())
+                .unwrap_or_default(),
+        ];
+        let line: Vec<String> = fields.iter().map(|f| csv_field(f)).collect();
+        out.push_str(&line.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// RFC 4180: quote a field holding a comma, quote or line break; double its quotes.
+fn csv_field(field: &str) -> String {
+    if field.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", field.replace('"', "\"\""))
+    } else {
+        field.to_owned()
+    }
+}
+
+fn outcome(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Completed => "completed",
+        Outcome::TimedOut => "timed_out",
+        Outcome::Live => "live",
+    }
+}
+
+/// Appends an aligned table (columns padded to their widest cell).
+fn table(out: &mut String, indent: &str, headers: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::from(indent);
+        for (i, (cell, width)) in cells.zip(&widths).enumerate() {
+            if i + 1 == widths.len() {
+                text.push_str(cell);
+            } else {
+                let _ = write!(text, "{cell:<width$}  ");
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut headers.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+}
+
+pub(crate) fn rfc3339(at: DateTime<Utc>) -> String {
+    at.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+pub(crate) fn plural(n: u64) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+fn signed(delta: TimeDelta) -> Duration {
+    delta.to_std().unwrap_or(Duration::ZERO)
+}
+
+/// A short human form: 250ms, 4.2s, 3m07s, 2h05m, 3d04h.
+pub(crate) fn human(d: Duration) -> String {
+    let secs = d.as_secs();
+    if secs < 1 {
+        format!("{}ms", d.as_millis())
+    } else if secs < 60 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if secs < 3600 {
+        format!("{}m{:02}s", secs / 60, secs % 60)
+    } else if secs < 86_400 {
+        format!("{}h{:02}m", secs / 3600, secs % 3600 / 60)
+    } else {
+        format!("{}d{:02}h", secs / 86_400, secs % 86_400 / 3600)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_fields_are_quoted_when_needed() {
+        assert_eq!(csv_field("plain"), "plain");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
+    }
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human(Duration::from_millis(250)), "250ms");
+        assert_eq!(human(Duration::from_millis(4200)), "4.2s");
+        assert_eq!(human(Duration::from_secs(187)), "3m07s");
+        assert_eq!(human(Duration::from_secs(2 * 3600 + 300)), "2h05m");
+        assert_eq!(human(Duration::from_secs(3 * 86_400 + 4 * 3600)), "3d04h");
+    }
+}

@@ -1,0 +1,302 @@
+// Draws a pg-semaphore report from the JSON in #report-data (a serialized
+// `pg_semaphore::Report`). Every string from the data reaches the page
+// through textContent or an attribute, never as markup.
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+const WIDTH = 1200;
+const LEFT = 84;
+const RIGHT = 16;
+const PLOT = WIDTH - LEFT - RIGHT;
+
+const data = JSON.parse(document.getElementById("report-data").textContent);
+
+// chrono writes up to nine fractional digits; Date.parse wants three.
+const ms = (text) => Date.parse(text.replace(/(\.\d{3})\d+/, "$1"));
+const since = ms(data.since);
+const until = ms(data.until);
+const asOf = ms(data.as_of);
+const span = Math.max(until - since, 1);
+const x = (t) => LEFT + ((Math.min(Math.max(t, since), until) - since) / span) * PLOT;
+
+function el(name, attrs, parent) {
+  const node = document.createElementNS(SVG, name);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function text(parent, x0, y0, content, attrs) {
+  const node = el("text", Object.assign({ x: x0, y: y0 }, attrs || {}), parent);
+  node.textContent = content;
+  return node;
+}
+
+function tooltip(node, lines) {
+  el("title", {}, node).textContent = lines.filter((l) => l !== "").join("\n");
+}
+
+function html(tag, className, content) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (content !== undefined) node.textContent = content;
+  return node;
+}
+
+function svgIn(id, height) {
+  const svg = el("svg", { viewBox: `0 0 ${WIDTH} ${height}`, role: "img" });
+  document.getElementById(id).appendChild(svg);
+  return svg;
+}
+
+const pad = (n, width) => String(n).padStart(width || 2, "0");
+
+/// 2026-11-21 08:00:00.000Z
+function stamp(t) {
+  const d = new Date(t);
+  return `${d.getUTCFullYear()}-${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())} ` +
+    `${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}:${pad(d.getUTCSeconds())}.` +
+    `${pad(d.getUTCMilliseconds(), 3)}Z`;
+}
+
+/// A tick label, as precise as the step needs.
+function tickLabel(t, step) {
+  const d = new Date(t);
+  const hms = `${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}`;
+  if (step >= 86400000) return `${d.getUTCFullYear()}-${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())}`;
+  if (step >= 60000) return span > 86400000 ? `${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())} ${hms}` : hms;
+  if (step >= 1000) return `${hms}:${pad(d.getUTCSeconds())}`;
+  return `${hms}:${pad(d.getUTCSeconds())}.${pad(d.getUTCMilliseconds(), 3)}`;
+}
+
+/// 250ms, 4.2s, 3m07s, 2h05m, 3d04h: as the CLI prints durations.
+function human(seconds) {
+  if (seconds === null || seconds === undefined) return "-";
+  const s = Math.floor(seconds);
+  if (s < 1) return `${Math.round(seconds * 1000)}ms`;
+  if (s < 60) return `${seconds.toFixed(1)}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${pad(s % 60)}s`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h${pad(Math.floor((s % 3600) / 60))}m`;
+  return `${Math.floor(s / 86400)}d${pad(Math.floor((s % 86400) / 3600))}h`;
+}
+
+const count = (n) => Number(n).toLocaleString("en-US");
+
+/// A round step (1, 2 or 5 times a power of ten) giving at most `ticks` ticks up to `max`.
+function niceStep(max, ticks) {
+  const raw = Math.max(max / ticks, 1);
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  return [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw);
+}
+
+/// Time axis steps in milliseconds: 1 ms to a year.
+const TIME_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 15e3, 3e4, 6e4, 12e4,
+  3e5, 6e5, 9e5, 18e5, 36e5, 72e5, 108e5, 216e5, 432e5, 864e5, 1728e5, 6048e5, 2592e6, 31536e6];
+
+/// The time axis under a chart: gridlines, ticks, and the window's two ends
+/// written out in full.
+function timeAxis(svg, top, bottom) {
+  const step = TIME_STEPS.find((s) => span / s <= 8) || niceStep(span, 8);
+  const grid = el("g", { class: "grid" }, svg);
+  const axis = el("g", { class: "axis" }, svg);
+  el("line", { x1: LEFT, x2: LEFT + PLOT, y1: bottom, y2: bottom }, axis);
+  for (let t = Math.ceil(since / step) * step; t <= until; t += step) {
+    el("line", { x1: x(t), x2: x(t), y1: top, y2: bottom }, grid);
+    const edge = x(t) - LEFT < 40 || LEFT + PLOT - x(t) < 40;
+    if (!edge) text(axis, x(t), bottom + 14, tickLabel(t, step), { "text-anchor": "middle", class: "tick" });
+  }
+  text(axis, LEFT, bottom + 28, stamp(since), { class: "edge axis-start" });
+  text(axis, LEFT + PLOT, bottom + 28, stamp(until), { "text-anchor": "end", class: "edge axis-end" });
+}
+
+function laneLabel(lane) {
+  const first = lane * data.slots_per_lane;
+  return data.slots_per_lane === 1 ? `slot ${first}` : `slots ${first}-${first + data.slots_per_lane - 1}`;
+}
+
+function header() {
+  document.title = `pg-semaphore report: ${data.semaphore}`;
+  document.getElementById("name").textContent = data.semaphore;
+  document.getElementById("window").textContent =
+    `${stamp(since)} to ${stamp(until)} (${human(span / 1000)}), capacity ${count(data.capacity)}, ` +
+    `read at ${stamp(asOf)}`;
+  const s = data.summary;
+  const peak = Math.max(0, ...data.occupancy.map((b) => b.peak));
+  const mean = data.occupancy.reduce((sum, b) => sum + b.mean, 0) / Math.max(data.occupancy.length, 1);
+  const stats = document.getElementById("stats");
+  for (const [value, label, className] of [
+    [count(s.total), "claims", "total"],
+    [count(s.completed), "completed", "completed"],
+    [count(s.timed_out), "timed out", "timed_out"],
+    [count(s.live), "live", "live"],
+    [human(s.p50_hold_seconds), "p50 hold", "p50"],
+    [human(s.p95_hold_seconds), "p95 hold", "p95"],
+    [human(s.max_hold_seconds), "max hold", "max"],
+    [`${count(peak)} / ${count(data.capacity)}`, "peak held / capacity", "peak"],
+    [mean.toFixed(2), "mean held", "mean"],
+  ]) {
+    const box = html("div", `stat ${className}`);
+    box.appendChild(html("div", "value", value));
+    box.appendChild(html("div", "label", label));
+    stats.appendChild(box);
+  }
+  if (data.aggregated) {
+    const notice = document.getElementById("notice");
+    const lanes = data.slots_per_lane > 1 ? `, each lane standing for ${data.slots_per_lane} slots` : "";
+    notice.textContent =
+      `Aggregated: ${count(s.total)} claims in this window, ` +
+      `${data.slots_per_lane > 1 ? "on too many slots to give each a lane" : "too many to draw one bar each"}. ` +
+      `The timeline shows how busy each slot was in each of ${count(data.occupancy.length)} buckets of ` +
+      `${human(data.bucket_seconds)}${lanes} (darker is busier; red where claims timed out). ` +
+      `Hover a cell for its claims and most frequent holder.`;
+    notice.hidden = false;
+  }
+}
+
+function timeline() {
+  const laneHeight = Math.max(3, Math.min(22, Math.floor(440 / Math.max(data.lanes, 1))));
+  const top = 4;
+  const bottom = top + laneHeight * data.lanes;
+  const svg = svgIn("timeline", bottom + 36);
+  svg.setAttribute("id", "timeline-svg");
+  svg.dataset.lanes = data.lanes;
+  const lanes = el("g", { class: "lanes" }, svg);
+  for (let lane = 0; lane < data.lanes; lane++) {
+    const y = top + lane * laneHeight;
+    if (lane % 2 === 0) el("rect", { class: "lane-bg", x: LEFT, y, width: PLOT, height: laneHeight }, lanes);
+    if (laneHeight >= 10 || lane % Math.ceil(10 / laneHeight) === 0) {
+      text(lanes, LEFT - 8, y + Math.min(laneHeight, 14) - 3, laneLabel(lane), { "text-anchor": "end", class: "lane-label" });
+    }
+  }
+  timeAxis(svg, top, bottom);
+  const marks = el("g", { class: "marks" }, svg);
+  const gap = laneHeight > 6 ? 2 : 0;
+  if (!data.aggregated) {
+    if (data.claims.length === 0) {
+      text(marks, LEFT + PLOT / 2, top + 16, "no claims in this window", { "text-anchor": "middle", class: "empty" });
+    }
+    for (const c of data.claims) {
+      const start = ms(c.claimed_at);
+      const end = c.ended_at === null ? Math.min(asOf, until) : ms(c.ended_at);
+      const x0 = x(start);
+      const bar = el("rect", {
+        class: `bar ${c.outcome}${start < since ? " clipped" : ""}`,
+        "data-id": c.id,
+        x: x0,
+        y: top + c.slot * laneHeight + gap / 2,
+        width: Math.max(x(end) - x0, 1),
+        height: laneHeight - gap,
+      }, marks);
+      tooltip(bar, [
+        `claim #${c.id} on slot ${c.slot}: ${c.outcome.replace("_", " ")}`,
+        `holder: ${c.holder}`,
+        `claimed ${stamp(start)}`,
+        c.ended_at === null ? "still held" : `ended ${stamp(end)}`,
+        `held ${human(c.held_seconds)}`,
+        c.metadata === null ? "" : `metadata: ${JSON.stringify(c.metadata, null, 1)}`,
+      ]);
+    }
+    return;
+  }
+  const width = PLOT / data.occupancy.length;
+  const perCell = data.bucket_seconds * data.slots_per_lane;
+  for (const cell of data.cells) {
+    const busy = Math.min(cell.busy_seconds / perCell, 1);
+    const light = 92 - Math.round(busy * 62);
+    const hue = cell.timed_out > 0 ? "0, 70%" : "221, 83%";
+    const start = since + cell.bucket * data.bucket_seconds * 1000;
+    const rect = el("rect", {
+      class: "cell",
+      x: LEFT + cell.bucket * width,
+      y: top + cell.lane * laneHeight + gap / 2,
+      width: Math.max(width - 0.3, 0.5),
+      height: laneHeight - gap,
+      fill: `hsl(${hue}, ${light}%)`,
+    }, marks);
+    tooltip(rect, [
+      `${laneLabel(cell.lane)}, ${stamp(start)} + ${human(data.bucket_seconds)}`,
+      `busy ${(busy * 100).toFixed(0)}%, ${count(cell.claims)} claims, ${count(cell.timed_out)} timed out`,
+      `most frequent holder: ${cell.top_holder}`,
+    ]);
+  }
+}
+
+function occupancy() {
+  const height = 200;
+  const top = 8;
+  const bottom = top + height;
+  const svg = svgIn("occupancy", bottom + 36);
+  svg.setAttribute("id", "occupancy-svg");
+  const buckets = data.occupancy;
+  const yMax = Math.max(data.capacity, ...buckets.map((b) => b.peak), 1) * 1.1;
+  const y = (v) => bottom - (v / yMax) * height;
+  const grid = el("g", { class: "grid" }, svg);
+  const axis = el("g", { class: "axis" }, svg);
+  const yStep = niceStep(yMax, 5);
+  for (let v = 0; v <= yMax; v += yStep) {
+    el("line", { x1: LEFT, x2: LEFT + PLOT, y1: y(v), y2: y(v) }, grid);
+    text(axis, LEFT - 8, y(v) + 4, count(v), { "text-anchor": "end" });
+  }
+  timeAxis(svg, top, bottom);
+  const width = PLOT / buckets.length;
+  const marks = el("g", { class: "marks" }, svg);
+  let peak = "";
+  buckets.forEach((b, i) => {
+    const x0 = LEFT + i * width;
+    const bar = el("rect", {
+      class: "occ-mean", x: x0, y: y(b.mean), width: Math.max(width - 0.3, 0.5), height: bottom - y(b.mean),
+    }, marks);
+    tooltip(bar, [`${stamp(ms(b.start))} + ${human(data.bucket_seconds)}`, `mean held ${b.mean.toFixed(2)}, peak ${b.peak}`]);
+    peak += `${i === 0 ? "M" : "L"}${x0},${y(b.peak)}H${x0 + width}`;
+  });
+  el("path", { class: "occ-peak", d: peak }, marks);
+  el("line", { class: "capacity", x1: LEFT, x2: LEFT + PLOT, y1: y(data.capacity), y2: y(data.capacity) }, marks);
+  text(marks, LEFT + PLOT - 4, y(data.capacity) - 5, `capacity ${count(data.capacity)}`, {
+    "text-anchor": "end", class: "capacity-label",
+  });
+}
+
+function holdTimes() {
+  const bins = data.hold_times;
+  if (bins.length === 0) {
+    document.getElementById("holds").appendChild(html("p", "empty", "no finished claims in this window"));
+    return;
+  }
+  const height = 160;
+  const top = 8;
+  const bottom = top + height;
+  const svg = svgIn("holds", bottom + 36);
+  svg.setAttribute("id", "holds-svg");
+  const yMax = Math.max(...bins.map((b) => b.completed + b.timed_out), 1) * 1.1;
+  const y = (v) => bottom - (v / yMax) * height;
+  const grid = el("g", { class: "grid" }, svg);
+  const axis = el("g", { class: "axis" }, svg);
+  const yStep = niceStep(yMax, 4);
+  for (let v = 0; v <= yMax; v += yStep) {
+    el("line", { x1: LEFT, x2: LEFT + PLOT, y1: y(v), y2: y(v) }, grid);
+    text(axis, LEFT - 8, y(v) + 4, count(v), { "text-anchor": "end" });
+  }
+  el("line", { x1: LEFT, x2: LEFT + PLOT, y1: bottom, y2: bottom }, axis);
+  const width = PLOT / bins.length;
+  const marks = el("g", { class: "marks" }, svg);
+  bins.forEach((b, i) => {
+    const x0 = LEFT + i * width;
+    let base = bottom;
+    for (const outcome of ["completed", "timed_out"]) {
+      if (b[outcome] === 0) continue;
+      const h = bottom - y(b[outcome]);
+      const bar = el("rect", { class: `hold ${outcome}`, x: x0 + 1, y: base - h, width: Math.max(width - 2, 1), height: h }, marks);
+      tooltip(bar, [`held ${human(b.from_seconds)} to ${human(b.to_seconds)}`, `${count(b[outcome])} ${outcome.replace("_", " ")}`]);
+      base -= h;
+    }
+    if (i % 5 === 0) text(axis, x0, bottom + 14, human(b.from_seconds), { "text-anchor": "middle" });
+  });
+  text(axis, LEFT + PLOT, bottom + 14, human(bins[bins.length - 1].to_seconds), { "text-anchor": "end" });
+  text(axis, LEFT + PLOT / 2, bottom + 30, "hold time (finished claims)", { "text-anchor": "middle" });
+}
+
+header();
+timeline();
+occupancy();
+holdTimes();
+document.body.dataset.rendered = "true";

@@ -1,0 +1,104 @@
+//! `pg-semaphore report --html`: one self-contained page (no network) that
+//! draws a [`Report`] with inline CSS, JavaScript and SVG.
+//!
+//! The report goes into the page as JSON in a `<script
+//! type="application/json">` element, with `<`, `>` and `&` written as
+//! `\u003c`, `\u003e` and `\u0026`: a holder or metadata string can neither
+//! close that element nor open another, and the script (`report.js`) puts
+//! every string into the page with `textContent`, never as markup. The
+//! Content-Security-Policy forbids loading anything from anywhere.
+
+use pg_semaphore::Report;
+
+use super::json_compact;
+
+const CSS: &str = include_str!("report.css");
+const JS: &str = include_str!("report.js");
+
+/// The page.
+pub(crate) fn html(report: &Report) -> String {
+    format!(
+        r#"<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
+<title>pg-semaphore report</title>
+<style>
+{CSS}</style>
+</head>
+<body>
+<header>
+<h1>pg-semaphore report: <span id="name"></span></h1>
+<p class="sub" id="window"></p>
+<p class="notice" id="notice" hidden></p>
+<noscript><p class="notice">This report draws its charts with JavaScript: allow scripts for this file.</p></noscript>
+<div class="stats" id="stats"></div>
+</header>
+<main>
+<h2>Claims per slot</h2>
+<div id="timeline"></div>
+<div class="legend">
+<span><i class="swatch completed"></i>completed</span>
+<span><i class="swatch timed_out"></i>timed out</span>
+<span><i class="swatch live"></i>live</span>
+<span><i class="swatch busy"></i><i class="swatch busy-timeout"></i>busy share of a time bucket (when aggregated)</span>
+<span>hover a bar for its holder and metadata</span>
+</div>
+<h2>Occupancy against capacity</h2>
+<div id="occupancy"></div>
+<div class="legend">
+<span><i class="swatch mean"></i>mean held per time bucket</span>
+<span><i class="swatch peak"></i>peak held</span>
+<span><i class="swatch cap"></i>capacity (now)</span>
+</div>
+<h2>Hold times</h2>
+<div id="holds"></div>
+<div class="legend">
+<span><i class="swatch completed"></i>completed</span>
+<span><i class="swatch timed_out"></i>timed out</span>
+</div>
+</main>
+<footer>pg-semaphore {version} · times in UTC</footer>
+<script type="application/json" id="report-data">{data}</script>
+<script>
+{JS}</script>
+</body>
+</html>
+"#,
+        version = env!("CARGO_PKG_VERSION"),
+        data = script_json(&json_compact(report)),
+    )
+}
+
+/// JSON made safe inside a `<script>` element. `<`, `>` and `&` only occur
+/// inside JSON strings, where their `\u` escapes mean the same characters.
+fn script_json(json: &str) -> String {
+    json.replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_json_cannot_close_its_script_element() {
+        let hostile = r#"{"holder":"</script><script>alert(1)</script><!-- & -->"}"#;
+        let safe = script_json(hostile);
+        assert!(!safe.contains('<') && !safe.contains('>') && !safe.contains('&'));
+        let back: serde_json::Value = serde_json::from_str(&safe).unwrap();
+        let original: serde_json::Value = serde_json::from_str(hostile).unwrap();
+        assert_eq!(back, original);
+    }
+
+    #[test]
+    fn the_inline_assets_cannot_end_their_elements_early() {
+        assert!(!JS.to_ascii_lowercase().contains("</script"));
+        assert!(!CSS.to_ascii_lowercase().contains("</style"));
+        // Strings from the data reach the page as text only.
+        assert!(!JS.contains("innerHTML") && !JS.contains("insertAdjacentHTML"));
+    }
+}
