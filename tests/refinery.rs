@@ -9,7 +9,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use pg_semaphore::{REFINERY_TABLE, Semaphore};
-use sqlx::PgPool;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -22,67 +21,6 @@ async fn client(db: &support::TestDb) -> tokio_postgres::Client {
     client
 }
 
-/// History tables, which differ by design (each tool its own).
-const HISTORY: &str = "(_sqlx_migrations|refinery_schema_history)";
-
-/// The catalog of the `pgsemaphore` schema, one sorted list of definitions
-/// per kind of object.
-async fn catalog(pool: &PgPool) -> Vec<(&'static str, Vec<String>)> {
-    let queries = [
-        (
-            "relations",
-            "SELECT c.relname || ' kind=' || c.relkind::text || ' options=' || coalesce(array_to_string(c.reloptions, ','), '')
-               FROM pg_class c
-              WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND c.relname !~ $1",
-        ),
-        (
-            "columns",
-            "SELECT c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
-                    || ' notnull=' || a.attnotnull || ' identity=' || a.attidentity::text
-                    || ' generated=' || a.attgenerated::text || ' position=' || a.attnum
-                    || ' default=' || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
-               FROM pg_attribute a
-               JOIN pg_class c ON c.oid = a.attrelid
-               LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-              WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND c.relname !~ $1
-                AND c.relkind IN ('r', 'p', 'v', 'm') AND a.attnum > 0 AND NOT a.attisdropped",
-        ),
-        (
-            "indexes",
-            "SELECT pg_get_indexdef(i.indexrelid)
-               FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
-              WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND c.relname !~ $1",
-        ),
-        (
-            "constraints",
-            "SELECT t.relname || ' ' || k.conname || ' ' || pg_get_constraintdef(k.oid)
-               FROM pg_constraint k JOIN pg_class t ON t.oid = k.conrelid
-              WHERE k.connamespace = 'pgsemaphore'::regnamespace AND t.relname !~ $1",
-        ),
-        (
-            "functions",
-            "SELECT pg_get_functiondef(p.oid) FROM pg_proc p
-              WHERE p.pronamespace = 'pgsemaphore'::regnamespace AND $1 <> ''",
-        ),
-        (
-            "triggers",
-            "SELECT pg_get_triggerdef(g.oid) FROM pg_trigger g JOIN pg_class c ON c.oid = g.tgrelid
-              WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND NOT g.tgisinternal AND c.relname !~ $1",
-        ),
-    ];
-    let mut catalog = Vec::new();
-    for (kind, sql) in queries {
-        let mut rows: Vec<String> = sqlx::query_scalar(sql)
-            .bind(HISTORY)
-            .fetch_all(pool)
-            .await
-            .unwrap_or_else(|e| panic!("read {kind}: {e}"));
-        rows.sort();
-        catalog.push((kind, rows));
-    }
-    catalog
-}
-
 #[tokio::test]
 async fn refinery_builds_the_same_schema_as_sqlx() -> TestResult {
     let by_sqlx = support::migrated_db().await;
@@ -93,15 +31,7 @@ async fn refinery_builds_the_same_schema_as_sqlx() -> TestResult {
         pg_semaphore::migrator().iter().count()
     );
 
-    let expected = catalog(&by_sqlx.pool).await;
-    let actual = catalog(&by_refinery.pool).await;
-    for ((kind, expected), (_, actual)) in expected.iter().zip(&actual) {
-        assert!(
-            !expected.is_empty() || *kind == "triggers",
-            "no {kind} at all"
-        );
-        assert_eq!(actual, expected, "{kind} differ");
-    }
+    support::catalog::assert_same(&by_sqlx.pool, &by_refinery.pool).await;
 
     // The crate works on the refinery-migrated database.
     let sem = Semaphore::builder("after-refinery", 1)

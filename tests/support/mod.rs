@@ -2,6 +2,7 @@
 //! `server.rs` finds or starts, so tests are isolated and run in parallel.
 #![allow(dead_code)]
 
+pub mod catalog;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod server;

@@ -1,0 +1,80 @@
+//! Compile-time checks, as tokio's `bounds` tests: the public types and
+//! futures can be shared across threads and spawned. Nothing here runs
+//! against a database: if it compiles, it passes.
+
+use std::time::Duration;
+
+use pg_semaphore::{
+    AuditLog, Claim, Decision, Error, FixedWindow, LostReason, Mutex, MutexGuard, Permit, Reaper,
+    Semaphore, SemaphoreBuilder, SessionGuard, SlidingWindow, TokenBucket, WaitedFor,
+};
+use sqlx::PgPool;
+
+fn send<T: Send>(_: &T) {}
+fn sync<T: Sync>(_: &T) {}
+fn unpin<T: Unpin>(_: &T) {}
+fn spawnable<T: Send + 'static>(_: &T) {}
+
+#[test]
+fn handles_and_guards_are_send_and_sync() {
+    fn all<T: Send + Sync + Unpin + std::fmt::Debug>() {}
+    all::<Semaphore>();
+    all::<SemaphoreBuilder>();
+    all::<Permit>();
+    all::<Claim<'static>>();
+    all::<Mutex>();
+    all::<MutexGuard>();
+    all::<SessionGuard>();
+    all::<Reaper>();
+    all::<AuditLog>();
+    all::<TokenBucket>();
+    all::<FixedWindow>();
+    all::<SlidingWindow>();
+    all::<Decision>();
+    all::<LostReason>();
+    all::<WaitedFor>();
+    // Errors travel in Box<dyn Error + Send + Sync> (anyhow, tokio tasks).
+    fn boxed<T: std::error::Error + Send + Sync + 'static>() {}
+    boxed::<Error>();
+}
+
+/// Every public future can be spawned on a multi-threaded runtime.
+#[allow(dead_code, clippy::too_many_arguments)]
+fn futures_are_send(
+    sem: Semaphore,
+    permit: Permit,
+    mutex: Mutex,
+    pool: PgPool,
+    session: SessionGuard,
+    bucket: TokenBucket,
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+) {
+    let second = Duration::from_secs(1);
+    send(&Semaphore::builder("s", 1).build(&pool));
+    send(&sem.try_acquire());
+    send(&sem.acquire());
+    send(&sem.acquire_timeout(second));
+    send(&sem.try_acquire_many(2));
+    send(&sem.acquire_many_timeout(2, second));
+    send(&sem.claim().metadata(serde_json::json!({})).acquire());
+    send(&sem.wait_idle_timeout(second));
+    send(&sem.available_permits());
+    send(&sem.queue_len());
+    send(&permit.lost());
+    send(&permit.fence(&mut tx));
+    send(&mutex.lock(&pool));
+    send(&mutex.lock_timeout(&pool, second));
+    send(&mutex.try_lock(&pool));
+    send(&mutex.lock_session(&pool));
+    send(&mutex.try_lock_in(&mut tx));
+    spawnable(&session.lost());
+    unpin(&Box::pin(session.lost()));
+    send(&session.unlock());
+    send(&bucket.check("key", 1));
+    send(&pg_semaphore::migrate(&pool));
+    send(&pg_semaphore::reap(&pool));
+    send(&pg_semaphore::semaphores(&pool));
+    send(&pg_semaphore::set_capacity(&pool, "s", 2));
+    send(&permit.release());
+    sync(&sem);
+}
