@@ -197,8 +197,8 @@ pub use error::{Error, LostReason, Result, WaitedFor};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, FixedWindowBuilder, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW,
-    SlidingWindow, SlidingWindowBuilder, TokenBucket, TokenBucketBuilder, prune_rate_limits,
+    Decision, FixedWindow, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
+    TokenBucket, TokenBucketBuilder, WindowBuilder, prune_rate_limits,
 };
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{

@@ -4,8 +4,12 @@
 //! created by the key's first check. A check is one call of one SQL function
 //! (one round trip) that locks the key's row, reads the database clock and
 //! decides, so concurrent checks from any number of processes never admit
-//! more than the limit. The functions are in
-//! `migrations/20261121000004_pgsemaphore_rate_limits.sql`.
+//! more than the limit. The functions are `pgsemaphore.token_bucket`,
+//! `fixed_window` and `sliding_window` (see schema/pgsemaphore.sql).
+//!
+//! The three limiters share one engine (`Limiter`: the pool, the name, the
+//! policy, fail-open); [`FixedWindow`] and [`SlidingWindow`] share one
+//! builder ([`WindowBuilder`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -265,8 +269,8 @@ macro_rules! common_builder_methods {
         /// Admit requests when the database cannot be reached (default
         /// `false`: `check` returns the error).
         ///
-        /// Seed 002's advice: a rate limiter should not make the database a
-        /// hard dependency of every request. With `fail_open(true)`, a check
+        /// Stripe's advice: a rate limiter should not make its store a hard
+        /// dependency of every request. With `fail_open(true)`, a check
         /// that fails because the database is unreachable (connection
         /// refused or lost, pool timed out or closed, server shutting down,
         /// too many connections) returns an admitting [`Decision`] with
@@ -334,7 +338,8 @@ macro_rules! common_limiter_methods {
 // Token bucket
 // ---------------------------------------------------------------------------
 
-/// A token bucket per key, with Stripe's semantics (seed 002).
+/// A token bucket per key, with the semantics of Stripe's request rate
+/// limiter ("Scaling your API with rate limiters").
 ///
 /// Each key has a bucket of up to `burst` tokens that refills continuously at
 /// `rate` tokens per second; a check takes `permits` tokens if the bucket has
@@ -474,8 +479,8 @@ impl TokenBucket {
 // Fixed window
 // ---------------------------------------------------------------------------
 
-/// At most `permit_limit` permits per key per window (seed 003's
-/// `FixedWindowRateLimiter`).
+/// At most `permit_limit` permits per key per window (.NET's
+/// `System.Threading.RateLimiting.FixedWindowRateLimiter`).
 ///
 /// A key's first check starts its first window; the next windows follow back
 /// to back on that key's own grid, so keys do not all reset at the same
@@ -503,57 +508,12 @@ pub struct FixedWindow {
     inner: Arc<Limiter>,
 }
 
-/// Configures a [`FixedWindow`]; made by [`FixedWindow::builder`].
-#[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `.build(&pool)`"]
-pub struct FixedWindowBuilder {
-    common: Common,
-    limit: Option<u32>,
-    window: Option<Duration>,
-}
-
-impl FixedWindowBuilder {
-    /// Permits granted per key per window (required, at least 1).
-    pub fn permit_limit(mut self, permits: u32) -> Self {
-        self.limit = Some(permits);
-        self
-    }
-
-    /// The window's length (required, [`MIN_WINDOW`] to [`MAX_WINDOW`];
-    /// measured on the database clock, to the microsecond).
-    pub fn window(mut self, window: Duration) -> Self {
-        self.window = Some(window);
-        self
-    }
-
-    common_builder_methods!();
-
-    /// Validates the settings. Nothing is written: each key's row is created
-    /// by its first check.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for a bad name, a permit limit of 0 or not
-    /// set, a window not set or outside [`MIN_WINDOW`]..=[`MAX_WINDOW`].
-    pub fn build(self, pool: &PgPool) -> Result<FixedWindow> {
-        let (limit, window) = window_policy(self.window, self.limit)?;
-        let inner = self
-            .common
-            .build(pool, Policy::FixedWindow { limit, window })?;
-        Ok(FixedWindow { inner })
-    }
-}
-
 impl FixedWindow {
     /// Starts configuring the fixed window limiter `name`: set
-    /// [`permit_limit`](FixedWindowBuilder::permit_limit) and
-    /// [`window`](FixedWindowBuilder::window).
-    pub fn builder(name: impl Into<String>) -> FixedWindowBuilder {
-        FixedWindowBuilder {
-            common: Common::new(name.into()),
-            limit: None,
-            window: None,
-        }
+    /// [`permit_limit`](WindowBuilder::permit_limit) and
+    /// [`window`](WindowBuilder::window).
+    pub fn builder(name: impl Into<String>) -> WindowBuilder<FixedWindow> {
+        WindowBuilder::new(name.into())
     }
 
     /// Permits per key per window.
@@ -577,7 +537,7 @@ impl FixedWindow {
 // ---------------------------------------------------------------------------
 
 /// At most about `permit_limit` permits per key in any window's length
-/// (seed 003's `SlidingWindowRateLimiter`), as a **weighted previous +
+/// (.NET's `SlidingWindowRateLimiter`), as a **weighted previous +
 /// current window**.
 ///
 /// Each key keeps two counters: permits granted in the current window and in
@@ -611,57 +571,12 @@ pub struct SlidingWindow {
     inner: Arc<Limiter>,
 }
 
-/// Configures a [`SlidingWindow`]; made by [`SlidingWindow::builder`].
-#[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `.build(&pool)`"]
-pub struct SlidingWindowBuilder {
-    common: Common,
-    limit: Option<u32>,
-    window: Option<Duration>,
-}
-
-impl SlidingWindowBuilder {
-    /// Permits granted per key per window's length (required, at least 1).
-    pub fn permit_limit(mut self, permits: u32) -> Self {
-        self.limit = Some(permits);
-        self
-    }
-
-    /// The window's length (required, [`MIN_WINDOW`] to [`MAX_WINDOW`];
-    /// measured on the database clock, to the microsecond).
-    pub fn window(mut self, window: Duration) -> Self {
-        self.window = Some(window);
-        self
-    }
-
-    common_builder_methods!();
-
-    /// Validates the settings. Nothing is written: each key's row is created
-    /// by its first check.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for a bad name, a permit limit of 0 or not
-    /// set, a window not set or outside [`MIN_WINDOW`]..=[`MAX_WINDOW`].
-    pub fn build(self, pool: &PgPool) -> Result<SlidingWindow> {
-        let (limit, window) = window_policy(self.window, self.limit)?;
-        let inner = self
-            .common
-            .build(pool, Policy::SlidingWindow { limit, window })?;
-        Ok(SlidingWindow { inner })
-    }
-}
-
 impl SlidingWindow {
     /// Starts configuring the sliding window limiter `name`: set
-    /// [`permit_limit`](SlidingWindowBuilder::permit_limit) and
-    /// [`window`](SlidingWindowBuilder::window).
-    pub fn builder(name: impl Into<String>) -> SlidingWindowBuilder {
-        SlidingWindowBuilder {
-            common: Common::new(name.into()),
-            limit: None,
-            window: None,
-        }
+    /// [`permit_limit`](WindowBuilder::permit_limit) and
+    /// [`window`](WindowBuilder::window).
+    pub fn builder(name: impl Into<String>) -> WindowBuilder<SlidingWindow> {
+        WindowBuilder::new(name.into())
     }
 
     /// Permits per key per window's length.
@@ -678,6 +593,108 @@ impl SlidingWindow {
     }
 
     common_limiter_methods!("permits");
+}
+
+// ---------------------------------------------------------------------------
+// The windows' builder
+// ---------------------------------------------------------------------------
+
+/// Configures a [`FixedWindow`] or a [`SlidingWindow`] (the same settings);
+/// made by [`FixedWindow::builder`] or [`SlidingWindow::builder`].
+#[must_use = "a builder does nothing until `.build(&pool)`"]
+pub struct WindowBuilder<L> {
+    common: Common,
+    limit: Option<u32>,
+    window: Option<Duration>,
+    kind: std::marker::PhantomData<fn() -> L>,
+}
+
+impl<L> fmt::Debug for WindowBuilder<L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WindowBuilder")
+            .field("common", &self.common)
+            .field("limit", &self.limit)
+            .field("window", &self.window)
+            .finish()
+    }
+}
+
+impl<L> Clone for WindowBuilder<L> {
+    fn clone(&self) -> Self {
+        WindowBuilder {
+            common: self.common.clone(),
+            limit: self.limit,
+            window: self.window,
+            kind: std::marker::PhantomData,
+        }
+    }
+}
+
+/// The limiters a [`WindowBuilder`] builds.
+trait WindowLimiter: Sized {
+    fn policy(limit: u32, window: Duration) -> Policy;
+    fn wrap(inner: Arc<Limiter>) -> Self;
+}
+
+impl WindowLimiter for FixedWindow {
+    fn policy(limit: u32, window: Duration) -> Policy {
+        Policy::FixedWindow { limit, window }
+    }
+
+    fn wrap(inner: Arc<Limiter>) -> Self {
+        FixedWindow { inner }
+    }
+}
+
+impl WindowLimiter for SlidingWindow {
+    fn policy(limit: u32, window: Duration) -> Policy {
+        Policy::SlidingWindow { limit, window }
+    }
+
+    fn wrap(inner: Arc<Limiter>) -> Self {
+        SlidingWindow { inner }
+    }
+}
+
+impl<L> WindowBuilder<L> {
+    fn new(name: String) -> Self {
+        WindowBuilder {
+            common: Common::new(name),
+            limit: None,
+            window: None,
+            kind: std::marker::PhantomData,
+        }
+    }
+
+    /// Permits granted per key per window (required, at least 1).
+    pub fn permit_limit(mut self, permits: u32) -> Self {
+        self.limit = Some(permits);
+        self
+    }
+
+    /// The window's length (required, [`MIN_WINDOW`] to [`MAX_WINDOW`];
+    /// measured on the database clock, to the microsecond).
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    common_builder_methods!();
+}
+
+#[allow(private_bounds)]
+impl<L: WindowLimiter> WindowBuilder<L> {
+    /// Validates the settings. Nothing is written: each key's row is created
+    /// by its first check.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad name, a permit limit of 0 or not
+    /// set, a window not set or outside [`MIN_WINDOW`]..=[`MAX_WINDOW`].
+    pub fn build(self, pool: &PgPool) -> Result<L> {
+        let (limit, window) = window_policy(self.window, self.limit)?;
+        Ok(L::wrap(self.common.build(pool, L::policy(limit, window))?))
+    }
 }
 
 // ---------------------------------------------------------------------------
