@@ -29,9 +29,6 @@
 //! Every ratio and PASS/FAIL is computed from numbers measured in the same
 //! run. Tables (or JSON) go to stdout, progress to stderr.
 
-#[path = "../tests/support/server.rs"]
-mod server;
-
 use std::future::Future;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -44,6 +41,7 @@ use pg_semaphore::{
 use serde_json::{Map, Value, json};
 use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
+use testkit::server;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Res<T> = Result<T, BoxError>;

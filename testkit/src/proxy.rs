@@ -9,7 +9,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-use super::TestDb;
+use crate::TestDb;
 
 /// A running proxy; [`cut`](Proxy::cut) makes the database unreachable through it.
 #[derive(Debug)]
@@ -20,6 +20,10 @@ pub struct Proxy {
 
 impl Proxy {
     /// Starts a proxy to `db`'s server.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot bind a port on 127.0.0.1.
     pub async fn start(db: &TestDb) -> Proxy {
         let target = format!("{}:{}", db.options.get_host(), db.options.get_port());
         let listener = TcpListener::bind("127.0.0.1:0")
@@ -47,6 +51,10 @@ impl Proxy {
     }
 
     /// A pool that reaches the database through this proxy.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot connect.
     pub async fn pool(&self, max_connections: u32) -> PgPool {
         PgPoolOptions::new()
             .max_connections(max_connections)
