@@ -59,14 +59,20 @@ pub fn require_tool(program: &str, install: &str) -> Option<PathBuf> {
 
 /// [`require_tool`] for a tool whose version matters: `program --version`
 /// must print `version` as the start of a version number (`"0.9"` matches
-/// `sqlx-cli 0.9.0`, not `0.10.1` or `10.9`). Another version counts as missing.
+/// `sqlx-cli 0.9.0`, not `0.10.1` or `10.9`). Another version counts as
+/// missing. `name` is what messages call it (`sqlx-cli` for `sqlx`).
 ///
 /// # Panics
 ///
 /// As [`require_tool`].
-pub fn require_tool_version(program: &str, version: &str, install: &str) -> Option<PathBuf> {
+pub fn require_tool_version(
+    name: &str,
+    program: &str,
+    version: &str,
+    install: &str,
+) -> Option<PathBuf> {
     let Some(path) = find_tool(program) else {
-        return missing(&format!("{program} {version} not found"), install);
+        return missing(&format!("{name} {version} not found"), install);
     };
     let printed = Command::new(&path)
         .arg("--version")
@@ -83,7 +89,7 @@ pub fn require_tool_version(program: &str, version: &str, install: &str) -> Opti
     } else {
         let found = printed.lines().next().unwrap_or("an unknown version");
         missing(
-            &format!("{program} {version} not found ({found} is installed)"),
+            &format!("{name} {version} not found ({found} is installed)"),
             install,
         )
     }
@@ -103,13 +109,14 @@ fn missing(what: &str, install: &str) -> Option<PathBuf> {
     // Once per tool and test process, and straight to stderr: the test harness
     // captures `eprintln!` of passing tests, and a skip must be seen.
     static REPORTED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
-    let line = format!("skipped: {what}; {how}");
+    let line = format!("skipped: {what}; {how}\n");
     let first = REPORTED
         .lock()
         .map(|mut reported| reported.insert(line.clone()))
         .unwrap_or(true);
     if first {
-        let _ = writeln!(std::io::stderr().lock(), "{line}");
+        // One write, so that the test harness's own output cannot split the line.
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }
     None
 }
