@@ -32,7 +32,10 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
     for server in &ctx.servers.clone() {
         let cells = wakeup_on(server, &s).await?;
         let ours = &cells[2];
-        let idle_base = cells[4].p50();
+        let idle_base = cells
+            .iter()
+            .find(|c| c.implementation == WAKE_SELECT_IDLE)
+            .and_then(Cell::p50);
         let label = server.label;
         let ratio = ours.ratio("p50_vs_idle_select1_p50");
         ctx.report.targets.push(Target::at_most(
@@ -66,7 +69,7 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
                 fmt_opt(ours.p50()),
                 fmt_opt(ours.p99()),
                 fmt_dur(pg_semaphore::DEFAULT_FALLBACK_INTERVAL),
-                fmt_opt(cells[5].p50())
+                fmt_opt(cells[3].p50())
             ),
         ));
         all.extend(cells);
