@@ -23,8 +23,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pg_semaphore::{Error, Semaphore};
 use serde_json::json;
+use sqlx::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgConnection, PgPool};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
@@ -101,6 +101,7 @@ pub async fn worker(args: &[String]) -> Res<()> {
         }
     }
     let semaphores = Arc::new(semaphores);
+    let probe_sem = Semaphore::builder(PROBE_SEMAPHORE, 1).build(&pool).await?;
 
     let (out, mut lines) = mpsc::unbounded_channel::<String>();
     let writer = tokio::spawn(async move {
@@ -131,9 +132,9 @@ pub async fn worker(args: &[String]) -> Res<()> {
                 });
             }
             ["probe", seq] => {
-                let (pool, out, seq) = (pool.clone(), out.clone(), seq.to_string());
+                let (probe_sem, out, seq) = (probe_sem.clone(), out.clone(), seq.to_string());
                 tokio::spawn(async move {
-                    let answer = match probe(&pool).await {
+                    let answer = match probe(&probe_sem).await {
                         Ok(nanos) => format!("woke {seq} {nanos}\n"),
                         Err(error) => format!("failed {seq} {error}\n"),
                     };
@@ -183,8 +184,7 @@ async fn run_cycles(
 }
 
 /// Waits for the probe semaphore; the wall-clock time it was granted.
-async fn probe(pool: &PgPool) -> Res<u128> {
-    let sem = Semaphore::builder(PROBE_SEMAPHORE, 1).build(pool).await?;
+async fn probe(sem: &Semaphore) -> Res<u128> {
     let permit = sem.acquire_timeout(FLEET_PATIENCE).await?;
     let woke = unix_nanos();
     permit.release().await?;
