@@ -14,9 +14,6 @@
 //! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
 //! starts a throwaway PostgreSQL, exactly as the tests do.
 
-#[path = "../tests/support/server.rs"]
-mod server;
-
 use std::time::Duration;
 
 use axum::Router;
@@ -28,6 +25,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use pg_semaphore::{AuditLog, Semaphore, SemaphoreLayer};
 use sqlx::postgres::PgPoolOptions;
+use testkit::server;
 
 /// Stands in for the call to the fragile upstream.
 async fn charge() -> &'static str {

@@ -17,14 +17,12 @@
 //! exactly as the tests do. The workers are copies of this program, started
 //! as `mutex worker <id> <job> <start at>` with `DATABASE_URL` set.
 
-#[path = "../tests/support/server.rs"]
-mod server;
-
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pg_semaphore::{Error, Mutex};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use testkit::server;
 
 const WORKERS: u32 = 5;
 /// Workers above this id wait for the lock instead of skipping.

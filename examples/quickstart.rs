@@ -13,13 +13,11 @@
 //! starts a throwaway PostgreSQL from the locally installed server binaries,
 //! exactly as the tests do.
 
-#[path = "../tests/support/server.rs"]
-mod server;
-
 use std::time::{Duration, Instant};
 
 use pg_semaphore::{Error, Reaper, Semaphore};
 use sqlx::postgres::PgPoolOptions;
+use testkit::server;
 use tokio::sync::oneshot;
 
 const CAPACITY: u32 = 4;

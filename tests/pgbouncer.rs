@@ -16,6 +16,10 @@
 //! - What works: an explicit transaction and `.persistent(false)`, together;
 //!   and, outside transactions, parameterless `raw_sql` (one simple-protocol
 //!   round trip).
+//!
+//! Needs the `pgbouncer` binary: without it each test returns at once, after
+//! one line saying how to install it (`bash scripts/test.sh` does, and sets
+//! `PGSEMAPHORE_REQUIRE_TOOLS=1`, under which a missing PgBouncer fails).
 
 mod support;
 
@@ -32,6 +36,9 @@ const ROUND_TRIPS: i32 = 50;
 /// running another client's statement would give a wrong number, not the same one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bound_queries_in_transactions_round_trip() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     let db = support::empty_db().await;
     let pool = pool_through_bouncer(&db, 4).await;
     let tasks: Vec<_> = (0..TASKS)
@@ -62,6 +69,9 @@ async fn bound_queries_in_transactions_round_trip() -> TestResult {
 /// Parameterless `raw_sql` is one round trip, so it is safe outside transactions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn simple_queries_outside_transactions_round_trip() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     let db = support::empty_db().await;
     let pool = pool_through_bouncer(&db, 4).await;
     let tasks: Vec<_> = (0..TASKS)
@@ -89,6 +99,9 @@ async fn simple_queries_outside_transactions_round_trip() -> TestResult {
 /// on the server: a direct connection cannot take it until the transaction ends.
 #[tokio::test]
 async fn xact_advisory_lock_through_the_bouncer_excludes_a_direct_connection() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     const KEY: i64 = 0x5E4A_0001;
     let db = support::empty_db().await;
     let pool = pool_through_bouncer(&db, 2).await;
@@ -121,6 +134,9 @@ async fn xact_advisory_lock_through_the_bouncer_excludes_a_direct_connection() -
 /// several client connections.
 #[tokio::test]
 async fn one_client_connection_is_served_by_several_backends() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     async fn backend_pid(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
         let mut tx = conn.begin().await?;
         let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
@@ -164,6 +180,9 @@ use pg_semaphore::{AuditLog, Error, Mutex, Priority, QueueOrder, Semaphore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     const CAPACITY: u32 = 2;
     let db = support::migrated_db().await; // migrations need a direct connection
     let pool = pool_through_bouncer(&db, 4).await;
@@ -223,6 +242,9 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
 
 #[tokio::test]
 async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     let db = support::migrated_db().await;
     let direct = Semaphore::builder("polled", 1).build(&db.pool).await?;
     let pool = pool_through_bouncer(&db, 2).await;
@@ -251,6 +273,9 @@ async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
 
 #[tokio::test]
 async fn heartbeats_renew_through_the_bouncer() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     let db = support::migrated_db().await;
     let pool = pool_through_bouncer(&db, 2).await;
     let lease = Duration::from_secs(2);
@@ -277,6 +302,9 @@ async fn heartbeats_renew_through_the_bouncer() -> TestResult {
 
 #[tokio::test]
 async fn the_extensions_work_through_the_bouncer() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     let db = support::migrated_db().await;
     let direct = Semaphore::builder("extended", 3).build(&db.pool).await?;
     let pool = pool_through_bouncer(&db, 2).await;
@@ -325,6 +353,9 @@ async fn the_extensions_work_through_the_bouncer() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mutex_works_through_the_bouncer() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
     let db = support::migrated_db().await;
     sqlx::query("CREATE TABLE runs (n int)")
         .execute(&db.pool)

@@ -73,19 +73,7 @@ fn artifacts() -> PathBuf {
 /// Chromium's path, or `None` (after saying how to install it) when it is
 /// missing and tools are not required.
 fn chromium() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let found = std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin")])
-        .flat_map(|dir| ["chromium", "chromium-browser"].map(|name| dir.join(name)))
-        .find(|candidate| candidate.is_file());
-    if found.is_none() {
-        let hint = "install it with `apt-get install chromium` (or run `bash scripts/test.sh`)";
-        if std::env::var("PGSEMAPHORE_REQUIRE_TOOLS").as_deref() == Ok("1") {
-            panic!("chromium not found and PGSEMAPHORE_REQUIRE_TOOLS=1: {hint}");
-        }
-        println!("skipped: chromium not found; {hint}");
-    }
-    found
+    support::require_tool("chromium", "apt-get install chromium")
 }
 
 /// Runs headless Chromium on `page` with `args`, in a fresh profile; its stdout.

@@ -8,9 +8,10 @@
 //!    stopped and deleted by a watchdog when this process exits;
 //! 3. a `postgres:15` container via testcontainers, when Docker is reachable.
 //!
-//! Shared by `tests/` and `examples/` through `#[path]`, so everything here is
-//! used by some includer but not necessarily by each.
-#![allow(dead_code)]
+//! That server is [`server()`], one per process. The benchmarks also start
+//! throwaway servers of their own with [`start_throwaway`], one per
+//! [`Durability`]: a server without fsync is the fastest, a durable one is what
+//! users run.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,40 @@ pub struct Server {
     pub throwaway: bool,
     /// How to restart it, when it is a local throwaway server we started.
     control: Option<Control>,
+    /// `DATABASE_URL`, when the server is that one.
+    url: Option<String>,
+}
+
+/// How a throwaway server commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// `fsync=off`, `synchronous_commit=off`, `full_page_writes=off`: nothing
+    /// waits for the disk. What tests use: fast, and a crash loses only the
+    /// throwaway data.
+    FsyncOff,
+    /// `fsync=on`, `synchronous_commit=on`, `full_page_writes=on`: every commit
+    /// waits for its WAL flush, as on a production server.
+    Durable,
+}
+
+impl Durability {
+    /// The server settings, as `-c name=value` options.
+    fn options(self) -> &'static str {
+        match self {
+            Durability::FsyncOff => {
+                "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            }
+            Durability::Durable => "-c fsync=on -c synchronous_commit=on -c full_page_writes=on",
+        }
+    }
+
+    /// `fsync off` or `durable`, for messages.
+    pub fn label(self) -> &'static str {
+        match self {
+            Durability::FsyncOff => "fsync off",
+            Durability::Durable => "durable",
+        }
+    }
 }
 
 /// What restarting a local server takes.
@@ -91,19 +126,44 @@ pub fn server() -> &'static Server {
 }
 
 fn find_or_start() -> Result<Server, String> {
-    let _ = dotenvy::dotenv();
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        let options = PgConnectOptions::from_str(&url)
-            .map_err(|e| format!("DATABASE_URL is not a valid PostgreSQL URL: {e}"))?;
-        return Ok(Server {
-            options,
-            description: "the server of DATABASE_URL".to_owned(),
-            throwaway: false,
-            control: None,
-        });
+    if let Some(server) = database_url_server()? {
+        return Ok(server);
     }
+    start_throwaway(Durability::FsyncOff)
+}
+
+/// The server of `DATABASE_URL` (from the environment, or from a `.env`
+/// file), if it is set.
+///
+/// # Errors
+///
+/// When `DATABASE_URL` is not a valid PostgreSQL URL.
+pub fn database_url_server() -> Result<Option<Server>, String> {
+    let _ = dotenvy::dotenv();
+    let Ok(url) = std::env::var("DATABASE_URL") else {
+        return Ok(None);
+    };
+    let options = PgConnectOptions::from_str(&url)
+        .map_err(|e| format!("DATABASE_URL is not a valid PostgreSQL URL: {e}"))?;
+    Ok(Some(Server {
+        options,
+        description: "the server of DATABASE_URL".to_owned(),
+        throwaway: false,
+        control: None,
+        url: Some(url),
+    }))
+}
+
+/// Starts a throwaway server with the given durability: from the local
+/// PostgreSQL binaries, else a `postgres:15` container when Docker is
+/// reachable. It is stopped and deleted when this process exits.
+///
+/// # Errors
+///
+/// When neither works: the message says why.
+pub fn start_throwaway(durability: Durability) -> Result<Server, String> {
     let local_error = match find_bin_dir() {
-        Some(bin) => match start_local(&bin) {
+        Some(bin) => match start_local(&bin, durability) {
             Ok(server) => return Ok(server),
             Err(e) => format!(
                 "starting a throwaway server from {} failed: {e}",
@@ -116,7 +176,7 @@ fn find_or_start() -> Result<Server, String> {
         }
     };
     if docker_available() {
-        return start_container().map_err(|e| format!("{local_error}; Docker: {e}"));
+        return start_container(durability).map_err(|e| format!("{local_error}; Docker: {e}"));
     }
     Err(local_error)
 }
@@ -207,7 +267,12 @@ fn user_exists(user: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-pub(crate) fn free_port() -> Result<u16, String> {
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+///
+/// # Errors
+///
+/// When no port can be bound.
+pub fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
     listener
         .local_addr()
@@ -230,7 +295,7 @@ pub(crate) fn unprivileged_user() -> Result<Option<&'static str>, String> {
         })
 }
 
-fn start_local(bin: &Path) -> Result<Server, String> {
+fn start_local(bin: &Path, durability: Durability) -> Result<Server, String> {
     // initdb and postgres refuse to run as root: use an unprivileged OS user.
     let user = unprivileged_user()?;
     let dir = std::env::temp_dir().join(format!(
@@ -285,8 +350,8 @@ fn start_local(bin: &Path) -> Result<Server, String> {
     for _ in 0..5 {
         let port = free_port()?;
         let server_options = format!(
-            "-p {port} -k {dir_s} -c listen_addresses=127.0.0.1 -c max_connections=400 \
-             -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            "-p {port} -k {dir_s} -c listen_addresses=127.0.0.1 -c max_connections=400 {}",
+            durability.options()
         );
         let log = dir.join("server.log").to_string_lossy().into_owned();
         match run(
@@ -312,7 +377,10 @@ fn start_local(bin: &Path) -> Result<Server, String> {
                         .port(port)
                         .username("postgres")
                         .database("postgres"),
-                    description: format!("a throwaway PostgreSQL on 127.0.0.1:{port} ({dir_s})"),
+                    description: format!(
+                        "a throwaway PostgreSQL ({}) on 127.0.0.1:{port} ({dir_s})",
+                        durability.label()
+                    ),
                     throwaway: true,
                     control: Some(Control {
                         user,
@@ -321,6 +389,7 @@ fn start_local(bin: &Path) -> Result<Server, String> {
                         log,
                         options: server_options,
                     }),
+                    url: None,
                 });
             }
             Err(e) => {
@@ -348,29 +417,35 @@ pub(crate) fn spawn_watchdog(cleanup: &str) -> Result<(), String> {
         .map_err(|e| format!("cannot start the watchdog: {e}"))
 }
 
-/// A connection URL for `database` on the server, for tools and child
+/// A connection URL for `database` on [`server()`], for tools and child
 /// processes that take a URL (sqlx-cli, worker processes): `DATABASE_URL`
 /// with its database replaced (keeping its password and parameters), or the
 /// throwaway server's.
 pub fn url_for(database: &str) -> String {
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        // postgres://user:pass@host:port/db?params: replace `/db`.
-        let authority_start = url.find("://").map_or(0, |i| i + 3);
-        let path_start = url[authority_start..]
-            .find(['/', '?'])
-            .map_or(url.len(), |i| authority_start + i);
-        let query_start = url[path_start..]
-            .find('?')
-            .map_or(url.len(), |i| path_start + i);
-        return format!("{}/{database}{}", &url[..path_start], &url[query_start..]);
+    server().url_for(database)
+}
+
+impl Server {
+    /// A connection URL for `database` on this server (see [`url_for`]).
+    pub fn url_for(&self, database: &str) -> String {
+        if let Some(url) = &self.url {
+            // postgres://user:pass@host:port/db?params: replace `/db`.
+            let authority_start = url.find("://").map_or(0, |i| i + 3);
+            let path_start = url[authority_start..]
+                .find(['/', '?'])
+                .map_or(url.len(), |i| authority_start + i);
+            let query_start = url[path_start..]
+                .find('?')
+                .map_or(url.len(), |i| path_start + i);
+            return format!("{}/{database}{}", &url[..path_start], &url[query_start..]);
+        }
+        format!(
+            "postgres://{}@{}:{}/{database}",
+            self.options.get_username(),
+            self.options.get_host(),
+            self.options.get_port(),
+        )
     }
-    let options = &server().options;
-    format!(
-        "postgres://{}@{}:{}/{database}",
-        options.get_username(),
-        options.get_host(),
-        options.get_port(),
-    )
 }
 
 fn docker_available() -> bool {
@@ -382,7 +457,7 @@ fn docker_available() -> bool {
         .is_ok_and(|s| s.success())
 }
 
-fn start_container() -> Result<Server, String> {
+fn start_container(durability: Durability) -> Result<Server, String> {
     use testcontainers::core::{IntoContainerPort, WaitFor};
     use testcontainers::runners::SyncRunner;
     use testcontainers::{GenericImage, ImageExt};
@@ -396,6 +471,11 @@ fn start_container() -> Result<Server, String> {
             "database system is ready to accept connections",
         ))
         .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
+        .with_cmd(
+            std::iter::once("postgres")
+                .chain(durability.options().split(' '))
+                .chain(["-c", "max_connections=400"]),
+        )
         .start()
         .map_err(|e| format!("cannot start a postgres container: {e}"))?;
     let port = container
@@ -413,8 +493,12 @@ fn start_container() -> Result<Server, String> {
             .port(port)
             .username("postgres")
             .database("postgres"),
-        description: format!("a postgres:15 container ({id}) on port {port}"),
+        description: format!(
+            "a postgres:15 container ({id}, {}) on port {port}",
+            durability.label()
+        ),
         throwaway: true,
         control: None,
+        url: None,
     })
 }

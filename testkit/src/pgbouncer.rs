@@ -8,14 +8,17 @@
 //! process exits, like the throwaway server in `server.rs`.
 //!
 //! Every database of the server is reachable under its own name (`* =` in
-//! `[databases]`), so a [`TestDb`](super::TestDb)'s database is too. Clients
+//! `[databases]`), so a [`TestDb`]'s database is too. Clients
 //! log in as the server's user without a password (`auth_type = trust`).
 //!
 //! What goes through it safely is spelled out, and tested, in `tests/pgbouncer.rs`:
 //! in short, every `sqlx::query*` must run inside an explicit transaction as an
 //! unnamed statement (`.persistent(false)`); outside transactions only
 //! parameterless `raw_sql` is safe.
-#![allow(dead_code)]
+//!
+//! A test that needs PgBouncer starts with [`installed`]: where PgBouncer is
+//! missing it skips with one line saying how to install it (or fails, under
+//! `PGSEMAPHORE_REQUIRE_TOOLS=1`; see [`require_tool`](crate::require_tool)).
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
@@ -28,8 +31,21 @@ use std::time::{Duration, Instant};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 
-use super::TestDb;
-use super::server;
+use crate::TestDb;
+use crate::server;
+
+/// How to install PgBouncer, for messages.
+pub const INSTALL: &str = "apt-get install pgbouncer";
+
+/// The `pgbouncer` binary, or `None` (with one line saying how to install it)
+/// when it is missing: the test that asked returns without testing.
+///
+/// # Panics
+///
+/// When it is missing and `PGSEMAPHORE_REQUIRE_TOOLS=1`.
+pub fn installed() -> Option<PathBuf> {
+    crate::require_tool("pgbouncer", INSTALL)
+}
 
 /// A running PgBouncer.
 #[derive(Debug)]
@@ -97,26 +113,13 @@ pub async fn pool_through_bouncer(db: &TestDb, max: u32) -> PgPool {
         .expect("connect a pool through PgBouncer")
 }
 
-/// The `pgbouncer` binary: on `$PATH`, or where Debian puts it.
-fn find_binary() -> Option<PathBuf> {
-    std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
-        .unwrap_or_default()
-        .into_iter()
-        .chain([
-            "/usr/sbin".into(),
-            "/usr/local/sbin".into(),
-            "/usr/local/bin".into(),
-        ])
-        .map(|dir| dir.join("pgbouncer"))
-        .find(|path| path.is_file())
-}
-
 fn start() -> Result<PgBouncer, String> {
-    let binary = find_binary().ok_or(
-        "the `pgbouncer` binary was not found on PATH or in /usr/sbin: install it \
-         (Debian: apt-get install pgbouncer; .ci/run does so)",
-    )?;
+    let binary = crate::find_tool("pgbouncer").ok_or_else(|| {
+        format!(
+            "the `pgbouncer` binary was not found on PATH or in /usr/sbin: install it with \
+             `{INSTALL}` or run `bash scripts/test.sh`"
+        )
+    })?;
     let server = server::server();
     let user = server::unprivileged_user()?;
     let dir = std::env::temp_dir().join(format!(
