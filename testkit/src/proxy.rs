@@ -4,6 +4,9 @@
 //! - [`Proxy::cut`] pulls the plug: every connection through the proxy is
 //!   closed (the client reads end-of-file or a reset at once) and new ones
 //!   are refused;
+//! - [`Proxy::reset`] closes every connection through the proxy at once,
+//!   dropping whatever it held back, and keeps accepting new ones: what a
+//!   client sees when its connection breaks while a reply is on its way;
 //! - [`Proxy::blackhole`] partitions the link: nothing is forwarded in either
 //!   direction, but no socket is closed, so neither end learns anything (no
 //!   FIN, no RST), as when a cable or a firewall drops packets. Writes are
@@ -33,6 +36,8 @@ pub struct Proxy {
     address: SocketAddr,
     /// `true` while the link is partitioned.
     blackholed: watch::Sender<bool>,
+    /// Bumped by [`Proxy::reset`].
+    resets: watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -66,14 +71,26 @@ impl Proxy {
             .expect("bind the proxy");
         let address: SocketAddr = listener.local_addr().expect("proxy address");
         let (blackholed, state) = watch::channel(false);
+        let (resets, mut reset) = watch::channel(0u64);
         let task = tokio::spawn(async move {
             // Connections die with this task: aborting it drops the JoinSet.
             let mut connections = JoinSet::new();
             loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    continue;
-                };
-                connections.spawn(forward(client, target.clone(), state.clone()));
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((client, _)) = accepted else {
+                            continue;
+                        };
+                        connections.spawn(forward(client, target.clone(), state.clone()));
+                    }
+                    changed = reset.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        // Dropping a connection's task drops both its sockets.
+                        connections.abort_all();
+                    }
+                }
                 while connections.try_join_next().is_some() {}
             }
         });
@@ -83,6 +100,7 @@ impl Proxy {
                 .port(address.port()),
             address,
             blackholed,
+            resets,
             task,
         }
     }
@@ -121,6 +139,14 @@ impl Proxy {
     /// delivered, and forwarding goes on.
     pub fn restore(&self) {
         self.blackholed.send_replace(false);
+    }
+
+    /// Breaks every connection through the proxy now (both ends see their
+    /// socket closed), dropping whatever a [`blackhole`](Self::blackhole)
+    /// held back; new connections are accepted as before (still held while
+    /// blackholed).
+    pub fn reset(&self) {
+        self.resets.send_modify(|n| *n += 1);
     }
 
     /// Whether the link is partitioned.

@@ -113,3 +113,25 @@ async fn a_query_through_a_blackhole_hangs_and_completes_after_restore() -> Test
     conn.close().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_reset_breaks_connections_drops_what_was_held_and_keeps_accepting() -> TestResult {
+    let proxy = Proxy::start_to(echo_server().await?).await;
+    let mut client = TcpStream::connect(proxy.address()).await?;
+    assert_eq!(echo(&mut client, b"before").await?, b"before");
+
+    proxy.blackhole();
+    client.write_all(b"held").await?;
+    proxy.reset();
+    proxy.restore();
+    // The old connection ends, and what was held never arrives.
+    let mut buf = [0u8; 16];
+    let read = timeout(Duration::from_secs(5), client.read(&mut buf))
+        .await
+        .expect("a reset connection must end at once, not hang");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // New connections go through.
+    let mut fresh = TcpStream::connect(proxy.address()).await?;
+    assert_eq!(echo(&mut fresh, b"after").await?, b"after");
+    Ok(())
+}
