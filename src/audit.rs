@@ -1,3 +1,7 @@
+//! The audit log: every claim stays in `pgsemaphore.slots` after it ends.
+//! [`AuditLog`] reads it: live holders, a window's history, a summary with
+//! hold-time percentiles, and the data of `pg-semaphore report`'s picture.
+
 use std::ops::Range;
 use std::time::Duration;
 

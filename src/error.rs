@@ -1,3 +1,7 @@
+//! [`Error`], the one error type, with [`LostReason`] (why a permit or a
+//! session lock no longer holds) and [`WaitedFor`] (what a wait that timed
+//! out waited for).
+
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};

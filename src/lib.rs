@@ -10,16 +10,27 @@
 //! `pgsemaphore.semaphores`. Every claim is a row in `pgsemaphore.slots`
 //! holding the lowest free slot number below the capacity; a partial unique
 //! index over live rows makes it impossible for the database to hand out a
-//! slot twice, and claims on one semaphore serialise on that semaphore's row
-//! only (never a table lock), so different semaphores never wait on each other.
+//! slot twice, claims on one semaphore serialise on that semaphore's row
+//! only (never a table lock), so different semaphores never wait on each
+//! other, and a claim counts as held every live claim it could not reap
+//! itself. The whole schema reads in one file, `schema/pgsemaphore.sql`.
 //!
 //! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
 //!   answer 429/503 at once.
 //! - [`Semaphore::acquire_timeout`] and [`Semaphore::acquire`] wait. Waiting
 //!   tasks hold no pooled connection: they sleep until a release anywhere
-//!   sends a `NOTIFY`, received by one shared `LISTEN` connection per pool,
-//!   with a slow fallback re-check in case a notification is lost.
+//!   sends a `NOTIFY` (received by one shared `LISTEN` connection per pool),
+//!   until the lease that blocks them ends, or until a slow fallback
+//!   re-check in case a notification is lost. Within a process they are
+//!   served in order.
 //! - [`Permit::release`] ends the claim (one round trip) and wakes a waiter.
+//!   A release sends a `NOTIFY` only when some process registered as
+//!   waiting on that semaphore, and only after its own durable commit:
+//!   PostgreSQL serialises notifying commits across the instance, so a fleet
+//!   that mostly does not wait pays nothing for wake-ups.
+//! - [`SemaphoreBuilder::build`] *opens* a semaphore: it creates it if it
+//!   does not exist and never changes a stored capacity or lease; an
+//!   operator changes them ([`set_capacity`], [`configure`]).
 //!
 //! # Beyond one permit
 //!
@@ -47,6 +58,9 @@
 //! inside the transaction of a protected write, that the permit still
 //! holds. Claims, renewals and releases are durable even under
 //! `synchronous_commit = off`, so a database crash never forgets a holder.
+//! Each permit proves its claims with a random token (the database keeps its
+//! SHA-256): nobody else can release, renew or fence them, and a claim whose
+//! reply was lost is released by its token in the background.
 //! Dropping a [`Permit`] without releasing it schedules the release in the
 //! background (not immediate). A cancelled acquire never leaks a slot: the
 //! claim round trip runs in a spawned task that releases what it claimed if
@@ -59,11 +73,14 @@
 //! ([`Mutex::lock`], [`Mutex::lock_timeout`], [`Mutex::try_lock`], shared
 //! variants): the [`MutexGuard`] owns the transaction, the protected work
 //! commits atomically with the release, and a crashed holder's lock dies with
-//! its transaction: nothing to expire, nothing to leak. A wait that exceeds
-//! its timeout returns [`Error::Timeout`]; a deadlock [`Error::Deadlock`].
+//! its transaction: nothing to expire, nothing to leak. `try_*` fails fast
+//! with [`Error::Locked`], a wait that exceeds its timeout returns
+//! [`Error::Timeout`], a deadlock [`Error::Deadlock`].
 //! [`Mutex::lock_session`] holds a lock across transactions on a dedicated
 //! connection, and [`SessionGuard::lost`] tells the holder if that connection
-//! dies.
+//! dies or stops answering; the server ends a silent session by itself
+//! (`idle_session_timeout`), and [`Mutex::idle_timeout`] bounds a
+//! transaction-scoped guard's dark client the same way.
 //!
 //! Which to use: a transaction-scoped mutex for database work that should
 //! commit with the release; a session lock for leaders and long jobs; a
@@ -112,6 +129,14 @@
 //! semaphore, [`reap`] and [`prune`] clean up, [`AuditLog`] reads history.
 //! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
+//!
+//! # Privileges
+//!
+//! Every function of the schema runs with its owner's rights and a pinned
+//! `search_path`: the application's role needs `EXECUTE` on the
+//! application's functions and no write privilege on any table; an operator
+//! role gets the operator's functions ([`set_capacity`], [`configure`],
+//! [`force_release`], [`reap`], [`prune`]). The README lists the exact grants.
 //!
 //! # Migrations
 //!

@@ -1,3 +1,7 @@
+//! Migrations: the SQL files of `migrations/`, embedded, applied with
+//! sqlx's migrator and recorded in pg-semaphore's own history table
+//! ([`MIGRATIONS_TABLE`]), apart from the application's.
+
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 

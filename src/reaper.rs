@@ -1,3 +1,12 @@
+//! The reaper: frees slots whose lease ended ([`reap`]), deletes finished
+//! claims past a retention ([`prune`], driven by the history index so that
+//! it reads next to nothing when nothing is old enough), and runs both (and
+//! rate-limit pruning) in a background task ([`Reaper`]) that stops with its
+//! handle. Claims reap their own semaphore anyway, and waiters look again
+//! when a lease ends: a reaper frees slots for semaphores nobody is claiming
+//! and keeps the audit log bounded. Operator functions: under the README's
+//! grants they need the operator role.
+
 use std::time::Duration;
 
 use sqlx::PgPool;

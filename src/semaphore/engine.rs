@@ -446,8 +446,14 @@ fn first_lost(rows: Vec<(i64, String, Option<DateTime<Utc>>)>) -> Ended {
 
 /// Ends a permit's claims (and wakes waiters, if any, after the commit), in
 /// one round trip. `lost`: the holder was already told the permit is lost,
-/// so the claims are recorded as timed out, never as completed.
-pub(crate) async fn release(core: &Core, ids: &[i64], token: &Token, lost: bool) -> Result<Ended> {
+/// so the claims are recorded as timed out, never as completed. Returns how
+/// it went and, when released, when (database clock).
+pub(crate) async fn release(
+    core: &Core,
+    ids: &[i64],
+    token: &Token,
+    lost: bool,
+) -> Result<(Ended, Option<DateTime<Utc>>)> {
     let rows = core.db.batch(release_batch(ids, token, lost)).await?;
     let row = rows.first().ok_or_else(|| {
         Error::Database(sqlx::Error::Protocol(
@@ -457,7 +463,7 @@ pub(crate) async fn release(core: &Core, ids: &[i64], token: &Token, lost: bool)
     let outcome: String = row.try_get("o_outcome")?;
     let id: Option<i64> = row.try_get("o_id")?;
     let at: Option<DateTime<Utc>> = row.try_get("o_at")?;
-    Ok(ended(id.unwrap_or(ids[0]), &outcome, at))
+    Ok((ended(id.unwrap_or(ids[0]), &outcome, at), at))
 }
 
 /// Renews a permit's claims to end `lease` from now (never earlier than

@@ -317,9 +317,10 @@ impl Permit {
         let core = self.core.clone();
         let (ids, token, acquired_at) = (self.ids(), self.token.clone(), self.acquired_at);
         let ended = db::detached(move |_| async move {
-            let ended = engine::release(&core, &ids, &token, lost.is_some()).await?;
-            if ended == Ended::Done {
-                let held_ms = (Utc::now() - acquired_at).num_milliseconds();
+            let (ended, at) = engine::release(&core, &ids, &token, lost.is_some()).await?;
+            if let (Ended::Done, Some(at)) = (ended, at) {
+                // Both ends on the database clock.
+                let held_ms = (at - acquired_at).num_milliseconds();
                 tracing::debug!(semaphore = %core.name, ids = ?ids, held_ms, "permit released");
             }
             Ok(ended)
