@@ -92,11 +92,6 @@ pub enum Error {
         reason: LostReason,
     },
 
-    /// The tokio runtime is shutting down: a round trip's task was dropped
-    /// before it could answer.
-    #[error("the tokio runtime is shutting down")]
-    Shutdown,
-
     /// The database does not have pg-semaphore's schema.
     #[error(
         "pg-semaphore migrations not applied: run `pg_semaphore::migrate(&pool)` or \

@@ -55,7 +55,7 @@ pub(super) async fn lock(mutex: &Mutex, pool: &PgPool, wait: Wait) -> Result<Ses
     let reply = db::detached(move |mut caller| async move {
         let conn = tokio::select! {
             conn = pool.acquire() => conn?,
-            () = caller.wait() => return Err(Error::Shutdown),
+            () = caller.wait() => return Err(db::caller_gone()),
         };
         let session = Session::start(mutex, &pool, conn, wait, &mut caller).await?;
         let pid = session.pid;
@@ -101,7 +101,7 @@ impl Session {
             let started = std::time::Instant::now();
             let statement = run_on(&mut conn, mutex.session_sql(wait, &token));
             let Some(result) = run_or_cancel(pool, statement, &token, caller).await else {
-                return Err(Error::Shutdown);
+                return Err(db::caller_gone());
             };
             let rows = match result {
                 Ok(rows) => rows,

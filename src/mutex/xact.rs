@@ -30,7 +30,7 @@ pub(super) async fn lock(
         // Gone before a connection was free: nothing was sent, nothing to undo.
         let conn = tokio::select! {
             conn = pool.acquire() => conn?,
-            () = caller.wait() => return Err(Error::Shutdown),
+            () = caller.wait() => return Err(db::caller_gone()),
         };
         let token = token();
         let tx = match wait {
@@ -71,7 +71,7 @@ async fn wait_lock(
         Some(Ok(tx)) => Ok(tx),
         Some(Err(error)) => Err(mutex.lock_error(error, wait)),
         // The caller has gone; a transaction that began anyway was dropped.
-        None => Err(Error::Shutdown),
+        None => Err(db::caller_gone()),
     }
 }
 
@@ -89,7 +89,7 @@ async fn try_lock(
     let statement = run_on(&mut tx, mutex.xact_sql(mode, Wait::Try, token));
     let rows = match run_or_cancel(pool, statement, token, caller).await {
         Some(rows) => rows?,
-        None => return Err(Error::Shutdown),
+        None => return Err(db::caller_gone()),
     };
     if try_result(&rows)? {
         Ok(tx)
