@@ -444,6 +444,82 @@ async fn a_hijacked_search_path_changes_nothing() -> TestResult {
     result
 }
 
+/// The application role's operations through PgBouncer in transaction
+/// pooling mode: claims, waits, renewals, fences, releases, the queue,
+/// transaction-scoped mutexes and rate limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_application_role_works_through_pgbouncer() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
+    let db = support::migrated_db().await;
+    let roles = Roles::create(&db).await?;
+    let bouncer = support::pgbouncer::bouncer().await;
+    bouncer.add_user(&roles.app, PASSWORD).await?;
+    let app = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(
+            bouncer
+                .options(&db.name)
+                .username(&roles.app)
+                .password(PASSWORD),
+        )
+        .await?;
+
+    let result = async {
+        let (role,): (String,) = sqlx::query_as("SELECT current_user::text")
+            .persistent(false)
+            .fetch_one(&app)
+            .await?;
+        assert_eq!(role, roles.app);
+        let sem = Semaphore::builder("bounced-app", 1)
+            .transaction_pooling(true)
+            .lease(Duration::from_millis(900))
+            .heartbeat(Duration::from_millis(200))
+            .fallback_interval(Duration::from_millis(100))
+            .queue(QueueOrder::OldestFirst)
+            .build(&app)
+            .await?;
+        let held = sem.try_acquire().await?;
+        let waiter = {
+            let sem = sem.clone();
+            tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await })
+        };
+        while sem.queue_len().await? == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1200)).await; // renewals ran
+        assert!(!held.is_lost());
+        let mut tx = app.begin().await?;
+        held.fence(&mut tx).await?;
+        tx.commit().await?;
+        held.release().await?;
+        waiter.await??.release().await?;
+
+        let mutex = Mutex::new("bounced-app");
+        let guard = mutex.lock_timeout(&app, Duration::from_secs(5)).await?;
+        assert!(matches!(
+            mutex.try_lock(&app).await,
+            Err(Error::Locked { .. })
+        ));
+        guard.commit().await?;
+
+        let bucket = TokenBucket::builder("bounced-app")
+            .rate(1.0)
+            .burst(1)
+            .transaction_pooling(true)
+            .build(&app)?;
+        assert!(bucket.check("k", 1).await?.allowed);
+        assert!(!bucket.check("k", 1).await?.allowed);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+
+    app.close().await;
+    roles.drop_all().await?;
+    result
+}
+
 #[tokio::test]
 async fn errors_never_show_the_connection_password() -> TestResult {
     let db = support::migrated_db().await;

@@ -85,6 +85,28 @@ pub async fn bouncer() -> &'static PgBouncer {
 }
 
 impl PgBouncer {
+    /// Lets clients log in as `role` too (PgBouncer wants every user in its
+    /// `auth_file`, even with `auth_type = trust`): appends it and reloads
+    /// the configuration through the admin console.
+    pub async fn add_user(&self, role: &str, password: &str) -> Result<(), String> {
+        use sqlx::Connection as _;
+        let userlist = self.dir.join("userlist.txt");
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&userlist)
+            .and_then(|mut file| writeln!(file, "{} {}", quote(role), quote(password)))
+            .map_err(|e| format!("cannot append to {}: {e}", userlist.display()))?;
+        let mut admin = sqlx::PgConnection::connect_with(&self.options("pgbouncer"))
+            .await
+            .map_err(|e| format!("cannot reach PgBouncer's admin console: {e}"))?;
+        sqlx::raw_sql("RELOAD")
+            .execute(&mut admin)
+            .await
+            .map_err(|e| format!("PgBouncer RELOAD failed: {e}"))?;
+        let _ = sqlx::Connection::close(admin).await;
+        Ok(())
+    }
+
     /// Connect options for database `database` through the bouncer, with
     /// `statement_cache_capacity(0)` (required: PgBouncer 1.18 in transaction
     /// mode cannot keep named prepared statements).
