@@ -48,7 +48,13 @@ DECLARE
     v_ahead    timestamptz;
     v_dropped  integer := 0;
 BEGIN
-    PERFORM pgsemaphore.require_read_committed('claim');
+    -- Every statement below must take a fresh snapshot after the locks it
+    -- waited for: READ COMMITTED only.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'pg_semaphore.claim needs READ COMMITTED isolation, the session uses %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
     PERFORM pgsemaphore.durable_commit();
     o_wake := false;
 
@@ -268,7 +274,6 @@ $$;
 
 CREATE FUNCTION pgsemaphore.durable_commit() RETURNS void
     LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 BEGIN
     IF current_setting('synchronous_commit') = 'off' THEN
@@ -324,7 +329,6 @@ $$;
 
 CREATE FUNCTION pgsemaphore.fast_commit() RETURNS void
     LANGUAGE sql
-    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$ SELECT set_config('synchronous_commit', 'off', true) $$;
 
 
@@ -464,7 +468,6 @@ $$;
 
 CREATE FUNCTION pgsemaphore.held_slots(p_semaphore text, p_now timestamp with time zone, OUT o_held integer, OUT o_next_end timestamp with time zone, OUT o_stuck boolean) RETURNS record
     LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     v_expired integer;
@@ -554,7 +557,6 @@ $$;
 
 CREATE FUNCTION pgsemaphore.notify_if_waited(p_semaphore text) RETURNS boolean
     LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 BEGIN
     IF p_semaphore IS NOT NULL
@@ -848,24 +850,6 @@ BEGIN
           LEFT JOIN pgsemaphore.slots s ON s.id = i.id
          WHERE s.id IS NULL OR s.token_hash IS DISTINCT FROM v_hash
             OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL;
-END;
-$$;
-
-
---
--- Name: require_read_committed(text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
---
-
-CREATE FUNCTION pgsemaphore.require_read_committed(p_function text) RETURNS void
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.% needs READ COMMITTED isolation, the session uses %',
-            p_function, current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
-    END IF;
 END;
 $$;
 
@@ -1409,13 +1393,6 @@ REVOKE ALL ON FUNCTION pgsemaphore.release_by_token(p_semaphore text, p_token by
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.renew(p_ids bigint[], p_token bytea, p_lease interval) FROM PUBLIC;
-
-
---
--- Name: FUNCTION require_read_committed(p_function text); Type: ACL; Schema: pgsemaphore; Owner: -
---
-
-REVOKE ALL ON FUNCTION pgsemaphore.require_read_committed(p_function text) FROM PUBLIC;
 
 
 --
