@@ -728,52 +728,69 @@ $$;
 -- Name: release(bigint[], bytea, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone, o_semaphore text)
+CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
     v_hash  bytea := sha256(p_token);
     v_now   timestamptz;
+    v_done  bigint[] := '{}';
     r       record;
 BEGIN
     PERFORM pgsemaphore.durable_commit();
-    -- Lock them all first, in id order.
+    -- The common case, one statement: every claim ours, live, its lease
+    -- running. The UPDATE locks the rows in id order (the primary key's).
+    IF NOT p_lost THEN
+        v_now := clock_timestamp();
+        WITH done AS (
+            UPDATE pgsemaphore.slots s
+               SET completed_at = v_now
+             WHERE s.id = ANY (p_ids) AND s.token_hash = v_hash
+               AND s.completed_at IS NULL AND s.timed_out_at IS NULL AND s.expires_at > v_now
+            RETURNING s.id
+        )
+        SELECT coalesce(array_agg(d.id), '{}') INTO v_done FROM done d;
+        IF cardinality(v_done) = cardinality(p_ids) THEN
+            RETURN QUERY SELECT 'released'::text, NULL::bigint, v_now;
+            RETURN;
+        END IF;
+    END IF;
+    -- Otherwise lock the rest, in id order, and say what stood in the way.
     PERFORM 1 FROM pgsemaphore.slots s WHERE s.id = ANY (p_ids) ORDER BY s.id FOR UPDATE;
     IF EXISTS (SELECT 1 FROM pgsemaphore.slots s
                 WHERE s.id = ANY (p_ids) AND s.token_hash IS DISTINCT FROM v_hash) THEN
-        RETURN QUERY SELECT 'not_holder'::text, min(s.id), NULL::timestamptz, min(s.semaphore)
+        RETURN QUERY SELECT 'not_holder'::text, min(s.id), NULL::timestamptz
                        FROM pgsemaphore.slots s
                       WHERE s.id = ANY (p_ids) AND s.token_hash IS DISTINCT FROM v_hash;
         RETURN;
     END IF;
     v_now := clock_timestamp();
-    -- Report first what stands in the way, as it was before this call.
-    SELECT i.id, s.semaphore, s.completed_at, s.timed_out_at, s.expires_at
+    -- (Claims the statement above just completed are fine: skip them.)
+    SELECT i.id, s.id AS found, s.completed_at, s.timed_out_at
       INTO r
       FROM unnest(p_ids) AS i(id)
       LEFT JOIN pgsemaphore.slots s ON s.id = i.id
-     WHERE s.id IS NULL OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL
-        OR s.expires_at <= v_now OR p_lost
+     WHERE i.id <> ALL (v_done)
+       AND (s.id IS NULL OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL
+            OR s.expires_at <= v_now OR p_lost)
      ORDER BY i.id
      LIMIT 1;
-    -- End every live claim: completed while its lease ran (and the holder
-    -- was not told otherwise), timed out after.
+    -- End every claim still live: timed out, since its lease had ended or
+    -- its holder was told it was lost.
     UPDATE pgsemaphore.slots s
-       SET completed_at = CASE WHEN s.expires_at > v_now AND NOT p_lost THEN v_now END,
-           timed_out_at = CASE WHEN s.expires_at <= v_now OR p_lost THEN v_now END
+       SET timed_out_at = v_now
      WHERE s.id = ANY (p_ids) AND s.completed_at IS NULL AND s.timed_out_at IS NULL;
     IF r.id IS NULL THEN
-        RETURN QUERY SELECT 'released'::text, NULL::bigint, v_now,
-                            (SELECT min(s.semaphore) FROM pgsemaphore.slots s WHERE s.id = ANY (p_ids));
-    ELSIF r.semaphore IS NULL THEN
-        RETURN QUERY SELECT 'missing'::text, r.id, NULL::timestamptz, NULL::text;
+        RETURN QUERY SELECT 'released'::text, NULL::bigint, v_now;
+    ELSIF r.found IS NULL THEN
+        RETURN QUERY SELECT 'missing'::text, r.id, NULL::timestamptz;
     ELSIF r.timed_out_at IS NOT NULL THEN
-        RETURN QUERY SELECT 'timed_out'::text, r.id, r.timed_out_at, r.semaphore;
+        RETURN QUERY SELECT 'timed_out'::text, r.id, r.timed_out_at;
     ELSIF r.completed_at IS NOT NULL THEN
-        RETURN QUERY SELECT 'completed'::text, r.id, r.completed_at, r.semaphore;
+        RETURN QUERY SELECT 'completed'::text, r.id, r.completed_at;
     ELSE
-        RETURN QUERY SELECT 'timed_out'::text, r.id, v_now, r.semaphore;
+        RETURN QUERY SELECT 'timed_out'::text, r.id, v_now;
     END IF;
 END;
 $$;
@@ -1018,9 +1035,13 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.wake(p_semaphore text) RETURNS boolean
-    LANGUAGE sql SECURITY DEFINER
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT pgsemaphore.notify_if_waited(p_semaphore) $$;
+    AS $$
+BEGIN
+    RETURN pgsemaphore.notify_if_waited(p_semaphore);
+END;
+$$;
 
 
 --
@@ -1028,11 +1049,13 @@ CREATE FUNCTION pgsemaphore.wake(p_semaphore text) RETURNS boolean
 --
 
 CREATE FUNCTION pgsemaphore.wake_claimed(p_claim bigint) RETURNS boolean
-    LANGUAGE sql SECURITY DEFINER
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    SELECT coalesce(pgsemaphore.notify_if_waited(
-               (SELECT s.semaphore FROM pgsemaphore.slots s WHERE s.id = p_claim)), false)
+BEGIN
+    RETURN pgsemaphore.notify_if_waited(
+        (SELECT s.semaphore FROM pgsemaphore.slots s WHERE s.id = p_claim));
+END;
 $$;
 
 

@@ -250,7 +250,8 @@ async fn renewals_applied_out_of_order_never_shorten_the_lease() -> TestResult {
     let waiting = eventually(Duration::from_secs(5), || async {
         sqlx::query_scalar::<_, bool>(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
-              WHERE wait_event_type = 'Lock' AND query LIKE '%pgsemaphore.renew%')",
+              WHERE datname = current_database() AND wait_event_type = 'Lock' \
+                AND query LIKE '%pgsemaphore.renew%')",
         )
         .fetch_one(&db.pool)
         .await

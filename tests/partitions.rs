@@ -187,7 +187,8 @@ async fn a_claim_whose_reply_was_lost_does_not_hold_its_slot_for_a_lease() -> Te
     let waiting = within(Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, bool>(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
-              WHERE wait_event_type = 'Lock' AND query LIKE '%pgsemaphore.claim%')",
+              WHERE datname = current_database() AND wait_event_type = 'Lock' \
+                AND query LIKE '%pgsemaphore.claim%')",
         )
         .fetch_one(&db.pool)
         .await
