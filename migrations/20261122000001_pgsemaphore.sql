@@ -86,14 +86,21 @@ CREATE TABLE pgsemaphore.waiters (
     CONSTRAINT waiters_holder_length CHECK (char_length(holder) BETWEEN 1 AND 1000)
 );
 
--- Wake-up registrations: some process has an acquire (or wait_idle) waiting
--- on this semaphore until `until`, and renews that while it waits. Only
--- then does ending a claim send a NOTIFY (see pgsemaphore.wake): a release
--- nobody waits for costs no notification, which PostgreSQL serialises
--- across the whole instance.
+-- Wake-up registrations: a process has acquires (or wait_idle calls)
+-- waiting on this semaphore, until `until` unless it renews that while it
+-- waits, and deletes its row when its last waiter leaves. Only while a
+-- registration is in force does ending a claim send a NOTIFY (see
+-- pgsemaphore.notify_if_waited): a release nobody waits for costs no
+-- notification, which PostgreSQL serialises across the whole instance.
 CREATE TABLE pgsemaphore.wakeups (
-    semaphore text        PRIMARY KEY REFERENCES pgsemaphore.semaphores (name),
-    until     timestamptz NOT NULL
+    semaphore text        NOT NULL REFERENCES pgsemaphore.semaphores (name),
+    -- SHA-256 of the process's token: one row per waiting process.
+    process   bytea       NOT NULL,
+    -- Which of the process's waiting spells wrote the row: a late delete of
+    -- an earlier spell never removes a newer one.
+    spell     bigint      NOT NULL,
+    until     timestamptz NOT NULL,
+    PRIMARY KEY (semaphore, process)
 );
 
 -- Rate limiters: one row per (kind, limiter, key) holds a key's state; it is
@@ -856,19 +863,19 @@ END;
 $$;
 
 -- A process that has acquires (or wait_idle calls) waiting on p_semaphore
--- registers for wake-ups until p_lease from now (unless p_register is false:
--- behind a transaction pooler nothing can LISTEN), and renews the leases of
--- its queued waiters p_tickets (those whose lease has not ended: a waiter
--- whose lease ended is gone for everyone else and stays gone). Called before
--- the claim that precedes a process's first wait, then every third of
--- p_lease while anyone there waits. A registration is written only when it
--- would otherwise end within two thirds of p_lease, so many processes
--- renewing one semaphore write about once per third. Ticket rows are locked
--- in id order, skipping any a claim holds right now, so it never deadlocks
--- with a claim deleting them. A hint transaction.
+-- registers for wake-ups until p_lease from now, for its waiting spell
+-- p_spell (unless p_register is false: behind a transaction pooler nothing
+-- can LISTEN), and renews the leases of its queued waiters p_tickets (those
+-- whose lease has not ended: a waiter whose lease ended is gone for
+-- everyone else and stays gone). Called before the claim that precedes a
+-- process's first wait, then every third of p_lease while anyone there
+-- waits. A registration is written only when it would otherwise end within
+-- two thirds of p_lease. Ticket rows are locked in id order, skipping any a
+-- claim holds right now, so it never deadlocks with a claim deleting them.
+-- A hint transaction.
 CREATE FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval,
                                          p_tickets bigint[], p_token bytea,
-                                         p_register boolean)
+                                         p_register boolean, p_spell bigint)
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -879,10 +886,10 @@ BEGIN
     PERFORM pgsemaphore.fast_commit();
     v_until := clock_timestamp() + p_lease;
     IF p_register THEN
-        INSERT INTO pgsemaphore.wakeups AS k (semaphore, until)
-        VALUES (p_semaphore, v_until)
-        ON CONFLICT (semaphore) DO UPDATE SET until = excluded.until
-         WHERE k.until < excluded.until - p_lease / 3;
+        INSERT INTO pgsemaphore.wakeups AS k (semaphore, process, spell, until)
+        VALUES (p_semaphore, sha256(p_token), p_spell, v_until)
+        ON CONFLICT (semaphore, process) DO UPDATE SET until = excluded.until, spell = excluded.spell
+         WHERE k.until < excluded.until - p_lease / 3 OR k.spell <> excluded.spell;
     END IF;
     IF cardinality(p_tickets) > 0 THEN
         UPDATE pgsemaphore.waiters w
@@ -893,6 +900,21 @@ BEGIN
                  ORDER BY d.id FOR UPDATE SKIP LOCKED) live
          WHERE w.id = live.id;
     END IF;
+END;
+$$;
+
+-- The process's last waiter on p_semaphore left: it stops registering, so
+-- releases stop notifying (unless another process waits). Only the row of
+-- the spell p_spell: a newer spell's registration stays. A hint transaction.
+CREATE FUNCTION pgsemaphore.stop_waiting(p_semaphore text, p_token bytea, p_spell bigint)
+RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM pgsemaphore.fast_commit();
+    DELETE FROM pgsemaphore.wakeups k
+     WHERE k.semaphore = p_semaphore AND k.process = sha256(p_token) AND k.spell = p_spell;
 END;
 $$;
 

@@ -496,10 +496,10 @@ $$;
 
 
 --
--- Name: keep_waiting(text, interval, bigint[], bytea, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: keep_waiting(text, interval, bigint[], bytea, boolean, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean) RETURNS void
+CREATE FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean, p_spell bigint) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -509,10 +509,10 @@ BEGIN
     PERFORM pgsemaphore.fast_commit();
     v_until := clock_timestamp() + p_lease;
     IF p_register THEN
-        INSERT INTO pgsemaphore.wakeups AS k (semaphore, until)
-        VALUES (p_semaphore, v_until)
-        ON CONFLICT (semaphore) DO UPDATE SET until = excluded.until
-         WHERE k.until < excluded.until - p_lease / 3;
+        INSERT INTO pgsemaphore.wakeups AS k (semaphore, process, spell, until)
+        VALUES (p_semaphore, sha256(p_token), p_spell, v_until)
+        ON CONFLICT (semaphore, process) DO UPDATE SET until = excluded.until, spell = excluded.spell
+         WHERE k.until < excluded.until - p_lease / 3 OR k.spell <> excluded.spell;
     END IF;
     IF cardinality(p_tickets) > 0 THEN
         UPDATE pgsemaphore.waiters w
@@ -967,6 +967,22 @@ $$;
 
 
 --
+-- Name: stop_waiting(text, bytea, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.stop_waiting(p_semaphore text, p_token bytea, p_spell bigint) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+BEGIN
+    PERFORM pgsemaphore.fast_commit();
+    DELETE FROM pgsemaphore.wakeups k
+     WHERE k.semaphore = p_semaphore AND k.process = sha256(p_token) AND k.spell = p_spell;
+END;
+$$;
+
+
+--
 -- Name: token_bucket(text, text, double precision, double precision, double precision); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1196,6 +1212,8 @@ ALTER TABLE pgsemaphore.waiters ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY
 
 CREATE TABLE pgsemaphore.wakeups (
     semaphore text NOT NULL,
+    process bytea NOT NULL,
+    spell bigint NOT NULL,
     until timestamp with time zone NOT NULL
 );
 
@@ -1237,7 +1255,7 @@ ALTER TABLE ONLY pgsemaphore.waiters
 --
 
 ALTER TABLE ONLY pgsemaphore.wakeups
-    ADD CONSTRAINT wakeups_pkey PRIMARY KEY (semaphore);
+    ADD CONSTRAINT wakeups_pkey PRIMARY KEY (semaphore, process);
 
 
 --
@@ -1349,10 +1367,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.held_slots(p_semaphore text, p_now timestamp 
 
 
 --
--- Name: FUNCTION keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean, p_spell bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean, p_spell bigint) FROM PUBLIC;
 
 
 --
@@ -1430,6 +1448,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.schema_version() FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION stop_waiting(p_semaphore text, p_token bytea, p_spell bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.stop_waiting(p_semaphore text, p_token bytea, p_spell bigint) FROM PUBLIC;
 
 
 --

@@ -85,6 +85,24 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
         .await???
         .release()
         .await?;
+    let _ = next_notification(&mut listener, Duration::from_millis(200)).await;
+
+    // Its last waiter gone, the process takes its registration back at once
+    // (not when its lease ends): releases are quiet again.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while registered(&db.pool, "quiet").await? {
+        assert!(
+            Instant::now() < deadline,
+            "the registration outlived the last waiter"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sem.try_acquire().await?.release().await?;
+    assert_eq!(
+        next_notification(&mut listener, Duration::from_millis(500)).await,
+        None,
+        "a release sent a NOTIFY after the last waiter had left"
+    );
     Ok(())
 }
 

@@ -98,7 +98,7 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
                 }
             }
             if !registered {
-                watch.register(&core.db, wakeups.token()).await;
+                watch.register(&core.db).await;
                 continue;
             }
             if let Some(options) = core.queue
@@ -160,7 +160,7 @@ pub(crate) async fn idle(core: &Arc<Core>) -> Result<()> {
             Some((true, _)) => return Ok(()),
             Some((false, ends)) => {
                 if !registered {
-                    watch.register(&core.db, wakeups.token()).await;
+                    watch.register(&core.db).await;
                     continue;
                 }
                 match ends {

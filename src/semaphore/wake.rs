@@ -54,8 +54,12 @@ const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
 pub(crate) const WAIT_LEASE: Duration = Duration::from_secs(10);
 
 /// Renews a process's registration (unless `$5` is false: behind a
-/// transaction pooler, where nothing can listen) and its queue tickets.
-const KEEP_WAITING: &str = "SELECT pgsemaphore.keep_waiting($1, $2, $3, $4, $5)";
+/// transaction pooler, where nothing can listen) for its waiting spell `$6`,
+/// and its queue tickets.
+const KEEP_WAITING: &str = "SELECT pgsemaphore.keep_waiting($1, $2, $3, $4, $5, $6)";
+
+/// The process's last waiter left: its registration (of spell `$3`) goes.
+const STOP_WAITING: &str = "SELECT pgsemaphore.stop_waiting($1, $2, $3)";
 
 /// Wake-up services by pool (the pool's connect-options `Arc` identifies it).
 static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Wakeups>)>> = Mutex::new(Vec::new());
@@ -65,8 +69,6 @@ pub(crate) struct Wakeups {
     options: Arc<PgConnectOptions>,
     entries: Arc<Entries>,
     running: Mutex<Option<Running>>,
-    /// This process's secret for its queue tickets.
-    token: Token,
 }
 
 impl std::fmt::Debug for Wakeups {
@@ -116,15 +118,14 @@ impl Wakeups {
             options: options.clone(),
             entries: Arc::new(Entries::default()),
             running: Mutex::new(None),
-            token: Token::new(),
         });
         registry.push((options, Arc::downgrade(&wakeups)));
         wakeups
     }
 
-    /// This process's secret for its queue tickets.
+    /// This process's secret for its registrations and queue tickets.
     pub(crate) fn token(&self) -> &Token {
-        &self.token
+        &self.entries.token
     }
 
     /// Starts the fallback ticker and, when `listen`, the `LISTEN` task, if
@@ -215,9 +216,19 @@ async fn tick(entries: Weak<Entries>) {
 }
 
 /// Local waiters, per semaphore.
-#[derive(Default)]
 struct Entries {
     by_semaphore: Mutex<HashMap<String, Arc<Entry>>>,
+    /// This process's secret for its registrations and queue tickets.
+    token: Token,
+}
+
+impl Default for Entries {
+    fn default() -> Self {
+        Entries {
+            by_semaphore: Mutex::new(HashMap::new()),
+            token: Token::new(),
+        }
+    }
 }
 
 /// The waiters of one semaphore in this process.
@@ -230,6 +241,12 @@ struct Entry {
 struct EntryState {
     /// Watches alive (waiting acquires and wait_idle calls).
     watchers: usize,
+    /// This waiting spell (from the first watch to the last): its
+    /// registration row says so, so that a late delete of an earlier spell's
+    /// row never removes this one.
+    spell: i64,
+    /// Where the registration was written, to delete it when the spell ends.
+    registered_with: Option<Db>,
     /// The local order of waiting acquires, with their queue tickets.
     places: BTreeMap<Place, Option<i64>>,
     fallback: Duration,
@@ -256,6 +273,8 @@ impl Entries {
                     wake: watch::Sender::new(()),
                     state: Mutex::new(EntryState {
                         watchers: 0,
+                        spell: spell(),
+                        registered_with: None,
                         places: BTreeMap::new(),
                         fallback,
                         next_check: Instant::now() + fallback,
@@ -390,7 +409,8 @@ impl Watch {
     /// and makes sure a keeper renews the registration and the process's
     /// queue tickets while anyone here waits. A failure is logged: waiters
     /// then rely on the fallback re-check until the keeper gets through.
-    pub(crate) async fn register(&self, db: &Db, token: &Token) {
+    pub(crate) async fn register(&self, db: &Db) {
+        let token = &self.entries.token;
         keep_waiting(db, &self.semaphore, &self.entry, token).await;
         let mut state = lock(&self.entry.state);
         if state.keeper.as_ref().is_none_or(|k| k.is_finished()) {
@@ -414,6 +434,14 @@ impl Drop for Watch {
             if let Some(keeper) = state.keeper.take() {
                 keeper.abort();
             }
+            if let Some(db) = state.registered_with.take() {
+                stop_waiting(
+                    db,
+                    self.semaphore.clone(),
+                    self.entries.token.clone(),
+                    state.spell,
+                );
+            }
             drop(state);
             // Only if the map still holds this entry (not a newer one).
             if map
@@ -429,12 +457,11 @@ impl Drop for Watch {
 /// One renewal: the registration (unless behind a transaction pooler) and
 /// the leases of the queue tickets of every local place.
 async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) {
-    let tickets: Vec<i64> = lock(&entry.state)
-        .places
-        .values()
-        .flatten()
-        .copied()
-        .collect();
+    let (tickets, spell) = {
+        let state = lock(&entry.state);
+        let tickets: Vec<i64> = state.places.values().flatten().copied().collect();
+        (tickets, state.spell)
+    };
     let register = !db.is_pooled();
     let sent = Instant::now();
     let query = db
@@ -443,7 +470,8 @@ async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) {
         .bind(wait_lease())
         .bind(tickets)
         .bind(token.bytes())
-        .bind(register);
+        .bind(register)
+        .bind(spell);
     match db.execute(query).await {
         Ok(_) => {
             if register {
@@ -451,13 +479,45 @@ async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) {
                 // send (it is rewritten only when it would end sooner); less
                 // a second for the clocks' drift.
                 let until = sent + WAIT_LEASE * 2 / 3 - Duration::from_secs(1);
-                lock(&entry.state).registered_until = Some(until);
+                let mut state = lock(&entry.state);
+                state.registered_until = Some(until);
+                if state.watchers > 0 {
+                    state.registered_with = Some(db.clone());
+                } else {
+                    // The spell ended while this was in flight: undo it.
+                    stop_waiting(db.clone(), semaphore.to_owned(), token.clone(), state.spell);
+                }
             }
         }
         Err(error) => {
             tracing::debug!(semaphore, %error, "renewing the wake-up registration failed");
         }
     }
+}
+
+/// Deletes a spell's registration in the background (a failure is logged:
+/// the row's lease ends it).
+fn stop_waiting(db: Db, semaphore: String, token: Token, spell: i64) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let query = db
+            .query(STOP_WAITING)
+            .bind(semaphore.clone())
+            .bind(token.bytes())
+            .bind(spell);
+        if let Err(error) = db.execute(query).await {
+            tracing::debug!(semaphore, %error, "removing the wake-up registration failed; its lease ends it");
+        }
+    });
+}
+
+/// A random id for a waiting spell.
+fn spell() -> i64 {
+    let mut bytes = [0; 8];
+    let _ = getrandom::fill(&mut bytes);
+    i64::from_le_bytes(bytes)
 }
 
 /// Renews every third of [`WAIT_LEASE`] while the entry has watchers.
