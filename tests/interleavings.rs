@@ -24,24 +24,6 @@ async fn live_rows(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
     .await
 }
 
-/// Polls `check` until it holds or `within` passes.
-async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        if check().await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn connect(db: &support::TestDb) -> sqlx::Result<PgConnection> {
     PgConnection::connect_with(&db.options).await
 }
@@ -247,7 +229,7 @@ async fn renewals_applied_out_of_order_never_shorten_the_lease() -> TestResult {
         .fetch_one(&mut first)
         .await
     });
-    let waiting = eventually(Duration::from_secs(5), || async {
+    let waiting = support::eventually(Duration::from_secs(5), || async {
         sqlx::query_scalar::<_, bool>(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
               WHERE datname = current_database() AND wait_event_type = 'Lock' \

@@ -28,24 +28,6 @@ async fn live_rows(pool: &PgPool, semaphore: &str) -> i64 {
     .expect("count live rows")
 }
 
-/// Polls `check` until it holds or `within` passes.
-async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hard_limit_holds_under_heavy_contention() -> TestResult {
     const CAPACITY: u32 = 3;
@@ -312,7 +294,7 @@ async fn the_reaper_frees_a_slot_whose_lease_expired() -> TestResult {
     let reaper = Reaper::spawn(&db.pool, Duration::from_millis(50))?;
     let pool = db.pool.clone();
     assert!(
-        eventually(Duration::from_secs(10), || {
+        support::eventually(Duration::from_secs(10), || {
             let pool = pool.clone();
             async move { live_rows(&pool, "reaped").await == 0 }
         })
@@ -394,7 +376,7 @@ async fn a_dropped_permit_is_released_in_the_background() -> TestResult {
 
     let pool = db.pool.clone();
     assert!(
-        eventually(Duration::from_secs(10), || {
+        support::eventually(Duration::from_secs(10), || {
             let pool = pool.clone();
             async move { live_rows(&pool, "dropped").await == 0 }
         })
@@ -450,7 +432,7 @@ async fn cancelled_acquires_never_leave_a_slot_held() -> TestResult {
     // releases at once. So the table must stay empty, not just be empty once.)
     let pool = db.pool.clone();
     assert!(
-        eventually(Duration::from_secs(10), || {
+        support::eventually(Duration::from_secs(10), || {
             let pool = pool.clone();
             async move {
                 live_rows(&pool, "cancelled").await == 0 && {
@@ -661,7 +643,7 @@ async fn waiters_survive_the_listen_connection_being_killed() -> TestResult {
     // Let the listener reconnect, then release.
     let pool = db.pool.clone();
     assert!(
-        eventually(Duration::from_secs(10), || {
+        support::eventually(Duration::from_secs(10), || {
             let pool = pool.clone();
             async move {
                 sqlx::query_scalar::<_, i64>(
@@ -706,7 +688,7 @@ async fn a_cancelled_release_still_releases() -> TestResult {
     drop(busy);
     let pool = db.pool.clone();
     assert!(
-        eventually(Duration::from_secs(10), || {
+        support::eventually(Duration::from_secs(10), || {
             let pool = pool.clone();
             async move { live_rows(&pool, "cancelled-release").await == 0 }
         })

@@ -42,3 +42,21 @@ pub async fn max_overlap(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
     .fetch_one(pool)
     .await
 }
+
+/// Polls `check` every 20 ms until it holds (`true`) or `within` passes (`false`).
+pub async fn eventually<F, Fut>(within: std::time::Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
