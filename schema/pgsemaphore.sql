@@ -600,32 +600,35 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) RETURNS bigint
-    LANGUAGE sql SECURITY DEFINER
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    WITH cutoff AS (
-        SELECT clock_timestamp() - p_older_than AS at
-    ), doomed AS (
-        SELECT s.id
-          FROM pgsemaphore.slots s
-         WHERE s.id IN (
-                   SELECT o.id
-                     FROM cutoff c, pgsemaphore.semaphores m,
-                          LATERAL (SELECT h.id
-                                     FROM pgsemaphore.slots h
-                                    WHERE h.semaphore = m.name AND h.created_at < c.at
-                                      AND coalesce(h.completed_at, h.timed_out_at) < c.at
-                                    ORDER BY h.created_at
-                                    LIMIT p_batch) o
-                    LIMIT p_batch)
-           FOR UPDATE SKIP LOCKED
-    ), deleted AS (
-        DELETE FROM pgsemaphore.slots s
-         USING doomed
-         WHERE s.id = doomed.id
-        RETURNING 1
-    )
-    SELECT count(*) FROM deleted
+DECLARE
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_ids    bigint[];
+    v_count  bigint;
+BEGIN
+    -- Per semaphore, the oldest claims created before the cutoff (the
+    -- history index), those that ended before it, locked; rows a reaper,
+    -- release or fence holds right now are left for the next round.
+    SELECT array_agg(o.id) INTO v_ids
+      FROM (SELECT d.id
+              FROM pgsemaphore.semaphores m,
+                   LATERAL (SELECT h.id
+                              FROM pgsemaphore.slots h
+                             WHERE h.semaphore = m.name AND h.created_at < v_cutoff
+                               AND coalesce(h.completed_at, h.timed_out_at) < v_cutoff
+                             ORDER BY h.created_at
+                             LIMIT p_batch
+                               FOR UPDATE SKIP LOCKED) d
+             LIMIT p_batch) o;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM pgsemaphore.slots s WHERE s.id = ANY (v_ids);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
 $$;
 
 
