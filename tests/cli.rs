@@ -259,13 +259,18 @@ async fn some_history(db: &support::TestDb) -> Result<(Semaphore, pg_semaphore::
             .release()
             .await?;
     }
-    let doomed = sem
+    // A holder that died: nothing renews its lease, which alone frees the slot.
+    let dead_process = Semaphore::builder("audited", 5)
+        .without_heartbeat()
+        .build(&db.pool)
+        .await?;
+    let doomed = dead_process
         .claim()
         .holder("crashed")
         .lease(Duration::from_millis(10))
         .try_acquire()
         .await?;
-    std::mem::forget(doomed); // a holder that died: only its lease frees the slot
+    std::mem::forget(doomed);
     wait_until_expired(db).await;
     assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
     let live = sem
@@ -397,7 +402,11 @@ async fn audit_prints_the_window_as_a_table_json_or_csv() -> TestResult {
 #[tokio::test]
 async fn reap_times_out_expired_claims() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("reaped", 2).build(&db.pool).await?;
+    // No heartbeat: the forgotten claim below stands for a process that died.
+    let sem = Semaphore::builder("reaped", 2)
+        .without_heartbeat()
+        .build(&db.pool)
+        .await?;
     let keep = sem
         .claim()
         .lease(Duration::from_secs(600))
