@@ -386,6 +386,47 @@ async fn failovers(mode: Replication, runs: u32) -> Result<Vec<Report>, BoxError
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The router on a runtime of its own, as HAProxy is a process of its own:
+/// the traffic it forwards does not delay the driver's timers (the
+/// sentinels' deadlines, the mutex's heartbeat).
+struct RouterProcess {
+    router: Option<Router>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl RouterProcess {
+    async fn start(upstream: String) -> Result<RouterProcess, BoxError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("router")
+            .enable_all()
+            .build()?;
+        let router = runtime.spawn(Router::start(upstream)).await?;
+        Ok(RouterProcess {
+            router: Some(router),
+            runtime: Some(runtime),
+        })
+    }
+}
+
+impl std::ops::Deref for RouterProcess {
+    type Target = Router;
+
+    fn deref(&self) -> &Router {
+        self.router.as_ref().expect("the router runs until dropped")
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        drop(self.router.take());
+        // Dropping a runtime blocks, which an async context forbids.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
 struct Worker {
     label: String,
     child: Child,
@@ -412,7 +453,7 @@ async fn one_failover(
     .await?;
     admin.close().await?;
 
-    let router = Router::start(pair.primary_address()).await;
+    let router = RouterProcess::start(pair.primary_address()).await?;
     let through_router = router.options().username("postgres").database(&database);
     let driver = PgPoolOptions::new()
         .max_connections(6)
