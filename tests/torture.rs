@@ -22,17 +22,17 @@
 mod support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::workers::{Log, Rng, max_overlap, now_us, one_line};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -47,34 +47,6 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(15);
 const WORKERS: usize = 3;
 const SEMAPHORE_TASKS: usize = 8;
 const MUTEX_TASKS: usize = 2;
-
-/// Microseconds since the epoch: the workers' and the driver's shared clock.
-fn now_us() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as i64)
-}
-
-/// A small xorshift generator: no extra dependency, good enough for chaos.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded(salt: u64) -> Rng {
-        Rng((now_us() as u64
-            ^ (u64::from(std::process::id()) << 32)
-            ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 // ---------------------------------------------------------------- workers --
 
@@ -104,25 +76,8 @@ fn torture_worker_entry_point() {
         .block_on(worker(url, PathBuf::from(log), label, PathBuf::from(stop)));
 }
 
-#[derive(Clone)]
-struct Log(Arc<std::sync::Mutex<std::fs::File>>);
-
-impl Log {
-    fn line(&self, line: String) {
-        // One write per line on an O_APPEND file: a SIGKILL loses at most the line in flight.
-        let mut file = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = file.write_all(format!("{line}\n").as_bytes());
-    }
-}
-
 async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
-    let log = Log(Arc::new(std::sync::Mutex::new(
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("open the worker log"),
-    )));
+    let log = Log::open(&log).expect("open the worker log");
     let options: PgConnectOptions = url.parse().expect("worker url");
     let pool = loop {
         match PgPoolOptions::new()
@@ -305,10 +260,6 @@ async fn mutex_task(pool: PgPool, log: Log, stopping: Arc<AtomicBool>, salt: u64
             Err(error) => log.line(format!("X mutex work: {}", one_line(&error))),
         }
     }
-}
-
-fn one_line(error: &dyn std::fmt::Display) -> String {
-    error.to_string().replace('\n', " ")
 }
 
 // ----------------------------------------------------------------- driver --
@@ -670,23 +621,6 @@ fn read_logs(dir: &Path) -> std::io::Result<Logs> {
         }
     }
     Ok(logs)
-}
-
-/// The largest number of intervals `[start, end)` open at once.
-fn max_overlap(intervals: impl IntoIterator<Item = (i64, i64)>) -> usize {
-    // Ends sort before starts at the same instant: a hand-over is not an overlap.
-    let mut events: Vec<(i64, i32)> = Vec::new();
-    for (start, end) in intervals {
-        events.push((start, 1));
-        events.push((end, -1));
-    }
-    events.sort();
-    let (mut open, mut max) = (0i64, 0i64);
-    for (_, delta) in events {
-        open += i64::from(delta);
-        max = max.max(open);
-    }
-    max as usize
 }
 
 #[derive(sqlx::FromRow)]

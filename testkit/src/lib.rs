@@ -9,6 +9,10 @@
 //! - [`pgbouncer`]: a PgBouncer in transaction pooling mode in front of it;
 //! - [`proxy`]: a TCP proxy whose plug can be pulled, or whose link can be
 //!   partitioned and healed;
+//! - [`replica`]: a throwaway primary with a streaming standby (synchronous
+//!   or asynchronous replication), stopped hard and promoted on demand;
+//! - [`router`]: a TCP router whose upstream can be switched to the
+//!   promoted standby, as HAProxy's health check does in front of Patroni;
 //! - [`require_tool`]: the policy for tests that need an external tool.
 //!
 //! This crate does not depend on pg-semaphore (pg-semaphore dev-depends on
@@ -18,6 +22,8 @@
 
 pub mod pgbouncer;
 pub mod proxy;
+pub mod replica;
+pub mod router;
 pub mod server;
 mod tools;
 

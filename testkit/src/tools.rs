@@ -100,7 +100,7 @@ fn tools_required() -> bool {
     std::env::var(REQUIRE_TOOLS_VAR).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
-fn missing(what: &str, install: &str) -> Option<PathBuf> {
+pub(crate) fn missing(what: &str, install: &str) -> Option<PathBuf> {
     let how = format!("install it with `{install}` or run `bash scripts/test.sh`");
     assert!(
         !tools_required(),

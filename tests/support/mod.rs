@@ -9,6 +9,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod catalog;
+pub mod workers;
 
 pub use testkit::{
     TestDb, another_pool, empty_db, empty_db_with, pgbouncer, proxy, require_tool,
