@@ -15,9 +15,11 @@
 //! next to the cycle's latency. Without the feature a cycle costs its
 //! latency minus those calls.
 //!
-//! Each configuration runs 3 times, alternating which goes first; the tables
-//! give every repetition, the median and the spread (max - min). The
-//! Prometheus recorder is installed for the thread (`with_local_recorder`)
+//! Each configuration runs 3 times. Within a repetition the two
+//! configurations take turns in blocks of 50 cycles (alternating which goes
+//! first), so that the machine's drift (other processes, the server's own
+//! housekeeping) weighs on both alike. The tables give every repetition, the
+//! median and the spread (max - min). The Prometheus recorder is installed for the thread (`with_local_recorder`)
 //! around a current-thread runtime, so the crate's spawned tasks record into
 //! it too; the run checks that it counted every cycle.
 //!
@@ -38,6 +40,8 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const REPETITIONS: usize = 3;
 const WARM_UP: usize = 200;
+/// Cycles a configuration runs before the other takes its turn.
+const BLOCK: usize = 50;
 /// Iterations of the recording calls' loop, per repetition.
 const CALL_LOOPS: u32 = 1_000_000;
 const SEMAPHORE: &str = "bench-metrics";
@@ -104,23 +108,25 @@ fn run(runtime: &Runtime, pool: &PgPool, cycles: usize) -> Res<()> {
             })?;
         }
     }
+    let blocks = cycles.div_ceil(BLOCK);
+    let cycles = blocks * BLOCK;
     for repetition in 0..REPETITIONS {
-        let mut order = [Config::NoRecorder, Config::Prometheus];
-        if repetition % 2 == 1 {
-            order.reverse();
-        }
-        for config in order {
-            for (w, workload) in workloads.into_iter().enumerate() {
-                eprintln!(
-                    "repetition {}: {} ({})",
-                    repetition + 1,
-                    workload.label(),
-                    config.label()
-                );
-                let took = in_config(config, &recorder, || {
-                    runtime.block_on(cycle(workload, pool, &sem, &mutex, cycles))
-                })?;
-                latency[w][config as usize].push(micros(took) / cycles as f64);
+        for (w, workload) in workloads.into_iter().enumerate() {
+            eprintln!("repetition {}: {}", repetition + 1, workload.label());
+            let mut took = [Duration::ZERO; 2];
+            for block in 0..blocks {
+                let mut order = [Config::NoRecorder, Config::Prometheus];
+                if block % 2 == 1 {
+                    order.reverse();
+                }
+                for config in order {
+                    took[config as usize] += in_config(config, &recorder, || {
+                        runtime.block_on(cycle(workload, pool, &sem, &mutex, BLOCK))
+                    })?;
+                }
+            }
+            for config in [Config::NoRecorder, Config::Prometheus] {
+                latency[w][config as usize].push(micros(took[config as usize]) / cycles as f64);
             }
         }
     }
@@ -160,8 +166,9 @@ fn run(runtime: &Runtime, pool: &PgPool, cycles: usize) -> Res<()> {
 
     println!("## Overhead of the `metrics` feature\n");
     println!(
-        "{cycles} cycles per repetition, one task, {REPETITIONS} repetitions (alternating order), \
-         {CALL_LOOPS} iterations per repetition of the recording calls.\n"
+        "{cycles} cycles per configuration and repetition, one task, the configurations taking \
+         turns every {BLOCK} cycles; {REPETITIONS} repetitions; {CALL_LOOPS} iterations per \
+         repetition of the recording calls.\n"
     );
     println!("### Cycle latency (µs per cycle)\n");
     println!("| workload | configuration | repetitions | median | spread |");
@@ -202,20 +209,27 @@ fn run(runtime: &Runtime, pool: &PgPool, cycles: usize) -> Res<()> {
     println!("\n### Summary\n");
     println!(
         "| workload | baseline without the feature (est.) | no recorder | Prometheus recorder | \
-         recording cost, no recorder | recording cost, Prometheus |"
+         Prometheus - none, per repetition | recording cost, no recorder | recording cost, \
+         Prometheus |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for (w, workload) in workloads.into_iter().enumerate() {
         let cycle_none = median(&latency[w][0]);
         let cycle_prometheus = median(&latency[w][1]);
         let cost_none = median(&calls[w][0]) / 1000.0;
         let cost_prometheus = median(&calls[w][1]) / 1000.0;
+        let paired: Vec<String> = latency[w][0]
+            .iter()
+            .zip(&latency[w][1])
+            .map(|(none, prometheus)| format!("{:+.1} µs", prometheus - none))
+            .collect();
         println!(
-            "| {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.3} µs ({:.3} %) | {:.3} µs ({:.3} %) |",
+            "| {} | {:.1} µs | {:.1} µs | {:.1} µs | {} | {:.3} µs ({:.3} %) | {:.3} µs ({:.3} %) |",
             workload.label(),
             cycle_none - cost_none,
             cycle_none,
             cycle_prometheus,
+            paired.join(" / "),
             cost_none,
             100.0 * cost_none / cycle_none,
             cost_prometheus,
