@@ -1,7 +1,7 @@
 //! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature
 //! `metrics`): every name the crate records, and the helpers that record
 //! them. Install any recorder (`metrics-exporter-prometheus`, ...) and call
-//! [`describe_metrics`] once to give each metric its help text.
+//! `describe_metrics()` once to give each metric its help text.
 //!
 //! | name | type | labels | what it counts |
 //! |---|---|---|---|
@@ -31,6 +31,12 @@
 //! permit cannot leave them off. Claims reap their own semaphore's expired
 //! slots too; the database does not report those, so the reaped counter only
 //! counts [`reap`](crate::reap)'s.
+//!
+//! Each event goes through the facade's macros where it happens (no handles
+//! registered in advance), so a recorder installed after a semaphore was
+//! built still sees it. That costs a label vector per call: about 0.3 µs per
+//! try_acquire + release cycle with no recorder and 1 µs with a Prometheus
+//! recorder, against cycles of 0.3 ms and more (`benches/metrics_overhead.rs`).
 //!
 //! Without the feature, every helper here is an empty `#[inline]` function
 //! and the guards are empty: the call sites stay as they are and cost nothing.
