@@ -118,21 +118,14 @@ async fn scrape() -> Exposition {
     Exposition::parse(&text).unwrap_or_else(|error| panic!("{error}\n{text}"))
 }
 
-/// Scrapes until `series` of `metric` reads `want` (a gauge moved by a task
+/// Scrapes until `metric{labels}` reads `want` (a gauge moved by a task
 /// running elsewhere), for up to 10 s.
-async fn until(metric: &str, labels: &[(&str, &str)], want: f64) -> Exposition {
-    for _ in 0..200 {
-        let scraped = scrape().await;
-        if scraped.value(metric, labels) == want {
-            return scraped;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+async fn until(metric: &str, labels: &[(&str, &str)], want: f64) {
+    let reads = || async { scrape().await.value(metric, labels) == want };
+    if !support::eventually(Duration::from_secs(10), reads).await {
+        let now = scrape().await.value(metric, labels);
+        panic!("{metric}{labels:?} is {now}, not {want}");
     }
-    let scraped = scrape().await;
-    panic!(
-        "{metric}{labels:?} is {}, not {want}",
-        scraped.value(metric, labels)
-    )
 }
 
 // ---------------------------------------------------------------------------
