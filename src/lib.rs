@@ -164,6 +164,14 @@
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
 //!   requests in flight (fail fast with 503/429, or wait up to a timeout).
 //! - `refinery`: `refinery_migrations`, `refinery_runner`, `refinery_migrate`.
+//! - `metrics`: records gauges, counters and histograms through the
+//!   [`metrics`](https://docs.rs/metrics) facade, for any recorder
+//!   (`metrics-exporter-prometheus`, ...): per semaphore, permits held,
+//!   waiters, wait and hold times, acquisitions, refusals, timeouts, lost
+//!   permits, fail-open admissions; reaped claims; per mutex, wait time,
+//!   timeouts, deadlocks and busy refusals; per rate limiter, decisions.
+//!   Labels are bounded (names, never a rate limiter key or a holder).
+//!   `describe_metrics()` gives each its help text; the README lists them.
 //!
 //! # Example
 //!
@@ -194,6 +202,7 @@ mod admin;
 mod audit;
 mod db;
 mod error;
+mod metrics;
 mod migrate;
 mod mutex;
 mod rate_limit;
@@ -207,6 +216,8 @@ mod serialize;
 mod tower;
 mod validate;
 
+#[cfg(feature = "metrics")]
+pub use self::metrics::describe_metrics;
 #[cfg(feature = "refinery")]
 pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner};
 #[cfg(feature = "tower")]

@@ -20,6 +20,7 @@ use sqlx::postgres::types::PgInterval;
 
 use crate::db::{self, Db};
 use crate::error::{Error, Result};
+use crate::metrics::LimiterMetrics;
 use crate::semaphore::MAX_NAME_LEN;
 use crate::validate;
 
@@ -125,6 +126,15 @@ impl Policy {
             Policy::FixedWindow { limit, .. } | Policy::SlidingWindow { limit, .. } => limit,
         }
     }
+
+    /// The limiter's kind, as the metrics label it.
+    fn kind(self) -> &'static str {
+        match self {
+            Policy::TokenBucket { .. } => "token_bucket",
+            Policy::FixedWindow { .. } => "fixed_window",
+            Policy::SlidingWindow { .. } => "sliding_window",
+        }
+    }
 }
 
 /// The engine shared by the three limiters.
@@ -133,6 +143,7 @@ struct Limiter {
     name: String,
     policy: Policy,
     fail_open: bool,
+    metrics: LimiterMetrics,
 }
 
 impl fmt::Debug for Limiter {
@@ -167,6 +178,7 @@ impl Common {
         validate::text("name", &self.name, MAX_NAME_LEN)?;
         Ok(Arc::new(Limiter {
             db: Db::new(pool, self.pooled),
+            metrics: LimiterMetrics::new(&self.name, policy.kind()),
             name: self.name,
             policy,
             fail_open: self.fail_open,
@@ -213,19 +225,23 @@ impl Limiter {
                 .bind(i64::from(permits)),
         };
         match db.fetch_one(query).await {
-            Ok((allowed, remaining, retry_after_us)) => Ok(Decision {
-                allowed,
-                remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
-                limit,
-                failed_open: false,
-            }),
+            Ok((allowed, remaining, retry_after_us)) => {
+                self.metrics.decided(allowed);
+                Ok(Decision {
+                    allowed,
+                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                    retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
+                    limit,
+                    failed_open: false,
+                })
+            }
             Err(error) if self.fail_open && db::fails_open(&error, db.pool()).await => {
                 tracing::warn!(
                     limiter = %self.name,
                     %error,
                     "rate limiter failing open: the database is unreachable, request admitted uncounted"
                 );
+                self.metrics.failed_open();
                 Ok(Decision::open(limit))
             }
             Err(error) => Err(error),

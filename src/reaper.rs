@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::db::Db;
 use crate::error::{Error, Result};
+use crate::metrics;
 use crate::validate;
 
 /// Marks every expired live slot timed out and notifies its semaphore's waiters.
@@ -42,6 +43,7 @@ pub async fn reap(pool: &PgPool) -> Result<u64> {
     if reaped > 0 {
         tracing::info!(reaped, "reaped expired pg-semaphore slots");
     }
+    metrics::reaped(reaped as u64);
     Ok(reaped as u64)
 }
 

@@ -221,6 +221,7 @@ where
                     {
                         tracing::warn!(semaphore = semaphore.name(), %error,
                             "cannot use the semaphore: serving the request without a limit");
+                        semaphore.metrics().failed_open();
                         None
                     }
                     Err(error) => {

@@ -19,6 +19,7 @@ use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
 
 use crate::error::{Error, Result, WaitedFor};
+use crate::metrics::MutexMetrics;
 
 pub use self::session::SessionGuard;
 pub use self::xact::MutexGuard;
@@ -72,6 +73,7 @@ pub struct Mutex {
     label: String,
     heartbeat: Duration,
     idle_timeout: Option<Duration>,
+    metrics: MutexMetrics,
 }
 
 impl fmt::Debug for Mutex {
@@ -159,6 +161,7 @@ impl Mutex {
     fn keyed(key: Key, label: String) -> Self {
         Mutex {
             key,
+            metrics: MutexMetrics::new(&label),
             label,
             heartbeat: DEFAULT_HEARTBEAT,
             idle_timeout: None,
@@ -549,6 +552,7 @@ impl Mutex {
                     timeout_ms = timeout.as_millis() as u64,
                     "mutex lock timed out"
                 );
+                self.metrics.timed_out();
                 Error::Timeout {
                     waited_for: WaitedFor::Mutex {
                         mutex: self.label.clone(),
@@ -561,6 +565,7 @@ impl Mutex {
                     mutex = %self.label,
                     "deadlock detected waiting for a mutex; its transaction was rolled back"
                 );
+                self.metrics.deadlock();
                 Error::Deadlock {
                     mutex: self.label.clone(),
                 }
@@ -570,14 +575,16 @@ impl Mutex {
     }
 
     fn locked(&self) -> Error {
+        self.metrics.busy();
         Error::Locked {
             mutex: self.label.clone(),
         }
     }
 
     /// One event per waiting lock granted (never per poll: a wait is one
-    /// statement), with how long it waited.
+    /// statement), with how long it waited; the wait time goes to the metrics too.
     fn trace_locked(&self, mode: Mode, scope: &'static str, started: std::time::Instant) {
+        self.metrics.waited(started.elapsed());
         tracing::debug!(
             mutex = %self.label,
             mode = ?mode,

@@ -105,11 +105,15 @@ pub(super) async fn lock_in(
     tx: &mut Transaction<'_, Postgres>,
     wait: Wait,
 ) -> Result<()> {
+    let started = std::time::Instant::now();
     let rows = run_on(tx, mutex.xact_sql(Mode::Exclusive, wait, &token()))
         .await
         .map_err(|e| mutex.lock_error(e, wait))?;
     if wait == Wait::Try && !try_result(&rows)? {
         return Err(mutex.locked());
+    }
+    if wait != Wait::Try {
+        mutex.metrics.waited(started.elapsed());
     }
     Ok(())
 }

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use crate::db::{self, Db, Token};
 use crate::error::{Error, LostReason, Result};
+use crate::metrics::SemaphoreMetrics;
 use crate::validate;
 
 use super::wake::Wakeups;
@@ -196,6 +197,7 @@ pub(crate) struct Core {
     pub(crate) queue: Option<QueueOptions>,
     /// Wake-ups of this pool (one LISTEN connection per pool).
     pub(crate) wakeups: Arc<Wakeups>,
+    pub(crate) metrics: SemaphoreMetrics,
 }
 
 /// One claim's options.

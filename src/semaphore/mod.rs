@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use crate::audit::{AuditLog, Holder, Summary};
 use crate::db::{self, Db};
 use crate::error::{Error, Result, WaitedFor};
+use crate::metrics::SemaphoreMetrics;
 use crate::validate;
 
 use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions};
@@ -389,6 +390,7 @@ impl SemaphoreBuilder {
         Ok(Semaphore {
             core: Arc::new(Core {
                 wakeups: Wakeups::for_pool(pool),
+                metrics: SemaphoreMetrics::new(&self.name),
                 db,
                 name: self.name,
                 capacity,
@@ -470,6 +472,12 @@ impl Semaphore {
     /// The pool this semaphore uses.
     pub fn pool(&self) -> &PgPool {
         self.core.db.pool()
+    }
+
+    /// The semaphore's metrics (for `SemaphoreLayer`'s own fail-open).
+    #[cfg_attr(not(feature = "tower"), allow(dead_code))]
+    pub(crate) fn metrics(&self) -> &SemaphoreMetrics {
+        &self.core.metrics
     }
 
     /// The slots this handle reserves for [`Priority::High`] claims.
@@ -842,9 +850,12 @@ impl Claim<'_> {
     pub async fn try_acquire_many(self, n: u32) -> Result<Permit> {
         let core = &self.semaphore.core;
         let attempt = self.attempt(n)?;
-        let refused = |capacity| Error::NoSlotsAvailable {
-            semaphore: core.name.clone(),
-            capacity,
+        let refused = |capacity| {
+            core.metrics.no_slots();
+            Error::NoSlotsAvailable {
+                semaphore: core.name.clone(),
+                capacity,
+            }
         };
         let result = match Permit::claim(core, &attempt, None).await {
             Ok(Admission::Claimed(permit)) => Ok(permit),
@@ -864,6 +875,7 @@ impl Claim<'_> {
                     %error,
                     "database unreachable: admitting without a slot (fail-open)"
                 );
+                core.metrics.failed_open();
                 Ok(Permit::unchecked(core))
             }
             other => other,
@@ -901,7 +913,11 @@ impl Claim<'_> {
         let waited_for = WaitedFor::Permit {
             semaphore: core.name.clone(),
         };
-        with_timeout(timeout, waited_for, wait::acquire(core, &attempt)).await
+        let result = with_timeout(timeout, waited_for, wait::acquire(core, &attempt)).await;
+        if let Err(Error::Timeout { .. }) = result {
+            core.metrics.timed_out();
+        }
+        result
     }
 
     /// Validates the options for a claim of `permits` slots.

@@ -10,6 +10,7 @@ use sqlx::{Postgres, Transaction};
 
 use crate::db;
 use crate::error::{Error, LostReason, Result};
+use crate::metrics::Held;
 
 use crate::db::Token;
 
@@ -61,6 +62,8 @@ pub struct Permit {
     pub(crate) free_after: u32,
     released: bool,
     lease: Lease,
+    /// In the held gauge until dropped; none for an unchecked permit.
+    _held: Option<Held>,
 }
 
 impl fmt::Debug for Permit {
@@ -119,6 +122,7 @@ impl Permit {
         );
         Permit {
             core: core.clone(),
+            _held: Some(core.metrics.acquired(claimed.claims.len())),
             claims: claimed.claims,
             acquired_at: claimed.acquired_at,
             expires_at: claimed.expires_at,
@@ -144,6 +148,7 @@ impl Permit {
             free_after: 0,
             released: false,
             lease: Lease::unchecked(),
+            _held: None,
         }
     }
 
@@ -326,6 +331,9 @@ impl Permit {
             Ok(ended)
         })
         .await?;
+        if let Some(reason) = lost_at_end(ended, lost) {
+            self.core.metrics.lost(reason);
+        }
         match (ended, lost) {
             (Ended::Done, None) => Ok(()),
             (Ended::Lost { id, reason }, _) => Err(self.lost_error(id, reason)),
@@ -347,15 +355,20 @@ impl Drop for Permit {
         if self.released || self.is_unchecked() {
             return;
         }
-        let lost = self.lease.lost_reason().is_some();
+        let lost = self.lease.lost_reason();
         self.lease.stop();
         let core = self.core.clone();
         let (ids, token) = (self.ids(), self.token.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    match engine::release(&core, &ids, &token, lost).await {
-                        Ok(_) => tracing::debug!(semaphore = %core.name, ids = ?ids, "dropped permit released"),
+                    match engine::release(&core, &ids, &token, lost.is_some()).await {
+                        Ok((ended, _)) => {
+                            if let Some(reason) = lost_at_end(ended, lost) {
+                                core.metrics.lost(reason);
+                            }
+                            tracing::debug!(semaphore = %core.name, ids = ?ids, "dropped permit released");
+                        }
                         Err(error) => tracing::warn!(
                             semaphore = %core.name, ids = ?ids, %error,
                             "background release of a dropped permit failed; its lease frees the slot"
@@ -369,5 +382,14 @@ impl Drop for Permit {
                 "permit dropped outside a tokio runtime: its slot is freed when the lease expires"
             ),
         }
+    }
+}
+
+/// Why a permit that just ended was lost, if it was: the release's verdict,
+/// else what its holder had been told. Counted once per permit.
+fn lost_at_end(ended: Ended, told: Option<LostReason>) -> Option<LostReason> {
+    match ended {
+        Ended::Lost { reason, .. } => Some(reason),
+        Ended::Done => told,
     }
 }

@@ -77,10 +77,13 @@ pub(crate) async fn enqueue(
                     armed: true,
                 })
             }
-            None => Err(Error::QueueFull {
-                semaphore: core.name.clone(),
-                limit: options.limit.unwrap_or(0),
-            }),
+            None => {
+                core.metrics.queue_full();
+                Err(Error::QueueFull {
+                    semaphore: core.name.clone(),
+                    limit: options.limit.unwrap_or(0),
+                })
+            }
         }
     })
     .await

@@ -49,6 +49,8 @@ static ARRIVAL: AtomicI64 = AtomicI64::new(0);
 
 /// Waits until `attempt` can claim, then claims.
 pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permit> {
+    // In the waiters gauge until this returns or is dropped.
+    let _waiting = core.metrics.waiting();
     let wakeups = &core.wakeups;
     wakeups.start(!core.db.is_pooled());
     let mut watch = wakeups.watch(&core.name, core.fallback);
@@ -80,6 +82,7 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
                         permits = permit.num_permits(),
                         "waiter acquired"
                     );
+                    core.metrics.waited(started.elapsed());
                     return Ok(permit);
                 }
                 Admission::TooMany { capacity } => return Err(too_many(core, attempt, capacity)),

@@ -1,0 +1,462 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature
+//! `metrics`): every name the crate records, and the helpers that record
+//! them. Install any recorder (`metrics-exporter-prometheus`, ...) and call
+//! `describe_metrics()` once to give each metric its help text.
+//!
+//! | name | type | labels | what it counts |
+//! |---|---|---|---|
+//! | `pg_semaphore_permits_held` | gauge | `semaphore` | slots held by this process's permits (a permit of `acquire_many(n)` counts `n`; fail-open permits hold none) |
+//! | `pg_semaphore_waiters` | gauge | `semaphore` | waiting acquires (`acquire`, `acquire_timeout`, `acquire_many*`) in progress in this process |
+//! | `pg_semaphore_wait_seconds` | histogram | `semaphore` | a waiting acquire's time from its call to its permit (successful waits only) |
+//! | `pg_semaphore_hold_seconds` | histogram | `semaphore` | a permit's time from its acquisition to its release or drop |
+//! | `pg_semaphore_acquisitions_total` | counter | `semaphore` | permits granted by the database, by any acquire method |
+//! | `pg_semaphore_no_slots_available_total` | counter | `semaphore` | fail-fast refusals: `try_acquire*` returned `NoSlotsAvailable` |
+//! | `pg_semaphore_timeouts_total` | counter | `semaphore` | `acquire_timeout` / `acquire_many_timeout` gave up (`Timeout`) |
+//! | `pg_semaphore_queue_full_total` | counter | `semaphore` | acquires refused by the fair queue's limit (`QueueFull`) |
+//! | `pg_semaphore_permits_lost_total` | counter | `semaphore`, `reason` | permits found lost when released or dropped, once per permit |
+//! | `pg_semaphore_fail_open_total` | counter | `semaphore` | fail-open admissions: unchecked permits, and requests `SemaphoreLayer` served without a permit |
+//! | `pg_semaphore_reaped_total` | counter | none | expired claims freed by [`reap`](crate::reap) (and so by a [`Reaper`](crate::Reaper)), every semaphore together |
+//! | `pg_semaphore_mutex_wait_seconds` | histogram | `mutex` | a waiting lock's time from its call until it was granted |
+//! | `pg_semaphore_mutex_timeouts_total` | counter | `mutex` | lock waits that gave up (`Timeout`) |
+//! | `pg_semaphore_mutex_deadlocks_total` | counter | `mutex` | lock waits PostgreSQL aborted as deadlocks (`Deadlock`) |
+//! | `pg_semaphore_mutex_busy_total` | counter | `mutex` | `try_lock*` refusals (`Locked`) |
+//! | `pg_semaphore_rate_limit_decisions_total` | counter | `limiter`, `kind`, `decision` | rate limiter checks, by outcome: `allowed`, `refused`, `failed_open` |
+//!
+//! Label sets are bounded: a semaphore's or limiter's name, a mutex's
+//! [`name`](crate::Mutex::name), a limiter's kind (`token_bucket`,
+//! `fixed_window`, `sliding_window`), a decision, a [`LostReason`] as
+//! `snake_case`. Never a rate limiter key, a holder, a claim id or an error
+//! text. Gauges are kept by guards (a [`Waiting`] or [`Held`] adds on
+//! creation and subtracts when dropped), so a cancelled acquire or a dropped
+//! permit cannot leave them off. Claims reap their own semaphore's expired
+//! slots too; the database does not report those, so the reaped counter only
+//! counts [`reap`](crate::reap)'s.
+//!
+//! Each event goes through the facade's macros where it happens (no handles
+//! registered in advance), so a recorder installed after a semaphore was
+//! built still sees it. That costs a label vector per call: about 0.3 µs per
+//! try_acquire + release cycle with no recorder and 1 µs with a Prometheus
+//! recorder, against cycles of 0.3 ms and more (`benches/metrics_overhead.rs`).
+//!
+//! Without the feature, every helper here is an empty `#[inline]` function
+//! and the guards are empty: the call sites stay as they are and cost nothing.
+// Without the feature the helpers ignore their arguments and the names go unused.
+#![cfg_attr(not(feature = "metrics"), allow(unused_variables, dead_code))]
+
+use std::time::Duration;
+
+use crate::error::LostReason;
+
+#[cfg(feature = "metrics")]
+use ::metrics::{SharedString, counter, gauge, histogram};
+
+const PERMITS_HELD: &str = "pg_semaphore_permits_held";
+const WAITERS: &str = "pg_semaphore_waiters";
+const WAIT_SECONDS: &str = "pg_semaphore_wait_seconds";
+const HOLD_SECONDS: &str = "pg_semaphore_hold_seconds";
+const ACQUISITIONS: &str = "pg_semaphore_acquisitions_total";
+const NO_SLOTS_AVAILABLE: &str = "pg_semaphore_no_slots_available_total";
+const TIMEOUTS: &str = "pg_semaphore_timeouts_total";
+const QUEUE_FULL: &str = "pg_semaphore_queue_full_total";
+const PERMITS_LOST: &str = "pg_semaphore_permits_lost_total";
+const FAIL_OPEN: &str = "pg_semaphore_fail_open_total";
+const REAPED: &str = "pg_semaphore_reaped_total";
+const MUTEX_WAIT_SECONDS: &str = "pg_semaphore_mutex_wait_seconds";
+const MUTEX_TIMEOUTS: &str = "pg_semaphore_mutex_timeouts_total";
+const MUTEX_DEADLOCKS: &str = "pg_semaphore_mutex_deadlocks_total";
+const MUTEX_BUSY: &str = "pg_semaphore_mutex_busy_total";
+const RATE_LIMIT_DECISIONS: &str = "pg_semaphore_rate_limit_decisions_total";
+
+/// Gives every metric of pg-semaphore its help text (and histograms their
+/// unit) in the installed recorder: call it once, after installing the
+/// recorder. Recording works without it; exporters then show no `# HELP`.
+///
+/// The metrics and their labels are listed in the README ("Metrics").
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // With metrics-exporter-prometheus; any `metrics` recorder works.
+/// let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+/// pg_semaphore::describe_metrics();
+/// // ... serve `prometheus.render()` on /metrics ...
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "metrics")]
+pub fn describe_metrics() {
+    use ::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+    describe_gauge!(
+        PERMITS_HELD,
+        "Slots held by this process's permits of the semaphore"
+    );
+    describe_gauge!(
+        WAITERS,
+        "Acquires of the semaphore waiting for a permit in this process"
+    );
+    describe_histogram!(
+        WAIT_SECONDS,
+        Unit::Seconds,
+        "Time from a waiting acquire's call to its permit (successful waits only)"
+    );
+    describe_histogram!(
+        HOLD_SECONDS,
+        Unit::Seconds,
+        "Time from a permit's acquisition to its release or drop"
+    );
+    describe_counter!(
+        ACQUISITIONS,
+        "Permits of the semaphore granted to this process"
+    );
+    describe_counter!(
+        NO_SLOTS_AVAILABLE,
+        "Fail-fast acquires refused because no slot was free (NoSlotsAvailable)"
+    );
+    describe_counter!(
+        TIMEOUTS,
+        "Acquires that gave up after their timeout (Timeout)"
+    );
+    describe_counter!(
+        QUEUE_FULL,
+        "Acquires refused because the fair queue was full (QueueFull)"
+    );
+    describe_counter!(
+        PERMITS_LOST,
+        "Permits found lost (reaped, released elsewhere, lease ended) when released or dropped"
+    );
+    describe_counter!(
+        FAIL_OPEN,
+        "Admissions without a slot because the database was unreachable (fail-open)"
+    );
+    describe_counter!(
+        REAPED,
+        "Expired claims freed by reap() or a Reaper, all semaphores together"
+    );
+    describe_histogram!(
+        MUTEX_WAIT_SECONDS,
+        Unit::Seconds,
+        "Time from a waiting lock's call until the mutex was granted"
+    );
+    describe_counter!(
+        MUTEX_TIMEOUTS,
+        "Mutex lock waits that gave up after their timeout (Timeout)"
+    );
+    describe_counter!(
+        MUTEX_DEADLOCKS,
+        "Mutex lock waits aborted by PostgreSQL's deadlock detector (Deadlock)"
+    );
+    describe_counter!(
+        MUTEX_BUSY,
+        "try_lock refusals because the mutex was held (Locked)"
+    );
+    describe_counter!(
+        RATE_LIMIT_DECISIONS,
+        "Rate limiter checks by decision: allowed, refused, failed_open"
+    );
+}
+
+/// A label value shared by every sample of one semaphore, mutex or limiter
+/// (an `Arc<str>`: cloning it does not allocate).
+#[cfg(feature = "metrics")]
+fn shared(name: &str) -> SharedString {
+    SharedString::from(std::sync::Arc::<str>::from(name))
+}
+
+/// The metrics of one semaphore, as its handles share them.
+#[derive(Debug, Clone)]
+pub(crate) struct SemaphoreMetrics {
+    #[cfg(feature = "metrics")]
+    semaphore: SharedString,
+}
+
+impl SemaphoreMetrics {
+    pub(crate) fn new(name: &str) -> Self {
+        SemaphoreMetrics {
+            #[cfg(feature = "metrics")]
+            semaphore: shared(name),
+        }
+    }
+
+    /// The database granted `permits` slots: counts the acquisition; the
+    /// guard keeps them in the held gauge until it is dropped with the
+    /// permit, and then records the hold time.
+    #[inline]
+    pub(crate) fn acquired(&self, permits: usize) -> Held {
+        #[cfg(feature = "metrics")]
+        {
+            let permits = permits as f64;
+            counter!(ACQUISITIONS, "semaphore" => self.semaphore.clone()).increment(1);
+            gauge!(PERMITS_HELD, "semaphore" => self.semaphore.clone()).increment(permits);
+            Held {
+                semaphore: self.semaphore.clone(),
+                permits,
+                since: std::time::Instant::now(),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Held {}
+    }
+
+    /// A waiting acquire starts: in the waiters gauge until the guard drops
+    /// (served, failed or cancelled).
+    #[inline]
+    pub(crate) fn waiting(&self) -> Waiting {
+        #[cfg(feature = "metrics")]
+        {
+            gauge!(WAITERS, "semaphore" => self.semaphore.clone()).increment(1);
+            Waiting {
+                semaphore: self.semaphore.clone(),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Waiting {}
+    }
+
+    /// A waiting acquire got its permit after `waited`.
+    #[inline]
+    pub(crate) fn waited(&self, waited: Duration) {
+        #[cfg(feature = "metrics")]
+        histogram!(WAIT_SECONDS, "semaphore" => self.semaphore.clone()).record(waited);
+    }
+
+    /// A fail-fast acquire found no free slot.
+    #[inline]
+    pub(crate) fn no_slots(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(NO_SLOTS_AVAILABLE, "semaphore" => self.semaphore.clone()).increment(1);
+    }
+
+    /// A waiting acquire gave up at its timeout.
+    #[inline]
+    pub(crate) fn timed_out(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(TIMEOUTS, "semaphore" => self.semaphore.clone()).increment(1);
+    }
+
+    /// An acquire was refused by the fair queue's limit.
+    #[inline]
+    pub(crate) fn queue_full(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(QUEUE_FULL, "semaphore" => self.semaphore.clone()).increment(1);
+    }
+
+    /// A permit ended lost.
+    #[inline]
+    pub(crate) fn lost(&self, reason: LostReason) {
+        #[cfg(feature = "metrics")]
+        counter!(
+            PERMITS_LOST,
+            "semaphore" => self.semaphore.clone(),
+            "reason" => lost_reason(reason),
+        )
+        .increment(1);
+    }
+
+    /// A caller was admitted without a slot: the database was unreachable.
+    #[inline]
+    pub(crate) fn failed_open(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(FAIL_OPEN, "semaphore" => self.semaphore.clone()).increment(1);
+    }
+}
+
+/// Slots of a permit in the held gauge (see [`SemaphoreMetrics::acquired`]).
+#[derive(Debug)]
+pub(crate) struct Held {
+    #[cfg(feature = "metrics")]
+    semaphore: SharedString,
+    #[cfg(feature = "metrics")]
+    permits: f64,
+    #[cfg(feature = "metrics")]
+    since: std::time::Instant,
+}
+
+impl Drop for Held {
+    #[inline]
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        {
+            gauge!(PERMITS_HELD, "semaphore" => self.semaphore.clone()).decrement(self.permits);
+            histogram!(HOLD_SECONDS, "semaphore" => self.semaphore.clone())
+                .record(self.since.elapsed());
+        }
+    }
+}
+
+/// A waiting acquire in the waiters gauge (see [`SemaphoreMetrics::waiting`]).
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    #[cfg(feature = "metrics")]
+    semaphore: SharedString,
+}
+
+impl Drop for Waiting {
+    #[inline]
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        gauge!(WAITERS, "semaphore" => self.semaphore.clone()).decrement(1);
+    }
+}
+
+/// [`reap`](crate::reap) freed `reaped` expired claims.
+#[inline]
+pub(crate) fn reaped(reaped: u64) {
+    #[cfg(feature = "metrics")]
+    counter!(REAPED).increment(reaped);
+}
+
+/// The metrics of one mutex.
+#[derive(Debug, Clone)]
+pub(crate) struct MutexMetrics {
+    #[cfg(feature = "metrics")]
+    mutex: SharedString,
+}
+
+impl MutexMetrics {
+    pub(crate) fn new(name: &str) -> Self {
+        MutexMetrics {
+            #[cfg(feature = "metrics")]
+            mutex: shared(name),
+        }
+    }
+
+    /// A waiting lock was granted after `waited`.
+    #[inline]
+    pub(crate) fn waited(&self, waited: Duration) {
+        #[cfg(feature = "metrics")]
+        histogram!(MUTEX_WAIT_SECONDS, "mutex" => self.mutex.clone()).record(waited);
+    }
+
+    /// A lock wait gave up at its timeout.
+    #[inline]
+    pub(crate) fn timed_out(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(MUTEX_TIMEOUTS, "mutex" => self.mutex.clone()).increment(1);
+    }
+
+    /// PostgreSQL aborted a lock wait as a deadlock.
+    #[inline]
+    pub(crate) fn deadlock(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(MUTEX_DEADLOCKS, "mutex" => self.mutex.clone()).increment(1);
+    }
+
+    /// A try-lock found the mutex held.
+    #[inline]
+    pub(crate) fn busy(&self) {
+        #[cfg(feature = "metrics")]
+        counter!(MUTEX_BUSY, "mutex" => self.mutex.clone()).increment(1);
+    }
+}
+
+/// The metrics of one rate limiter.
+#[derive(Debug, Clone)]
+pub(crate) struct LimiterMetrics {
+    #[cfg(feature = "metrics")]
+    limiter: SharedString,
+    #[cfg(feature = "metrics")]
+    kind: &'static str,
+}
+
+impl LimiterMetrics {
+    /// `kind`: `token_bucket`, `fixed_window` or `sliding_window`.
+    pub(crate) fn new(name: &str, kind: &'static str) -> Self {
+        LimiterMetrics {
+            #[cfg(feature = "metrics")]
+            limiter: shared(name),
+            #[cfg(feature = "metrics")]
+            kind,
+        }
+    }
+
+    /// A check was decided by the database.
+    #[inline]
+    pub(crate) fn decided(&self, allowed: bool) {
+        self.decision(if allowed { "allowed" } else { "refused" });
+    }
+
+    /// A check was admitted uncounted: the database was unreachable.
+    #[inline]
+    pub(crate) fn failed_open(&self) {
+        self.decision("failed_open");
+    }
+
+    #[inline]
+    fn decision(&self, decision: &'static str) {
+        #[cfg(feature = "metrics")]
+        counter!(
+            RATE_LIMIT_DECISIONS,
+            "limiter" => self.limiter.clone(),
+            "kind" => self.kind,
+            "decision" => decision,
+        )
+        .increment(1);
+    }
+}
+
+/// A [`LostReason`] as a label value.
+#[cfg(feature = "metrics")]
+fn lost_reason(reason: LostReason) -> &'static str {
+    match reason {
+        LostReason::TimedOut { .. } => "timed_out",
+        LostReason::AlreadyReleased { .. } => "already_released",
+        LostReason::LeaseExpired => "lease_expired",
+        LostReason::Missing => "missing",
+        LostReason::NotHolder => "not_holder",
+        LostReason::Unchecked => "unchecked",
+        LostReason::ConnectionLost => "connection_lost",
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use chrono::Utc;
+
+    use super::*;
+
+    #[test]
+    fn every_name_follows_prometheus_conventions() {
+        let counters = [
+            ACQUISITIONS,
+            NO_SLOTS_AVAILABLE,
+            TIMEOUTS,
+            QUEUE_FULL,
+            PERMITS_LOST,
+            FAIL_OPEN,
+            REAPED,
+            MUTEX_TIMEOUTS,
+            MUTEX_DEADLOCKS,
+            MUTEX_BUSY,
+            RATE_LIMIT_DECISIONS,
+        ];
+        let histograms = [WAIT_SECONDS, HOLD_SECONDS, MUTEX_WAIT_SECONDS];
+        let gauges = [PERMITS_HELD, WAITERS];
+        for name in counters.iter().chain(&histograms).chain(&gauges) {
+            assert!(name.starts_with("pg_semaphore_"), "{name}");
+            assert!(
+                name.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+                "{name}"
+            );
+        }
+        assert!(counters.iter().all(|name| name.ends_with("_total")));
+        assert!(histograms.iter().all(|name| name.ends_with("_seconds")));
+        assert!(
+            gauges
+                .iter()
+                .all(|name| !name.ends_with("_total") && !name.ends_with("_seconds"))
+        );
+    }
+
+    #[test]
+    fn lost_reasons_are_a_few_fixed_labels() {
+        let at = Utc::now();
+        assert_eq!(lost_reason(LostReason::TimedOut { at }), "timed_out");
+        assert_eq!(
+            lost_reason(LostReason::AlreadyReleased { at }),
+            "already_released"
+        );
+        assert_eq!(lost_reason(LostReason::LeaseExpired), "lease_expired");
+        assert_eq!(lost_reason(LostReason::ConnectionLost), "connection_lost");
+    }
+}
