@@ -215,7 +215,7 @@ async fn a_claim_whose_reply_was_lost_does_not_hold_its_slot_for_a_lease() -> Te
         "the claim did not commit"
     );
     // The connection breaks: the reply is lost, the client gets an error.
-    proxy.reset();
+    proxy.reset().await;
     proxy.restore();
     let outcome = tokio::time::timeout(Duration::from_secs(10), claim).await??;
     assert!(

@@ -38,6 +38,8 @@ pub struct Proxy {
     blackholed: watch::Sender<bool>,
     /// Bumped by [`Proxy::reset`].
     resets: watch::Sender<u64>,
+    /// The last reset the proxy has carried out.
+    done: watch::Receiver<u64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -72,6 +74,7 @@ impl Proxy {
         let address: SocketAddr = listener.local_addr().expect("proxy address");
         let (blackholed, state) = watch::channel(false);
         let (resets, mut reset) = watch::channel(0u64);
+        let (done_tx, done) = watch::channel(0u64);
         let task = tokio::spawn(async move {
             // Connections die with this task: aborting it drops the JoinSet.
             let mut connections = JoinSet::new();
@@ -89,6 +92,8 @@ impl Proxy {
                         }
                         // Dropping a connection's task drops both its sockets.
                         connections.abort_all();
+                        while connections.join_next().await.is_some() {}
+                        done_tx.send_replace(*reset.borrow_and_update());
                     }
                 }
                 while connections.try_join_next().is_some() {}
@@ -101,6 +106,7 @@ impl Proxy {
             address,
             blackholed,
             resets,
+            done,
             task,
         }
     }
@@ -141,12 +147,18 @@ impl Proxy {
         self.blackholed.send_replace(false);
     }
 
-    /// Breaks every connection through the proxy now (both ends see their
-    /// socket closed), dropping whatever a [`blackhole`](Self::blackhole)
-    /// held back; new connections are accepted as before (still held while
-    /// blackholed).
-    pub fn reset(&self) {
-        self.resets.send_modify(|n| *n += 1);
+    /// Breaks every connection through the proxy (both ends see their socket
+    /// closed), dropping whatever a [`blackhole`](Self::blackhole) held
+    /// back, and returns once they are all gone; new connections are accepted
+    /// as before (still held while blackholed).
+    pub async fn reset(&self) {
+        let mut target = 0;
+        self.resets.send_modify(|n| {
+            *n += 1;
+            target = *n;
+        });
+        let mut done = self.done.clone();
+        let _ = done.wait_for(|n| *n >= target).await;
     }
 
     /// Whether the link is partitioned.

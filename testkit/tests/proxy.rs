@@ -122,7 +122,7 @@ async fn a_reset_breaks_connections_drops_what_was_held_and_keeps_accepting() ->
 
     proxy.blackhole();
     client.write_all(b"held").await?;
-    proxy.reset();
+    proxy.reset().await;
     proxy.restore();
     // The old connection ends, and what was held never arrives.
     let mut buf = [0u8; 16];
