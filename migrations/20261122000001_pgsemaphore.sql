@@ -212,14 +212,18 @@ AS $$ SELECT 1, 1 $$;
 -- audit log contradicting what the holder was told. Under
 -- `synchronous_commit = off` (a common throughput setting) a commit is
 -- acknowledged before its WAL is flushed, and a crash loses it: the torture
--- test saw both. So the functions that decide admission upgrade `off` to
--- `on` for their own transaction (a stricter setting is left as it is).
+-- test saw both. With a synchronous standby, `local` and `remote_write`
+-- acknowledge a commit before the standby has flushed it, so a failover can
+-- lose it the same way. So the functions that decide admission upgrade
+-- `off`, `local` and `remote_write` to `on` for their own transaction
+-- (`remote_apply`, stricter, is left as it is; without a synchronous
+-- standby `on` only waits for the local flush).
 CREATE FUNCTION pgsemaphore.durable_commit()
 RETURNS void
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    IF current_setting('synchronous_commit') = 'off' THEN
+    IF current_setting('synchronous_commit') IN ('off', 'local', 'remote_write') THEN
         PERFORM set_config('synchronous_commit', 'on', true);
     END IF;
 END;

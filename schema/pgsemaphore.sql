@@ -276,7 +276,7 @@ CREATE FUNCTION pgsemaphore.durable_commit() RETURNS void
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    IF current_setting('synchronous_commit') = 'off' THEN
+    IF current_setting('synchronous_commit') IN ('off', 'local', 'remote_write') THEN
         PERFORM set_config('synchronous_commit', 'on', true);
     END IF;
 END;

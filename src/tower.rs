@@ -257,7 +257,8 @@ async fn acquire(
     }
     match wait {
         None => claim.try_acquire().await,
-        Some(timeout) => claim.acquire_timeout(timeout).await,
+        // An outage is answered at once (503, or fail-open), not waited out.
+        Some(timeout) => claim.fail_on_outage().acquire_timeout(timeout).await,
     }
 }
 

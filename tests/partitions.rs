@@ -235,3 +235,36 @@ async fn a_claim_whose_reply_was_lost_does_not_hold_its_slot_for_a_lease() -> Te
     assert!(completed, "released by its token, not reaped");
     Ok(())
 }
+
+/// A waiting acquire rides out an outage (a restart, a failover, a
+/// partition): the claim round trip that broke is retried until the database
+/// answers again, and the wait goes on; it does not end with the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_rides_out_an_outage() -> TestResult {
+    let db = support::migrated_db().await;
+    let holder = Semaphore::builder("outage", 1).build(&db.pool).await?;
+    let held = holder.try_acquire().await?;
+    let proxy = Proxy::start(&db).await;
+    let pool = through(&proxy, 2).await?;
+    let sem = Semaphore::builder("outage", 1)
+        .fallback_interval(Duration::from_millis(200))
+        .build(&pool)
+        .await?;
+    let waiter = tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // The link goes dark while the slot frees, for longer than the pool's
+    // acquire timeout (2 s): the waiter's claims fail (no connection), then
+    // its connections break, and the link comes back.
+    proxy.blackhole();
+    held.release().await?;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    proxy.reset().await;
+    proxy.restore();
+    let permit = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .map_err(|_| "the waiter never came back from the outage")??;
+    let permit = permit.map_err(|e| format!("the wait ended with the outage's error: {e}"))?;
+    permit.release().await?;
+    Ok(())
+}

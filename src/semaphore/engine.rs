@@ -208,6 +208,9 @@ pub(crate) struct Attempt {
     pub(crate) lease: Option<PgInterval>,
     pub(crate) permits: u32,
     pub(crate) priority: Priority,
+    /// Whether a wait retries through a database outage (the default) or
+    /// ends with the error (the tower layer's waits: an outage is a 503).
+    pub(crate) ride_out_outages: bool,
 }
 
 impl Attempt {
@@ -635,6 +638,7 @@ mod tests {
             lease: None,
             permits: 1,
             priority,
+            ride_out_outages: true,
         };
         assert_eq!(attempt(Priority::High).usable(10, 3), 10);
         assert_eq!(attempt(Priority::Low).usable(10, 3), 7);

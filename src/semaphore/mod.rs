@@ -551,6 +551,7 @@ impl Semaphore {
             metadata: None,
             lease: None,
             priority: Priority::default(),
+            ride_out_outages: true,
         }
     }
 
@@ -582,10 +583,17 @@ impl Semaphore {
     /// re-check in case a notification is lost. Within a process, waiting
     /// acquires are served in order.
     ///
+    /// An outage (a database restart, a failover, a partition, an exhausted
+    /// pool) does not end the wait: the claim is retried, with a pause that
+    /// grows to the fallback interval and one `WARN` per outage, until the
+    /// database answers again (bound it with
+    /// [`acquire_timeout`](Self::acquire_timeout)).
+    ///
     /// # Errors
     ///
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`]
-    /// (a claim attempt failed; the wait stops).
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// [`Error::Database`] for an error the database answered (the wait
+    /// stops).
     ///
     /// # Cancel safety
     ///
@@ -766,9 +774,18 @@ pub struct Claim<'a> {
     metadata: Option<serde_json::Value>,
     lease: Option<Duration>,
     priority: Priority,
+    ride_out_outages: bool,
 }
 
 impl Claim<'_> {
+    /// A wait with this claim ends with the error when the database cannot be
+    /// reached, instead of retrying through the outage (the tower layer: an
+    /// outage is answered at once).
+    pub(crate) fn fail_on_outage(mut self) -> Self {
+        self.ride_out_outages = false;
+        self
+    }
+
     /// Overrides the holder label for this claim.
     pub fn holder(mut self, holder: impl Into<String>) -> Self {
         self.holder = Some(holder.into());
@@ -946,6 +963,7 @@ impl Claim<'_> {
             lease,
             permits,
             priority: self.priority,
+            ride_out_outages: self.ride_out_outages,
         };
         if permits == 0 {
             return Err(Error::invalid("permits", "must be at least 1"));

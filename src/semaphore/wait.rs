@@ -58,6 +58,7 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
     watch.take_place((rank, 1, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
     let mut ticket: Option<Ticket> = None;
     let mut lease_ends: Option<Instant> = None;
+    let mut outage = Outage::new(attempt.ride_out_outages);
     let started = Instant::now();
     loop {
         // Mark wake-ups seen *before* claiming, so a release that lands
@@ -67,7 +68,11 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
         let joining = core.queue.is_some() && ticket.is_none();
         if joining || watch.is_first() {
             let registered = watch.is_registered(&core.db);
-            match Permit::claim(core, attempt, ticket.as_ref().map(Ticket::proof)).await? {
+            let claim = Permit::claim(core, attempt, ticket.as_ref().map(Ticket::proof)).await;
+            let Some(claim) = outage.ride_out(core, claim).await? else {
+                continue;
+            };
+            match claim {
                 Admission::Claimed(permit) => {
                     if let Some(ticket) = ticket {
                         ticket.served();
@@ -107,7 +112,10 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
             if let Some(options) = core.queue
                 && ticket.is_none()
             {
-                let queued = queue::enqueue(core, attempt, options, wakeups.token()).await?;
+                let queued = queue::enqueue(core, attempt, options, wakeups.token()).await;
+                let Some(queued) = outage.ride_out(core, queued).await? else {
+                    continue;
+                };
                 watch.take_place(
                     (rank, 0, options.order.place(queued.id())),
                     Some(queued.id()),
@@ -125,6 +133,60 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
                 }
             }
             None => watch.changed().await,
+        }
+    }
+}
+
+/// How a wait rides out an outage (a database restart, a failover, a
+/// partition): a round trip that could not reach the database, or found the
+/// pool exhausted, is retried after a pause that grows from 50 ms to the
+/// fallback interval, until it gets through or the caller's timeout ends;
+/// one WARN per outage. An answer from the database (an error of the
+/// statement) still ends the wait.
+struct Outage {
+    /// `false`: errors end the wait at once.
+    enabled: bool,
+    pause: Option<Duration>,
+}
+
+impl Outage {
+    fn new(enabled: bool) -> Outage {
+        Outage {
+            enabled,
+            pause: None,
+        }
+    }
+
+    /// `Ok(Some(value))` on success (the outage, if any, is over);
+    /// `Ok(None)` after pausing on an outage (look again); `Err` otherwise.
+    async fn ride_out<T>(&mut self, core: &Core, result: Result<T>) -> Result<Option<T>> {
+        match result {
+            Ok(value) => {
+                if self.pause.take().is_some() {
+                    tracing::info!(semaphore = %core.name, "database reachable again; the wait goes on");
+                }
+                Ok(Some(value))
+            }
+            Err(error)
+                if self.enabled
+                    && (error.is_unreachable()
+                        || matches!(error, Error::Database(sqlx::Error::PoolTimedOut))) =>
+            {
+                let pause = match self.pause {
+                    None => {
+                        tracing::warn!(
+                            semaphore = %core.name, %error,
+                            "database unreachable while waiting; retrying until it is back or the wait times out"
+                        );
+                        Duration::from_millis(50)
+                    }
+                    Some(pause) => (pause * 2).min(core.fallback.max(Duration::from_millis(50))),
+                };
+                self.pause = Some(pause);
+                tokio::time::sleep(pause).await;
+                Ok(None)
+            }
+            Err(error) => Err(error),
         }
     }
 }
@@ -147,6 +209,7 @@ pub(crate) async fn idle(core: &Arc<Core>) -> Result<()> {
     let wakeups = &core.wakeups;
     wakeups.start(!core.db.is_pooled());
     let mut watch = wakeups.watch(&core.name, core.fallback);
+    let mut outage = Outage::new(true);
     loop {
         watch.seen();
         let registered = watch.is_registered(&core.db);
@@ -154,7 +217,11 @@ pub(crate) async fn idle(core: &Arc<Core>) -> Result<()> {
             .db
             .query_as::<(bool, Option<sqlx::postgres::types::PgInterval>)>(IDLE)
             .bind(core.name.clone());
-        match core.db.fetch_optional(query).await? {
+        let idle = core.db.fetch_optional(query).await;
+        let Some(idle) = outage.ride_out(core, idle).await? else {
+            continue;
+        };
+        match idle {
             None => {
                 return Err(Error::SemaphoreNotFound {
                     semaphore: core.name.clone(),
