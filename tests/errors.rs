@@ -365,3 +365,105 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
     assert_eq!(slots, 0);
     Ok(())
 }
+
+/// Claim metadata with a NUL character anywhere (a string, a key, nested)
+/// cannot be stored as `jsonb`: refused as `InvalidArgument` before anything
+/// is sent, on every way to claim, and nothing is written.
+#[tokio::test]
+async fn metadata_with_nul_is_an_invalid_argument_and_writes_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("metadata", 2).build(&db.pool).await?;
+    let bad = [
+        serde_json::json!({ "request_id": "r-\u{0}42" }),
+        serde_json::json!({ "k\u{0}ey": 1 }),
+        serde_json::json!({ "deep": [{ "x": ["\u{0}"] }] }),
+        serde_json::json!("\u{0}"),
+    ];
+    for metadata in bad {
+        let results = [
+            sem.claim().metadata(metadata.clone()).try_acquire().await,
+            sem.claim().metadata(metadata.clone()).acquire().await,
+            sem.claim()
+                .metadata(metadata.clone())
+                .acquire_timeout(Duration::from_secs(1))
+                .await,
+        ];
+        for result in results {
+            match result {
+                Err(
+                    error @ Error::InvalidArgument {
+                        argument: "metadata",
+                        ..
+                    },
+                ) => assert!(error.to_string().contains("\\u0000"), "{error}"),
+                other => panic!("{metadata}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+        match sem.claim().metadata(metadata.clone()).acquire_many(2).await {
+            Err(Error::InvalidArgument {
+                argument: "metadata",
+                ..
+            }) => {}
+            other => panic!("{metadata}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+    assert_eq!(rows(&db.pool).await, (1, 0), "no claim written");
+    // The same semaphore still takes clean metadata.
+    sem.claim()
+        .metadata(serde_json::json!({ "request_id": "r-42" }))
+        .try_acquire()
+        .await?
+        .release()
+        .await?;
+    Ok(())
+}
+
+/// Only the crate's own statements read "undefined table/function/schema" as
+/// missing migrations: a mistyped name in the caller's own SQL, run inside
+/// `Mutex::with_lock` or on a `MutexGuard`, is the database's error as it is.
+#[tokio::test]
+async fn a_mistyped_name_in_the_callers_sql_is_a_database_error() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = pg_semaphore::Mutex::new("callers-sql");
+    let mistakes = [
+        ("SELECT * FROM no_such_table", "42P01"),
+        ("SELECT no_such_function()", "42883"),
+        ("SELECT no_such_schema.f()", "3F000"),
+        ("INSERT INTO pgsemaphore.no_such_table VALUES (1)", "42P01"),
+    ];
+    fn check(sql: &str, code: &str, error: &Error) {
+        match error {
+            Error::Database(inner) => assert_eq!(
+                inner.as_database_error().and_then(|e| e.code()).as_deref(),
+                Some(code),
+                "{sql}: {inner}"
+            ),
+            other => panic!("{sql}: expected Error::Database, got {other:?}"),
+        }
+        assert!(!error.to_string().contains("migrations"), "{sql}: {error}");
+    }
+    for (sql, code) in mistakes {
+        // The closure's error type is the crate's: `?` converts sqlx's error.
+        let result: Result<(), Error> = mutex
+            .with_lock(&db.pool, |conn| {
+                Box::pin(async move {
+                    sqlx::query(sql).execute(&mut *conn).await?;
+                    Ok(())
+                })
+            })
+            .await;
+        check(sql, code, &result.expect_err("the statement fails"));
+
+        let mut guard = mutex.lock(&db.pool).await?;
+        let error = sqlx::query(sql)
+            .execute(&mut *guard)
+            .await
+            .map_err(Error::from)
+            .expect_err("the statement fails");
+        check(sql, code, &error);
+        guard.rollback().await?;
+    }
+    // The lock was released every time.
+    mutex.try_lock(&db.pool).await?.commit().await?;
+    Ok(())
+}
