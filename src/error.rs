@@ -137,14 +137,171 @@ pub enum Error {
         reason: LostReason,
     },
 
-    /// Applying the migrations failed.
+    /// Applying the migrations failed, or sqlx's migrator refused the
+    /// recorded history (a migration that failed half-way, or an applied
+    /// file that was modified since).
     #[error("applying pg-semaphore migrations failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+
+    /// refinery failed to apply the migrations (feature `refinery`).
+    #[cfg(feature = "refinery")]
+    #[error("applying pg-semaphore migrations with refinery failed: {0}")]
+    Refinery(#[from] ::refinery::Error),
+
+    /// The schema must be created or upgraded, and this role may not do it:
+    /// the role that owns the schema (or, for a new one, a role with
+    /// `CREATE` on the database) must run the migrations. Nothing was written.
+    #[error("{}", not_permitted(role, owner.as_deref(), *found, *required))]
+    MigrationNotPermitted {
+        /// The role that tried (`current_user`).
+        role: String,
+        /// The role that owns pg-semaphore's schema and its objects (the one
+        /// to run the migrations as), if the `pgsemaphore` schema exists.
+        owner: Option<String>,
+        /// The schema version found, if any.
+        found: Option<i32>,
+        /// The schema version this crate needs.
+        required: i32,
+    },
+
+    /// The schema is older than this crate needs, and was applied by another
+    /// tool than the one called (the application's own migration history,
+    /// refinery, or pg-semaphore's own sqlx history): that tool must apply
+    /// the missing migrations. Nothing was written.
+    #[error("{}", outdated(*found, *required, *history, pending))]
+    SchemaOutdated {
+        /// The schema version found.
+        found: i32,
+        /// The schema version this crate needs.
+        required: i32,
+        /// Where the applied migrations are recorded.
+        history: MigrationHistory,
+        /// The files of pg-semaphore's `migrations/` still to apply, in order.
+        pending: Vec<String>,
+    },
+
+    /// The schema was migrated by a newer version of pg-semaphore that says
+    /// this version can no longer use it (`o_compatible_from` above this
+    /// crate's version): upgrade pg-semaphore in this application. Nothing
+    /// was written.
+    #[error(
+        "pg-semaphore's schema is at version {found}, migrated by a newer version of pg-semaphore, \
+         and needs code for schema version {compatible_from} or later; this version of the crate \
+         supports schema version {supported}: upgrade pg-semaphore in this application"
+    )]
+    SchemaTooNew {
+        /// The schema version found.
+        found: i32,
+        /// The oldest schema version whose code may use that schema.
+        compatible_from: i32,
+        /// The schema version this crate supports.
+        supported: i32,
+    },
+
+    /// The database holds a development schema from before pg-semaphore's
+    /// first release (migrations 20261121000001 to 20261121000005, since
+    /// squashed into one baseline): it cannot be upgraded; drop it and
+    /// migrate again. Nothing was written.
+    #[error(
+        "this database has a pre-release development schema of pg-semaphore (applied migrations \
+         {}, from before the schema was squashed into one baseline) that cannot be upgraded: \
+         recreate it with `DROP SCHEMA pgsemaphore CASCADE` (this deletes its semaphores, claims \
+         and rate-limit state) and migrate again (`pg_semaphore::migrate(&pool)`, or \
+         `pg_semaphore::refinery_migrate(&mut client)` with refinery)",
+        join(versions)
+    )]
+    PreReleaseSchema {
+        /// The pre-release migrations recorded in the history.
+        versions: Vec<i64>,
+    },
+
+    /// A schema named `pgsemaphore` exists with objects in it, but not
+    /// pg-semaphore's (it has no `pgsemaphore.schema_version()`): the crate
+    /// needs that name. Nothing was written.
+    #[error(
+        "schema pgsemaphore exists and is not empty ({objects} relations and functions), but was \
+         not created by pg-semaphore's migrations (it has no pgsemaphore.schema_version()): \
+         pg-semaphore needs that schema for itself; move those objects to another schema, or drop \
+         it if it is a leftover, then migrate again"
+    )]
+    UnrecognizedSchema {
+        /// How many tables, views, sequences and functions the schema holds.
+        objects: i64,
+    },
 
     /// Any other database error (connection refused, pool timeout, an error
     /// of the caller's own statement, ...).
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+}
+
+/// Where the migrations that built pg-semaphore's schema are recorded
+/// ([`Error::SchemaOutdated`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MigrationHistory {
+    /// pg-semaphore's own sqlx history, [`MIGRATIONS_TABLE`](crate::MIGRATIONS_TABLE):
+    /// applied by [`migrate`](crate::migrate), `pg-semaphore migrate` or
+    /// `sqlx migrate run --config <pg-semaphore>/migrations/sqlx.toml`.
+    Sqlx,
+    /// `pgsemaphore.refinery_schema_history`: applied by `refinery_migrate`.
+    Refinery,
+    /// Neither: the application applied the files through its own migration
+    /// history (or by hand).
+    Application,
+}
+
+fn not_permitted(role: &str, owner: Option<&str>, found: Option<i32>, required: i32) -> String {
+    let how = "run `pg_semaphore::migrate(&pool)` (or `pg-semaphore migrate`)";
+    match (owner, found) {
+        (_, None) => format!(
+            "pg-semaphore's schema is not installed and role {role:?} may not install it (that \
+             needs CREATE on the database): {how} once as the role that should own it, then grant \
+             this role the application's privileges (README, \"Privileges\")"
+        ),
+        (Some(owner), Some(found)) => format!(
+            "pg-semaphore's schema is at version {found} but this crate needs version {required}, \
+             and role {role:?} may not upgrade it: {how} once as role {owner:?}, which owns it, \
+             then start this process again"
+        ),
+        (None, Some(found)) => format!(
+            "pg-semaphore's schema is at version {found} but this crate needs version {required}, \
+             and role {role:?} may not upgrade it: {how} once as the role that owns it, then \
+             start this process again"
+        ),
+    }
+}
+
+fn outdated(found: i32, required: i32, history: MigrationHistory, pending: &[String]) -> String {
+    let what = format!(
+        "pg-semaphore's schema is at version {found} but this crate needs version {required}"
+    );
+    match history {
+        MigrationHistory::Application => format!(
+            "{what}, and it was applied through your application's own migration history (there \
+             is no pg-semaphore history): apply migrations {} in your own history (copy them from \
+             pg-semaphore's migrations/ into your migrations/ and run `sqlx migrate run`)",
+            pending.join(", ")
+        ),
+        MigrationHistory::Sqlx => format!(
+            "{what}, and it was applied with sqlx (history in pgsemaphore._sqlx_migrations): \
+             upgrade it with `pg_semaphore::migrate(&pool)` or `pg-semaphore migrate`, not with \
+             refinery"
+        ),
+        MigrationHistory::Refinery => format!(
+            "{what}, and it was applied with refinery (history in \
+             pgsemaphore.refinery_schema_history): upgrade it with \
+             `pg_semaphore::refinery_migrate(&mut client)`, not with sqlx"
+        ),
+    }
+}
+
+fn join(versions: &[i64]) -> String {
+    versions
+        .iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What a wait that timed out ([`Error::Timeout`]) was waiting for.

@@ -140,12 +140,17 @@
 //!
 //! # Migrations
 //!
-//! Run [`migrate`] at start-up, or apply `migrations/` with
-//! `sqlx migrate run --source migrations --config migrations/sqlx.toml`, or
-//! `pg-semaphore migrate`. All keep their history in [`MIGRATIONS_TABLE`],
-//! apart from the application's own. Applications on refinery use
-//! `refinery_migrate` (feature `refinery`): the same files, with refinery's
-//! history in `pgsemaphore.refinery_schema_history`.
+//! Call [`migrate`] at start-up from every process. It reads the schema's
+//! version first and writes nothing unless migrations are due and this role
+//! may apply them, so it also adopts a schema applied another way: with
+//! `sqlx migrate run --source migrations --config migrations/sqlx.toml` or
+//! `pg-semaphore migrate` (our history, [`MIGRATIONS_TABLE`], apart from
+//! the application's own), through the application's own sqlx history (our
+//! `.sql` files copied into its `migrations/`), or with `refinery_migrate`
+//! (feature `refinery`, history in `pgsemaphore.refinery_schema_history`).
+//! A schema it cannot use is an error that says what to do
+//! ([`Error::MigrationNotPermitted`], [`Error::SchemaOutdated`],
+//! [`Error::SchemaTooNew`], ...).
 //!
 //! # Tracing
 //!
@@ -229,8 +234,8 @@ pub use audit::{
     AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,
     Summary,
 };
-pub use error::{Error, LostReason, Result, WaitedFor};
-pub use migrate::{MIGRATIONS_TABLE, SCHEMA, migrate, migrator};
+pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
+pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
     Decision, FixedWindow, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW, SlidingWindow,

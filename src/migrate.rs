@@ -1,11 +1,27 @@
-//! Migrations: the SQL files of `migrations/`, embedded, applied with
-//! sqlx's migrator and recorded in pg-semaphore's own history table
-//! ([`MIGRATIONS_TABLE`]), apart from the application's.
+//! Creating, upgrading and adopting pg-semaphore's schema.
+//!
+//! Three ways put the schema in a database, all from the same files of
+//! `migrations/`: [`migrate`] (or sqlx-cli with `migrations/sqlx.toml`),
+//! history in [`MIGRATIONS_TABLE`]; the application's own sqlx history, into
+//! which it copied our files; refinery (feature `refinery`), history in
+//! `pgsemaphore.refinery_schema_history`. Whichever was used, the schema
+//! says which version it is: `pgsemaphore.schema_version()` returns
+//! `(o_version, o_compatible_from)`. [`migrate`] reads that first, without
+//! writing anything, and only runs migrations when the schema is missing or
+//! older and this role may upgrade it; otherwise it succeeds (up to date, or
+//! newer and compatible) or says what to do, still without writing.
+//!
+//! **The rule for every new migration file**: the `k`-th file (in sqlx's
+//! order) brings the schema to version `k`, so it redefines
+//! `pgsemaphore.schema_version()` to return `k` and the oldest version whose
+//! code can still use the schema (`k` if older code would break, else the
+//! previous `o_compatible_from`), and [`SCHEMA_VERSION`] becomes `k`
+//! (`tests/migrations.rs` checks both).
 
-use sqlx::PgPool;
-use sqlx::migrate::Migrator;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::{PgConnection, PgPool};
 
-use crate::Result;
+use crate::error::{Error, MigrationHistory, Result};
 
 /// The PostgreSQL schema that holds every pg-semaphore object.
 ///
@@ -19,14 +35,36 @@ pub const SCHEMA: &str = "pgsemaphore";
 /// for `sqlx migrate run`.
 pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 
+/// The schema version this version of the crate builds and uses: what
+/// `pgsemaphore.schema_version()` returns once every file of `migrations/`
+/// is applied (one version per file).
+pub const SCHEMA_VERSION: i32 = 1;
+
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
+
+/// The migrations of the development schema from before the baseline was
+/// squashed (never released): `(sqlx version, refinery name)`.
+const PRE_RELEASE: [(i64, &str); 5] = [
+    (20261121000001, "pg_semaphore_init"),
+    (20261121000002, "pgsemaphore_retention"),
+    (20261121000003, "pgsemaphore_heartbeat"),
+    (20261121000004, "pgsemaphore_rate_limits"),
+    (20261121000005, "pgsemaphore_extensions"),
+];
 
 /// A [`Migrator`] for pg-semaphore's schema, configured to keep its history in
 /// [`MIGRATIONS_TABLE`].
 ///
-/// Use it to run the migrations on a connection or transaction of your own;
-/// [`migrate`] is the shortcut for a pool.
+/// Use it to run the migrations on a connection or transaction of your own.
+/// It is sqlx's migrator as is (which, when it fails, returns without
+/// releasing its advisory lock: run it on a connection you close
+/// afterwards, not a pooled one): unlike [`migrate`], it does not look at the
+/// schema's version first, so it needs the owner's privileges even when
+/// there is nothing to do, fails on a schema applied through the
+/// application's own history (`relation ... already exists`), and on one
+/// migrated by a newer version of the crate reports the newer migration as
+/// missing unless you call `set_ignore_missing(true)` on it.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -39,18 +77,43 @@ static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
 /// # }
 /// ```
 pub fn migrator() -> Migrator {
-    let mut migrator = Migrator::with_migrations(EMBEDDED.iter().cloned().collect());
+    let mut migrator = bare_migrator();
     migrator.create_schema(SCHEMA);
+    migrator
+}
+
+/// The migrator without `CREATE SCHEMA IF NOT EXISTS`, which needs `CREATE`
+/// on the database even when the schema exists.
+fn bare_migrator() -> Migrator {
+    let mut migrator = Migrator::with_migrations(EMBEDDED.iter().cloned().collect());
     migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
     migrator
 }
 
-/// Creates or upgrades pg-semaphore's schema in the pool's database.
+/// Creates or upgrades pg-semaphore's schema in the pool's database, or
+/// checks that it can be used as it is.
 ///
-/// Idempotent and safe to call from many processes at start-up at once (sqlx
-/// serialises migrators with an advisory lock). The history is kept in
-/// [`MIGRATIONS_TABLE`], so it does not interfere with the application's own
-/// sqlx migrations in the same database.
+/// Call it at start-up from every process. It first reads the schema's
+/// version (`pgsemaphore.schema_version()`), writing nothing, and then:
+///
+/// - **up to date** (however it was applied: by this function, sqlx-cli,
+///   the application's own migration history or refinery): returns `Ok`
+///   at once. Needs only the application's grants (README, "Privileges"),
+///   no DDL privilege;
+/// - **missing or older**, applied by this function or sqlx-cli (history in
+///   [`MIGRATIONS_TABLE`]): applies the missing migrations, holding sqlx's
+///   migration lock, if this role may (it owns the schema's objects, or may
+///   create the schema); else [`Error::MigrationNotPermitted`], naming the
+///   role that must run it;
+/// - **older, applied elsewhere** (the application's own history, refinery):
+///   [`Error::SchemaOutdated`], saying which migrations to apply where;
+/// - **newer** (migrated by a later version of this crate): `Ok` if that
+///   schema declares itself compatible with this version
+///   (`o_compatible_from <= SCHEMA_VERSION`), else [`Error::SchemaTooNew`].
+///
+/// Safe to call from many processes at once: migrations are applied under
+/// sqlx's advisory lock (the one `sqlx migrate run` takes), and the schema is
+/// examined again once it is held.
 ///
 /// The same SQL files can be applied with sqlx-cli instead:
 ///
@@ -70,15 +133,702 @@ pub fn migrator() -> Migrator {
 ///
 /// # Errors
 ///
-/// [`Error::Migrate`](crate::Error::Migrate) when a migration fails or the
-/// recorded history does not match these files (for example a database
-/// migrated by a newer version of this crate).
+/// Each with a message that says what to do; none writes anything:
+/// [`Error::MigrationNotPermitted`], [`Error::SchemaOutdated`],
+/// [`Error::SchemaTooNew`], [`Error::PreReleaseSchema`] (a development
+/// schema from before the first release), [`Error::UnrecognizedSchema`]
+/// (a `pgsemaphore` schema that pg-semaphore did not create).
+/// [`Error::Migrate`] when a migration fails or an applied one was modified;
+/// [`Error::Database`] when the database cannot be reached.
 ///
 /// # Cancel safety
 ///
 /// Each migration runs in its own transaction: cancelling leaves the schema at
-/// a migration boundary, and the next call carries on.
+/// a migration boundary, and the next call carries on. The connection that
+/// held the migration lock is closed rather than returned to the pool.
 pub async fn migrate(pool: &PgPool) -> Result<()> {
-    migrator().run(pool).await?;
+    let mut conn = pool.acquire().await?;
+    if let Plan::UpToDate = inspect(&mut conn).await?.plan(Tool::Sqlx)? {
+        return Ok(());
+    }
+    // A session-level advisory lock must never go back to the pool, even if
+    // this future is dropped half-way.
+    conn.close_on_drop();
+    use sqlx::migrate::Migrate as _;
+    conn.lock().await?;
+    let result: Result<()> = async {
+        // Another process may have migrated while this one waited.
+        match inspect(&mut conn).await?.plan(Tool::Sqlx)? {
+            Plan::UpToDate => Ok(()),
+            Plan::Run { create_schema } => {
+                let mut migrator = if create_schema {
+                    migrator()
+                } else {
+                    bare_migrator()
+                };
+                migrator.set_locking(false); // held already
+                // `run(&mut *conn)` would make this future's `Send` depend on
+                // a higher-ranked `Acquire` bound that callers spawning it
+                // cannot satisfy; `run_direct` is sqlx's way around that.
+                migrator.run_direct(None, &mut *conn, false).await?;
+                Ok(())
+            }
+        }
+    }
+    .await;
+    let unlocked = conn.unlock().await;
+    result?;
+    unlocked?;
     Ok(())
+}
+
+/// Which tool is asking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tool {
+    /// [`migrate`]: history in [`MIGRATIONS_TABLE`].
+    Sqlx,
+    /// `refinery_migrate`: history in `pgsemaphore.refinery_schema_history`.
+    #[cfg_attr(not(feature = "refinery"), allow(dead_code))]
+    Refinery,
+}
+
+/// What to do about the schema.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// Nothing: it can be used as it is.
+    UpToDate,
+    /// Apply migrations (creating the schema first if `create_schema`).
+    Run { create_schema: bool },
+}
+
+/// A history table: absent, present but not readable by this role, or its rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum History<T> {
+    Absent,
+    Unreadable,
+    Rows(Vec<T>),
+}
+
+impl<T> History<T> {
+    /// Whether migrations were recorded in it (an unreadable one counts as
+    /// used: only someone else's history is unreadable).
+    fn used(&self) -> bool {
+        match self {
+            History::Absent => false,
+            History::Unreadable => true,
+            History::Rows(rows) => !rows.is_empty(),
+        }
+    }
+
+    fn rows(&self) -> &[T] {
+        match self {
+            History::Rows(rows) => rows,
+            _ => &[],
+        }
+    }
+}
+
+/// A row of [`MIGRATIONS_TABLE`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SqlxApplied {
+    pub(crate) version: i64,
+    pub(crate) success: bool,
+    pub(crate) checksum: Vec<u8>,
+}
+
+/// A row of `pgsemaphore.refinery_schema_history`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RefineryApplied {
+    pub(crate) version: i64,
+    pub(crate) name: String,
+}
+
+/// What the database says about pg-semaphore's schema, read without writing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Facts {
+    /// `current_user`.
+    pub(crate) role: String,
+    /// The owner of schema `pgsemaphore`, if it exists.
+    pub(crate) schema_owner: Option<String>,
+    /// `CREATE` on the database: may create the schema.
+    pub(crate) can_create_schema: bool,
+    /// `CREATE` on schema `pgsemaphore`.
+    pub(crate) can_create_in_schema: bool,
+    /// Relations and functions in the schema other than the history tables.
+    pub(crate) objects: i64,
+    /// The owner of `pgsemaphore.schema_version()`: the role that ran the
+    /// migrations and owns their objects.
+    pub(crate) objects_owner: Option<String>,
+    /// Whether this role is (or may act as) [`objects_owner`](Self::objects_owner).
+    pub(crate) may_own: bool,
+    /// `pgsemaphore.schema_version()`, if it exists.
+    pub(crate) version: Option<(i32, i32)>,
+    pub(crate) sqlx: History<SqlxApplied>,
+    pub(crate) refinery: History<RefineryApplied>,
+}
+
+/// One row of facts from the catalogs (readable by every role; nothing here
+/// looks a name up through the schema, which would need `USAGE` on it).
+pub(crate) const FACTS_SQL: &str = "\
+SELECT current_user::text,
+       pg_get_userbyid(n.nspowner)::text,
+       has_database_privilege(current_database(), 'CREATE'),
+       coalesce(has_schema_privilege(n.oid, 'CREATE'), false),
+       coalesce((SELECT count(*) FROM pg_class c
+                  WHERE c.relnamespace = n.oid AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')
+                    AND c.relname NOT IN ('_sqlx_migrations', 'refinery_schema_history'))
+              + (SELECT count(*) FROM pg_proc p WHERE p.pronamespace = n.oid), 0)::int8,
+       pg_get_userbyid(v.proowner)::text,
+       coalesce(pg_has_role(v.proowner, 'USAGE'), false),
+       v.oid IS NOT NULL,
+       s.oid IS NOT NULL,
+       coalesce(has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(s.oid, 'SELECT'), false),
+       r.oid IS NOT NULL,
+       coalesce(has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(r.oid, 'SELECT'), false)
+  FROM (SELECT 1) AS one
+  LEFT JOIN pg_namespace n ON n.nspname = 'pgsemaphore'
+  LEFT JOIN pg_proc v ON v.pronamespace = n.oid AND v.proname = 'schema_version' AND v.pronargs = 0
+  LEFT JOIN pg_class s ON s.relnamespace = n.oid AND s.relname = '_sqlx_migrations'
+  LEFT JOIN pg_class r ON r.relnamespace = n.oid AND r.relname = 'refinery_schema_history'";
+
+/// The columns of [`FACTS_SQL`].
+pub(crate) type FactsRow = (
+    String,
+    Option<String>,
+    bool,
+    bool,
+    i64,
+    Option<String>,
+    bool,
+    bool,
+    bool,
+    bool,
+    bool,
+    bool,
+);
+
+pub(crate) const VERSION_SQL: &str =
+    "SELECT o_version, o_compatible_from FROM pgsemaphore.schema_version()";
+pub(crate) const SQLX_HISTORY_SQL: &str =
+    "SELECT version, success, checksum FROM pgsemaphore._sqlx_migrations ORDER BY version";
+pub(crate) const REFINERY_HISTORY_SQL: &str =
+    "SELECT version::int8, name::text FROM pgsemaphore.refinery_schema_history ORDER BY version";
+
+/// Which of the follow-up queries [`FACTS_SQL`] says can run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Reads {
+    pub(crate) version: bool,
+    pub(crate) sqlx: bool,
+    pub(crate) refinery: bool,
+}
+
+impl Facts {
+    /// The facts of [`FACTS_SQL`]'s row, before the follow-up queries.
+    pub(crate) fn from_row(row: FactsRow) -> (Facts, Reads) {
+        let (
+            role,
+            schema_owner,
+            can_create_schema,
+            can_create_in_schema,
+            objects,
+            objects_owner,
+            may_own,
+            has_version,
+            has_sqlx,
+            sqlx_readable,
+            has_refinery,
+            refinery_readable,
+        ) = row;
+        fn history<T>(present: bool, readable: bool) -> (History<T>, bool) {
+            match (present, readable) {
+                (false, _) => (History::Absent, false),
+                (true, false) => (History::Unreadable, false),
+                (true, true) => (History::Rows(Vec::new()), true),
+            }
+        }
+        let (sqlx, read_sqlx) = history(has_sqlx, sqlx_readable);
+        let (refinery, read_refinery) = history(has_refinery, refinery_readable);
+        (
+            Facts {
+                role,
+                schema_owner,
+                can_create_schema,
+                can_create_in_schema,
+                objects,
+                objects_owner,
+                may_own,
+                version: None,
+                sqlx,
+                refinery,
+            },
+            Reads {
+                version: has_version,
+                sqlx: read_sqlx,
+                refinery: read_refinery,
+            },
+        )
+    }
+
+    /// What to do, for `tool`, or why nothing can be done.
+    pub(crate) fn plan(&self, tool: Tool) -> Result<Plan> {
+        let pre_release: Vec<i64> = self
+            .sqlx
+            .rows()
+            .iter()
+            .map(|row| row.version)
+            .filter(|version| PRE_RELEASE.iter().any(|(v, _)| v == version))
+            .chain(
+                self.refinery
+                    .rows()
+                    .iter()
+                    .filter(|row| {
+                        self.version.is_none() && PRE_RELEASE.iter().any(|(_, n)| *n == row.name)
+                    })
+                    .map(|row| row.version),
+            )
+            .collect();
+        if !pre_release.is_empty() {
+            return Err(Error::PreReleaseSchema {
+                versions: pre_release,
+            });
+        }
+
+        let Some(schema_owner) = &self.schema_owner else {
+            return if self.can_create_schema {
+                Ok(Plan::Run {
+                    create_schema: true,
+                })
+            } else {
+                Err(Error::MigrationNotPermitted {
+                    role: self.role.clone(),
+                    owner: None,
+                    found: None,
+                    required: SCHEMA_VERSION,
+                })
+            };
+        };
+
+        let Some((found, compatible_from)) = self.version else {
+            if self.objects > 0 {
+                return Err(Error::UnrecognizedSchema {
+                    objects: self.objects,
+                });
+            }
+            // An empty schema (made for the owner by an administrator, or
+            // left behind): a fresh start. The baseline migration runs
+            // `CREATE SCHEMA IF NOT EXISTS`, which needs CREATE on the
+            // database even when the schema exists.
+            return if self.can_create_schema && self.can_create_in_schema {
+                Ok(Plan::Run {
+                    create_schema: false,
+                })
+            } else {
+                Err(Error::MigrationNotPermitted {
+                    role: self.role.clone(),
+                    owner: Some(schema_owner.clone()),
+                    found: None,
+                    required: SCHEMA_VERSION,
+                })
+            };
+        };
+
+        if tool == Tool::Sqlx {
+            verify_sqlx_history(self.sqlx.rows())?;
+        }
+
+        if found > SCHEMA_VERSION {
+            return if compatible_from <= SCHEMA_VERSION {
+                tracing::info!(
+                    schema_version = found,
+                    compatible_from,
+                    supported = SCHEMA_VERSION,
+                    "pg-semaphore's schema was migrated by a newer version that is compatible with this one: using it as it is"
+                );
+                Ok(Plan::UpToDate)
+            } else {
+                Err(Error::SchemaTooNew {
+                    found,
+                    compatible_from,
+                    supported: SCHEMA_VERSION,
+                })
+            };
+        }
+        if found == SCHEMA_VERSION {
+            return Ok(Plan::UpToDate);
+        }
+
+        // Older: whoever applied it must upgrade it.
+        let history = match tool {
+            Tool::Sqlx if self.sqlx.used() => MigrationHistory::Sqlx,
+            Tool::Refinery if self.refinery.used() => MigrationHistory::Refinery,
+            _ if self.sqlx.used() => MigrationHistory::Sqlx,
+            _ if self.refinery.used() => MigrationHistory::Refinery,
+            _ => MigrationHistory::Application,
+        };
+        let ours = matches!(
+            (tool, history),
+            (Tool::Sqlx, MigrationHistory::Sqlx) | (Tool::Refinery, MigrationHistory::Refinery)
+        );
+        if !ours {
+            return Err(Error::SchemaOutdated {
+                found,
+                required: SCHEMA_VERSION,
+                history,
+                pending: pending_files(found),
+            });
+        }
+        if self.may_own {
+            Ok(Plan::Run {
+                create_schema: false,
+            })
+        } else {
+            Err(Error::MigrationNotPermitted {
+                role: self.role.clone(),
+                owner: Some(
+                    self.objects_owner
+                        .clone()
+                        .unwrap_or_else(|| schema_owner.clone()),
+                ),
+                found: Some(found),
+                required: SCHEMA_VERSION,
+            })
+        }
+    }
+}
+
+/// What sqlx's migrator would refuse in our own history, without running it
+/// (which needs DDL privileges): a failed migration, or an applied one whose
+/// file has changed since.
+fn verify_sqlx_history(rows: &[SqlxApplied]) -> Result<()> {
+    for row in rows {
+        if !row.success {
+            return Err(MigrateError::Dirty(row.version).into());
+        }
+        let changed = EMBEDDED
+            .iter()
+            .any(|m| m.version == row.version && *m.checksum != *row.checksum);
+        if changed {
+            return Err(MigrateError::VersionMismatch(row.version).into());
+        }
+    }
+    Ok(())
+}
+
+/// The files that bring a schema at version `found` up to [`SCHEMA_VERSION`]
+/// (file `k` brings it to version `k`).
+fn pending_files(found: i32) -> Vec<String> {
+    EMBEDDED
+        .iter()
+        .skip(usize::try_from(found).unwrap_or(0))
+        .map(|m| format!("{}_{}.sql", m.version, m.description.replace(' ', "_")))
+        .collect()
+}
+
+/// Reads [`Facts`] on a sqlx connection.
+async fn inspect(conn: &mut PgConnection) -> Result<Facts> {
+    let row: FactsRow = sqlx::query_as(FACTS_SQL).fetch_one(&mut *conn).await?;
+    let (mut facts, reads) = Facts::from_row(row);
+    if reads.version {
+        facts.version = Some(sqlx::query_as(VERSION_SQL).fetch_one(&mut *conn).await?);
+    }
+    if reads.sqlx {
+        let rows: Vec<(i64, bool, Vec<u8>)> = sqlx::query_as(SQLX_HISTORY_SQL)
+            .fetch_all(&mut *conn)
+            .await?;
+        facts.sqlx = History::Rows(
+            rows.into_iter()
+                .map(|(version, success, checksum)| SqlxApplied {
+                    version,
+                    success,
+                    checksum,
+                })
+                .collect(),
+        );
+    }
+    if reads.refinery {
+        let rows: Vec<(i64, String)> = sqlx::query_as(REFINERY_HISTORY_SQL)
+            .fetch_all(&mut *conn)
+            .await?;
+        facts.refinery = History::Rows(
+            rows.into_iter()
+                .map(|(version, name)| RefineryApplied { version, name })
+                .collect(),
+        );
+    }
+    Ok(facts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An up-to-date schema migrated by `migrate()`, seen by its owner.
+    fn owner_view() -> Facts {
+        Facts {
+            role: "owner".into(),
+            schema_owner: Some("owner".into()),
+            can_create_schema: true,
+            can_create_in_schema: true,
+            objects: 40,
+            objects_owner: Some("owner".into()),
+            may_own: true,
+            version: Some((SCHEMA_VERSION, 1)),
+            sqlx: History::Rows(
+                EMBEDDED
+                    .iter()
+                    .map(|m| SqlxApplied {
+                        version: m.version,
+                        success: true,
+                        checksum: m.checksum.to_vec(),
+                    })
+                    .collect(),
+            ),
+            refinery: History::Absent,
+        }
+    }
+
+    /// The same schema seen by the application role (README grants).
+    fn app_view() -> Facts {
+        Facts {
+            role: "app".into(),
+            can_create_schema: false,
+            can_create_in_schema: false,
+            may_own: false,
+            ..owner_view()
+        }
+    }
+
+    fn older(mut facts: Facts) -> Facts {
+        facts.version = Some((SCHEMA_VERSION - 1, SCHEMA_VERSION - 1));
+        facts
+    }
+
+    #[test]
+    fn an_empty_database_is_created_by_whoever_may() {
+        let fresh = Facts {
+            schema_owner: None,
+            objects: 0,
+            objects_owner: None,
+            version: None,
+            sqlx: History::Absent,
+            ..owner_view()
+        };
+        assert_eq!(
+            fresh.plan(Tool::Sqlx).unwrap(),
+            Plan::Run {
+                create_schema: true
+            }
+        );
+        let denied = Facts {
+            can_create_schema: false,
+            role: "app".into(),
+            ..fresh.clone()
+        };
+        match denied.plan(Tool::Sqlx) {
+            Err(Error::MigrationNotPermitted {
+                role, owner: None, ..
+            }) => assert_eq!(role, "app"),
+            other => panic!("{other:?}"),
+        }
+        // A schema created for the owner by an administrator, or an empty
+        // history left behind: the baseline still needs CREATE on the
+        // database (`CREATE SCHEMA IF NOT EXISTS`).
+        let made_for_us = Facts {
+            schema_owner: Some("owner".into()),
+            sqlx: History::Rows(vec![]),
+            ..fresh
+        };
+        assert_eq!(
+            made_for_us.plan(Tool::Sqlx).unwrap(),
+            Plan::Run {
+                create_schema: false
+            }
+        );
+        let without_create = Facts {
+            can_create_schema: false,
+            ..made_for_us
+        };
+        assert!(matches!(
+            without_create.plan(Tool::Sqlx),
+            Err(Error::MigrationNotPermitted { found: None, .. })
+        ));
+    }
+
+    #[test]
+    fn an_up_to_date_schema_needs_nothing_whoever_applied_it() {
+        assert_eq!(owner_view().plan(Tool::Sqlx).unwrap(), Plan::UpToDate);
+        assert_eq!(app_view().plan(Tool::Sqlx).unwrap(), Plan::UpToDate);
+        assert_eq!(app_view().plan(Tool::Refinery).unwrap(), Plan::UpToDate);
+        let own_history = Facts {
+            sqlx: History::Absent,
+            ..app_view()
+        };
+        assert_eq!(own_history.plan(Tool::Sqlx).unwrap(), Plan::UpToDate);
+        let unreadable = Facts {
+            sqlx: History::Unreadable,
+            ..app_view()
+        };
+        assert_eq!(unreadable.plan(Tool::Sqlx).unwrap(), Plan::UpToDate);
+    }
+
+    #[test]
+    fn an_older_schema_is_upgraded_only_by_its_owner_with_its_own_tool() {
+        assert_eq!(
+            older(owner_view()).plan(Tool::Sqlx).unwrap(),
+            Plan::Run {
+                create_schema: false
+            }
+        );
+        let err = older(app_view()).plan(Tool::Sqlx).unwrap_err();
+        assert!(
+            matches!(&err, Error::MigrationNotPermitted { role, owner: Some(owner), .. }
+                if role == "app" && owner == "owner"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("as role \"owner\""), "{err}");
+
+        // Applied with sqlx: refinery does not touch it, and says who does.
+        let err = older(owner_view()).plan(Tool::Refinery).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SchemaOutdated {
+                    history: MigrationHistory::Sqlx,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+
+        // Applied through the application's own history.
+        let own = Facts {
+            sqlx: History::Absent,
+            ..older(owner_view())
+        };
+        let err = own.plan(Tool::Sqlx).unwrap_err();
+        match &err {
+            Error::SchemaOutdated {
+                history: MigrationHistory::Application,
+                pending,
+                ..
+            } => assert_eq!(pending.len(), 1),
+            other => panic!("{other:?}"),
+        }
+        assert!(err.to_string().contains("your own history"), "{err}");
+
+        // Applied with refinery.
+        let by_refinery = Facts {
+            sqlx: History::Absent,
+            refinery: History::Rows(vec![RefineryApplied {
+                version: 1,
+                name: "pgsemaphore".into(),
+            }]),
+            ..older(owner_view())
+        };
+        assert_eq!(
+            by_refinery.plan(Tool::Refinery).unwrap(),
+            Plan::Run {
+                create_schema: false
+            }
+        );
+        assert!(
+            by_refinery
+                .plan(Tool::Sqlx)
+                .unwrap_err()
+                .to_string()
+                .contains("refinery_migrate")
+        );
+    }
+
+    #[test]
+    fn a_newer_schema_is_used_if_it_says_it_is_compatible() {
+        let compatible = Facts {
+            version: Some((SCHEMA_VERSION + 1, SCHEMA_VERSION)),
+            ..app_view()
+        };
+        assert_eq!(compatible.plan(Tool::Sqlx).unwrap(), Plan::UpToDate);
+        let incompatible = Facts {
+            version: Some((SCHEMA_VERSION + 2, SCHEMA_VERSION + 1)),
+            ..owner_view()
+        };
+        assert!(matches!(
+            incompatible.plan(Tool::Sqlx),
+            Err(Error::SchemaTooNew { .. })
+        ));
+    }
+
+    #[test]
+    fn pre_release_and_foreign_schemas_are_refused() {
+        let pre_release = Facts {
+            version: None,
+            objects_owner: None,
+            sqlx: History::Rows(
+                PRE_RELEASE
+                    .iter()
+                    .map(|(version, _)| SqlxApplied {
+                        version: *version,
+                        success: true,
+                        checksum: vec![0],
+                    })
+                    .collect(),
+            ),
+            ..owner_view()
+        };
+        assert!(matches!(
+            pre_release.plan(Tool::Sqlx),
+            Err(Error::PreReleaseSchema { versions }) if versions.len() == 5
+        ));
+        let by_refinery = Facts {
+            sqlx: History::Absent,
+            refinery: History::Rows(vec![RefineryApplied {
+                version: 1,
+                name: "pg_semaphore_init".into(),
+            }]),
+            ..pre_release
+        };
+        assert!(matches!(
+            by_refinery.plan(Tool::Refinery),
+            Err(Error::PreReleaseSchema { .. })
+        ));
+        let foreign = Facts {
+            sqlx: History::Absent,
+            refinery: History::Absent,
+            ..by_refinery
+        };
+        assert!(matches!(
+            foreign.plan(Tool::Sqlx),
+            Err(Error::UnrecognizedSchema { objects: 40 })
+        ));
+    }
+
+    #[test]
+    fn a_modified_or_failed_migration_is_reported_as_sqlx_would() {
+        let mut modified = app_view();
+        if let History::Rows(rows) = &mut modified.sqlx {
+            rows[0].checksum = vec![1, 2, 3];
+        }
+        assert!(matches!(
+            modified.plan(Tool::Sqlx),
+            Err(Error::Migrate(MigrateError::VersionMismatch(_)))
+        ));
+        let mut dirty = app_view();
+        if let History::Rows(rows) = &mut dirty.sqlx {
+            rows[0].success = false;
+        }
+        assert!(matches!(
+            dirty.plan(Tool::Sqlx),
+            Err(Error::Migrate(MigrateError::Dirty(_)))
+        ));
+    }
+
+    #[test]
+    fn one_schema_version_per_migration_file() {
+        assert_eq!(EMBEDDED.iter().count(), SCHEMA_VERSION as usize);
+        assert_eq!(
+            pending_files(0),
+            ["20261122000001_pgsemaphore.sql"],
+            "pending files are named as in migrations/"
+        );
+        assert!(pending_files(SCHEMA_VERSION).is_empty());
+    }
 }

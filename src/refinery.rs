@@ -5,7 +5,11 @@ use ::refinery::error::WrapMigrationError;
 use ::refinery::{Migration, Report, Runner};
 use sqlx::postgres::PgAdvisoryLock;
 
-use crate::migrate::SCHEMA;
+use crate::error::{Error, Result};
+use crate::migrate::{
+    FACTS_SQL, Facts, History, Plan, REFINERY_HISTORY_SQL, RefineryApplied, SCHEMA,
+    SQLX_HISTORY_SQL, SqlxApplied, Tool, VERSION_SQL,
+};
 
 /// The table where refinery records which pg-semaphore migrations were
 /// applied: in pg-semaphore's own schema, beside
@@ -62,14 +66,28 @@ pub fn refinery_runner() -> Runner {
 }
 
 /// Applies pg-semaphore's migrations with refinery on a tokio-postgres
-/// client: creates the `pgsemaphore` schema if needed, then runs
-/// [`refinery_runner`]. Returns refinery's report (the migrations applied
-/// now; none when the schema was up to date).
+/// client, or checks that the schema can be used as it is. Returns
+/// refinery's report (the migrations applied now; none when there was
+/// nothing to do).
 ///
-/// Safe to call from many processes at start-up at once: the run holds a
-/// session-level advisory lock of its own (refinery takes none). The
-/// resulting schema is the one [`migrate`](crate::migrate) builds; use one
-/// of the two on a database, not both (each keeps its own history).
+/// Like [`migrate`](crate::migrate), it first reads the schema's version
+/// (`pgsemaphore.schema_version()`), writing nothing:
+///
+/// - **up to date**, however it was applied (refinery, sqlx, the
+///   application's own history): returns an empty report at once, with only
+///   the application's grants (no DDL privilege, no history table created);
+/// - **missing or older**, applied by refinery (history in
+///   [`REFINERY_TABLE`]): creates the `pgsemaphore` schema if needed, then
+///   runs [`refinery_runner`], if this role may; else
+///   [`Error::MigrationNotPermitted`](crate::Error::MigrationNotPermitted);
+/// - **older, applied by another tool**:
+///   [`Error::SchemaOutdated`](crate::Error::SchemaOutdated), saying which;
+/// - **newer**: an empty report if that schema declares itself compatible
+///   with this version, else [`Error::SchemaTooNew`](crate::Error::SchemaTooNew).
+///
+/// Safe to call from many processes at start-up at once: migrations run
+/// under a session-level advisory lock of its own (refinery takes none), and
+/// the schema is examined again once it is held.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -85,31 +103,112 @@ pub fn refinery_runner() -> Runner {
 ///
 /// # Errors
 ///
-/// refinery's [`Error`](::refinery::Error): the database refused a
-/// statement, or the recorded history does not match these migrations.
+/// Those of [`migrate`](crate::migrate) about the schema's state (none
+/// writes anything); [`Error::Refinery`](crate::Error::Refinery) when
+/// refinery fails (a statement refused, or the recorded history does not
+/// match these migrations), and for
+/// the statements that examine the schema (as refinery's own connection
+/// errors).
 ///
 /// # Cancel safety
 ///
 /// Each migration commits on its own, so a cancelled run leaves the schema
 /// at a migration boundary and the next run carries on. The advisory lock is
 /// held until the client's session ends in that case: drop the client.
-pub async fn refinery_migrate(
-    client: &mut tokio_postgres::Client,
-) -> Result<Report, ::refinery::Error> {
+pub async fn refinery_migrate(client: &mut tokio_postgres::Client) -> Result<Report> {
+    if let Plan::UpToDate = inspect(client).await?.plan(Tool::Refinery)? {
+        return Ok(Report::new(Vec::new()));
+    }
     let key = lock_key();
     client
-        .batch_execute(&format!(
-            "SELECT pg_advisory_lock({key}); CREATE SCHEMA IF NOT EXISTS {SCHEMA}"
-        ))
+        .batch_execute(&format!("SELECT pg_advisory_lock({key})"))
         .await
-        .migration_err("preparing the pgsemaphore schema", None)?;
-    let result = refinery_runner().run_async(client).await;
+        .map_err(database)?;
+    let result: Result<Report> = async {
+        // Another process may have migrated while this one waited.
+        match inspect(client).await?.plan(Tool::Refinery)? {
+            Plan::UpToDate => Ok(Report::new(Vec::new())),
+            Plan::Run { create_schema } => {
+                if create_schema {
+                    client
+                        .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+                        .await
+                        .map_err(database)?;
+                }
+                Ok(refinery_runner().run_async(client).await?)
+            }
+        }
+    }
+    .await;
     let unlocked = client
         .batch_execute(&format!("SELECT pg_advisory_unlock({key})"))
         .await;
     let report = result?;
-    unlocked.migration_err("releasing the migration lock", None)?;
+    unlocked.map_err(database)?;
     Ok(report)
+}
+
+/// A tokio-postgres error, as refinery reports its own
+/// ([`Error::Refinery`], kind `Connection`).
+fn database(error: tokio_postgres::Error) -> Error {
+    Error::Refinery(
+        Err::<(), _>(error)
+            .migration_err("examining pg-semaphore's schema", None)
+            .expect_err("an error stays an error"),
+    )
+}
+
+/// Reads the schema's [`Facts`] on a tokio-postgres client.
+async fn inspect(client: &mut tokio_postgres::Client) -> Result<Facts> {
+    let row = client.query_one(FACTS_SQL, &[]).await.map_err(database)?;
+    let (mut facts, reads) = Facts::from_row((
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        row.get(3),
+        row.get(4),
+        row.get(5),
+        row.get(6),
+        row.get(7),
+        row.get(8),
+        row.get(9),
+        row.get(10),
+        row.get(11),
+    ));
+    if reads.version {
+        let row = client.query_one(VERSION_SQL, &[]).await.map_err(database)?;
+        facts.version = Some((row.get(0), row.get(1)));
+    }
+    if reads.sqlx {
+        let rows = client
+            .query(SQLX_HISTORY_SQL, &[])
+            .await
+            .map_err(database)?;
+        facts.sqlx = History::Rows(
+            rows.iter()
+                .map(|row| SqlxApplied {
+                    version: row.get(0),
+                    success: row.get(1),
+                    checksum: row.get(2),
+                })
+                .collect(),
+        );
+    }
+    if reads.refinery {
+        let rows = client
+            .query(REFINERY_HISTORY_SQL, &[])
+            .await
+            .map_err(database)?;
+        facts.refinery = History::Rows(
+            rows.iter()
+                .map(|row| RefineryApplied {
+                    version: row.get(0),
+                    name: row.get(1),
+                })
+                .collect(),
+        );
+    }
+    Ok(facts)
 }
 
 /// The advisory lock serialising [`refinery_migrate`] runs (an integer:

@@ -1,14 +1,18 @@
 //! Migrations: idempotent, namespaced, and independent of the application's
-//! own sqlx migrations, whether applied from code or with sqlx-cli.
+//! own sqlx migrations, whether applied from code or with sqlx-cli; a schema
+//! applied through the application's own history adopted as it is; the
+//! application role's start-up `migrate()` without DDL privileges; a schema
+//! migrated by a newer version; a pre-release development schema.
 
 mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pg_semaphore::{Error, MIGRATIONS_TABLE, Semaphore};
-use sqlx::PgPool;
+use pg_semaphore::{Error, MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, Semaphore};
 use sqlx::migrate::Migrator;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -67,6 +71,8 @@ async fn migrating_twice_is_a_no_op() -> TestResult {
     assert_eq!(versions(&db.pool, MIGRATIONS_TABLE).await, first);
     assert!(!first.is_empty());
     works(&db.pool).await?;
+    // The schema says which version it is: the one this crate builds.
+    assert_eq!(schema_version(&db.pool).await, (SCHEMA_VERSION, 1));
 
     // Nothing outside our schema: no `public._sqlx_migrations` was created.
     let outside: i64 = sqlx::query_scalar(
@@ -191,23 +197,570 @@ async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
     Ok(())
 }
 
+/// `pgsemaphore.schema_version()`.
+async fn schema_version(pool: &PgPool) -> (i32, i32) {
+    sqlx::query_as("SELECT o_version, o_compatible_from FROM pgsemaphore.schema_version()")
+        .fetch_one(pool)
+        .await
+        .expect("read the schema version")
+}
+
+/// Makes the schema claim another version, as a migration of another
+/// version of the crate would (`CREATE OR REPLACE` keeps owner and grants).
+async fn pretend_version(pool: &PgPool, version: i32, compatible_from: i32) {
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE OR REPLACE FUNCTION pgsemaphore.schema_version()
+         RETURNS TABLE (o_version integer, o_compatible_from integer)
+         LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp
+         AS $$ SELECT {version}, {compatible_from} $$"
+    )))
+    .execute(pool)
+    .await
+    .expect("replace schema_version()");
+}
+
+/// Everything that could be written: our history (its rows, if it exists),
+/// and every relation and function in the schema.
+async fn snapshot(pool: &PgPool) -> (Option<Vec<String>>, Vec<String>) {
+    let history = if has_our_history(pool).await {
+        Some(
+            sqlx::query_scalar(
+                "SELECT concat_ws(' ', version, description, installed_on, success,
+                                  encode(checksum, 'hex'), execution_time)
+                   FROM pgsemaphore._sqlx_migrations ORDER BY version",
+            )
+            .fetch_all(pool)
+            .await
+            .expect("read our history"),
+        )
+    } else {
+        None
+    };
+    let objects = sqlx::query_scalar(
+        "SELECT c.relname::text || ' ' || c.relkind::text FROM pg_class c
+           JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgsemaphore'
+         UNION ALL
+         SELECT p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid)) FROM pg_proc p
+           JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'pgsemaphore'
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("list the schema's objects");
+    (history, objects)
+}
+
+/// Whether `pgsemaphore._sqlx_migrations` exists.
+async fn has_our_history(pool: &PgPool) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                         WHERE n.nspname = 'pgsemaphore' AND c.relname = '_sqlx_migrations')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A scratch directory under the system's temporary directory, removed on drop.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    fn new(tag: &str) -> ScratchDir {
+        let dir = std::env::temp_dir().join(format!("pgsem-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs sqlx-cli and asserts that it succeeded; returns what it printed.
+fn run_sqlx_cli(cli: &Path, dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(cli)
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run sqlx-cli");
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "sqlx {args:?} failed: {printed}");
+    printed
+}
+
+/// The most common sqlx workflow: the application copies our `.sql` files
+/// into its own `migrations/` and runs plain `sqlx migrate run` (the real
+/// sqlx-cli, from the application's directory, with no sqlx.toml). Then
+/// `migrate()` at start-up adopts the schema as it is, writing nothing (no
+/// `relation "semaphores" already exists`, no empty history of ours left
+/// behind), and the crate works. When the crate needs a newer schema, the
+/// error says which files to apply in the application's own history.
 #[tokio::test]
-async fn a_database_migrated_by_a_newer_version_is_reported() -> TestResult {
+async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> TestResult {
+    let Some(sqlx_cli) = support::require_tool_version("sqlx-cli", "sqlx", "0.9", SQLX_CLI_INSTALL)
+    else {
+        return Ok(());
+    };
     let db = support::empty_db().await;
+    let app = ScratchDir::new("own-history");
+    let migrations = app.0.join("migrations");
+    std::fs::create_dir(&migrations)?;
+    std::fs::write(
+        migrations.join("1_users.sql"),
+        "CREATE TABLE app_users (id bigint PRIMARY KEY, name text NOT NULL);\n",
+    )?;
+    // `cp <pg-semaphore>/migrations/*.sql migrations/`
+    let mut ours = Vec::new();
+    for entry in std::fs::read_dir(crate_migrations())? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "sql") {
+            std::fs::copy(&path, migrations.join(path.file_name().unwrap()))?;
+            ours.push(path.file_name().unwrap().to_string_lossy().into_owned());
+        }
+    }
+    ours.sort();
+    let url = support::server::url_for(&db.name);
+    run_sqlx_cli(
+        &sqlx_cli,
+        &app.0,
+        &["migrate", "run", "--database-url", &url],
+    );
+    let mut expected = vec![1];
+    expected.extend(pg_semaphore::migrator().iter().map(|m| m.version));
+    assert_eq!(
+        versions(&db.pool, "public._sqlx_migrations").await,
+        expected
+    );
+    assert!(!has_our_history(&db.pool).await);
+
+    // Start-up: adopted, nothing written.
+    let before = snapshot(&db.pool).await;
     pg_semaphore::migrate(&db.pool).await?;
-    // A future version of the crate applied a migration this one does not know.
+    pg_semaphore::migrate(&db.pool).await?;
+    assert_eq!(snapshot(&db.pool).await, before);
+    assert!(!has_our_history(&db.pool).await, "no empty history of ours");
+    works(&db.pool).await?;
+    // The application's history is still its own: sqlx-cli has nothing to do.
+    run_sqlx_cli(
+        &sqlx_cli,
+        &app.0,
+        &["migrate", "run", "--database-url", &url],
+    );
+    assert_eq!(
+        versions(&db.pool, "public._sqlx_migrations").await,
+        expected
+    );
+
+    // A later crate version needing a newer schema (faked: the schema says it
+    // is older): the error says what to apply, and where.
+    pretend_version(&db.pool, SCHEMA_VERSION - 1, SCHEMA_VERSION - 1).await;
+    let before = snapshot(&db.pool).await;
+    let err = pg_semaphore::migrate(&db.pool)
+        .await
+        .expect_err("an outdated schema in the application's history");
+    match &err {
+        Error::SchemaOutdated {
+            found,
+            required,
+            history: MigrationHistory::Application,
+            pending,
+        } => {
+            assert_eq!((*found, *required), (SCHEMA_VERSION - 1, SCHEMA_VERSION));
+            assert_eq!(pending, &ours);
+        }
+        other => panic!("expected SchemaOutdated, got {other:?}"),
+    }
+    let message = err.to_string();
+    println!("outdated, own history: {message}");
+    assert!(
+        message.contains("apply migrations 20261122000001_pgsemaphore.sql in your own history"),
+        "{message}"
+    );
+    assert!(message.contains("sqlx migrate run"), "{message}");
+    assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+    Ok(())
+}
+
+/// The SQL between the README's `grants:begin` and `grants:end` markers,
+/// for the roles `app` and `operator`.
+fn documented_grants(app: &str, operator: &str) -> String {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("<!-- grants:begin")
+        .expect("README grants marker");
+    let end = readme
+        .find("<!-- grants:end -->")
+        .expect("README grants end marker");
+    let sql = readme[start..end]
+        .split("```sql")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("a sql block between the grants markers");
+    sql.replace(" TO app;", &format!(r#" TO "{app}";"#))
+        .replace(" TO operator;", &format!(r#" TO "{operator}";"#))
+}
+
+const PASSWORD: &str = "least-privilege-pw";
+
+/// Login roles without superuser or DDL rights, dropped (with what they
+/// own) by [`Roles::drop_all`].
+struct Roles {
+    admin: PgConnection,
+    names: Vec<String>,
+}
+
+impl Roles {
+    async fn create(db: &support::TestDb, suffixes: &[&str]) -> Result<Roles, sqlx::Error> {
+        let mut admin = PgConnection::connect_with(&db.options).await?;
+        let mut names = Vec::new();
+        for suffix in suffixes {
+            let role = format!("{}_{suffix}", db.name);
+            admin
+                .execute(AssertSqlSafe(format!(
+                    r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
+                )))
+                .await?;
+            names.push(role);
+        }
+        Ok(Roles { admin, names })
+    }
+
+    fn name(&self, suffix: &str) -> String {
+        self.names
+            .iter()
+            .find(|n| n.ends_with(&format!("_{suffix}")))
+            .expect("a role of that suffix")
+            .clone()
+    }
+
+    async fn pool(&self, db: &support::TestDb, suffix: &str) -> sqlx::Result<PgPool> {
+        PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(
+                db.options
+                    .clone()
+                    .username(&self.name(suffix))
+                    .password(PASSWORD),
+            )
+            .await
+    }
+
+    async fn drop_all(mut self) -> sqlx::Result<()> {
+        for role in &self.names {
+            self.admin
+                .execute(AssertSqlSafe(format!(
+                    r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
+                )))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// The README's three roles: the owner (`CREATE` on the database) runs the
+/// migrations; the application role, with exactly the README's grants,
+/// calls `migrate()` at start-up like every process. On an up-to-date schema
+/// that succeeds with no DDL privilege and writes nothing; on a missing or
+/// outdated one it fails naming the role that must run it, writing nothing.
+#[tokio::test]
+async fn migrate_under_the_application_role_needs_no_ddl_and_names_the_owner() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["owner", "app", "op"]).await?;
+    let result = async {
+        let (owner, app) = (roles.name("owner"), roles.name("app"));
+        sqlx::query(AssertSqlSafe(format!(
+            r#"GRANT CREATE ON DATABASE "{}" TO "{owner}""#,
+            db.name
+        )))
+        .execute(&db.pool)
+        .await?;
+        let app_pool = roles.pool(&db, "app").await?;
+        let owner_pool = roles.pool(&db, "owner").await?;
+
+        // No schema yet: the application role may not create it.
+        let err = pg_semaphore::migrate(&app_pool)
+            .await
+            .expect_err("the application role cannot create the schema");
+        println!("missing, app role: {err}");
+        assert!(
+            matches!(&err, Error::MigrationNotPermitted { role, owner: None, found: None, .. } if *role == app),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("may not install it"), "{err}");
+        let schemas: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = 'pgsemaphore'")
+                .fetch_one(&db.pool)
+                .await?;
+        assert_eq!(schemas, 0, "nothing written");
+
+        // The owner migrates and grants the README's privileges.
+        pg_semaphore::migrate(&owner_pool).await?;
+        owner_pool
+            .execute(AssertSqlSafe(documented_grants(&app, &roles.name("op"))))
+            .await?;
+
+        // The application role: exactly those grants, no DDL anywhere.
+        let (create_db, create_schema): (bool, bool) = sqlx::query_as(
+            "SELECT has_database_privilege(current_database(), 'CREATE'),
+                    has_schema_privilege('pgsemaphore', 'CREATE')",
+        )
+        .fetch_one(&app_pool)
+        .await?;
+        assert!(!create_db && !create_schema);
+        let before = snapshot(&db.pool).await;
+        pg_semaphore::migrate(&app_pool).await?;
+        assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+        works(&app_pool).await?;
+
+        // An outdated schema (faked: it says it is older): the application
+        // role is told which role must upgrade it.
+        pretend_version(&owner_pool, SCHEMA_VERSION - 1, SCHEMA_VERSION - 1).await;
+        let before = snapshot(&db.pool).await;
+        let err = pg_semaphore::migrate(&app_pool)
+            .await
+            .expect_err("the application role cannot upgrade the schema");
+        println!("outdated, app role: {err}");
+        match &err {
+            Error::MigrationNotPermitted {
+                role,
+                owner: Some(named),
+                found: Some(found),
+                required,
+            } => {
+                assert_eq!((role, named), (&app, &owner));
+                assert_eq!((*found, *required), (SCHEMA_VERSION - 1, SCHEMA_VERSION));
+            }
+            other => panic!("expected MigrationNotPermitted, got {other:?}"),
+        }
+        assert!(err.to_string().contains(&format!("as role {owner:?}")), "{err}");
+        assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+        app_pool.close().await;
+        owner_pool.close().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
+}
+
+/// An owner without `CREATE` on the database cannot install the schema,
+/// even into an empty `pgsemaphore` schema made for it (the baseline
+/// migration runs `CREATE SCHEMA IF NOT EXISTS`, which PostgreSQL checks
+/// against the database's privilege even when the schema exists): the error
+/// says so before anything is written; with the privilege it works.
+#[tokio::test]
+async fn installing_the_schema_needs_create_on_the_database() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["owner"]).await?;
+    let result = async {
+        let owner = roles.name("owner");
+        sqlx::query(AssertSqlSafe(format!(
+            r#"CREATE SCHEMA pgsemaphore AUTHORIZATION "{owner}""#
+        )))
+        .execute(&db.pool)
+        .await?;
+        let pool = roles.pool(&db, "owner").await?;
+        let before = snapshot(&db.pool).await;
+        let err = pg_semaphore::migrate(&pool)
+            .await
+            .expect_err("no CREATE on the database");
+        println!("empty schema, owner without CREATE on the database: {err}");
+        assert!(
+            matches!(&err, Error::MigrationNotPermitted { role, found: None, .. } if *role == owner),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("CREATE on the database"), "{err}");
+        assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+
+        sqlx::query(AssertSqlSafe(format!(
+            r#"GRANT CREATE ON DATABASE "{}" TO "{owner}""#,
+            db.name
+        )))
+        .execute(&db.pool)
+        .await?;
+        pg_semaphore::migrate(&pool).await?;
+        pg_semaphore::migrate(&pool).await?;
+        assert_eq!(schema_version(&pool).await.0, SCHEMA_VERSION);
+        works(&pool).await?;
+        pool.close().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
+}
+
+/// A process of an older crate version meets a schema migrated by a newer
+/// one (faked: `schema_version()` replaced and a newer migration recorded in
+/// the history, as a newer version's migration would). If the newer schema
+/// declares itself compatible, `migrate()` succeeds writing nothing (sqlx's
+/// migrator would report the unknown applied migration) and the crate works;
+/// otherwise a clear error, still writing nothing.
+#[tokio::test]
+async fn a_schema_migrated_by_a_newer_version_is_used_only_if_compatible() -> TestResult {
+    let db = support::migrated_db().await;
+    pretend_version(&db.pool, SCHEMA_VERSION + 1, SCHEMA_VERSION).await;
     sqlx::query(
         "INSERT INTO pgsemaphore._sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (99991231000000, 'from the future', true, '\\x00', 0)",
+         VALUES (20991231000001, 'a newer migration', true, '\\x00', 0)",
     )
     .execute(&db.pool)
     .await?;
+
+    let before = snapshot(&db.pool).await;
+    pg_semaphore::migrate(&db.pool).await?;
+    assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+    works(&db.pool).await?;
+    // sqlx's migrator as is refuses the unknown migration; told to ignore it,
+    // it has nothing to do (what `sqlx migrate run --ignore-missing` does).
+    // (On a connection of its own: sqlx's migrator returns an error without
+    // releasing its advisory lock, which a pooled connection would keep.)
+    let mut conn = PgConnection::connect_with(&db.options).await?;
+    let strict = pg_semaphore::migrator().run(&mut conn).await;
+    conn.close().await?;
+    assert!(
+        matches!(
+            strict,
+            Err(sqlx::migrate::MigrateError::VersionMissing(20991231000001))
+        ),
+        "{strict:?}"
+    );
+    let mut lenient = pg_semaphore::migrator();
+    lenient.set_ignore_missing(true);
+    lenient.run(&db.pool).await?;
+    assert_eq!(snapshot(&db.pool).await, before);
+
+    // A newer schema this version can no longer use.
+    pretend_version(&db.pool, SCHEMA_VERSION + 2, SCHEMA_VERSION + 1).await;
+    let before = snapshot(&db.pool).await;
     let err = pg_semaphore::migrate(&db.pool)
         .await
-        .expect_err("an unknown applied migration must be reported");
-    assert!(matches!(err, Error::Migrate(_)), "{err:?}");
+        .expect_err("an incompatible newer schema");
+    println!("newer, incompatible: {err}");
+    match &err {
+        Error::SchemaTooNew {
+            found,
+            compatible_from,
+            supported,
+        } => assert_eq!(
+            (*found, *compatible_from, *supported),
+            (SCHEMA_VERSION + 2, SCHEMA_VERSION + 1, SCHEMA_VERSION)
+        ),
+        other => panic!("expected SchemaTooNew, got {other:?}"),
+    }
+    assert!(
+        err.to_string()
+            .contains("upgrade pg-semaphore in this application"),
+        "{err}"
+    );
+    assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+    Ok(())
+}
+
+/// A development database migrated by the pre-release migrations
+/// (20261121000001..5, since squashed into one baseline): its history is
+/// rebuilt here as sqlx wrote it, with sqlx's migrator, from files of those
+/// versions and names. `migrate()` says what it is and how to recreate it,
+/// instead of sqlx's "previously applied but missing", writing nothing; and
+/// the advice works.
+#[tokio::test]
+async fn a_pre_release_development_schema_says_how_to_recreate_it() -> TestResult {
+    let db = support::empty_db().await;
+    let old = ScratchDir::new("pre-release");
+    let files = [
+        (
+            "20261121000001_pg_semaphore_init.sql",
+            "CREATE TABLE pgsemaphore.semaphores (name text PRIMARY KEY, capacity integer NOT NULL);\n\
+             CREATE TABLE pgsemaphore.slots (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
+                 semaphore text NOT NULL REFERENCES pgsemaphore.semaphores (name));\n",
+        ),
+        (
+            "20261121000002_pgsemaphore_retention.sql",
+            "CREATE INDEX ON pgsemaphore.slots (id);\n",
+        ),
+        (
+            "20261121000003_pgsemaphore_heartbeat.sql",
+            "ALTER TABLE pgsemaphore.slots ADD COLUMN expires_at timestamptz;\n",
+        ),
+        (
+            "20261121000004_pgsemaphore_rate_limits.sql",
+            "CREATE TABLE pgsemaphore.rate_limits (name text, key text, PRIMARY KEY (name, key));\n",
+        ),
+        (
+            "20261121000005_pgsemaphore_extensions.sql",
+            "ALTER TABLE pgsemaphore.semaphores ADD COLUMN queue_used boolean NOT NULL DEFAULT false;\n",
+        ),
+    ];
+    for (name, sql) in files {
+        std::fs::write(old.0.join(name), sql)?;
+    }
+    let mut pre_release = Migrator::new(old.0.as_path()).await?;
+    pre_release.create_schema("pgsemaphore");
+    pre_release.dangerous_set_table_name(MIGRATIONS_TABLE);
+    pre_release.run(&db.pool).await?;
+
+    let before = snapshot(&db.pool).await;
+    let err = pg_semaphore::migrate(&db.pool)
+        .await
+        .expect_err("a pre-release schema");
+    println!("pre-release: {err}");
+    match &err {
+        Error::PreReleaseSchema { versions } => assert_eq!(
+            versions,
+            &[
+                20261121000001,
+                20261121000002,
+                20261121000003,
+                20261121000004,
+                20261121000005
+            ]
+        ),
+        other => panic!("expected PreReleaseSchema, got {other:?}"),
+    }
     let message = err.to_string();
-    assert!(message.contains("pg-semaphore migrations"), "{message}");
-    assert!(message.contains("99991231000000"), "{message}");
+    assert!(
+        message.contains("pre-release development schema"),
+        "{message}"
+    );
+    assert!(
+        message.contains("DROP SCHEMA pgsemaphore CASCADE"),
+        "{message}"
+    );
+    assert_eq!(snapshot(&db.pool).await, before, "nothing written");
+
+    // Following the advice.
+    sqlx::query("DROP SCHEMA pgsemaphore CASCADE")
+        .execute(&db.pool)
+        .await?;
+    pg_semaphore::migrate(&db.pool).await?;
+    works(&db.pool).await
+}
+
+/// A `pgsemaphore` schema that pg-semaphore did not create is left alone.
+#[tokio::test]
+async fn a_foreign_pgsemaphore_schema_is_left_alone() -> TestResult {
+    let db = support::empty_db().await;
+    sqlx::raw_sql(
+        "CREATE SCHEMA pgsemaphore; CREATE TABLE pgsemaphore.semaphores (id int PRIMARY KEY)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let before = snapshot(&db.pool).await;
+    let err = pg_semaphore::migrate(&db.pool)
+        .await
+        .expect_err("somebody else's schema");
+    println!("foreign: {err}");
+    assert!(
+        matches!(err, Error::UnrecognizedSchema { objects: 1 }),
+        "{err:?}"
+    );
+    assert_eq!(snapshot(&db.pool).await, before, "nothing written");
     Ok(())
 }

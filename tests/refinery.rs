@@ -1,14 +1,16 @@
 //! pg-semaphore's migrations run by refinery on tokio-postgres build exactly
 //! the schema that sqlx builds (compared in the catalog), keep their history
 //! apart from the application's own refinery history, and follow the
-//! `migrations/` directory.
+//! `migrations/` directory. Each tool adopts an up-to-date schema the other
+//! built, writing nothing, and refuses to upgrade one it did not build.
 
 mod support;
 
 use std::path::Path;
 use std::time::Duration;
 
-use pg_semaphore::{REFINERY_TABLE, Semaphore};
+use pg_semaphore::{Error, MigrationHistory, REFINERY_TABLE, SCHEMA_VERSION, Semaphore};
+use sqlx::PgPool;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -156,4 +158,171 @@ fn the_refinery_list_follows_the_migrations_directory() {
             "{stem}: sqlx's SQL differs from the file"
         );
     }
+}
+
+/// Whether a table of that name exists in the `pgsemaphore` schema.
+async fn has_table(pool: &PgPool, table: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                         WHERE n.nspname = 'pgsemaphore' AND c.relname = $1)",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The schema's relations and functions (a function's definition by hash).
+async fn objects(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT c.relname::text || ' ' || c.relkind::text FROM pg_class c
+           JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgsemaphore'
+         UNION ALL
+         SELECT p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid)) FROM pg_proc p
+           JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'pgsemaphore'
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Makes the schema claim an older version than this crate needs, as if a
+/// later crate version had added a migration.
+async fn pretend_outdated(pool: &PgPool) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE OR REPLACE FUNCTION pgsemaphore.schema_version()
+         RETURNS TABLE (o_version integer, o_compatible_from integer)
+         LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp
+         AS $$ SELECT {0}, {0} $$",
+        SCHEMA_VERSION - 1
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn refinery_and_sqlx_each_adopt_the_schema_the_other_built() -> TestResult {
+    // Built with sqlx: refinery finds it up to date, creates no history.
+    let by_sqlx = support::migrated_db().await;
+    let before = objects(&by_sqlx.pool).await;
+    let report = pg_semaphore::refinery_migrate(&mut client(&by_sqlx).await).await?;
+    assert!(report.applied_migrations().is_empty());
+    assert!(!has_table(&by_sqlx.pool, "refinery_schema_history").await);
+    assert_eq!(objects(&by_sqlx.pool).await, before, "nothing written");
+
+    // Built with refinery: migrate() finds it up to date, creates no history.
+    let by_refinery = support::empty_db().await;
+    pg_semaphore::refinery_migrate(&mut client(&by_refinery).await).await?;
+    let before = objects(&by_refinery.pool).await;
+    pg_semaphore::migrate(&by_refinery.pool).await?;
+    assert!(!has_table(&by_refinery.pool, "_sqlx_migrations").await);
+    assert_eq!(objects(&by_refinery.pool).await, before, "nothing written");
+    Semaphore::builder("adopted", 1)
+        .build(&by_refinery.pool)
+        .await?
+        .try_acquire()
+        .await?
+        .release()
+        .await?;
+
+    // Outdated: each tool says the other must upgrade it, writing nothing.
+    pretend_outdated(&by_sqlx.pool).await;
+    let before = objects(&by_sqlx.pool).await;
+    let err = pg_semaphore::refinery_migrate(&mut client(&by_sqlx).await)
+        .await
+        .expect_err("refinery does not upgrade sqlx's schema");
+    println!("refinery on an outdated sqlx schema: {err}");
+    assert!(
+        matches!(
+            err,
+            Error::SchemaOutdated {
+                history: MigrationHistory::Sqlx,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("pg_semaphore::migrate(&pool)"),
+        "{err}"
+    );
+    assert!(!has_table(&by_sqlx.pool, "refinery_schema_history").await);
+    assert_eq!(objects(&by_sqlx.pool).await, before);
+
+    pretend_outdated(&by_refinery.pool).await;
+    let err = pg_semaphore::migrate(&by_refinery.pool)
+        .await
+        .expect_err("sqlx does not upgrade refinery's schema");
+    println!("migrate() on an outdated refinery schema: {err}");
+    assert!(
+        matches!(
+            err,
+            Error::SchemaOutdated {
+                history: MigrationHistory::Refinery,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("refinery_migrate"), "{err}");
+    assert!(!has_table(&by_refinery.pool, "_sqlx_migrations").await);
+    Ok(())
+}
+
+/// A development database migrated with refinery by the pre-release
+/// migrations (`V1__pg_semaphore_init` ... `V5__pgsemaphore_extensions`,
+/// since squashed): recorded here by refinery itself, in our history table.
+/// refinery on its own would report the applied V1 as divergent; we say
+/// what it is and how to recreate it, writing nothing.
+#[tokio::test]
+async fn a_pre_release_refinery_schema_says_how_to_recreate_it() -> TestResult {
+    let db = support::empty_db().await;
+    let mut client = client(&db).await;
+    client.batch_execute("CREATE SCHEMA pgsemaphore").await?;
+    let old = [
+        (
+            "V1__pg_semaphore_init",
+            "CREATE TABLE pgsemaphore.semaphores (name text PRIMARY KEY, capacity integer NOT NULL);",
+        ),
+        ("V2__pgsemaphore_retention", "SELECT 1;"),
+        ("V3__pgsemaphore_heartbeat", "SELECT 1;"),
+        (
+            "V4__pgsemaphore_rate_limits",
+            "CREATE TABLE pgsemaphore.rate_limits (name text, key text, PRIMARY KEY (name, key));",
+        ),
+        ("V5__pgsemaphore_extensions", "SELECT 1;"),
+    ]
+    .iter()
+    .map(|(name, sql)| refinery::Migration::unapplied(name, sql))
+    .collect::<Result<Vec<_>, _>>()?;
+    let mut runner = refinery::Runner::new(&old);
+    runner.set_migration_table_name(REFINERY_TABLE);
+    runner.run_async(&mut client).await?;
+
+    let before = objects(&db.pool).await;
+    let err = pg_semaphore::refinery_migrate(&mut client)
+        .await
+        .expect_err("a pre-release schema");
+    println!("pre-release, refinery: {err}");
+    assert!(
+        matches!(&err, Error::PreReleaseSchema { versions } if versions == &[1, 2, 3, 4, 5]),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("DROP SCHEMA pgsemaphore CASCADE"),
+        "{err}"
+    );
+    assert_eq!(objects(&db.pool).await, before, "nothing written");
+
+    client
+        .batch_execute("DROP SCHEMA pgsemaphore CASCADE")
+        .await?;
+    let report = pg_semaphore::refinery_migrate(&mut client).await?;
+    assert_eq!(
+        report.applied_migrations().len(),
+        pg_semaphore::refinery_migrations().len()
+    );
+    Ok(())
 }
