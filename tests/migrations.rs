@@ -16,18 +16,17 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
-/// An application's own migrations, in a directory of their own.
-fn app_migrations(tag: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("pgsem-app-migrations-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// An application's own migrations, in a directory of their own (removed
+/// when the returned value is dropped).
+fn app_migrations(tag: &str) -> ScratchDir {
+    let dir = ScratchDir::new(&format!("app-migrations-{tag}"));
     std::fs::write(
-        dir.join("1_users.sql"),
+        dir.0.join("1_users.sql"),
         "CREATE TABLE app_users (id bigint PRIMARY KEY, name text NOT NULL);\n",
     )
     .unwrap();
     std::fs::write(
-        dir.join("2_orders.sql"),
+        dir.0.join("2_orders.sql"),
         "CREATE TABLE app_orders (id bigint PRIMARY KEY, user_id bigint REFERENCES app_users);\n",
     )
     .unwrap();
@@ -103,7 +102,7 @@ async fn concurrent_migrations_from_many_processes_succeed() -> TestResult {
 async fn our_migrations_live_beside_the_applications_own() -> TestResult {
     // Application first, then us, then the application again.
     let db = support::empty_db().await;
-    let app = Migrator::new(app_migrations("a").as_path()).await?;
+    let app = Migrator::new(app_migrations("a").0.as_path()).await?;
     app.run(&db.pool).await?;
     pg_semaphore::migrate(&db.pool).await?;
     app.run(&db.pool).await?; // would fail on unknown versions if histories mixed
@@ -141,7 +140,7 @@ async fn sqlx_cli_applies_the_same_files_into_our_own_history() -> TestResult {
         return Ok(());
     };
     let db = support::empty_db().await;
-    Migrator::new(app_migrations("cli").as_path())
+    Migrator::new(app_migrations("cli").0.as_path())
         .await?
         .run(&db.pool)
         .await?;
