@@ -18,7 +18,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=migrations");
     let dir = Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("migrations");
-    let mut files: Vec<(u64, String, std::path::PathBuf)> = Vec::new();
+    let mut files: Vec<(u64, String, String)> = Vec::new();
     for entry in std::fs::read_dir(&dir).expect("read migrations/") {
         let path = entry.expect("read migrations/").path();
         let Some(file) = path.file_name().and_then(|f| f.to_str()) else {
@@ -50,16 +50,21 @@ fn main() {
                 "cargo:warning={file} is marked `-- no-transaction`: refinery runs every migration in a transaction"
             );
         }
-        files.push((version, name, path));
+        files.push((version, name, file.to_owned()));
     }
     files.sort();
+    // Paths relative to CARGO_MANIFEST_DIR, not absolute: Cargo gives two
+    // copies of this package (a checkout and its unpacked .crate, as `cargo
+    // publish` verifies it) the same build directory when they share a
+    // target directory, and an absolute path would then point into the
+    // other copy, which may be gone.
     let mut out = String::from("&[\n");
-    for (number, (_, name, path)) in files.iter().enumerate() {
+    for (number, (_, name, file)) in files.iter().enumerate() {
         writeln!(
             out,
-            "    ({:?}, include_str!({:?})),",
+            "    ({:?}, include_str!(concat!(env!(\"CARGO_MANIFEST_DIR\"), {:?}))),",
             format!("V{}__{name}", number + 1),
-            path.display().to_string()
+            format!("/migrations/{file}")
         )
         .unwrap();
     }
