@@ -17,6 +17,15 @@
 -- claims: each claim stores the SHA-256 of a random token that only its
 -- holder knows, and release, renew and fence check it.
 --
+-- Plans. Every function also pins plan_cache_mode = force_generic_plan: its
+-- statements run with the plan made once per session for any arguments.
+-- Under the default (auto), PostgreSQL re-plans a statement on every call
+-- when the generic plan's estimate is worse than a plan for the actual
+-- arguments (generate_series with unknown bounds, `= ANY` of an unknown
+-- array), and re-planning the claim's INSERT cost about 120 us per claim,
+-- more than executing it. So every statement below is written to have a
+-- good generic plan: an index probe per candidate, a primary-key lookup.
+--
 -- A later migration that replaces a function says so in its header, and
 -- schema/pgsemaphore.sql (checked by a test) always shows the whole schema.
 
@@ -218,15 +227,16 @@ AS $$ SELECT 1, 1 $$;
 -- `off`, `local` and `remote_write` to `on` for their own transaction
 -- (`remote_apply`, stricter, is left as it is; without a synchronous
 -- standby `on` only waits for the local flush).
+-- Returns the setting now in force. A single SELECT in SQL, VOLATILE, with no
+-- SET clause: the planner inlines it into the caller, a call costs what the
+-- expression costs (a PL/pgSQL function costs a few microseconds to enter).
 CREATE FUNCTION pgsemaphore.durable_commit()
-RETURNS void
-LANGUAGE plpgsql
+RETURNS text
+LANGUAGE sql VOLATILE
 AS $$
-BEGIN
-    IF current_setting('synchronous_commit') IN ('off', 'local', 'remote_write') THEN
-        PERFORM set_config('synchronous_commit', 'on', true);
-    END IF;
-END;
+    SELECT CASE WHEN current_setting('synchronous_commit') IN ('off', 'local', 'remote_write')
+                THEN set_config('synchronous_commit', 'on', true)
+                ELSE current_setting('synchronous_commit') END
 $$;
 
 -- The reverse, for transactions that only carry hints (a NOTIFY, a waiter
@@ -234,9 +244,11 @@ $$;
 -- their commit must not wait for a WAL flush. A NOTIFY holds an
 -- instance-wide lock from before its commit until the commit ends, so a
 -- notifying transaction must commit fast.
+-- Returns the new setting (inlined like durable_commit: a SQL function
+-- returning void is not inlined, and costs more than a PL/pgSQL one).
 CREATE FUNCTION pgsemaphore.fast_commit()
-RETURNS void
-LANGUAGE sql
+RETURNS text
+LANGUAGE sql VOLATILE
 AS $$ SELECT set_config('synchronous_commit', 'off', true) $$;
 
 -- Sends the wake-up for `p_semaphore` if a waiter is registered for it.
@@ -324,6 +336,7 @@ CREATE FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interv
 RETURNS TABLE (o_capacity integer, o_default_lease interval, o_created boolean)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease)
@@ -409,6 +422,7 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_capacity integer;
@@ -540,9 +554,14 @@ BEGIN
     -- 5. The p_permits lowest free slot numbers. Every live row left holds a
     -- slot, and at most v_held of them exist, so among the v_held + p_permits
     -- candidates 0 .. v_held + p_permits - 1 (all below capacity, by the
-    -- check above) at least p_permits are free. The anti-join probes the
-    -- partial unique index: O(live slots), whatever the audit log's length,
-    -- under a generic plan too. created_at is read inside this statement,
+    -- check above) at least p_permits are free. Each candidate, in
+    -- ascending order, is one probe of the partial unique index, and the
+    -- scan stops at the p_permits-th free one: O(live slots) whatever the
+    -- audit log's length. (OFFSET 0 keeps the NOT EXISTS a per-candidate
+    -- probe: as an anti-join the generic plan hashes every live row of the
+    -- semaphore first. No ORDER BY: the candidates come in order, and any
+    -- p_permits free ones would do.) The inserted rows come back in insertion
+    -- order, which is identity order: o_ids ascend. created_at is read inside this statement,
     -- after its snapshot was taken: every release this claim relies on
     -- committed before that, so its completed_at is earlier than our
     -- created_at and the audit log never shows two claims overlapping on a slot.
@@ -555,12 +574,12 @@ BEGIN
                (SELECT g.slot
                   FROM generate_series(0, least(v_held + p_permits, v_capacity) - 1) AS g(slot)
                  WHERE NOT EXISTS (SELECT 1 FROM pgsemaphore.live_slots z
-                                    WHERE z.semaphore = p_semaphore AND z.slot = g.slot)
-                 ORDER BY g.slot
+                                    WHERE z.semaphore = p_semaphore AND z.slot = g.slot
+                                   OFFSET 0)
                  LIMIT p_permits) AS f
         RETURNING n.id, n.slot, n.created_at, n.expires_at
     )
-    SELECT array_agg(i.id ORDER BY i.id), array_agg(i.slot ORDER BY i.id),
+    SELECT array_agg(i.id), array_agg(i.slot),
            min(i.created_at), min(i.expires_at)
       INTO o_ids, o_slots, o_created_at, o_expires_at
       FROM inserted i;
@@ -610,6 +629,7 @@ CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolea
 RETURNS TABLE (o_outcome text, o_id bigint, o_at timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_hash  bytea := sha256(p_token);
@@ -682,6 +702,7 @@ CREATE FUNCTION pgsemaphore.release_by_token(p_semaphore text, p_token bytea)
 RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_count integer;
@@ -716,6 +737,7 @@ CREATE FUNCTION pgsemaphore.renew(p_ids bigint[], p_token bytea, p_lease interva
 RETURNS TABLE (o_id bigint, o_outcome text, o_at timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_hash bytea := sha256(p_token);
@@ -770,6 +792,7 @@ CREATE FUNCTION pgsemaphore.fence(p_ids bigint[], p_token bytea)
 RETURNS TABLE (o_id bigint, o_outcome text, o_at timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_hash bytea := sha256(p_token);
@@ -811,6 +834,7 @@ CREATE FUNCTION pgsemaphore.enqueue(
 RETURNS TABLE (o_ticket bigint, o_wake boolean)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now     timestamptz;
@@ -850,6 +874,7 @@ CREATE FUNCTION pgsemaphore.leave_queue(p_ticket bigint, p_token bytea)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_semaphore text;
@@ -883,6 +908,7 @@ CREATE FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval,
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_until timestamptz;
@@ -914,6 +940,7 @@ CREATE FUNCTION pgsemaphore.stop_waiting(p_semaphore text, p_token bytea, p_spel
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     PERFORM pgsemaphore.fast_commit();
@@ -929,6 +956,7 @@ CREATE FUNCTION pgsemaphore.wake(p_semaphore text)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     RETURN pgsemaphore.notify_if_waited(p_semaphore);
@@ -943,6 +971,7 @@ CREATE FUNCTION pgsemaphore.wake_claimed(p_claim bigint)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     RETURN pgsemaphore.notify_if_waited(
@@ -962,6 +991,7 @@ CREATE FUNCTION pgsemaphore.token_bucket(
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_tokens double precision;
@@ -1028,6 +1058,7 @@ CREATE FUNCTION pgsemaphore.fixed_window(
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_hits  bigint;
@@ -1096,6 +1127,7 @@ CREATE FUNCTION pgsemaphore.sliding_window(
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_hits     bigint;
@@ -1188,6 +1220,7 @@ CREATE FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease i
 RETURNS TABLE (o_capacity integer, o_default_lease interval, o_previous_capacity integer)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_old_capacity integer;
@@ -1239,6 +1272,7 @@ CREATE FUNCTION pgsemaphore.force_release(p_id bigint)
 RETURNS TABLE (o_outcome text, o_semaphore text, o_at timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_semaphore    text;
@@ -1279,6 +1313,7 @@ CREATE FUNCTION pgsemaphore.reap()
 RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now       timestamptz := clock_timestamp();
@@ -1334,6 +1369,7 @@ CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer)
 RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_cutoff timestamptz := clock_timestamp() - p_older_than;

@@ -34,6 +34,7 @@ CREATE SCHEMA pgsemaphore;
 CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer DEFAULT 1, p_priority smallint DEFAULT 1, p_reserve integer DEFAULT 0, p_ticket bigint DEFAULT NULL::bigint, p_ticket_token bytea DEFAULT NULL::bytea, p_lifo boolean DEFAULT false, p_waiter_lease interval DEFAULT NULL::interval) RETURNS TABLE(o_status text, o_ids bigint[], o_slots integer[], o_created_at timestamp with time zone, o_expires_at timestamp with time zone, o_capacity integer, o_free integer, o_retry_in interval, o_wake boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_capacity integer;
@@ -165,9 +166,14 @@ BEGIN
     -- 5. The p_permits lowest free slot numbers. Every live row left holds a
     -- slot, and at most v_held of them exist, so among the v_held + p_permits
     -- candidates 0 .. v_held + p_permits - 1 (all below capacity, by the
-    -- check above) at least p_permits are free. The anti-join probes the
-    -- partial unique index: O(live slots), whatever the audit log's length,
-    -- under a generic plan too. created_at is read inside this statement,
+    -- check above) at least p_permits are free. Each candidate, in
+    -- ascending order, is one probe of the partial unique index, and the
+    -- scan stops at the p_permits-th free one: O(live slots) whatever the
+    -- audit log's length. (OFFSET 0 keeps the NOT EXISTS a per-candidate
+    -- probe: as an anti-join the generic plan hashes every live row of the
+    -- semaphore first. No ORDER BY: the candidates come in order, and any
+    -- p_permits free ones would do.) The inserted rows come back in insertion
+    -- order, which is identity order: o_ids ascend. created_at is read inside this statement,
     -- after its snapshot was taken: every release this claim relies on
     -- committed before that, so its completed_at is earlier than our
     -- created_at and the audit log never shows two claims overlapping on a slot.
@@ -180,12 +186,12 @@ BEGIN
                (SELECT g.slot
                   FROM generate_series(0, least(v_held + p_permits, v_capacity) - 1) AS g(slot)
                  WHERE NOT EXISTS (SELECT 1 FROM pgsemaphore.live_slots z
-                                    WHERE z.semaphore = p_semaphore AND z.slot = g.slot)
-                 ORDER BY g.slot
+                                    WHERE z.semaphore = p_semaphore AND z.slot = g.slot
+                                   OFFSET 0)
                  LIMIT p_permits) AS f
         RETURNING n.id, n.slot, n.created_at, n.expires_at
     )
-    SELECT array_agg(i.id ORDER BY i.id), array_agg(i.slot ORDER BY i.id),
+    SELECT array_agg(i.id), array_agg(i.slot),
            min(i.created_at), min(i.expires_at)
       INTO o_ids, o_slots, o_created_at, o_expires_at
       FROM inserted i;
@@ -223,6 +229,7 @@ $$;
 CREATE FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval, p_create boolean DEFAULT true) RETURNS TABLE(o_capacity integer, o_default_lease interval, o_previous_capacity integer)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_old_capacity integer;
@@ -272,14 +279,12 @@ $$;
 -- Name: durable_commit(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.durable_commit() RETURNS void
-    LANGUAGE plpgsql
+CREATE FUNCTION pgsemaphore.durable_commit() RETURNS text
+    LANGUAGE sql
     AS $$
-BEGIN
-    IF current_setting('synchronous_commit') IN ('off', 'local', 'remote_write') THEN
-        PERFORM set_config('synchronous_commit', 'on', true);
-    END IF;
-END;
+    SELECT CASE WHEN current_setting('synchronous_commit') IN ('off', 'local', 'remote_write')
+                THEN set_config('synchronous_commit', 'on', true)
+                ELSE current_setting('synchronous_commit') END
 $$;
 
 
@@ -290,6 +295,7 @@ $$;
 CREATE FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea) RETURNS TABLE(o_ticket bigint, o_wake boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_now     timestamptz;
@@ -327,7 +333,7 @@ $$;
 -- Name: fast_commit(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.fast_commit() RETURNS void
+CREATE FUNCTION pgsemaphore.fast_commit() RETURNS text
     LANGUAGE sql
     AS $$ SELECT set_config('synchronous_commit', 'off', true) $$;
 
@@ -339,6 +345,7 @@ CREATE FUNCTION pgsemaphore.fast_commit() RETURNS void
 CREATE FUNCTION pgsemaphore.fence(p_ids bigint[], p_token bytea) RETURNS TABLE(o_id bigint, o_outcome text, o_at timestamp with time zone)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_hash bytea := sha256(p_token);
@@ -370,6 +377,7 @@ $$;
 CREATE FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_hits  bigint;
@@ -430,6 +438,7 @@ $$;
 CREATE FUNCTION pgsemaphore.force_release(p_id bigint) RETURNS TABLE(o_outcome text, o_semaphore text, o_at timestamp with time zone)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_semaphore    text;
@@ -502,6 +511,7 @@ $$;
 CREATE FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean, p_spell bigint) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_until timestamptz;
@@ -534,6 +544,7 @@ $$;
 CREATE FUNCTION pgsemaphore.leave_queue(p_ticket bigint, p_token bytea) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_semaphore text;
@@ -578,6 +589,7 @@ $$;
 CREATE FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interval) RETURNS TABLE(o_capacity integer, o_default_lease interval, o_created boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
     INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease)
@@ -602,6 +614,7 @@ $$;
 CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) RETURNS bigint
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_cutoff timestamptz := clock_timestamp() - p_older_than;
@@ -681,6 +694,7 @@ $$;
 CREATE FUNCTION pgsemaphore.reap() RETURNS bigint
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_now       timestamptz := clock_timestamp();
@@ -734,6 +748,7 @@ $$;
 CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_hash  bytea := sha256(p_token);
@@ -806,6 +821,7 @@ $$;
 CREATE FUNCTION pgsemaphore.release_by_token(p_semaphore text, p_token bytea) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_count integer;
@@ -830,6 +846,7 @@ $$;
 CREATE FUNCTION pgsemaphore.renew(p_ids bigint[], p_token bytea, p_lease interval) RETURNS TABLE(o_id bigint, o_outcome text, o_at timestamp with time zone)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_hash bytea := sha256(p_token);
@@ -891,6 +908,7 @@ CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_
 CREATE FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_hits     bigint;
@@ -976,6 +994,7 @@ $$;
 CREATE FUNCTION pgsemaphore.stop_waiting(p_semaphore text, p_token bytea, p_spell bigint) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
     PERFORM pgsemaphore.fast_commit();
@@ -992,6 +1011,7 @@ $$;
 CREATE FUNCTION pgsemaphore.token_bucket(p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     v_tokens double precision;
@@ -1056,6 +1076,7 @@ $$;
 CREATE FUNCTION pgsemaphore.wake(p_semaphore text) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
     RETURN pgsemaphore.notify_if_waited(p_semaphore);
@@ -1070,6 +1091,7 @@ $$;
 CREATE FUNCTION pgsemaphore.wake_claimed(p_claim bigint) RETURNS boolean
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
     RETURN pgsemaphore.notify_if_waited(
