@@ -840,6 +840,22 @@ $$;
 
 
 --
+-- Name: release_then_wake(bigint[], bytea, boolean, text, bigint, timestamp with time zone); Type: PROCEDURE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE PROCEDURE pgsemaphore.release_then_wake(IN p_ids bigint[], IN p_token bytea, IN p_lost boolean, INOUT o_outcome text DEFAULT NULL::text, INOUT o_id bigint DEFAULT NULL::bigint, INOUT o_at timestamp with time zone DEFAULT NULL::timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    SELECT r.o_outcome, r.o_id, r.o_at INTO o_outcome, o_id, o_at
+      FROM pgsemaphore.release(p_ids, p_token, p_lost) r;
+    COMMIT;
+    PERFORM pgsemaphore.wake_claimed(p_ids[1]);
+END;
+$$;
+
+
+--
 -- Name: renew(bigint[], bytea, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1452,6 +1468,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.release_by_token(p_semaphore text, p_token bytea) FROM PUBLIC;
+
+
+--
+-- Name: PROCEDURE release_then_wake(IN p_ids bigint[], IN p_token bytea, IN p_lost boolean, INOUT o_outcome text, INOUT o_id bigint, INOUT o_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON PROCEDURE pgsemaphore.release_then_wake(IN p_ids bigint[], IN p_token bytea, IN p_lost boolean, INOUT o_outcome text, INOUT o_id bigint, INOUT o_at timestamp with time zone) FROM PUBLIC;
 
 
 --

@@ -350,6 +350,13 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
                 .await?;
         assert_eq!(outcome, "not_holder");
         let (outcome,): (String,) = sqlx::query_as(
+            "CALL pgsemaphore.release_then_wake(ARRAY[$1], '\\x00'::bytea, false)",
+        )
+        .bind(id)
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(outcome, "not_holder");
+        let (outcome,): (String,) = sqlx::query_as(
             "SELECT o_outcome FROM pgsemaphore.renew(ARRAY[$1], '\\x00'::bytea, interval '1 s')",
         )
         .bind(id)

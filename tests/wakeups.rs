@@ -111,9 +111,10 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
 /// its snapshot), registers for wake-ups and sleeps. Had R looked for
 /// waiters inside its own transaction, it would have seen none (W was not
 /// registered yet) and sent nothing, and W would sleep until its fallback.
-/// R looks after its commit (what `Permit::release` sends: the release's
-/// transaction, then `pgsemaphore.wake_claimed` in one of its own), sees W's
-/// registration and wakes it.
+/// R looks after its commit (what `Permit::release` runs, in
+/// `pgsemaphore.release_then_wake`: the release's transaction, then
+/// `pgsemaphore.wake_claimed` in one of its own), sees W's registration and
+/// wakes it. The steps are run one by one here, to pause between them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_committing_after_a_waiter_registered_still_wakes_it() -> TestResult {
     let db = support::migrated_db().await;

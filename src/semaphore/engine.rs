@@ -48,21 +48,21 @@ const RELEASE_BY_TOKEN: &str = "SELECT pgsemaphore.release_by_token($1, $2)";
 /// freed slots committed).
 const WAKE: &str = "SELECT pgsemaphore.wake($1)";
 
-/// The release: a durable transaction that ends the claims, then, in a
-/// transaction of its own after that commit (see
-/// `pgsemaphore.notify_if_waited` for why after), the wake-up, only sent if
-/// a waiter is registered. One round trip (the simple query protocol, so
-/// the two transactions travel in one message); only integers and hex
-/// digits are inlined.
-fn release_batch(ids: &[i64], token: &Token, lost: bool) -> String {
+/// The release, one round trip: `pgsemaphore.release_then_wake` ends the
+/// claims in a durable transaction, commits, then, in a transaction of its
+/// own (see `pgsemaphore.notify_if_waited` for why after the commit), sends
+/// the wake-up if a waiter is registered. A prepared statement on a direct
+/// pool.
+const RELEASE: &str = "CALL pgsemaphore.release_then_wake($1, $2, $3)";
+
+/// The same behind a transaction pooler, where a prepared statement needs an
+/// explicit transaction and a procedure that commits cannot run in one: one
+/// simple-protocol statement, in one message. Only integers and hex digits
+/// are inlined.
+fn release_call(ids: &[i64], token: &Token, lost: bool) -> String {
     let ids = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-    let first = ids.split(',').next().unwrap_or("0");
     format!(
-        "BEGIN; \
-         SELECT o_outcome, o_id, o_at FROM pgsemaphore.release('{{{ids}}}'::bigint[], \
-             decode('{token}', 'hex'), {lost}); \
-         COMMIT; \
-         SELECT pgsemaphore.wake_claimed({first})",
+        "CALL pgsemaphore.release_then_wake('{{{ids}}}'::bigint[], decode('{token}', 'hex'), {lost})",
         token = token.hex(),
     )
 }
@@ -459,15 +459,27 @@ pub(crate) async fn release(
     token: &Token,
     lost: bool,
 ) -> Result<(Ended, Option<DateTime<Utc>>)> {
-    let rows = core.db.batch(release_batch(ids, token, lost)).await?;
-    let row = rows.first().ok_or_else(|| {
-        Error::Database(sqlx::Error::Protocol(
-            "pgsemaphore.release returned no row".into(),
-        ))
-    })?;
-    let outcome: String = row.try_get("o_outcome")?;
-    let id: Option<i64> = row.try_get("o_id")?;
-    let at: Option<DateTime<Utc>> = row.try_get("o_at")?;
+    let (outcome, id, at): (String, Option<i64>, Option<DateTime<Utc>>) = if core.db.is_pooled() {
+        let rows = core.db.batch(release_call(ids, token, lost)).await?;
+        let row = rows.first().ok_or_else(|| {
+            Error::Database(sqlx::Error::Protocol(
+                "pgsemaphore.release_then_wake returned no row".into(),
+            ))
+        })?;
+        (
+            row.try_get("o_outcome")?,
+            row.try_get("o_id")?,
+            row.try_get("o_at")?,
+        )
+    } else {
+        let query = core
+            .db
+            .query_as(RELEASE)
+            .bind(ids.to_vec())
+            .bind(token.bytes())
+            .bind(lost);
+        core.db.fetch_one(query).await?
+    };
     Ok((ended(id.unwrap_or(ids[0]), &outcome, at), at))
 }
 
@@ -591,12 +603,14 @@ mod tests {
     }
 
     #[test]
-    fn the_release_batch_inlines_only_integers_and_hex() {
+    fn the_pooled_release_inlines_only_integers_and_hex() {
         let token = Token::from_bytes([0xab; 16]);
-        let sql = release_batch(&[7, 9], &token, false);
-        assert!(sql.starts_with("BEGIN; "));
-        assert!(sql.contains("pgsemaphore.release('{7,9}'::bigint[], decode('abababababababababababababababab', 'hex'), false)"));
-        assert!(sql.ends_with("COMMIT; SELECT pgsemaphore.wake_claimed(7)"));
+        let sql = release_call(&[7, 9], &token, true);
+        assert_eq!(
+            sql,
+            "CALL pgsemaphore.release_then_wake('{7,9}'::bigint[], \
+             decode('abababababababababababababababab', 'hex'), true)"
+        );
         assert_eq!(format!("{token:?}"), "Token(..)", "never printed");
     }
 

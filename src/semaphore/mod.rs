@@ -187,7 +187,7 @@ impl SemaphoreBuilder {
     /// (`persistent(false)`) inside an explicit transaction, so that sqlx's
     /// two extended-protocol steps reach the same server connection and no
     /// statement name collides with another client's; that costs two extra
-    /// round trips per claim (a release is one message either way).
+    /// round trips per claim (a release is one round trip either way).
     /// Migrations must still run on a direct connection.
     pub fn transaction_pooling(mut self, enabled: bool) -> Self {
         self.pooled = enabled;
