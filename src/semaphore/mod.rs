@@ -781,6 +781,7 @@ impl Claim<'_> {
     /// A wait with this claim ends with the error when the database cannot be
     /// reached, instead of retrying through the outage (the tower layer: an
     /// outage is answered at once).
+    #[cfg(feature = "tower")]
     pub(crate) fn fail_on_outage(mut self) -> Self {
         self.ride_out_outages = false;
         self
