@@ -387,25 +387,6 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
     Ok(())
 }
 
-/// The SQL between the README's `grants:begin` and `grants:end` markers,
-/// for the roles `app` and `operator`.
-fn documented_grants(app: &str, operator: &str) -> String {
-    let readme = include_str!("../README.md");
-    let start = readme
-        .find("<!-- grants:begin")
-        .expect("README grants marker");
-    let end = readme
-        .find("<!-- grants:end -->")
-        .expect("README grants end marker");
-    let sql = readme[start..end]
-        .split("```sql")
-        .nth(1)
-        .and_then(|rest| rest.split("```").next())
-        .expect("a sql block between the grants markers");
-    sql.replace(" TO app;", &format!(r#" TO "{app}";"#))
-        .replace(" TO operator;", &format!(r#" TO "{operator}";"#))
-}
-
 const PASSWORD: &str = "least-privilege-pw";
 
 /// Login roles without superuser or DDL rights, dropped (with what they
@@ -502,7 +483,7 @@ async fn migrate_under_the_application_role_needs_no_ddl_and_names_the_owner() -
         // The owner migrates and grants the README's privileges.
         pg_semaphore::migrate(&owner_pool).await?;
         owner_pool
-            .execute(AssertSqlSafe(documented_grants(&app, &roles.name("op"))))
+            .execute(AssertSqlSafe(support::documented_grants(&app, &roles.name("op"))))
             .await?;
 
         // The application role: exactly those grants, no DDL anywhere.

@@ -17,26 +17,6 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
-/// The SQL between the README's `grants:begin` and `grants:end` markers,
-/// for the roles `app` and `operator`.
-fn documented_grants(app: &str, operator: &str) -> String {
-    let readme = include_str!("../README.md");
-    let start = readme
-        .find("<!-- grants:begin")
-        .expect("README grants marker");
-    let end = readme
-        .find("<!-- grants:end -->")
-        .expect("README grants end marker");
-    let block = &readme[start..end];
-    let sql = block
-        .split("```sql")
-        .nth(1)
-        .and_then(|rest| rest.split("```").next())
-        .expect("a sql block between the grants markers");
-    sql.replace(" TO app;", &format!(r#" TO "{app}";"#))
-        .replace(" TO operator;", &format!(r#" TO "{operator}";"#))
-}
-
 /// Two roles with the README's grants, no superuser, no DDL: the
 /// application's and the operator's; dropped with the database.
 struct Roles {
@@ -62,7 +42,7 @@ impl Roles {
                 .await?;
         }
         admin
-            .execute(AssertSqlSafe(documented_grants(&app, &operator)))
+            .execute(AssertSqlSafe(support::documented_grants(&app, &operator)))
             .await?;
         Ok(Roles {
             admin,

@@ -61,3 +61,23 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// The SQL between the README's `grants:begin` and `grants:end` markers,
+/// for the roles `app` and `operator` (tests/security.rs and
+/// tests/migrations.rs run exactly what the README documents).
+pub fn documented_grants(app: &str, operator: &str) -> String {
+    let readme = include_str!("../../README.md");
+    let start = readme
+        .find("<!-- grants:begin")
+        .expect("README grants marker");
+    let end = readme
+        .find("<!-- grants:end -->")
+        .expect("README grants end marker");
+    let sql = readme[start..end]
+        .split("```sql")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("a sql block between the grants markers");
+    sql.replace(" TO app;", &format!(r#" TO "{app}";"#))
+        .replace(" TO operator;", &format!(r#" TO "{operator}";"#))
+}
