@@ -45,6 +45,8 @@ DECLARE
     v_held     integer;
     v_next_end timestamptz;
     v_stuck    boolean;
+    v_expired  integer;
+    v_reaped   integer;
     v_reserve  integer := CASE WHEN p_priority = 0 THEN p_reserve ELSE 0 END;
     v_ahead    timestamptz;
     v_dropped  integer := 0;
@@ -151,9 +153,34 @@ BEGIN
         END IF;
     END IF;
 
-    -- 4. The held slots, with the expired ones reaped.
-    SELECT h.o_held, h.o_next_end, h.o_stuck INTO v_held, v_next_end, v_stuck
-      FROM pgsemaphore.held_slots(p_semaphore, v_now) h;
+    -- 4. THE COUNT OF HELD SLOTS, the one every claim decides on. With the
+    -- semaphore's row locked (so no claim inserts meanwhile), reap this
+    -- semaphore's live claims whose lease ended at v_now, and count as held
+    -- every live claim this statement did NOT reap. A live row it could not
+    -- reap (locked: a release or renewal in flight, a Permit::fence
+    -- transaction past its lease) still holds its slot and is counted, so
+    -- the hard limit holds whatever those transactions do next. v_stuck: an
+    -- expired row could not be reaped (it is locked), so a waiter should
+    -- look again soon. v_next_end: when the earliest unexpired held lease
+    -- ends. (Inline: this is the only place that counts held slots.)
+    SELECT count(*), count(*) FILTER (WHERE l.expires_at <= v_now),
+           min(l.expires_at) FILTER (WHERE l.expires_at > v_now)
+      INTO v_held, v_expired, v_next_end
+      FROM pgsemaphore.live_slots l
+     WHERE l.semaphore = p_semaphore;
+    v_stuck := false;
+    IF v_expired > 0 THEN
+        UPDATE pgsemaphore.slots s
+           SET timed_out_at = v_now
+          FROM (SELECT e.id
+                  FROM pgsemaphore.live_slots e
+                 WHERE e.semaphore = p_semaphore AND e.expires_at <= v_now
+                   FOR UPDATE SKIP LOCKED) expired
+         WHERE s.id = expired.id;
+        GET DIAGNOSTICS v_reaped = ROW_COUNT;
+        v_held := v_held - v_reaped;
+        v_stuck := v_reaped < v_expired;
+    END IF;
     IF v_capacity - v_held - p_permits < v_reserve THEN
         o_status := 'full';
         o_free := greatest(v_capacity - v_held, 0);
@@ -472,39 +499,6 @@ $$;
 
 
 --
--- Name: held_slots(text, timestamp with time zone); Type: FUNCTION; Schema: pgsemaphore; Owner: -
---
-
-CREATE FUNCTION pgsemaphore.held_slots(p_semaphore text, p_now timestamp with time zone, OUT o_held integer, OUT o_next_end timestamp with time zone, OUT o_stuck boolean) RETURNS record
-    LANGUAGE plpgsql
-    AS $$
-DECLARE
-    v_expired integer;
-    v_reaped  integer;
-BEGIN
-    SELECT count(*), count(*) FILTER (WHERE l.expires_at <= p_now),
-           min(l.expires_at) FILTER (WHERE l.expires_at > p_now)
-      INTO o_held, v_expired, o_next_end
-      FROM pgsemaphore.live_slots l
-     WHERE l.semaphore = p_semaphore;
-    o_stuck := false;
-    IF v_expired > 0 THEN
-        UPDATE pgsemaphore.slots s
-           SET timed_out_at = p_now
-          FROM (SELECT e.id
-                  FROM pgsemaphore.live_slots e
-                 WHERE e.semaphore = p_semaphore AND e.expires_at <= p_now
-                   FOR UPDATE SKIP LOCKED) expired
-         WHERE s.id = expired.id;
-        GET DIAGNOSTICS v_reaped = ROW_COUNT;
-        o_held := o_held - v_reaped;
-        o_stuck := v_reaped < v_expired;
-    END IF;
-END;
-$$;
-
-
---
 -- Name: keep_waiting(text, interval, bigint[], bytea, boolean, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -532,6 +526,10 @@ BEGIN
                    AND d.expires_at > clock_timestamp()
                  ORDER BY d.id FOR UPDATE SKIP LOCKED) live
          WHERE w.id = live.id;
+    END IF;
+    IF p_register THEN
+        -- Last, so the gate is held only for the commit.
+        PERFORM pg_advisory_xact_lock(1885828965, hashtext(p_semaphore));
     END IF;
 END;
 $$;
@@ -745,18 +743,20 @@ $$;
 -- Name: release(bigint[], bytea, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone)
+CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone, o_wake boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
-    v_hash  bytea := sha256(p_token);
-    v_now   timestamptz;
-    v_done  bigint[] := '{}';
-    r       record;
+    v_hash      bytea := sha256(p_token);
+    v_now       timestamptz;
+    v_done      bigint[] := '{}';
+    v_semaphore text;
+    r           record;
 BEGIN
     PERFORM pgsemaphore.durable_commit();
+    o_wake := false;
     -- The common case, one statement: every claim ours, live, its lease
     -- running. The UPDATE locks the rows in id order (the primary key's).
     IF NOT p_lost THEN
@@ -766,50 +766,77 @@ BEGIN
                SET completed_at = v_now
              WHERE s.id = ANY (p_ids) AND s.token_hash = v_hash
                AND s.completed_at IS NULL AND s.timed_out_at IS NULL AND s.expires_at > v_now
-            RETURNING s.id
+            RETURNING s.id, s.semaphore
         )
-        SELECT coalesce(array_agg(d.id), '{}') INTO v_done FROM done d;
-        IF cardinality(v_done) = cardinality(p_ids) THEN
-            RETURN QUERY SELECT 'released'::text, NULL::bigint, v_now;
-            RETURN;
+        SELECT coalesce(array_agg(d.id), '{}'), min(d.semaphore) INTO v_done, v_semaphore FROM done d;
+    END IF;
+    IF NOT p_lost AND cardinality(v_done) = cardinality(p_ids) THEN
+        o_outcome := 'released';
+        o_at := v_now;
+    ELSE
+        -- Otherwise lock the rest, in id order, and say what stood in the way.
+        PERFORM 1 FROM pgsemaphore.slots s WHERE s.id = ANY (p_ids) ORDER BY s.id FOR UPDATE;
+        SELECT min(s.id) INTO o_id
+          FROM pgsemaphore.slots s
+         WHERE s.id = ANY (p_ids) AND s.token_hash IS DISTINCT FROM v_hash;
+        IF o_id IS NOT NULL THEN
+            o_outcome := 'not_holder';
         END IF;
     END IF;
-    -- Otherwise lock the rest, in id order, and say what stood in the way.
-    PERFORM 1 FROM pgsemaphore.slots s WHERE s.id = ANY (p_ids) ORDER BY s.id FOR UPDATE;
-    IF EXISTS (SELECT 1 FROM pgsemaphore.slots s
-                WHERE s.id = ANY (p_ids) AND s.token_hash IS DISTINCT FROM v_hash) THEN
-        RETURN QUERY SELECT 'not_holder'::text, min(s.id), NULL::timestamptz
-                       FROM pgsemaphore.slots s
-                      WHERE s.id = ANY (p_ids) AND s.token_hash IS DISTINCT FROM v_hash;
-        RETURN;
+    IF o_outcome IS NULL THEN
+        v_now := clock_timestamp();
+        -- (Claims the statement above just completed are fine: skip them.)
+        SELECT i.id, s.id AS found, s.completed_at, s.timed_out_at
+          INTO r
+          FROM unnest(p_ids) AS i(id)
+          LEFT JOIN pgsemaphore.slots s ON s.id = i.id
+         WHERE i.id <> ALL (v_done)
+           AND (s.id IS NULL OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL
+                OR s.expires_at <= v_now OR p_lost)
+         ORDER BY i.id
+         LIMIT 1;
+        -- End every claim still live: timed out, since its lease had ended or
+        -- its holder was told it was lost. (v_semaphore: set if this call
+        -- freed any slot, by either statement.)
+        WITH ended AS (
+            UPDATE pgsemaphore.slots s
+               SET timed_out_at = v_now
+             WHERE s.id = ANY (p_ids) AND s.completed_at IS NULL AND s.timed_out_at IS NULL
+            RETURNING s.semaphore
+        )
+        SELECT coalesce(v_semaphore, min(e.semaphore)) INTO v_semaphore FROM ended e;
+        IF r.id IS NULL THEN
+            o_outcome := 'released';
+            o_at := v_now;
+        ELSIF r.found IS NULL THEN
+            o_outcome := 'missing';
+            o_id := r.id;
+        ELSIF r.timed_out_at IS NOT NULL THEN
+            o_outcome := 'timed_out';
+            o_id := r.id;
+            o_at := r.timed_out_at;
+        ELSIF r.completed_at IS NOT NULL THEN
+            o_outcome := 'completed';
+            o_id := r.id;
+            o_at := r.completed_at;
+        ELSE
+            o_outcome := 'timed_out';
+            o_id := r.id;
+            o_at := v_now;
+        END IF;
     END IF;
-    v_now := clock_timestamp();
-    -- (Claims the statement above just completed are fine: skip them.)
-    SELECT i.id, s.id AS found, s.completed_at, s.timed_out_at
-      INTO r
-      FROM unnest(p_ids) AS i(id)
-      LEFT JOIN pgsemaphore.slots s ON s.id = i.id
-     WHERE i.id <> ALL (v_done)
-       AND (s.id IS NULL OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL
-            OR s.expires_at <= v_now OR p_lost)
-     ORDER BY i.id
-     LIMIT 1;
-    -- End every claim still live: timed out, since its lease had ended or
-    -- its holder was told it was lost.
-    UPDATE pgsemaphore.slots s
-       SET timed_out_at = v_now
-     WHERE s.id = ANY (p_ids) AND s.completed_at IS NULL AND s.timed_out_at IS NULL;
-    IF r.id IS NULL THEN
-        RETURN QUERY SELECT 'released'::text, NULL::bigint, v_now;
-    ELSIF r.found IS NULL THEN
-        RETURN QUERY SELECT 'missing'::text, r.id, NULL::timestamptz;
-    ELSIF r.timed_out_at IS NOT NULL THEN
-        RETURN QUERY SELECT 'timed_out'::text, r.id, r.timed_out_at;
-    ELSIF r.completed_at IS NOT NULL THEN
-        RETURN QUERY SELECT 'completed'::text, r.id, r.completed_at;
-    ELSE
-        RETURN QUERY SELECT 'timed_out'::text, r.id, v_now;
+    -- Slots were freed (v_semaphore is set): look for waiters, under the gate.
+    IF v_semaphore IS NOT NULL THEN
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            o_wake := true;
+        ELSE
+            PERFORM pg_advisory_xact_lock_shared(1885828965, hashtext(v_semaphore));
+            -- A statement of its own: its snapshot is taken after the gate.
+            o_wake := EXISTS (SELECT 1 FROM pgsemaphore.wakeups w
+                               WHERE w.semaphore = v_semaphore AND w.until > clock_timestamp());
+        END IF;
     END IF;
+    RETURN NEXT;
 END;
 $$;
 
@@ -846,11 +873,15 @@ $$;
 CREATE PROCEDURE pgsemaphore.release_then_wake(IN p_ids bigint[], IN p_token bytea, IN p_lost boolean, INOUT o_outcome text DEFAULT NULL::text, INOUT o_id bigint DEFAULT NULL::bigint, INOUT o_at timestamp with time zone DEFAULT NULL::timestamp with time zone)
     LANGUAGE plpgsql
     AS $$
+DECLARE
+    v_wake boolean;
 BEGIN
-    SELECT r.o_outcome, r.o_id, r.o_at INTO o_outcome, o_id, o_at
+    SELECT r.o_outcome, r.o_id, r.o_at, r.o_wake INTO o_outcome, o_id, o_at, v_wake
       FROM pgsemaphore.release(p_ids, p_token, p_lost) r;
-    COMMIT;
-    PERFORM pgsemaphore.wake_claimed(p_ids[1]);
+    IF v_wake THEN
+        COMMIT;
+        PERFORM pgsemaphore.wake_claimed(p_ids[1]);
+    END IF;
 END;
 $$;
 
@@ -1398,13 +1429,6 @@ REVOKE ALL ON FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_li
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.force_release(p_id bigint) FROM PUBLIC;
-
-
---
--- Name: FUNCTION held_slots(p_semaphore text, p_now timestamp with time zone, OUT o_held integer, OUT o_next_end timestamp with time zone, OUT o_stuck boolean); Type: ACL; Schema: pgsemaphore; Owner: -
---
-
-REVOKE ALL ON FUNCTION pgsemaphore.held_slots(p_semaphore text, p_now timestamp with time zone, OUT o_held integer, OUT o_next_end timestamp with time zone, OUT o_stuck boolean) FROM PUBLIC;
 
 
 --

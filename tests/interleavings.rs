@@ -88,27 +88,6 @@ async fn a_fenced_holder_past_its_lease_still_counts_after_the_capacity_drops() 
     Ok(())
 }
 
-/// A claim made straight through the SQL function with a known holder
-/// token, so that a test can renew or fence it on a connection of its own
-/// (a permit keeps its token to itself). Returns the claim's id.
-async fn claim_with_token(
-    conn: impl sqlx::PgExecutor<'_>,
-    semaphore: &str,
-    lease: &str,
-    token: &[u8],
-) -> sqlx::Result<i64> {
-    let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
-        "SELECT o_status, o_ids FROM pgsemaphore.claim($1, 'test', $2::interval, NULL, $3)",
-    )
-    .bind(semaphore)
-    .bind(lease)
-    .bind(token)
-    .fetch_one(conn)
-    .await?;
-    assert_eq!(status, "claimed");
-    Ok(ids.expect("claimed")[0])
-}
-
 /// Interleaving: a claim meets a live row whose renewal is in flight: the
 /// renewal's UPDATE holds the row lock and has not committed, and the old
 /// lease ends meanwhile. The claim sees an expired row it cannot reap; the
@@ -119,7 +98,7 @@ async fn an_uncommitted_renewal_across_the_old_expiry_still_counts() -> TestResu
     let sem = semaphore(&db.pool, "renewing", 4).await?;
     let token = b"renewing-holder!".to_vec();
     let p0 = sem.try_acquire().await?;
-    let id1 = claim_with_token(&db.pool, "renewing", "1500 ms", &token).await?;
+    let id1 = support::claim_with_token(&db.pool, "renewing", "1500 ms", &token).await?;
     let p2 = sem.try_acquire().await?;
     let p3 = sem.try_acquire().await?;
     assert_eq!((p0.slot(), p2.slot(), p3.slot()), (0, 2, 3));
@@ -207,7 +186,7 @@ async fn renewals_applied_out_of_order_never_shorten_the_lease() -> TestResult {
     let db = support::migrated_db().await;
     semaphore(&db.pool, "renew-order", 2).await?;
     let token = b"renew-order-hold".to_vec();
-    let id = claim_with_token(&db.pool, "renew-order", "60 seconds", &token).await?;
+    let id = support::claim_with_token(&db.pool, "renew-order", "60 seconds", &token).await?;
 
     let mut fence = db.pool.begin().await?;
     let fenced: (String,) = sqlx::query_as("SELECT o_outcome FROM pgsemaphore.fence($1, $2)")

@@ -1,7 +1,8 @@
 //! Wake-ups at fleet scale: a release nobody waits for sends no NOTIFY (which
-//! PostgreSQL serialises across the whole instance), a release that commits
-//! after a waiter registered still wakes it (the race a check inside the
-//! release's own transaction would lose), and a waiter behind a crashed
+//! PostgreSQL serialises across the whole instance), a waiter that registers
+//! while a release is in flight is never left asleep (the wake-up gate: the
+//! registration waits for the release, or the release for the
+//! registration), and a waiter behind a crashed
 //! holder is served when that holder's lease ends, with no reaper and no
 //! fallback re-check. Fallbacks are 30 s or more here: only the right
 //! wake-up makes a test pass in time.
@@ -106,80 +107,176 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
     Ok(())
 }
 
-/// Interleaving: a release R is in flight (its UPDATE done, not committed)
-/// while a waiter W claims, finds the slot taken (R's row is still live in
-/// its snapshot), registers for wake-ups and sleeps. Had R looked for
-/// waiters inside its own transaction, it would have seen none (W was not
-/// registered yet) and sent nothing, and W would sleep until its fallback.
-/// R looks after its commit (what `Permit::release` runs, in
-/// `pgsemaphore.release_then_wake`: the release's transaction, then
-/// `pgsemaphore.wake_claimed` in one of its own), sees W's registration and
-/// wakes it. The steps are run one by one here, to pause between them.
+/// The key of a semaphore's wake-up gate (see `pgsemaphore.release`),
+/// as `pg_locks` shows it: a two-int advisory lock.
+const GATE_CLASS: i64 = 1_885_828_965;
+
+/// Whether a backend waits for `semaphore`'s wake-up gate right now.
+async fn waits_for_gate(pool: &PgPool, semaphore: &str) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks \
+                         WHERE locktype = 'advisory' AND NOT granted AND objsubid = 2 \
+                           AND classid::bigint = $1 \
+                           AND objid::bigint = hashtext($2)::bigint & 4294967295)",
+    )
+    .bind(GATE_CLASS)
+    .bind(semaphore)
+    .fetch_one(pool)
+    .await
+}
+
+async fn until_waiting_for_gate(pool: &PgPool, semaphore: &str) {
+    let waiting = support::eventually(Duration::from_secs(10), || async {
+        waits_for_gate(pool, semaphore)
+            .await
+            .expect("read pg_locks")
+    })
+    .await;
+    assert!(waiting, "nobody waited for the gate");
+}
+
+/// Interleaving: a release R is in flight (its UPDATE and its check for
+/// waiters done, not committed) while a waiter W claims, finds the slot
+/// taken (R's row is still live in its snapshot) and registers for
+/// wake-ups. R found no registration and will send nothing; were W's
+/// registration to commit now, W would sleep until its fallback. R holds
+/// its semaphore's wake-up gate until it ends (`pgsemaphore.release`),
+/// and W's registration waits for it, so the claim W makes after
+/// registering comes after R's commit and sees the free slot. The release
+/// runs step by step here, in an open transaction, to pause before its
+/// commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_committing_after_a_waiter_registered_still_wakes_it() -> TestResult {
+async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> TestResult {
     let db = support::migrated_db().await;
+    let mut listener = observer(&db).await?;
     Semaphore::builder("racing", 1)
         .fallback_interval(FAR)
         .build(&db.pool)
         .await?;
     let token = b"racing-holder-01".to_vec();
-    let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
-        "SELECT o_status, o_ids FROM pgsemaphore.claim('racing', 'holder', NULL, NULL, $1)",
-    )
-    .bind(&token)
-    .fetch_one(&db.pool)
-    .await?;
-    assert_eq!(status, "claimed");
-    let id = ids.expect("claimed")[0];
+    let id = support::claim_with_token(&db.pool, "racing", "90 s", &token).await?;
 
     // R: the release, paused before its commit. Nobody is registered yet,
-    // so a check inside this transaction would find no waiter.
+    // so it leaves no wake-up to send after its commit.
     let mut release = PgConnection::connect_with(&db.options).await?;
     sqlx::query("BEGIN").execute(&mut release).await?;
-    let (outcome,): (String,) =
-        sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], $2)")
+    let (outcome, wake): (String, bool) =
+        sqlx::query_as("SELECT o_outcome, o_wake FROM pgsemaphore.release(ARRAY[$1], $2)")
             .bind(id)
             .bind(&token)
             .fetch_one(&mut release)
             .await?;
-    assert_eq!(outcome, "released");
-    assert!(!registered(&db.pool, "racing").await?);
+    assert_eq!((outcome.as_str(), wake), ("released", false));
 
-    // W: claims (refused: R is not committed), registers, claims again, sleeps.
+    // W: claims (refused: R is not committed), then registers: that waits
+    // for R's gate.
     let other = support::another_pool(&db, 2).await;
     let waiting = Semaphore::builder("racing", 1)
         .fallback_interval(FAR)
         .build(&other)
         .await?;
     let waiter = tokio::spawn(async move { waiting.acquire().await });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !registered(&db.pool, "racing").await? {
-        assert!(Instant::now() < deadline, "the waiter never registered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_waiting_for_gate(&db.pool, "racing").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !waiter.is_finished(),
         "admitted before the release committed"
     );
-
-    // R commits, then sends the wake-up from a transaction of its own.
-    sqlx::query("COMMIT").execute(&mut release).await?;
-    let committed = Instant::now();
-    let (notified,): (bool,) = sqlx::query_as("SELECT pgsemaphore.wake_claimed($1)")
-        .bind(id)
-        .fetch_one(&mut release)
-        .await?;
     assert!(
-        notified,
-        "the waiter's registration was not seen after the commit"
+        !registered(&db.pool, "racing").await?,
+        "the registration committed while a release that did not see it was in flight"
     );
+
+    // R commits, and sends nothing: W's registration commits after it, and
+    // W's claim after that sees the free slot.
+    sqlx::query("COMMIT").execute(&mut release).await?;
     let permit = tokio::time::timeout(Duration::from_secs(2), waiter)
         .await
-        .map_err(|_| "the waiter slept through a release that committed after it registered")???;
-    assert!(committed.elapsed() < Duration::from_secs(2));
+        .map_err(|_| "the waiter slept through a release that committed as it registered")???;
+    assert_eq!(
+        next_notification(&mut listener, Duration::from_millis(200)).await,
+        None,
+        "the release notified although it saw no waiter"
+    );
     permit.release().await?;
     release.close().await?;
+    Ok(())
+}
+
+/// Interleaving, the other order: a waiter's registration has taken the
+/// wake-up gate and is not committed yet when a release R (what
+/// `Permit::release` runs: `CALL pgsemaphore.release_then_wake`) comes to
+/// look for waiters. R waits for the registration to commit, sees it, and
+/// notifies after its own commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_waits_for_a_registration_in_flight_and_wakes_it() -> TestResult {
+    let db = support::migrated_db().await;
+    let mut listener = observer(&db).await?;
+    Semaphore::builder("racing-2", 1)
+        .fallback_interval(FAR)
+        .build(&db.pool)
+        .await?;
+    let token = b"racing-holder-02".to_vec();
+    let id = support::claim_with_token(&db.pool, "racing-2", "90 s", &token).await?;
+
+    // W: a registration, paused before its commit (it holds the gate).
+    let mut registration = PgConnection::connect_with(&db.options).await?;
+    sqlx::query("BEGIN").execute(&mut registration).await?;
+    sqlx::query(
+        "SELECT pgsemaphore.keep_waiting('racing-2', interval '10 s', '{}', \
+                                         'a waiting process'::bytea, true, 1)",
+    )
+    .execute(&mut registration)
+    .await?;
+
+    // R: the release, as the crate sends it. It waits at the gate.
+    let pool = db.pool.clone();
+    let release = tokio::spawn(async move {
+        sqlx::query_as::<_, (String,)>("CALL pgsemaphore.release_then_wake(ARRAY[$1], $2, false)")
+            .bind(id)
+            .bind(token)
+            .fetch_one(&pool)
+            .await
+    });
+    until_waiting_for_gate(&db.pool, "racing-2").await;
+    assert!(!release.is_finished());
+
+    // The registration commits: R sees it and notifies after its commit.
+    sqlx::query("COMMIT").execute(&mut registration).await?;
+    let (outcome,) = tokio::time::timeout(Duration::from_secs(5), release).await???;
+    assert_eq!(outcome, "released");
+    assert_eq!(
+        next_notification(&mut listener, Duration::from_secs(2)).await,
+        Some("racing-2".to_owned()),
+        "the release did not wake a waiter whose registration it waited for"
+    );
+    registration.close().await?;
+    Ok(())
+}
+
+/// Under REPEATABLE READ a statement sees the transaction's first snapshot,
+/// so a check for waiters inside the release could miss a registration
+/// that committed while it waited at the gate: there the release leaves
+/// the check to after its commit (`o_wake`), as every other transaction
+/// that frees slots does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_repeatable_read_a_release_checks_for_waiters_after_its_commit() -> TestResult {
+    let db = support::migrated_db().await;
+    Semaphore::builder("snapshot", 1).build(&db.pool).await?;
+    let token = b"snapshot-holder".to_vec();
+    let id = support::claim_with_token(&db.pool, "snapshot", "90 s", &token).await?;
+    let mut conn = db.pool.acquire().await?;
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *conn)
+        .await?;
+    let (outcome, wake): (String, bool) =
+        sqlx::query_as("SELECT o_outcome, o_wake FROM pgsemaphore.release(ARRAY[$1], $2)")
+            .bind(id)
+            .bind(&token)
+            .fetch_one(&mut *conn)
+            .await?;
+    sqlx::query("COMMIT").execute(&mut *conn).await?;
+    assert_eq!((outcome.as_str(), wake), ("released", true));
     Ok(())
 }
 

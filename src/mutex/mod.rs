@@ -144,7 +144,10 @@ impl Mutex {
 
     /// A mutex on an explicit pair of 32-bit keys. PostgreSQL keeps this key
     /// space apart from the 64-bit one: `with_key_pair(0, 42)` and
-    /// `with_key(42)` are different locks.
+    /// `with_key(42)` are different locks. Pairs whose first key is
+    /// `1885828965` are the semaphores' wake-up gates: holding one delays
+    /// that semaphore's releases (it never admits too many); use another
+    /// first key.
     ///
     /// ```
     /// use pg_semaphore::{Mutex, PgAdvisoryLockKey};

@@ -49,10 +49,11 @@ const RELEASE_BY_TOKEN: &str = "SELECT pgsemaphore.release_by_token($1, $2)";
 const WAKE: &str = "SELECT pgsemaphore.wake($1)";
 
 /// The release, one round trip: `pgsemaphore.release_then_wake` ends the
-/// claims in a durable transaction, commits, then, in a transaction of its
-/// own (see `pgsemaphore.notify_if_waited` for why after the commit), sends
-/// the wake-up if a waiter is registered. A prepared statement on a direct
-/// pool.
+/// claims in a durable transaction that also looks for registered waiters
+/// (under the semaphore's wake-up gate, see `pgsemaphore.release`, so no
+/// waiter registering meanwhile is missed); only if one is registered does
+/// it commit and send the wake-up from a transaction of its own. A prepared
+/// statement on a direct pool.
 const RELEASE: &str = "CALL pgsemaphore.release_then_wake($1, $2, $3)";
 
 /// The same behind a transaction pooler, where a prepared statement needs an

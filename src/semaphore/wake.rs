@@ -10,7 +10,10 @@
 //!   trip, skipped while a registration is in force) and a *keeper* task
 //!   renews the registration, and the leases of the process's queue tickets,
 //!   every third of [`WAIT_LEASE`] while anyone here waits on the semaphore.
-//!   Why no wake-up is lost: see `pgsemaphore.notify_if_waited`.
+//!   Why no wake-up is lost: see `pgsemaphore.notify_if_waited` (a check
+//!   after the commit that freed slots) and `pgsemaphore.release` (the
+//!   release's check inside its own transaction, under a per-semaphore
+//!   advisory lock that a registration waits for).
 //! - **One claimer per process.** Every waiting acquire takes a place in the
 //!   semaphore's local order (priority first, then queued waiters by their
 //!   queue place, then arrival); on each wake-up only the first place claims.

@@ -81,3 +81,24 @@ pub fn documented_grants(app: &str, operator: &str) -> String {
     sql.replace(" TO app;", &format!(r#" TO "{app}";"#))
         .replace(" TO operator;", &format!(r#" TO "{operator}";"#))
 }
+
+/// A claim made straight through the SQL function with a known holder
+/// token, so that a test can renew or fence it on a connection of its own
+/// (a permit keeps its token to itself). Returns the claim's id.
+pub async fn claim_with_token(
+    conn: impl sqlx::PgExecutor<'_>,
+    semaphore: &str,
+    lease: &str,
+    token: &[u8],
+) -> sqlx::Result<i64> {
+    let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
+        "SELECT o_status, o_ids FROM pgsemaphore.claim($1, 'test', $2::interval, NULL, $3)",
+    )
+    .bind(semaphore)
+    .bind(lease)
+    .bind(token)
+    .fetch_one(conn)
+    .await?;
+    assert_eq!(status, "claimed");
+    Ok(ids.expect("claimed")[0])
+}
