@@ -66,6 +66,17 @@ type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 /// workers probe it with `try_acquire`: one of them admitted while a
 /// sentinel believes it holds its slot is an over-admission.
 const SEMAPHORES: [(&str, u32); 3] = [("cap1", 1), ("cap3", 3), ("cap2", 2)];
+/// The semaphore of the driver's claim made while the standby is cut off
+/// (see [`claim_cut_off`]): no worker uses it, so its slot is free and the
+/// claim is one round trip, whatever the workers hold. On a contended
+/// semaphore the claim, and every worker's, could find no slot for the
+/// whole window, and the run then measured nothing.
+const CUT_OFF: (&str, u32) = ("cut-off", 1);
+
+/// Every semaphore the checker checks: the workers', and [`CUT_OFF`].
+fn checked_semaphores() -> impl Iterator<Item = (&'static str, u32)> {
+    SEMAPHORES.into_iter().chain([CUT_OFF])
+}
 const LEASE: Duration = Duration::from_secs(2);
 /// An acquire that waits this long is a hang.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(15);
@@ -461,7 +472,7 @@ async fn one_failover(
         .connect_with(through_router.clone().application_name("failover-driver"))
         .await?;
     pg_semaphore::migrate(&driver).await?;
-    for (name, capacity) in SEMAPHORES {
+    for (name, capacity) in checked_semaphores() {
         Semaphore::builder(name, capacity)
             .lease(LEASE)
             .build(&driver)
@@ -511,9 +522,15 @@ async fn one_failover(
     let partitioned_at = match scenario {
         Scenario::Crash => None,
         Scenario::Partition => {
+            // Opened before the cut (it exists: opening reads only).
+            let sem = Semaphore::builder(CUT_OFF.0, CUT_OFF.1)
+                .holder(DRIVER)
+                .lease(LEASE)
+                .build(&driver)
+                .await?;
             pair.partition();
             let at = now_us();
-            cut_off = Some(claim_cut_off(&driver, &driver_log, &held));
+            cut_off = Some(claim_cut_off(sem, &driver_log, &held));
             tokio::time::sleep(PARTITION).await;
             Some(at)
         }
@@ -661,22 +678,16 @@ async fn hold_through(driver: &PgPool, log: &Log) -> Result<Held, BoxError> {
     })
 }
 
-/// In a partition run: a claim on `cap3` made while the standby is cut off,
-/// held (with a heartbeat) until the sentinels are released. Under
-/// asynchronous replication it is acknowledged and the new primary lacks it;
-/// under synchronous replication it is never acknowledged (logged `N`).
-fn claim_cut_off(driver: &PgPool, log: &Log, held: &Held) -> tokio::task::JoinHandle<()> {
-    let (driver, log, released) = (driver.clone(), log.clone(), held.release.subscribe());
+/// In a partition run: a claim on [`CUT_OFF`]'s free slot made while the
+/// standby is cut off, held (with a heartbeat) until the sentinels are
+/// released. Under asynchronous replication it is acknowledged at once and
+/// the new primary lacks it; under synchronous replication its commit waits
+/// until the primary is stopped, and it is never acknowledged (logged `N`).
+fn claim_cut_off(sem: Semaphore, log: &Log, held: &Held) -> tokio::task::JoinHandle<()> {
+    let (log, released) = (log.clone(), held.release.subscribe());
     tokio::spawn(async move {
         let asked = now_us();
-        let claimed = async {
-            let sem = Semaphore::builder("cap3", 3)
-                .holder(DRIVER)
-                .build(&driver)
-                .await?;
-            sem.acquire_timeout(PARTITION * 3 / 4).await
-        };
-        match claimed.await {
+        match sem.try_acquire().await {
             Ok(permit) => {
                 let acquired = (asked, now_us());
                 held_by_driver("cut-off", acquired, permit, log, released).await;
@@ -1049,7 +1060,7 @@ fn check(
     times: &Times,
 ) -> Report {
     let sync = mode == Replication::Synchronous;
-    let capacity: HashMap<&str, u32> = SEMAPHORES.into_iter().collect();
+    let capacity: HashMap<&str, u32> = checked_semaphores().collect();
     let by_id: HashMap<i64, &SlotRow> = rows.iter().map(|r| (r.id, r)).collect();
     let mut error_kinds = BTreeMap::new();
     for (_, message) in &logs.errors {
@@ -1085,7 +1096,7 @@ fn check(
             row.id
         );
     }
-    for (name, cap) in SEMAPHORES {
+    for (name, cap) in checked_semaphores() {
         let mine: Vec<&SlotRow> = rows.iter().filter(|r| r.semaphore == name).collect();
         let max = max_overlap(mine.iter().map(|r| (us(r.created_at), r.end())));
         assert!(
@@ -1233,7 +1244,7 @@ fn check(
     //    primary did not protect (lost it, or let it end while its holder
     //    worked): with everything acknowledged on the new primary, the
     //    database's limit holds across the failover.
-    for (name, cap) in SEMAPHORES {
+    for (name, cap) in checked_semaphores() {
         let mine: Vec<usize> = (0..logs.claims.len())
             .filter(|&i| logs.claims[i].semaphore == name)
             .collect();
