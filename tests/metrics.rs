@@ -367,23 +367,37 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     assert_eq!(m.value("pg_semaphore_acquisitions_total", &of), 2.0);
     assert_eq!(m.value("pg_semaphore_no_slots_available_total", &of), 1.0);
 
-    // A wait that times out: counted, not timed as a successful wait.
+    // A wait that times out, and a waiter cancelled mid-wait, on another
+    // semaphore whose only slot stays held. A claim either of them had in
+    // flight when it gave up is finished by a spawned task (cancel
+    // safety); on `sem` it could take the slot released below, and add its
+    // permit to the counts (CI saw a second hold counted). Here it never
+    // finds a slot.
+    let full_name = "metrics-full";
+    let full = Semaphore::builder(full_name, 1)
+        .holder(SECRET_HOLDER)
+        .build(&db.pool)
+        .await?;
+    let of_full = [("semaphore", full_name)];
+    let fills_it = full.try_acquire().await?;
+    // The timed-out wait: counted, not timed as a successful wait.
     assert!(matches!(
-        sem.acquire_timeout(Duration::from_millis(200)).await,
+        full.acquire_timeout(Duration::from_millis(200)).await,
         Err(Error::Timeout { .. })
     ));
-    // A waiter that is cancelled mid-wait leaves the waiters gauge.
+    // The cancelled waiter leaves the waiters gauge.
     let cancelled = tokio::spawn({
-        let sem = sem.clone();
-        async move { sem.acquire().await }
+        let full = full.clone();
+        async move { full.acquire().await }
     });
-    until("pg_semaphore_waiters", &of, 1.0).await;
+    until("pg_semaphore_waiters", &of_full, 1.0).await;
     cancelled.abort();
     assert!(cancelled.await.is_err_and(|e| e.is_cancelled()));
     let m = scrape().await;
-    assert_eq!(m.value("pg_semaphore_waiters", &of), 0.0);
-    assert_eq!(m.value("pg_semaphore_timeouts_total", &of), 1.0);
-    assert_eq!(m.value("pg_semaphore_wait_seconds_count", &of), 0.0);
+    assert_eq!(m.value("pg_semaphore_waiters", &of_full), 0.0);
+    assert_eq!(m.value("pg_semaphore_timeouts_total", &of_full), 1.0);
+    assert_eq!(m.value("pg_semaphore_wait_seconds_count", &of_full), 0.0);
+    assert_eq!(m.value("pg_semaphore_permits_held", &of_full), 1.0);
 
     // A waiter served by a release: one successful wait, timed.
     let waiter = tokio::spawn({
@@ -417,6 +431,7 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     assert_eq!(m.value("pg_semaphore_acquisitions_total", &of), 4.0);
     assert_eq!(m.value("pg_semaphore_wait_seconds_count", &of), 2.0);
     assert!(!m.text.contains(SECRET_HOLDER), "a holder became a label");
+    fills_it.release().await?;
     Ok(())
 }
 
