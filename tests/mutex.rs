@@ -470,6 +470,12 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
     let mutex = Mutex::new("cancelled");
     let holder = support::another_pool(&db, 1).await;
     let held = mutex.lock(&holder).await?;
+    let alive_tasks = || {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    };
+    let tasks_before = alive_tasks();
 
     // Cancel waits of every kind at many points: before the transaction
     // starts, while it starts, while the lock statement waits.
@@ -489,16 +495,25 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
         }
     }
 
-    // Every abandoned wait is cancelled on the server while the holder still
-    // holds: nobody is queued behind it.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while waiting_advisory_locks(&db.pool).await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "an abandoned lock wait stayed queued"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // The rest of an abandoned wait runs in a task of its own (cancel
+    // safety): every one of them ends while the holder still holds, so each
+    // wait was cancelled on the server, and nobody is queued behind it.
+    // (Polling pg_locks alone could miss a lock statement still on its way
+    // to the server, which would then take the lock below.)
+    let ended = support::eventually(Duration::from_secs(10), || async {
+        alive_tasks() <= tasks_before
+    })
+    .await;
+    assert!(
+        ended,
+        "abandoned lock waits still running: {} tasks, {tasks_before} before",
+        alive_tasks()
+    );
+    assert_eq!(
+        waiting_advisory_locks(&db.pool).await,
+        0,
+        "an abandoned lock wait stayed queued"
+    );
     held.commit().await?;
 
     // So another connection gets the lock at once.
