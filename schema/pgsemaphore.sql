@@ -28,18 +28,198 @@ CREATE SCHEMA pgsemaphore;
 
 
 --
--- Name: claim(text, text, interval, jsonb, bytea, integer, smallint, integer, bigint, bytea, boolean, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: check_limiter_key(text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer DEFAULT 1, p_priority smallint DEFAULT 1, p_reserve integer DEFAULT 0, p_ticket bigint DEFAULT NULL::bigint, p_ticket_token bytea DEFAULT NULL::bytea, p_lifo boolean DEFAULT false, p_waiter_lease interval DEFAULT NULL::interval) RETURNS TABLE(o_status text, o_ids bigint[], o_slots integer[], o_created_at timestamp with time zone, o_expires_at timestamp with time zone, o_capacity integer, o_free integer, o_retry_in interval, o_wake boolean)
+CREATE FUNCTION pgsemaphore.check_limiter_key(p_limiter text, p_key text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200 THEN
+        PERFORM pgsemaphore.checked_text(p_limiter, 'p_limiter', 200);
+    END IF;
+    IF p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.checked_text(p_key, 'p_key', 256);
+    END IF;
+END;
+$$;
+
+
+--
+-- Name: check_window(bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.check_window(p_limit bigint, p_window interval, p_n bigint) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_limit IS NULL OR p_limit < 1 THEN
+        PERFORM pgsemaphore.refuse('p_limit', format('at least 1, got %s', coalesce(p_limit::text, 'NULL')));
+    END IF;
+    PERFORM pgsemaphore.checked_interval(p_window, 'p_window', interval '1 ms', interval '366 days');
+    IF p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
+        PERFORM pgsemaphore.refuse('p_n', format('1 to the limit (%s), got %s', p_limit, coalesce(p_n::text, 'NULL')));
+    END IF;
+END;
+$$;
+
+
+--
+-- Name: checked_ids(bigint[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.checked_ids(p_ids bigint[]) RETURNS bigint[]
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_ids IS NULL OR array_ndims(p_ids) IS DISTINCT FROM 1
+       OR cardinality(p_ids) NOT BETWEEN 1 AND 100000
+       OR array_position(p_ids, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_ids',
+            'one to 100000 claim ids, in a one-dimensional array without NULLs');
+    END IF;
+    RETURN p_ids;
+END;
+$$;
+
+
+--
+-- Name: checked_interval(interval, text, interval, interval, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.checked_interval(p_value interval, p_argument text, p_min interval, p_max interval, p_nullable boolean DEFAULT false) RETURNS interval
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_value IS NULL THEN
+        IF NOT p_nullable THEN
+            PERFORM pgsemaphore.refuse(p_argument, format('%s to %s, got NULL', p_min, p_max));
+        END IF;
+    ELSIF p_value < p_min OR p_value > p_max THEN
+        PERFORM pgsemaphore.refuse(p_argument, format('%s to %s, got %s', p_min, p_max, p_value));
+    END IF;
+    RETURN p_value;
+END;
+$$;
+
+
+--
+-- Name: checked_text(text, text, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.checked_text(p_value text, p_argument text, p_max integer) RETURNS text
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_value IS NULL OR char_length(p_value) NOT BETWEEN 1 AND p_max THEN
+        PERFORM pgsemaphore.refuse(p_argument,
+            format('1 to %s characters, got %s', p_max,
+                   coalesce(char_length(p_value) || ' characters', 'NULL')));
+    END IF;
+    RETURN p_value;
+END;
+$$;
+
+
+--
+-- Name: checked_token(bytea, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.checked_token(p_token bytea, p_argument text DEFAULT 'p_token'::text) RETURNS bytea
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_token IS NULL OR octet_length(p_token) NOT BETWEEN 16 AND 64 THEN
+        PERFORM pgsemaphore.refuse(p_argument,
+            format('a token is 16 to 64 bytes, got %s',
+                   coalesce(octet_length(p_token) || ' bytes', 'NULL')));
+    END IF;
+    RETURN p_token;
+END;
+$$;
+
+
+--
+-- Name: claim(text, text, interval, jsonb, bytea, integer, smallint, integer, bigint, bytea, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer DEFAULT 1, p_priority smallint DEFAULT 1, p_reserve integer DEFAULT 0, p_ticket bigint DEFAULT NULL::bigint, p_ticket_token bytea DEFAULT NULL::bytea, p_waiter_lease interval DEFAULT NULL::interval) RETURNS TABLE(o_status text, o_ids bigint[], o_slots integer[], o_created_at timestamp with time zone, o_expires_at timestamp with time zone, o_capacity integer, o_free integer, o_retry_in interval, o_wake boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET lock_timeout TO '2s'
     AS $$
+-- THE CLAIM. One call, one round trip, one transaction, for every kind of
+-- claim: one permit or p_permits at once (all or nothing), high or low
+-- priority, inside or outside the fair queue.
+--   p_semaphore    an existing semaphore (else SQLSTATE P0002)
+--   p_holder       1..1000 characters, recorded in the audit log
+--   p_lease        10 ms..366 days, or NULL for the semaphore's default
+--   p_metadata     NULL or a jsonb value of at most 64 kB
+--   p_token        the holder's secret, 16..64 bytes, fresh for each claim:
+--                  its SHA-256 is stored with the claim, and only a caller
+--                  that knows it may release, renew or fence the claim
+--   p_permits      slots to hold at once, 1..100000
+--   p_priority     1 high, 0 low: a low-priority claim succeeds only if at
+--                  least p_reserve slots stay free after it
+--   p_reserve      0..100000 (used by low priority only)
+--   p_ticket       NULL for a claim outside the queue (refused while a live
+--                  waiter of the same or higher priority is queued), else the
+--                  caller's waiter id on this semaphore, proven by
+--                  p_ticket_token and queued with the same p_permits and
+--                  p_priority: only the head of the queue may claim, its row
+--                  is deleted when it does, and it is renewed by
+--                  p_waiter_lease (1 s..60 s, required with a ticket) when
+--                  it does not. The queue's order is the semaphore's
+--                  (queue_lifo).
+-- Every bad argument raises SQLSTATE 22023 naming it in COLUMN.
+--
+-- Returns one row. o_status:
+--   'claimed'   o_ids/o_slots hold the claims (lowest id first), o_free the
+--               slots still free after them
+--   'full'      not enough free slots (or the reserve would be touched)
+--   'behind'    a waiter is ahead in the queue
+--   'no_ticket' the caller's waiter row is gone (its lease ended, an
+--               operator cleared the queue) or is not this caller's, this
+--               semaphore's, for these permits and priority: queue again
+--   'too_many'  p_permits exceeds what the capacity and reserve ever allow
+-- o_retry_in (when refused): when to look again without a wake-up: the
+--   earliest held lease's end, or a queued waiter's ahead of the caller
+--   (a crashed holder or waiter frees its place then), 100 ms when a lease
+--   has ended but its row is locked, NULL when only a release can help.
+-- o_wake: other waiters may claim now (the caller sends the wake-up, after
+--   this transaction committed, with pgsemaphore.wake).
+-- A token released by pgsemaphore.release_by_token is refused (22023,
+-- p_token). The semaphore's row is waited for at most lock_timeout (2 s):
+-- then SQLSTATE 55P03, and nothing was claimed.
+--
+-- Invariant: a claim is admitted only while held + p_permits <= capacity
+-- (minus the reserve), where held counts every live row this claim did not
+-- reap itself (step 4, the count of held slots); the partial unique index
+-- forbids two live rows on one slot. Claims on one semaphore serialise on
+-- its row (FOR NO KEY UPDATE), never a table lock. Under READ COMMITTED
+-- every statement of a VOLATILE function takes a fresh snapshot, so each
+-- sees every claim committed before the row lock was granted.
+-- Meets: other claims (serialised on the semaphore row); releases in flight
+-- (their row is still live in our snapshot: counted, the slot looks taken;
+-- a waiter that registers after this refusal is covered by the wake-up
+-- gate, see pgsemaphore.gate); renewals in flight and fences past their
+-- lease (locked rows: counted, step 4); the reaper (SKIP LOCKED on both
+-- sides: a row is reaped once); a capacity or order change
+-- (pgsemaphore.configure locks the same row); enqueue, queue renewals and
+-- clear_queue (the waiter rows; enqueue and clear_queue also lock the
+-- semaphore row, so the queue check under the lock sees every waiter);
+-- release_by_token of this claim's token (it share-locks the semaphore row
+-- before writing its tombstone: either it waits for this claim to commit
+-- and ends it, or this claim waits for its tombstone and refuses, step 2);
+-- a hostile caller holding the semaphore row in an open transaction
+-- (lock_timeout).
 DECLARE
+    v_hash     bytea;
     v_capacity integer;
     v_lease    interval;
     v_queue    boolean;
+    v_lifo     boolean;
     v_now      timestamptz;
     v_live     integer;
     v_held     integer;
@@ -47,10 +227,43 @@ DECLARE
     v_stuck    boolean;
     v_expired  integer;
     v_reaped   integer;
-    v_reserve  integer := CASE WHEN p_priority = 0 THEN p_reserve ELSE 0 END;
+    v_reserve  integer;
     v_ahead    timestamptz;
     v_dropped  integer := 0;
 BEGIN
+    -- 0. The arguments. (Inline IFs: a call to a checking function costs
+    -- more than the test, on every claim.)
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
+    IF p_holder IS NULL OR char_length(p_holder) NOT BETWEEN 1 AND 1000 THEN
+        PERFORM pgsemaphore.checked_text(p_holder, 'p_holder', 1000);
+    END IF;
+    IF p_lease IS NOT NULL AND (p_lease < interval '10 ms' OR p_lease > interval '366 days') THEN
+        PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days');
+    END IF;
+    IF p_metadata IS NOT NULL AND pg_column_size(p_metadata) > 65536 THEN
+        PERFORM pgsemaphore.refuse('p_metadata',
+            format('at most 64 kB of jsonb, got %s bytes', pg_column_size(p_metadata)));
+    END IF;
+    IF p_token IS NULL OR octet_length(p_token) NOT BETWEEN 16 AND 64 THEN
+        PERFORM pgsemaphore.checked_token(p_token);
+    END IF;
+    IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_permits', format('1 to 100000, got %s', coalesce(p_permits::text, 'NULL')));
+    END IF;
+    IF p_priority IS NULL OR p_priority NOT IN (0, 1) THEN
+        PERFORM pgsemaphore.refuse('p_priority', format('0 (low) or 1 (high), got %s', coalesce(p_priority::text, 'NULL')));
+    END IF;
+    IF p_reserve IS NULL OR p_reserve NOT BETWEEN 0 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_reserve', format('0 to 100000, got %s', coalesce(p_reserve::text, 'NULL')));
+    END IF;
+    IF p_ticket IS NOT NULL THEN
+        PERFORM pgsemaphore.checked_token(p_ticket_token, 'p_ticket_token');
+        PERFORM pgsemaphore.checked_interval(p_waiter_lease, 'p_waiter_lease', interval '1 s', interval '60 s');
+    ELSIF p_ticket_token IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_ticket_token', 'only with a ticket (p_ticket)');
+    END IF;
     -- Every statement below must take a fresh snapshot after the locks it
     -- waited for: READ COMMITTED only.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -58,6 +271,8 @@ BEGIN
             current_setting('transaction_isolation')
             USING ERRCODE = 'invalid_transaction_state';
     END IF;
+    v_hash := sha256(p_token);
+    v_reserve := CASE WHEN p_priority = 0 THEN p_reserve ELSE 0 END;
     PERFORM pgsemaphore.durable_commit();
     o_wake := false;
 
@@ -98,14 +313,21 @@ BEGIN
         END IF;
     END IF;
 
-    -- 2. Lock the semaphore's row: claims on it serialise from here.
-    SELECT s.capacity, s.default_lease, s.queue_used INTO v_capacity, v_lease, v_queue
+    -- 2. Lock the semaphore's row: claims on it serialise from here. Then
+    -- refuse a token that release_by_token has released (a statement of its
+    -- own, after the lock: it sees every tombstone committed before).
+    SELECT s.capacity, s.default_lease, s.queue_used, s.queue_lifo
+      INTO v_capacity, v_lease, v_queue, v_lifo
       FROM pgsemaphore.semaphores s
      WHERE s.name = p_semaphore
        FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
             USING ERRCODE = 'no_data_found';
+    END IF;
+    IF EXISTS (SELECT 1 FROM pgsemaphore.released_tokens t WHERE t.token_hash = v_hash) THEN
+        PERFORM pgsemaphore.refuse('p_token',
+            'this token was released by release_by_token: every claim needs a fresh token');
     END IF;
     o_capacity := v_capacity;
     o_free := 0;
@@ -127,9 +349,14 @@ BEGIN
         o_wake := v_dropped > 0;
     END IF;
     IF p_ticket IS NOT NULL THEN
+        -- Only the caller's own waiter row of this semaphore, queued for
+        -- this claim: a ticket of another semaphore, or for another
+        -- priority, proves nothing here.
         UPDATE pgsemaphore.waiters w
            SET expires_at = greatest(w.expires_at, v_now + p_waiter_lease)
-         WHERE w.id = p_ticket AND w.token_hash = sha256(p_ticket_token);
+         WHERE w.id = p_ticket AND w.semaphore = p_semaphore
+           AND w.token_hash = sha256(p_ticket_token)
+           AND w.priority = p_priority AND w.permits = p_permits;
         IF NOT FOUND THEN
             o_status := 'no_ticket';
             RETURN NEXT;
@@ -143,8 +370,8 @@ BEGIN
            AND w.priority >= p_priority
            AND (p_ticket IS NULL
                 OR w.priority > p_priority
-                OR (NOT p_lifo AND w.id < p_ticket)
-                OR (p_lifo AND w.id > p_ticket));
+                OR (NOT v_lifo AND w.id < p_ticket)
+                OR (v_lifo AND w.id > p_ticket));
         IF v_ahead IS NOT NULL THEN
             o_status := 'behind';
             o_retry_in := v_ahead - clock_timestamp();
@@ -200,15 +427,17 @@ BEGIN
     -- probe: as an anti-join the generic plan hashes every live row of the
     -- semaphore first. No ORDER BY: the candidates come in order, and any
     -- p_permits free ones would do.) The inserted rows come back in insertion
-    -- order, which is identity order: o_ids ascend. created_at is read inside this statement,
-    -- after its snapshot was taken: every release this claim relies on
-    -- committed before that, so its completed_at is earlier than our
-    -- created_at and the audit log never shows two claims overlapping on a slot.
+    -- order, which is identity order: o_ids ascend. created_at is read inside
+    -- this statement, after its snapshot was taken: every release this claim
+    -- relies on committed before that, and stamped its completed_at after
+    -- its row locks (pgsemaphore.release), so that completed_at is earlier
+    -- than our created_at and the audit log never shows two claims
+    -- overlapping on a slot.
     WITH inserted AS (
         INSERT INTO pgsemaphore.slots AS n
                (semaphore, slot, holder, metadata, created_at, expires_at, token_hash)
         SELECT p_semaphore, f.slot, p_holder, p_metadata, t.now,
-               t.now + coalesce(p_lease, v_lease), sha256(p_token)
+               t.now + coalesce(p_lease, v_lease), v_hash
           FROM (SELECT clock_timestamp() AS now) AS t,
                (SELECT g.slot
                   FROM generate_series(0, least(v_held + p_permits, v_capacity) - 1) AS g(slot)
@@ -233,7 +462,7 @@ BEGIN
 
     -- 6. Leave the queue, and keep the queue_used hint exact.
     IF p_ticket IS NOT NULL THEN
-        DELETE FROM pgsemaphore.waiters w WHERE w.id = p_ticket;
+        DELETE FROM pgsemaphore.waiters w WHERE w.id = p_ticket AND w.semaphore = p_semaphore;
     END IF;
     IF v_queue THEN
         IF NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = p_semaphore) THEN
@@ -250,50 +479,111 @@ $$;
 
 
 --
--- Name: configure(text, integer, interval, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: clear_queue(text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval, p_create boolean DEFAULT true) RETURNS TABLE(o_capacity integer, o_default_lease interval, o_previous_capacity integer)
+CREATE FUNCTION pgsemaphore.clear_queue(p_semaphore text) RETURNS bigint
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Removes every waiter of p_semaphore's queue (a waiter that blocks the
+-- queue: a process that renews its place but never claims), and wakes the
+-- semaphore's waiters (wake_at_commit). Returns how many it removed. A
+-- waiter of a live process notices at its next claim ('no_ticket') and
+-- queues again, at the back. Serialised with claims and enqueues on the
+-- semaphore's row. P0002 for an unknown semaphore.
+--   p_semaphore 1..200 characters
+DECLARE
+    v_count bigint;
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    DELETE FROM pgsemaphore.waiters w WHERE w.semaphore = p_semaphore;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    UPDATE pgsemaphore.semaphores s SET queue_used = false WHERE s.name = p_semaphore AND s.queue_used;
+    PERFORM pgsemaphore.wake_at_commit(p_semaphore);
+    RETURN v_count;
+END;
+$$;
+
+
+--
+-- Name: configure(text, integer, interval, boolean, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval, p_create boolean DEFAULT true, p_queue_lifo boolean DEFAULT NULL::boolean) RETURNS TABLE(o_capacity integer, o_default_lease interval, o_previous_capacity integer, o_queue_lifo boolean)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- Creates a semaphore or changes its capacity, default lease and queue
+-- order (a NULL keeps the current value; p_create false: an unknown name is
+-- an error, P0002, not a new semaphore; creating needs a capacity and a
+-- lease). Holders above a reduced capacity keep their slots until they
+-- release; claims see the new capacity and order at once (they lock the
+-- same row). Wakes waiters (wake_at_commit) when the capacity grew or the
+-- order changed. Returns the settings now and the previous capacity (NULL
+-- when it was created).
+--   p_name 1..200 characters; p_capacity NULL or 1..100000; p_lease NULL
+--   or 10 ms..366 days; p_create not NULL
 DECLARE
     v_old_capacity integer;
     v_old_lease    interval;
+    v_old_lifo     boolean;
     v_capacity     integer;
     v_lease        interval;
+    v_lifo         boolean;
 BEGIN
+    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
+    IF p_capacity NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_capacity', format('NULL or 1 to 100000, got %s', p_capacity));
+    END IF;
+    PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days', true);
+    IF p_create IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_create', 'true or false, got NULL');
+    END IF;
     LOOP
-        SELECT s.capacity, s.default_lease INTO v_old_capacity, v_old_lease
+        SELECT s.capacity, s.default_lease, s.queue_lifo INTO v_old_capacity, v_old_lease, v_old_lifo
           FROM pgsemaphore.semaphores s
          WHERE s.name = p_name
            FOR NO KEY UPDATE;
         IF FOUND THEN
             v_capacity := coalesce(p_capacity, v_old_capacity);
             v_lease := coalesce(p_lease, v_old_lease);
-            IF v_old_capacity <> v_capacity OR v_old_lease <> v_lease THEN
+            v_lifo := coalesce(p_queue_lifo, v_old_lifo);
+            IF v_old_capacity <> v_capacity OR v_old_lease <> v_lease OR v_old_lifo <> v_lifo THEN
                 UPDATE pgsemaphore.semaphores s
-                   SET capacity = v_capacity, default_lease = v_lease, updated_at = clock_timestamp()
+                   SET capacity = v_capacity, default_lease = v_lease, queue_lifo = v_lifo,
+                       updated_at = clock_timestamp()
                  WHERE s.name = p_name;
             END IF;
-            IF v_capacity > v_old_capacity THEN
-                -- Rare: an operator's action. The notification waits for
-                -- this commit; nothing else does.
-                PERFORM pg_notify('pgsemaphore', p_name);
+            IF v_capacity > v_old_capacity OR v_lifo <> v_old_lifo THEN
+                -- Rare: an operator's action.
+                PERFORM pgsemaphore.wake_at_commit(p_name);
             END IF;
-            RETURN QUERY SELECT v_capacity, v_lease, v_old_capacity;
+            RETURN QUERY SELECT v_capacity, v_lease, v_old_capacity, v_lifo;
             RETURN;
         END IF;
         IF NOT p_create THEN
             RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_name)
                 USING ERRCODE = 'no_data_found';
         END IF;
-        INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease)
-        VALUES (p_name, p_capacity, p_lease)
+        IF p_capacity IS NULL THEN
+            PERFORM pgsemaphore.refuse('p_capacity', 'a new semaphore needs a capacity, got NULL');
+        END IF;
+        IF p_lease IS NULL THEN
+            PERFORM pgsemaphore.refuse('p_lease', 'a new semaphore needs a lease, got NULL');
+        END IF;
+        INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease, queue_lifo)
+        VALUES (p_name, p_capacity, p_lease, coalesce(p_queue_lifo, false))
         ON CONFLICT (name) DO NOTHING;
         IF FOUND THEN
-            RETURN QUERY SELECT p_capacity, p_lease, NULL::integer;
+            RETURN QUERY SELECT p_capacity, p_lease, NULL::integer, coalesce(p_queue_lifo, false);
             RETURN;
         END IF;
         -- Lost a race with a concurrent creator: the next SELECT sees its row.
@@ -323,12 +613,40 @@ CREATE FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_prior
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET lock_timeout TO '2s'
     AS $$
+-- Joins the queue: returns the waiter's id (its ticket, its place), or NULL
+-- when p_limit live waiters are queued already, and whether it removed dead
+-- waiters (the caller then runs pgsemaphore.wake after this commits).
+--   p_semaphore an existing semaphore (else P0002); p_permits 1..100000;
+--   p_priority 0 or 1; p_holder 1..1000 characters; p_limit NULL (no limit)
+--   or 0..2147483647; p_waiter_lease 1 s..60 s (the row is ignored, and
+--   deleted by the next claim, enqueue or reap, unless renewed within it:
+--   pgsemaphore.keep_waiting, or a claim with the ticket); p_token 16..64
+--   bytes (only its holder may claim with, renew or leave the ticket)
+-- Serialised with claims on the semaphore's row (waited for at most
+-- lock_timeout, 2 s, then 55P03), so the limit is exact. A waiter row is a
+-- hint, not a claim: its commit does not wait for a WAL flush (a crash loses
+-- at most a place in the queue, which the waiter notices as 'no_ticket' and
+-- takes again).
 DECLARE
     v_now     timestamptz;
     v_count   integer;
     v_dropped integer;
 BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_permits', format('1 to 100000, got %s', coalesce(p_permits::text, 'NULL')));
+    END IF;
+    IF p_priority IS NULL OR p_priority NOT IN (0, 1) THEN
+        PERFORM pgsemaphore.refuse('p_priority', format('0 (low) or 1 (high), got %s', coalesce(p_priority::text, 'NULL')));
+    END IF;
+    PERFORM pgsemaphore.checked_text(p_holder, 'p_holder', 1000);
+    IF p_limit < 0 THEN
+        PERFORM pgsemaphore.refuse('p_limit', format('NULL or at least 0, got %s', p_limit));
+    END IF;
+    PERFORM pgsemaphore.checked_interval(p_waiter_lease, 'p_waiter_lease', interval '1 s', interval '60 s');
+    PERFORM pgsemaphore.checked_token(p_token);
     PERFORM pgsemaphore.fast_commit();
     PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
     IF NOT FOUND THEN
@@ -374,9 +692,30 @@ CREATE FUNCTION pgsemaphore.fence(p_ids bigint[], p_token bytea) RETURNS TABLE(o
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Fences a write: inside the caller's transaction, share-locks each of the
+-- caller's claims among p_ids (those carrying p_token; in id order) and
+-- reports it. While that transaction lasts a release waits for it and
+-- reapers and claims skip the rows and count them as held, so work
+-- committed in it happened while the permit held its slots.
+--   p_ids 1..100000 ids, no NULLs; p_token 16..64 bytes
+-- Exactly one row per distinct id: 'held' (live, lease running), 'expired'
+-- (live, lease ended: any reaper may take it once this transaction ends),
+-- 'timed_out', 'completed' (o_at set), 'missing', 'not_holder' (not
+-- locked). A client must treat every outcome but 'held', and any id it does
+-- not get back, as the permit lost.
+-- Meets: releases and renewals of the same claims (row locks in id order);
+-- the reaper and claims (SKIP LOCKED: they count a fenced row as held).
 DECLARE
-    v_hash bytea := sha256(p_token);
+    v_hash bytea;
 BEGIN
+    IF p_ids IS NULL OR array_ndims(p_ids) IS DISTINCT FROM 1
+       OR cardinality(p_ids) NOT BETWEEN 1 AND 100000 OR array_position(p_ids, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.checked_ids(p_ids);
+    END IF;
+    IF p_token IS NULL OR octet_length(p_token) NOT BETWEEN 16 AND 64 THEN
+        PERFORM pgsemaphore.checked_token(p_token);
+    END IF;
+    v_hash := sha256(p_token);
     PERFORM 1 FROM pgsemaphore.slots s
      WHERE s.id = ANY (p_ids) AND s.token_hash = v_hash
      ORDER BY s.id FOR SHARE;
@@ -390,7 +729,7 @@ BEGIN
                     ELSE 'held' END,
                CASE WHEN s.token_hash IS DISTINCT FROM v_hash THEN NULL
                     ELSE coalesce(s.timed_out_at, s.completed_at) END
-          FROM unnest(p_ids) AS i(id)
+          FROM (SELECT DISTINCT u.id FROM unnest(p_ids) AS u(id)) AS i
           LEFT JOIN pgsemaphore.slots s ON s.id = i.id
          ORDER BY i.id;
 END;
@@ -405,6 +744,24 @@ CREATE FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit big
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- FIXED WINDOW, per key: see pgsemaphore.fixed_window_unchecked.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    RETURN QUERY SELECT * FROM pgsemaphore.fixed_window_unchecked(p_limiter, p_key, p_limit, p_window, p_n);
+END;
+$$;
+
+
+--
+-- Name: fixed_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE plpgsql
     AS $$
 DECLARE
     v_hits  bigint;
@@ -467,19 +824,29 @@ CREATE FUNCTION pgsemaphore.force_release(p_id bigint) RETURNS TABLE(o_outcome t
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Ends a claim by id, whoever holds it (an operator freeing a stuck slot).
+-- Returns 'released' (ended now), 'timed_out' or 'completed' (already ended,
+-- at o_at) or 'missing', and wakes the semaphore's waiters (wake_at_commit).
+--   p_id not NULL
+-- Durable. Meets: the holder's release, renewal or fence (the row lock:
+-- this waits for them, and the clock is read after it).
 DECLARE
     v_semaphore    text;
     v_completed_at timestamptz;
     v_timed_out_at timestamptz;
 BEGIN
+    IF p_id IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_id', 'a claim id, got NULL');
+    END IF;
     PERFORM pgsemaphore.durable_commit();
+    PERFORM 1 FROM pgsemaphore.slots s WHERE s.id = p_id FOR UPDATE;
     UPDATE pgsemaphore.slots s
        SET completed_at = clock_timestamp()
      WHERE s.id = p_id
        AND s.completed_at IS NULL AND s.timed_out_at IS NULL
     RETURNING s.semaphore, s.completed_at INTO v_semaphore, v_completed_at;
     IF FOUND THEN
-        PERFORM pg_notify('pgsemaphore', v_semaphore);
+        PERFORM pgsemaphore.wake_at_commit(v_semaphore);
         RETURN QUERY SELECT 'released'::text, v_semaphore, v_completed_at;
         RETURN;
     END IF;
@@ -499,6 +866,81 @@ $$;
 
 
 --
+-- Name: gate(text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.gate(p_semaphore text) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+-- THE WAKE-UP GATE, the one mechanism by which a transaction that frees
+-- capacity or moves a queue's head decides, inside itself, whether a
+-- waiter may need a wake-up. Call it after the transaction's changes; it
+-- returns true when one may: a registration is in force, or one is being
+-- written right now, or the check cannot be trusted (not READ COMMITTED).
+--
+-- The race it closes: a transaction R that freed a slot and looked for
+-- registered waiters inside itself could miss a waiter W that registers and
+-- then claims while R is uncommitted: R's check does not see W's
+-- registration, W's claim does not see R's change, and W sleeps until its
+-- fallback re-check. The gate is a transaction-scoped advisory lock per
+-- semaphore (key: the class 1885828965, 'pgse', and hashtext of the name;
+-- the README asks Mutex users to keep out of that class).
+-- pgsemaphore.keep_waiting takes it in exclusive mode after writing a
+-- registration, and holds it until that commits. R *tries* it in shared
+-- mode, never waiting:
+--   * R gets it: any registration W not yet at the gate waits for R to end,
+--     so W commits after R, and W's claim, which follows its registration,
+--     sees R's change; any W that passed the gate committed before R took
+--     it, and R's check (a statement of its own, so a snapshot taken after
+--     the gate under READ COMMITTED) sees W's registration.
+--   * R does not get it: a registration is being written right now, so
+--     R answers true: its wake-up then goes out (at R's commit, or from the
+--     check after it, pgsemaphore.notify_if_waited), at the cost of one
+--     spurious notification at worst.
+-- Under REPEATABLE READ or SERIALIZABLE a statement gets no new snapshot,
+-- so the check cannot be trusted: true.
+-- Any role may take an advisory lock: a session holding the gate
+-- exclusively makes every release of that semaphore notify (it cannot make
+-- one miss a waiter), and one holding it shared makes registrations wait
+-- for their lock_timeout and fail (the waiters then fall back to polling).
+-- Neither can admit too many.
+--
+-- Every path that frees capacity or moves a queue's head, and how it wakes:
+--   release          gate inside; o_wake: the caller (release_then_wake)
+--                    sends pgsemaphore.wake(o_semaphore) after its commit
+--   release_by_token gate inside; o_wake: the caller sends pgsemaphore.wake
+--                    after its commit
+--   claim            (reaps expired claims, drops dead waiters, leaves
+--                    slots for the next head) o_wake: the caller sends
+--                    pgsemaphore.wake after its commit, which checks in a
+--                    transaction of its own (notify_if_waited: after the
+--                    commit, a registration it misses was written after the
+--                    change, and its claim sees the change)
+--   enqueue          (drops dead waiters) o_wake, the same
+--   reap             gate inside, NOTIFY at its commit (wake_at_commit)
+--   leave_queue      gate inside, NOTIFY at its commit (wake_at_commit)
+--   force_release    gate inside, NOTIFY at its commit (wake_at_commit)
+--   configure        (capacity raised, order changed) wake_at_commit
+--   clear_queue      wake_at_commit
+--   a waiter's lease ending (its process died): nobody is notified; every
+--                    claim refused behind it was told when that lease ends
+--                    (o_retry_in) and looks again then
+--   a claim's lease ending: the same (o_retry_in is the earliest lease end)
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN true;
+    END IF;
+    IF NOT pg_try_advisory_xact_lock_shared(1885828965, hashtext(p_semaphore)) THEN
+        RETURN true;
+    END IF;
+    -- A statement of its own: its snapshot is taken after the gate.
+    RETURN EXISTS (SELECT 1 FROM pgsemaphore.wakeups w
+                    WHERE w.semaphore = p_semaphore AND w.until > clock_timestamp());
+END;
+$$;
+
+
+--
 -- Name: keep_waiting(text, interval, bigint[], bytea, boolean, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -506,15 +948,53 @@ CREATE FUNCTION pgsemaphore.keep_waiting(p_semaphore text, p_lease interval, p_t
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET lock_timeout TO '2s'
     AS $$
+-- A process that has acquires (or wait_idle calls) waiting on p_semaphore
+-- registers for wake-ups until p_lease from now, for its waiting spell
+-- p_spell (unless p_register is false: behind a transaction pooler nothing
+-- can LISTEN), and renews the leases of its queued waiters p_tickets (those
+-- carrying p_token whose lease has not ended: a waiter whose lease ended is
+-- gone for everyone else and stays gone). Called before the claim that
+-- precedes a process's first wait, then every third of p_lease while anyone
+-- there waits. A registration is written only when it would otherwise end
+-- within two thirds of p_lease.
+--   p_semaphore 1..200 characters; p_lease 1 s..60 s; p_tickets 0..10000
+--   ids, no NULLs; p_token 16..64 bytes (the process's: one registration per
+--   process and semaphore); p_register, p_spell not NULL
+-- Ticket rows are locked in id order, skipping any a claim holds right now,
+-- so it never deadlocks with a claim deleting them. A registration written
+-- here takes the wake-up gate in exclusive mode last (see pgsemaphore.gate):
+-- it commits only after every release of p_semaphore that checked for
+-- waiters without seeing it has ended, so the claim that follows sees what
+-- those releases freed. The gate is waited for at most lock_timeout (2 s):
+-- then 55P03, nothing is registered, and the process relies on its fallback
+-- re-check until a renewal gets through. A hint transaction.
 DECLARE
     v_until timestamptz;
+    v_hash  bytea;
 BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '1 s', interval '60 s');
+    IF p_tickets IS NULL OR cardinality(p_tickets) > 10000
+       OR (cardinality(p_tickets) > 0 AND array_ndims(p_tickets) <> 1)
+       OR array_position(p_tickets, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_tickets',
+            'zero to 10000 waiter ids, in a one-dimensional array without NULLs');
+    END IF;
+    PERFORM pgsemaphore.checked_token(p_token);
+    IF p_register IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_register', 'true or false, got NULL');
+    END IF;
+    IF p_spell IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_spell', 'a waiting spell, got NULL');
+    END IF;
+    v_hash := sha256(p_token);
     PERFORM pgsemaphore.fast_commit();
     v_until := clock_timestamp() + p_lease;
     IF p_register THEN
         INSERT INTO pgsemaphore.wakeups AS k (semaphore, process, spell, until)
-        VALUES (p_semaphore, sha256(p_token), p_spell, v_until)
+        VALUES (p_semaphore, v_hash, p_spell, v_until)
         ON CONFLICT (semaphore, process) DO UPDATE SET until = excluded.until, spell = excluded.spell
          WHERE k.until < excluded.until - p_lease / 3 OR k.spell <> excluded.spell;
     END IF;
@@ -522,7 +1002,7 @@ BEGIN
         UPDATE pgsemaphore.waiters w
            SET expires_at = greatest(w.expires_at, v_until)
           FROM (SELECT d.id FROM pgsemaphore.waiters d
-                 WHERE d.id = ANY (p_tickets) AND d.token_hash = sha256(p_token)
+                 WHERE d.id = ANY (p_tickets) AND d.token_hash = v_hash
                    AND d.expires_at > clock_timestamp()
                  ORDER BY d.id FOR UPDATE SKIP LOCKED) live
          WHERE w.id = live.id;
@@ -544,9 +1024,21 @@ CREATE FUNCTION pgsemaphore.leave_queue(p_ticket bigint, p_token bytea) RETURNS 
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Leaves the queue (a cancelled waiter): deletes the caller's waiter row
+-- p_ticket (if p_token is its token) and, since the head may have moved,
+-- wakes the semaphore's waiters through the wake-up gate (pgsemaphore.gate:
+-- a waiter registering while this is uncommitted is never missed). Returns
+-- whether the row was the caller's and is gone now.
+--   p_ticket not NULL; p_token 16..64 bytes
+-- A hint transaction: no WAL flush awaited, so the NOTIFY holds its lock
+-- only briefly.
 DECLARE
     v_semaphore text;
 BEGIN
+    IF p_ticket IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_ticket', 'a waiter id, got NULL');
+    END IF;
+    PERFORM pgsemaphore.checked_token(p_token);
     PERFORM pgsemaphore.fast_commit();
     DELETE FROM pgsemaphore.waiters w
      WHERE w.id = p_ticket AND w.token_hash = sha256(p_token)
@@ -554,7 +1046,7 @@ BEGIN
     IF v_semaphore IS NULL THEN
         RETURN false;
     END IF;
-    PERFORM pgsemaphore.notify_if_waited(v_semaphore);
+    PERFORM pgsemaphore.wake_at_commit(v_semaphore);
     RETURN true;
 END;
 $$;
@@ -581,25 +1073,40 @@ $$;
 
 
 --
--- Name: open(text, integer, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: open(text, integer, interval, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interval) RETURNS TABLE(o_capacity integer, o_default_lease interval, o_created boolean)
+CREATE FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interval, p_queue_lifo boolean DEFAULT false) RETURNS TABLE(o_capacity integer, o_default_lease interval, o_created boolean, o_queue_lifo boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Opens a semaphore: creates it with this capacity, default lease and queue
+-- order if it does not exist; an existing one keeps its settings (changing
+-- them is the operator's pgsemaphore.configure), so processes of two
+-- versions of an application never fight over them. Returns the settings in
+-- force.
+-- Arguments: p_name 1..200 characters; p_capacity 1..100000; p_lease
+-- 10 ms..366 days; p_queue_lifo not NULL.
 BEGIN
-    INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease)
-    VALUES (p_name, p_capacity, p_lease)
+    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
+    IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
+    END IF;
+    PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days');
+    IF p_queue_lifo IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_queue_lifo', 'true or false, got NULL');
+    END IF;
+    INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease, queue_lifo)
+    VALUES (p_name, p_capacity, p_lease, p_queue_lifo)
     ON CONFLICT (name) DO NOTHING;
     IF FOUND THEN
-        RETURN QUERY SELECT p_capacity, p_lease, true;
+        RETURN QUERY SELECT p_capacity, p_lease, true, p_queue_lifo;
         RETURN;
     END IF;
     -- Exists (a concurrent creator's row is visible once its insert committed:
     -- ON CONFLICT waited for it).
-    RETURN QUERY SELECT s.capacity, s.default_lease, false
+    RETURN QUERY SELECT s.capacity, s.default_lease, false, s.queue_lifo
                    FROM pgsemaphore.semaphores s WHERE s.name = p_name;
 END;
 $$;
@@ -614,31 +1121,15 @@ CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) RETURN
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
-DECLARE
-    v_cutoff timestamptz := clock_timestamp() - p_older_than;
-    v_ids    bigint[];
-    v_count  bigint;
+-- Retention: deletes finished claims that ended before now - p_older_than,
+-- at most p_batch per call (see pgsemaphore.prune_unchecked).
+--   p_older_than 0..100 years; p_batch 1..1000000
 BEGIN
-    -- Per semaphore, the oldest claims created before the cutoff (the
-    -- history index), those that ended before it, locked; rows a reaper,
-    -- release or fence holds right now are left for the next round.
-    SELECT array_agg(o.id) INTO v_ids
-      FROM (SELECT d.id
-              FROM pgsemaphore.semaphores m,
-                   LATERAL (SELECT h.id
-                              FROM pgsemaphore.slots h
-                             WHERE h.semaphore = m.name AND h.created_at < v_cutoff
-                               AND coalesce(h.completed_at, h.timed_out_at) < v_cutoff
-                             ORDER BY h.created_at
-                             LIMIT p_batch
-                               FOR UPDATE SKIP LOCKED) d
-             LIMIT p_batch) o;
-    IF v_ids IS NULL THEN
-        RETURN 0;
+    PERFORM pgsemaphore.checked_interval(p_older_than, 'p_older_than', interval '0', interval '100 years');
+    IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
+        PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
     END IF;
-    DELETE FROM pgsemaphore.slots s WHERE s.id = ANY (v_ids);
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    RETURN v_count;
+    RETURN pgsemaphore.prune_unchecked(p_older_than, p_batch);
 END;
 $$;
 
@@ -648,8 +1139,32 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.prune_rate_limits(p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer) RETURNS TABLE(o_deleted bigint, o_kind text, o_limiter text, o_key text)
-    LANGUAGE sql SECURITY DEFINER
+    LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- Deletes rate-limit keys at rest since at least p_idle_for, p_batch rows
+-- looked at per call, from the cursor (p_kind, p_limiter, p_key) on (see
+-- pgsemaphore.prune_rate_limits_unchecked).
+--   p_idle_for 0..100 years; the cursor: three NULLs or three values;
+--   p_batch 1..1000000
+BEGIN
+    PERFORM pgsemaphore.checked_interval(p_idle_for, 'p_idle_for', interval '0', interval '100 years');
+    IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
+        PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
+    END IF;
+    RETURN QUERY SELECT * FROM pgsemaphore.prune_rate_limits_unchecked(
+        p_idle_for, p_kind, p_limiter, p_key, p_batch);
+END;
+$$;
+
+
+--
+-- Name: prune_rate_limits_unchecked(interval, text, text, text, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.prune_rate_limits_unchecked(p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer) RETURNS TABLE(o_deleted bigint, o_kind text, o_limiter text, o_key text)
+    LANGUAGE sql
     AS $$
     WITH scanned AS (
         SELECT r.kind, r.limiter, r.key
@@ -686,6 +1201,42 @@ $$;
 
 
 --
+-- Name: prune_unchecked(interval, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.prune_unchecked(p_older_than interval, p_batch integer) RETURNS bigint
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_ids    bigint[];
+    v_count  bigint;
+BEGIN
+    -- Per semaphore, the oldest claims created before the cutoff (the
+    -- history index), those that ended before it, locked; rows a reaper,
+    -- release or fence holds right now are left for the next round.
+    SELECT array_agg(o.id) INTO v_ids
+      FROM (SELECT d.id
+              FROM pgsemaphore.semaphores m,
+                   LATERAL (SELECT h.id
+                              FROM pgsemaphore.slots h
+                             WHERE h.semaphore = m.name AND h.created_at < v_cutoff
+                               AND coalesce(h.completed_at, h.timed_out_at) < v_cutoff
+                             ORDER BY h.created_at
+                             LIMIT p_batch
+                               FOR UPDATE SKIP LOCKED) d
+             LIMIT p_batch) o;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM pgsemaphore.slots s WHERE s.id = ANY (v_ids);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+
+--
 -- Name: reap(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -694,6 +1245,14 @@ CREATE FUNCTION pgsemaphore.reap() RETURNS bigint
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Marks every expired live claim (of every semaphore) timed out, deletes
+-- queue waiters whose process stopped renewing them, wakes the semaphores
+-- that gained room or lost a waiter (through the wake-up gate,
+-- wake_at_commit: a waiter registering while this is uncommitted is never
+-- missed), deletes ended registrations and tombstones, and returns how many
+-- claims it reaped.
+-- SKIP LOCKED: a row locked by a release, renewal or fence is left (and
+-- counted as held by every claim) until that transaction ends.
 DECLARE
     v_now       timestamptz := clock_timestamp();
     v_total     bigint := 0;
@@ -718,7 +1277,7 @@ BEGIN
         )
         SELECT r.semaphore, count(*) FROM reaped r GROUP BY r.semaphore
     LOOP
-        PERFORM pgsemaphore.notify_if_waited(v_semaphore);
+        PERFORM pgsemaphore.wake_at_commit(v_semaphore);
         v_total := v_total + v_count;
     END LOOP;
     FOR v_semaphore IN
@@ -731,10 +1290,25 @@ BEGIN
         )
         SELECT DISTINCT d.semaphore FROM dead d
     LOOP
-        PERFORM pgsemaphore.notify_if_waited(v_semaphore);
+        PERFORM pgsemaphore.wake_at_commit(v_semaphore);
     END LOOP;
     DELETE FROM pgsemaphore.wakeups k WHERE k.until <= v_now;
+    DELETE FROM pgsemaphore.released_tokens t WHERE t.until <= v_now;
     RETURN v_total;
+END;
+$$;
+
+
+--
+-- Name: refuse(text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.refuse(p_argument text, p_message text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    RAISE EXCEPTION 'invalid %: %', p_argument, p_message
+        USING ERRCODE = 'invalid_parameter_value', COLUMN = p_argument;
 END;
 $$;
 
@@ -743,98 +1317,142 @@ $$;
 -- Name: release(bigint[], bytea, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone, o_wake boolean)
+CREATE FUNCTION pgsemaphore.release(p_ids bigint[], p_token bytea, p_lost boolean DEFAULT false) RETURNS TABLE(o_outcome text, o_id bigint, o_at timestamp with time zone, o_wake boolean, o_semaphore text)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Ends the claims p_ids of one permit (a weighted permit has several) that
+-- carry p_token; never locks, changes or ends a claim that does not.
+--   p_ids    1..100000 ids of claims of ONE semaphore (ids of claims of two
+--            semaphores: 22023), no NULLs
+--   p_token  16..64 bytes
+--   p_lost   the holder was already told the permit is lost (its lease
+--            could not be guaranteed), so its claims end as timed out,
+--            never as completed: the audit log and the holder agree
+-- Returns one row:
+--   'released'   every id was the caller's live claim with its lease
+--                running, and this call completed them (o_id NULL, o_at
+--                when)
+--   otherwise the outcome of the first id (by id) that was not (every live
+--   claim of the caller among p_ids was still ended, as timed out when its
+--   lease had ended or p_lost), o_id its id:
+--   'not_holder' no claim with this id carries p_token (changed nothing
+--                of it, locked nothing of it)
+--   'timed_out'  reaped at o_at, or its lease had already ended (reaped now,
+--                at o_at: a release after the lease never counts as one),
+--                or p_lost
+--   'completed'  already released at o_at
+--   'missing'    no such claim
+-- and o_wake: whether the caller must run pgsemaphore.wake(o_semaphore)
+-- after this transaction commits, because a waiter may be registered (the
+-- wake-up gate, pgsemaphore.gate); o_semaphore: the semaphore of the
+-- caller's claims (NULL when none of p_ids was the caller's). Sends no NOTIFY itself: a NOTIFY would
+-- hold its instance-wide lock through this durable commit.
+-- Time is read after the row locks are granted: a release that waited for a
+-- fence (Permit::fence) is stamped after the fenced work committed, and one
+-- whose lease ended while it waited is a time-out.
+-- Meets: renewals and fences of the same claims (row locks, taken in id
+-- order by all three, so no deadlock); the reaper and claims reaping (SKIP
+-- LOCKED on their side: a row this call has locked is never reaped under
+-- it); a waiter registering (the gate); other callers' releases naming
+-- these ids with another token (they lock nothing of them); a claim
+-- committing an id that p_ids named in advance (not the caller's token: not
+-- touched). Durable.
 DECLARE
-    v_hash      bytea := sha256(p_token);
+    v_hash      bytea;
     v_now       timestamptz;
-    v_done      bigint[] := '{}';
+    v_mine      bigint[];
     v_semaphore text;
+    v_other     text;
+    v_done      bigint[];
+    v_ended     integer;
     r           record;
 BEGIN
+    IF p_ids IS NULL OR array_ndims(p_ids) IS DISTINCT FROM 1
+       OR cardinality(p_ids) NOT BETWEEN 1 AND 100000 OR array_position(p_ids, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.checked_ids(p_ids);
+    END IF;
+    IF p_token IS NULL OR octet_length(p_token) NOT BETWEEN 16 AND 64 THEN
+        PERFORM pgsemaphore.checked_token(p_token);
+    END IF;
+    IF p_lost IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_lost', 'true or false, got NULL');
+    END IF;
+    v_hash := sha256(p_token);
     PERFORM pgsemaphore.durable_commit();
     o_wake := false;
-    -- The common case, one statement: every claim ours, live, its lease
-    -- running. The UPDATE locks the rows in id order (the primary key's).
-    IF NOT p_lost THEN
-        v_now := clock_timestamp();
-        WITH done AS (
-            UPDATE pgsemaphore.slots s
-               SET completed_at = v_now
+
+    -- 1. Lock the caller's own claims among p_ids, in id order (the order
+    -- renew and fence lock in). The token condition is part of the scan:
+    -- a row of anyone else is never locked.
+    SELECT coalesce(array_agg(m.id), '{}'), min(m.semaphore), max(m.semaphore)
+      INTO v_mine, v_semaphore, v_other
+      FROM (SELECT s.id, s.semaphore
+              FROM pgsemaphore.slots s
              WHERE s.id = ANY (p_ids) AND s.token_hash = v_hash
-               AND s.completed_at IS NULL AND s.timed_out_at IS NULL AND s.expires_at > v_now
-            RETURNING s.id, s.semaphore
-        )
-        SELECT coalesce(array_agg(d.id), '{}'), min(d.semaphore) INTO v_done, v_semaphore FROM done d;
+             ORDER BY s.id
+               FOR UPDATE) m;
+    IF v_semaphore <> v_other THEN
+        PERFORM pgsemaphore.refuse('p_ids',
+            format('claims of one semaphore, got claims of %s and %s',
+                   quote_literal(v_semaphore), quote_literal(v_other)));
     END IF;
-    IF NOT p_lost AND cardinality(v_done) = cardinality(p_ids) THEN
+
+    -- 2. The clock, after the locks.
+    v_now := clock_timestamp();
+
+    -- 3. End every live claim of the caller's: completed if its lease runs
+    -- and the holder was not told it was lost, else timed out.
+    WITH ended AS (
+        UPDATE pgsemaphore.slots s
+           SET completed_at = CASE WHEN NOT p_lost AND s.expires_at > v_now THEN v_now END,
+               timed_out_at = CASE WHEN p_lost OR s.expires_at <= v_now THEN v_now END
+         WHERE s.id = ANY (v_mine) AND s.token_hash = v_hash
+           AND s.completed_at IS NULL AND s.timed_out_at IS NULL
+        RETURNING s.id, s.completed_at
+    )
+    SELECT coalesce(array_agg(e.id) FILTER (WHERE e.completed_at IS NOT NULL), '{}'), count(*)
+      INTO v_done, v_ended
+      FROM ended e;
+
+    IF cardinality(v_done) = cardinality(p_ids) THEN
         o_outcome := 'released';
         o_at := v_now;
     ELSE
-        -- Otherwise lock the rest, in id order, and say what stood in the way.
-        PERFORM 1 FROM pgsemaphore.slots s WHERE s.id = ANY (p_ids) ORDER BY s.id FOR UPDATE;
-        SELECT min(s.id) INTO o_id
-          FROM pgsemaphore.slots s
-         WHERE s.id = ANY (p_ids) AND s.token_hash IS DISTINCT FROM v_hash;
-        IF o_id IS NOT NULL THEN
-            o_outcome := 'not_holder';
-        END IF;
-    END IF;
-    IF o_outcome IS NULL THEN
-        v_now := clock_timestamp();
-        -- (Claims the statement above just completed are fine: skip them.)
-        SELECT i.id, s.id AS found, s.completed_at, s.timed_out_at
+        -- 4. Say what stood in the way: the first id (by id) not completed
+        -- now. Rows of others are read, never locked.
+        SELECT i.id, s.id AS found, s.token_hash = v_hash AS mine, s.completed_at, s.timed_out_at
           INTO r
           FROM unnest(p_ids) AS i(id)
           LEFT JOIN pgsemaphore.slots s ON s.id = i.id
          WHERE i.id <> ALL (v_done)
-           AND (s.id IS NULL OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL
-                OR s.expires_at <= v_now OR p_lost)
          ORDER BY i.id
          LIMIT 1;
-        -- End every claim still live: timed out, since its lease had ended or
-        -- its holder was told it was lost. (v_semaphore: set if this call
-        -- freed any slot, by either statement.)
-        WITH ended AS (
-            UPDATE pgsemaphore.slots s
-               SET timed_out_at = v_now
-             WHERE s.id = ANY (p_ids) AND s.completed_at IS NULL AND s.timed_out_at IS NULL
-            RETURNING s.semaphore
-        )
-        SELECT coalesce(v_semaphore, min(e.semaphore)) INTO v_semaphore FROM ended e;
         IF r.id IS NULL THEN
+            -- Only repeated ids were left: all released.
             o_outcome := 'released';
             o_at := v_now;
         ELSIF r.found IS NULL THEN
             o_outcome := 'missing';
             o_id := r.id;
+        ELSIF NOT coalesce(r.mine, false) THEN
+            o_outcome := 'not_holder';
+            o_id := r.id;
         ELSIF r.timed_out_at IS NOT NULL THEN
             o_outcome := 'timed_out';
             o_id := r.id;
             o_at := r.timed_out_at;
-        ELSIF r.completed_at IS NOT NULL THEN
+        ELSE
             o_outcome := 'completed';
             o_id := r.id;
             o_at := r.completed_at;
-        ELSE
-            o_outcome := 'timed_out';
-            o_id := r.id;
-            o_at := v_now;
         END IF;
     END IF;
-    -- Slots were freed (v_semaphore is set): look for waiters, under the gate.
-    IF v_semaphore IS NOT NULL THEN
-        IF current_setting('transaction_isolation') <> 'read committed' THEN
-            o_wake := true;
-        ELSE
-            PERFORM pg_advisory_xact_lock_shared(1885828965, hashtext(v_semaphore));
-            -- A statement of its own: its snapshot is taken after the gate.
-            o_wake := EXISTS (SELECT 1 FROM pgsemaphore.wakeups w
-                               WHERE w.semaphore = v_semaphore AND w.until > clock_timestamp());
-        END IF;
+    -- 5. Slots were freed: may a waiter need waking? (The gate.)
+    o_semaphore := v_semaphore;
+    IF v_ended > 0 THEN
+        o_wake := pgsemaphore.gate(v_semaphore);
     END IF;
     RETURN NEXT;
 END;
@@ -845,23 +1463,62 @@ $$;
 -- Name: release_by_token(text, bytea); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.release_by_token(p_semaphore text, p_token bytea) RETURNS integer
+CREATE FUNCTION pgsemaphore.release_by_token(p_semaphore text, p_token bytea) RETURNS TABLE(o_ended integer, o_wake boolean)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET lock_timeout TO '2s'
     AS $$
+-- For a client whose claim's reply was lost (the connection broke after the
+-- claim was sent): ends whatever live claims of p_semaphore carry p_token,
+-- including one still in flight, so that a claim the client never saw does
+-- not hold its slot for a whole lease. Returns how many it ended, and
+-- o_wake: run pgsemaphore.wake(p_semaphore) after this commits.
+--   p_semaphore  1..200 characters; p_token 16..64 bytes
+-- A claim in flight: this share-locks the semaphore's row first (the row
+-- every claim locks before it inserts), so a claim that holds it now has
+-- committed (or failed) before this looks for its rows, and then writes a
+-- tombstone of the token, so a claim that gets the row after this refuses
+-- the token (pgsemaphore.claim, step 2). Either way no claim with this
+-- token holds a slot once this has committed. The tombstone lasts a day
+-- (pgsemaphore.reap deletes it then). The semaphore's row is waited for at
+-- most lock_timeout (2 s): then SQLSTATE 55P03; call again.
+-- Meets: claims (the semaphore row, above); renewals and fences of these
+-- claims (row locks in id order); the reaper (SKIP LOCKED on its side).
+-- Durable.
 DECLARE
-    v_count integer;
+    v_hash  bytea;
+    v_now   timestamptz;
 BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    PERFORM pgsemaphore.checked_token(p_token);
+    v_hash := sha256(p_token);
     PERFORM pgsemaphore.durable_commit();
+    o_wake := false;
+    PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR SHARE;
+    IF NOT FOUND THEN
+        o_ended := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    v_now := clock_timestamp();
+    INSERT INTO pgsemaphore.released_tokens (token_hash, semaphore, released_at, until)
+    VALUES (v_hash, p_semaphore, v_now, v_now + interval '1 day')
+    ON CONFLICT (token_hash) DO NOTHING;
+    PERFORM 1 FROM pgsemaphore.live_slots l
+     WHERE l.semaphore = p_semaphore AND l.token_hash = v_hash
+     ORDER BY l.id FOR UPDATE;
+    v_now := clock_timestamp();
     UPDATE pgsemaphore.slots s
-       SET completed_at = clock_timestamp()
-      FROM (SELECT l.id FROM pgsemaphore.live_slots l
-             WHERE l.semaphore = p_semaphore AND l.token_hash = sha256(p_token)
-             ORDER BY l.id FOR UPDATE) mine
-     WHERE s.id = mine.id;
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    RETURN v_count;
+       SET completed_at = CASE WHEN s.expires_at > v_now THEN v_now END,
+           timed_out_at = CASE WHEN s.expires_at <= v_now THEN v_now END
+     WHERE s.semaphore = p_semaphore AND s.token_hash = v_hash
+       AND s.completed_at IS NULL AND s.timed_out_at IS NULL;
+    GET DIAGNOSTICS o_ended = ROW_COUNT;
+    IF o_ended > 0 THEN
+        o_wake := pgsemaphore.gate(p_semaphore);
+    END IF;
+    RETURN NEXT;
 END;
 $$;
 
@@ -873,14 +1530,32 @@ $$;
 CREATE PROCEDURE pgsemaphore.release_then_wake(IN p_ids bigint[], IN p_token bytea, IN p_lost boolean, INOUT o_outcome text DEFAULT NULL::text, INOUT o_id bigint DEFAULT NULL::bigint, INOUT o_at timestamp with time zone DEFAULT NULL::timestamp with time zone)
     LANGUAGE plpgsql
     AS $$
+-- The release as the crate sends it, one statement: pgsemaphore.release,
+-- and only if it says a waiter may be registered (o_wake), COMMIT (durable)
+-- and pgsemaphore.wake of the released claims' semaphore in a transaction
+-- of its own (fast), so the NOTIFY is sent after the release committed and
+-- never holds its instance-wide lock through the release's WAL flush. A
+-- release nobody waits for is one transaction: its check ran inside it,
+-- under the wake-up gate (pgsemaphore.gate). One statement can be prepared
+-- once per connection; the same steps as a simple-protocol batch were
+-- parsed and planned on every release.
+-- A procedure, because only a procedure may commit; and so with the
+-- caller's rights, because a procedure that commits may have neither
+-- SECURITY DEFINER nor a SET clause. It only calls two functions that the
+-- application may call anyway, by their qualified names, so a caller's
+-- search_path cannot change what it runs. CALL it outside a transaction
+-- block (it may commit). Arguments and outcomes: pgsemaphore.release.
+-- Meets: what release and notify_if_waited meet.
 DECLARE
-    v_wake boolean;
+    v_wake      boolean;
+    v_semaphore text;
 BEGIN
-    SELECT r.o_outcome, r.o_id, r.o_at, r.o_wake INTO o_outcome, o_id, o_at, v_wake
-      FROM pgsemaphore.release(p_ids, p_token, p_lost) r;
+    SELECT r.o_outcome, r.o_id, r.o_at, r.o_wake, r.o_semaphore
+      INTO o_outcome, o_id, o_at, v_wake, v_semaphore
+      FROM pgsemaphore.release(p_ids => p_ids, p_token => p_token, p_lost => p_lost) r;
     IF v_wake THEN
         COMMIT;
-        PERFORM pgsemaphore.wake_claimed(p_ids[1]);
+        PERFORM pgsemaphore.wake(p_semaphore => v_semaphore);
     END IF;
 END;
 $$;
@@ -895,14 +1570,40 @@ CREATE FUNCTION pgsemaphore.renew(p_ids bigint[], p_token bytea, p_lease interva
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Renews the caller's claims p_ids (those carrying p_token) to end p_lease
+-- from now, never earlier than they already end.
+--   p_ids 1..100000 ids, no NULLs; p_token 16..64 bytes; p_lease 10 ms..366 days
+-- Exactly one row per distinct id of p_ids:
+--   'renewed'    live and unexpired; o_at = its expires_at now
+--   'timed_out'  reaped (now, because its lease had ended, or earlier);
+--                o_at = timed_out_at
+--   'completed'  released; o_at = completed_at
+--   'missing'    no such claim
+--   'not_holder' the token does not match (nothing locked or changed)
+-- A client must treat every outcome but 'renewed', and any id it does not
+-- get back, as the permit lost.
+-- The clock is read after the row locks are granted, and a lease only moves
+-- forward (greatest): two renewals of one claim that reach its lock out of
+-- order (a retry while the first still runs on the server) never shorten it.
+-- Meets: releases and fences (row locks in id order); the reaper and claims
+-- reaping (SKIP LOCKED: a row locked here is counted as held by them, never
+-- reaped under it); other callers naming these ids with another token
+-- (they lock nothing of them). Durable.
 DECLARE
-    v_hash bytea := sha256(p_token);
+    v_hash bytea;
     v_now  timestamptz;
 BEGIN
-    IF p_lease IS NULL OR p_lease <= interval '0' THEN
-        RAISE EXCEPTION 'pg_semaphore.renew needs a positive lease, got %', p_lease
-            USING ERRCODE = 'invalid_parameter_value';
+    IF p_ids IS NULL OR array_ndims(p_ids) IS DISTINCT FROM 1
+       OR cardinality(p_ids) NOT BETWEEN 1 AND 100000 OR array_position(p_ids, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.checked_ids(p_ids);
     END IF;
+    IF p_token IS NULL OR octet_length(p_token) NOT BETWEEN 16 AND 64 THEN
+        PERFORM pgsemaphore.checked_token(p_token);
+    END IF;
+    IF p_lease IS NULL OR p_lease < interval '10 ms' OR p_lease > interval '366 days' THEN
+        PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days');
+    END IF;
+    v_hash := sha256(p_token);
     PERFORM pgsemaphore.durable_commit();
     PERFORM 1 FROM pgsemaphore.slots s
      WHERE s.id = ANY (p_ids) AND s.token_hash = v_hash
@@ -930,7 +1631,7 @@ BEGIN
                     ELSE 'completed' END,
                CASE WHEN s.token_hash IS DISTINCT FROM v_hash THEN NULL
                     ELSE coalesce(s.timed_out_at, s.completed_at) END
-          FROM unnest(p_ids) AS i(id)
+          FROM (SELECT DISTINCT u.id FROM unnest(p_ids) AS u(id)) AS i
           LEFT JOIN pgsemaphore.slots s ON s.id = i.id
          WHERE s.id IS NULL OR s.token_hash IS DISTINCT FROM v_hash
             OR s.completed_at IS NOT NULL OR s.timed_out_at IS NOT NULL;
@@ -945,7 +1646,7 @@ $$;
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 1, 1 $$;
+    AS $$ SELECT 2, 2 $$;
 
 
 --
@@ -956,6 +1657,24 @@ CREATE FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit b
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- SLIDING WINDOW, per key: see pgsemaphore.sliding_window_unchecked.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    RETURN QUERY SELECT * FROM pgsemaphore.sliding_window_unchecked(p_limiter, p_key, p_limit, p_window, p_n);
+END;
+$$;
+
+
+--
+-- Name: sliding_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE plpgsql
     AS $$
 DECLARE
     v_hits     bigint;
@@ -1043,7 +1762,17 @@ CREATE FUNCTION pgsemaphore.stop_waiting(p_semaphore text, p_token bytea, p_spel
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- The process's last waiter on p_semaphore left: it stops registering, so
+-- releases stop notifying (unless another process waits). Only the row of
+-- the caller's token and spell p_spell: a newer spell's registration stays.
+--   p_semaphore 1..200 characters; p_token 16..64 bytes; p_spell not NULL
+-- A hint transaction.
 BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    PERFORM pgsemaphore.checked_token(p_token);
+    IF p_spell IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_spell', 'a waiting spell, got NULL');
+    END IF;
     PERFORM pgsemaphore.fast_commit();
     DELETE FROM pgsemaphore.wakeups k
      WHERE k.semaphore = p_semaphore AND k.process = sha256(p_token) AND k.spell = p_spell;
@@ -1059,6 +1788,36 @@ CREATE FUNCTION pgsemaphore.token_bucket(p_limiter text, p_key text, p_rate doub
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- TOKEN BUCKET (Stripe's request rate limiter, with the database's clock),
+-- per key: see pgsemaphore.token_bucket_unchecked for the arithmetic.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_rate finite,
+--   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
+--   refilled from empty within 366 days; p_n finite, 1 to p_burst
+-- Every bad argument raises 22023 naming it in COLUMN.
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9) THEN
+        PERFORM pgsemaphore.refuse('p_rate', format('above 0 and at most 1e9, got %s', coalesce(p_rate::text, 'NULL')));
+    END IF;
+    IF p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
+        PERFORM pgsemaphore.refuse('p_burst',
+            format('1 to 1e15, refilled within 366 days at the rate, got %s', coalesce(p_burst::text, 'NULL')));
+    END IF;
+    IF p_n IS NULL OR NOT (p_n >= 1 AND p_n <= p_burst) THEN
+        PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_burst, coalesce(p_n::text, 'NULL')));
+    END IF;
+    RETURN QUERY SELECT * FROM pgsemaphore.token_bucket_unchecked(p_limiter, p_key, p_rate, p_burst, p_n);
+END;
+$$;
+
+
+--
+-- Name: token_bucket_unchecked(text, text, double precision, double precision, double precision); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.token_bucket_unchecked(p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE plpgsql
     AS $$
 DECLARE
     v_tokens double precision;
@@ -1125,8 +1884,33 @@ CREATE FUNCTION pgsemaphore.wake(p_semaphore text) RETURNS boolean
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Sends the semaphore's wake-up if anyone waits for it (see
+-- pgsemaphore.notify_if_waited); run it in a transaction of its own after
+-- the one that freed slots (the o_wake of claim, enqueue,
+-- release_by_token). Returns whether it notified. p_semaphore not NULL.
+-- Anyone may NOTIFY anyway: this grants nothing new.
 BEGIN
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
     RETURN pgsemaphore.notify_if_waited(p_semaphore);
+END;
+$$;
+
+
+--
+-- Name: wake_at_commit(text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.wake_at_commit(p_semaphore text) RETURNS boolean
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_semaphore IS NOT NULL AND pgsemaphore.gate(p_semaphore) THEN
+        PERFORM pg_notify('pgsemaphore', p_semaphore);
+        RETURN true;
+    END IF;
+    RETURN false;
 END;
 $$;
 
@@ -1140,7 +1924,14 @@ CREATE FUNCTION pgsemaphore.wake_claimed(p_claim bigint) RETURNS boolean
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- The same for the semaphore of claim p_claim: what a release sends, in the
+-- same round trip as its own (committed) transaction, knowing only the id.
+-- (PL/pgSQL, like every function on a hot path here: a LANGUAGE sql
+-- function that cannot be inlined is planned again on every call.)
 BEGIN
+    IF p_claim IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_claim', 'a claim id, got NULL');
+    END IF;
     RETURN pgsemaphore.notify_if_waited(
         (SELECT s.semaphore FROM pgsemaphore.slots s WHERE s.id = p_claim));
 END;
@@ -1214,6 +2005,18 @@ WITH (fillfactor='80', autovacuum_vacuum_scale_factor='0.02', autovacuum_analyze
 
 
 --
+-- Name: released_tokens; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.released_tokens (
+    token_hash bytea NOT NULL,
+    semaphore text NOT NULL,
+    released_at timestamp with time zone NOT NULL,
+    until timestamp with time zone NOT NULL
+);
+
+
+--
 -- Name: semaphores; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -1224,6 +2027,7 @@ CREATE TABLE pgsemaphore.semaphores (
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     queue_used boolean DEFAULT false NOT NULL,
+    queue_lifo boolean DEFAULT false NOT NULL,
     CONSTRAINT semaphores_capacity_range CHECK (((capacity >= 1) AND (capacity <= 100000))),
     CONSTRAINT semaphores_lease_positive CHECK ((default_lease > '00:00:00'::interval)),
     CONSTRAINT semaphores_name_length CHECK (((char_length(name) >= 1) AND (char_length(name) <= 200)))
@@ -1296,6 +2100,14 @@ CREATE TABLE pgsemaphore.wakeups (
 
 ALTER TABLE ONLY pgsemaphore.rate_limits
     ADD CONSTRAINT rate_limits_pkey PRIMARY KEY (kind, limiter, key);
+
+
+--
+-- Name: released_tokens released_tokens_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.released_tokens
+    ADD CONSTRAINT released_tokens_pkey PRIMARY KEY (token_hash);
 
 
 --
@@ -1376,17 +2188,66 @@ ALTER TABLE ONLY pgsemaphore.wakeups
 
 
 --
--- Name: FUNCTION claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer, p_priority smallint, p_reserve integer, p_ticket bigint, p_ticket_token bytea, p_lifo boolean, p_waiter_lease interval); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION check_limiter_key(p_limiter text, p_key text); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer, p_priority smallint, p_reserve integer, p_ticket bigint, p_ticket_token bytea, p_lifo boolean, p_waiter_lease interval) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.check_limiter_key(p_limiter text, p_key text) FROM PUBLIC;
 
 
 --
--- Name: FUNCTION configure(p_name text, p_capacity integer, p_lease interval, p_create boolean); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION check_window(p_limit bigint, p_window interval, p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval, p_create boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.check_window(p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION checked_ids(p_ids bigint[]); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.checked_ids(p_ids bigint[]) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION checked_interval(p_value interval, p_argument text, p_min interval, p_max interval, p_nullable boolean); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.checked_interval(p_value interval, p_argument text, p_min interval, p_max interval, p_nullable boolean) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION checked_text(p_value text, p_argument text, p_max integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.checked_text(p_value text, p_argument text, p_max integer) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION checked_token(p_token bytea, p_argument text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.checked_token(p_token bytea, p_argument text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer, p_priority smallint, p_reserve integer, p_ticket bigint, p_ticket_token bytea, p_waiter_lease interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer, p_priority smallint, p_reserve integer, p_ticket bigint, p_ticket_token bytea, p_waiter_lease interval) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION clear_queue(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.clear_queue(p_semaphore text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION configure(p_name text, p_capacity integer, p_lease interval, p_create boolean, p_queue_lifo boolean); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval, p_create boolean, p_queue_lifo boolean) FROM PUBLIC;
 
 
 --
@@ -1425,10 +2286,24 @@ REVOKE ALL ON FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_li
 
 
 --
+-- Name: FUNCTION fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION force_release(p_id bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.force_release(p_id bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION gate(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.gate(p_semaphore text) FROM PUBLIC;
 
 
 --
@@ -1453,10 +2328,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.notify_if_waited(p_semaphore text) FROM PUBLI
 
 
 --
--- Name: FUNCTION open(p_name text, p_capacity integer, p_lease interval); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION open(p_name text, p_capacity integer, p_lease interval, p_queue_lifo boolean); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interval) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interval, p_queue_lifo boolean) FROM PUBLIC;
 
 
 --
@@ -1474,10 +2349,31 @@ REVOKE ALL ON FUNCTION pgsemaphore.prune_rate_limits(p_idle_for interval, p_kind
 
 
 --
+-- Name: FUNCTION prune_rate_limits_unchecked(p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.prune_rate_limits_unchecked(p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION prune_unchecked(p_older_than interval, p_batch integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.prune_unchecked(p_older_than interval, p_batch integer) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION reap(); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.reap() FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION refuse(p_argument text, p_message text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.refuse(p_argument text, p_message text) FROM PUBLIC;
 
 
 --
@@ -1523,6 +2419,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_
 
 
 --
+-- Name: FUNCTION sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION stop_waiting(p_semaphore text, p_token bytea, p_spell bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -1537,10 +2440,24 @@ REVOKE ALL ON FUNCTION pgsemaphore.token_bucket(p_limiter text, p_key text, p_ra
 
 
 --
+-- Name: FUNCTION token_bucket_unchecked(p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.token_bucket_unchecked(p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION wake(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.wake(p_semaphore text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION wake_at_commit(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.wake_at_commit(p_semaphore text) FROM PUBLIC;
 
 
 --

@@ -12,7 +12,7 @@ use sqlx::PgPool;
 use crate::audit::Holder;
 use crate::db::Db;
 use crate::error::{Error, Result};
-use crate::semaphore::{MAX_CAPACITY, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE};
+use crate::semaphore::{MAX_CAPACITY, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, QueueOrder};
 use crate::validate;
 
 /// Every semaphore with its live claims, read in one statement (one
@@ -30,11 +30,18 @@ SELECT s.name, s.capacity,
 
 /// Ends a claim, whoever holds it.
 const FORCE_RELEASE: &str =
-    "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.force_release($1)";
+    "SELECT o_outcome, o_semaphore, o_at FROM pgsemaphore.force_release(p_id => $1)";
 
-/// Creates a semaphore or sets its capacity and lease (NULL keeps one; `$4`
-/// false: an unknown name is an error), waking waiters when the capacity grew.
-const CONFIGURE: &str = "SELECT o_previous_capacity FROM pgsemaphore.configure($1, $2, $3, $4)";
+/// Creates a semaphore or sets its capacity, lease and queue order (NULL
+/// keeps one; `p_create` false: an unknown name is an error), waking
+/// waiters when the capacity grew or the order changed.
+const CONFIGURE: &str = "SELECT o_previous_capacity \
+                         FROM pgsemaphore.configure(p_name => $1, p_capacity => $2, \
+                                                    p_lease => $3, p_create => $4, \
+                                                    p_queue_lifo => $5)";
+
+/// Removes every waiter of a semaphore's queue.
+const CLEAR_QUEUE: &str = "SELECT pgsemaphore.clear_queue(p_semaphore => $1)";
 
 /// Admin statements run unnamed inside a transaction, so they work through
 /// a transaction pooler too; they are never on a hot path.
@@ -255,7 +262,7 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u32> {
     validate::text("name", name, MAX_NAME_LEN)?;
     check_capacity(capacity)?;
-    let previous = run_configure(pool, name, Some(capacity), None, false).await?;
+    let previous = run_configure(pool, name, Some(capacity), None, None, false).await?;
     let previous = previous.unwrap_or(capacity);
     tracing::info!(
         semaphore = name,
@@ -300,7 +307,7 @@ pub async fn configure(
     validate::text("name", name, MAX_NAME_LEN)?;
     check_capacity(capacity)?;
     validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?;
-    let previous = run_configure(pool, name, Some(capacity), Some(lease), true).await?;
+    let previous = run_configure(pool, name, Some(capacity), Some(lease), None, true).await?;
     tracing::info!(
         semaphore = name,
         previous,
@@ -309,6 +316,69 @@ pub async fn configure(
         "semaphore configured"
     );
     Ok(previous)
+}
+
+/// Sets the order in which the semaphore's fair queue serves its waiters
+/// (see [`SemaphoreBuilder::queue`](crate::SemaphoreBuilder::queue)): the
+/// order is the semaphore's, and claims use the new one at once (handles
+/// opened before order their own process's waiters by the old one until
+/// they are opened again). Wakes the semaphore's waiters.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// use pg_semaphore::QueueOrder;
+/// pg_semaphore::set_queue_order(&pool, "exports", QueueOrder::NewestFirst).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name; [`Error::SemaphoreNotFound`];
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either applies the change or not.
+pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Result<()> {
+    validate::text("name", name, MAX_NAME_LEN)?;
+    run_configure(pool, name, None, None, Some(order), false).await?;
+    tracing::info!(semaphore = name, ?order, "semaphore queue order set");
+    Ok(())
+}
+
+/// Removes every waiter from the semaphore's fair queue and wakes the
+/// semaphore's waiters; returns how many it removed. For a queue that a
+/// waiter blocks (a process that keeps renewing its place but never
+/// claims): waiting acquires of live processes notice at their next claim
+/// and queue again, at the back.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// let removed = pg_semaphore::clear_queue(&pool, "exports").await?;
+/// println!("removed {removed} waiters");
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name; [`Error::SemaphoreNotFound`];
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either clears the queue or not.
+pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
+    validate::text("name", name, MAX_NAME_LEN)?;
+    let db = db(pool);
+    let query = db.query_as::<(i64,)>(CLEAR_QUEUE).bind(name.to_owned());
+    let (removed,) = db
+        .fetch_one(query)
+        .await
+        .map_err(|error| not_found_or(error, name))?;
+    tracing::info!(semaphore = name, removed, "semaphore queue cleared");
+    Ok(removed.max(0) as u64)
 }
 
 fn check_capacity(capacity: u32) -> Result<()> {
@@ -326,6 +396,7 @@ async fn run_configure(
     name: &str,
     capacity: Option<u32>,
     lease: Option<Duration>,
+    order: Option<QueueOrder>,
     create: bool,
 ) -> Result<Option<u32>> {
     let lease = match lease {
@@ -338,16 +409,25 @@ async fn run_configure(
         .bind(name.to_owned())
         .bind(capacity.map(|c| c as i32))
         .bind(lease)
-        .bind(create);
-    match db.fetch_one(query).await {
-        Ok((previous,)) => Ok(previous.map(|p| p.max(0) as u32)),
-        Err(Error::Database(error))
+        .bind(create)
+        .bind(order.map(QueueOrder::is_lifo));
+    let (previous,) = db
+        .fetch_one(query)
+        .await
+        .map_err(|error| not_found_or(error, name))?;
+    Ok(previous.map(|p| p.max(0) as u32))
+}
+
+/// P0002 (no_data_found): the operator functions' "no such semaphore".
+fn not_found_or(error: Error, name: &str) -> Error {
+    match error {
+        Error::Database(error)
             if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("P0002") =>
         {
-            Err(Error::SemaphoreNotFound {
+            Error::SemaphoreNotFound {
                 semaphore: name.to_owned(),
-            })
+            }
         }
-        Err(error) => Err(error),
+        error => error,
     }
 }

@@ -157,17 +157,61 @@ impl Db {
 
 /// Maps an error of one of the crate's own statements: an undefined schema,
 /// table or function (3F000, 42P01, 42883) means the migrations were not
-/// applied. Statements the application runs (in a mutex guard's transaction,
-/// say) never go through here.
+/// applied; 22023 raised by a function's argument check (`pgsemaphore.refuse`,
+/// which names the argument in the error's COLUMN field) is an
+/// [`Error::InvalidArgument`]. Statements the application runs (in a mutex
+/// guard's transaction, say) never go through here.
 pub(crate) fn ours(error: sqlx::Error) -> Error {
-    let missing = error
-        .as_database_error()
-        .and_then(|e| e.code())
-        .is_some_and(|code| matches!(&*code, "3F000" | "42P01" | "42883"));
-    if missing {
-        Error::MigrationsMissing { source: error }
-    } else {
-        Error::Database(error)
+    let Some(database) = error.as_database_error() else {
+        return Error::Database(error);
+    };
+    match database.code().as_deref() {
+        Some("3F000" | "42P01" | "42883") => Error::MigrationsMissing { source: error },
+        Some("22023") => {
+            let column = database
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .and_then(|e| e.column());
+            match column.map(argument_name) {
+                Some(argument) => {
+                    let message = database.message();
+                    // "invalid p_permits: 1 to 100000, got 0" -> "1 to 100000, got 0"
+                    let reason = message.split_once(": ").map_or(message, |(_, r)| r);
+                    Error::invalid(argument, reason)
+                }
+                None => Error::Database(error),
+            }
+        }
+        _ => Error::Database(error),
+    }
+}
+
+/// The crate's name for an argument of a SQL function, as
+/// [`Error::InvalidArgument`] reports it.
+fn argument_name(column: &str) -> &'static str {
+    match column {
+        "p_name" | "p_semaphore" => "name",
+        "p_capacity" => "capacity",
+        "p_lease" => "lease",
+        "p_holder" => "holder",
+        "p_metadata" => "metadata",
+        "p_token" | "p_ticket_token" => "token",
+        "p_permits" | "p_n" => "permits",
+        "p_priority" => "priority",
+        "p_reserve" => "reserved",
+        "p_ids" => "ids",
+        "p_ticket" | "p_tickets" => "ticket",
+        "p_waiter_lease" => "waiter_lease",
+        "p_limit" => "limit",
+        "p_limiter" => "limiter",
+        "p_key" => "key",
+        "p_rate" => "rate",
+        "p_burst" => "burst",
+        "p_window" => "window",
+        "p_older_than" => "older_than",
+        "p_idle_for" => "idle_for",
+        "p_batch" => "batch",
+        "p_id" => "id",
+        _ => "argument",
     }
 }
 
@@ -295,9 +339,7 @@ impl<T: Send + 'static> Drop for Detached<T> {
 
 /// What a round trip returns when its caller has gone: nobody ever sees it.
 pub(crate) fn caller_gone() -> Error {
-    Error::Database(sqlx::Error::Protocol(
-        "the caller of this round trip has gone".into(),
-    ))
+    Error::internal("the caller of this round trip has gone")
 }
 
 /// Whether a fail-open handle may admit after `error`: the database is
@@ -380,6 +422,23 @@ mod tests {
             ours(sqlx::Error::PoolTimedOut),
             Error::Database(_)
         ));
+    }
+
+    #[test]
+    fn an_internal_error_is_never_an_outage() {
+        let error = Error::internal("pgsemaphore.claim returned a claim without ids");
+        assert!(!error.is_unreachable());
+        assert!(!outcome_unknown(&error));
+        assert!(!error.is_busy());
+        assert!(!outcome_unknown(&caller_gone()));
+    }
+
+    #[test]
+    fn sql_argument_names_map_to_the_crates() {
+        assert_eq!(argument_name("p_permits"), "permits");
+        assert_eq!(argument_name("p_token"), "token");
+        assert_eq!(argument_name("p_semaphore"), "name");
+        assert_eq!(argument_name("p_something_new"), "argument");
     }
 
     #[test]

@@ -103,7 +103,9 @@ pub enum Error {
         source: sqlx::Error,
     },
 
-    /// An argument was rejected before anything was sent to the database.
+    /// An argument was rejected: by the crate before anything was sent, or
+    /// by the database's own check (SQLSTATE 22023, which names the
+    /// argument; nothing was written).
     #[error("invalid {argument}: {reason}")]
     InvalidArgument {
         /// Which argument (`capacity`, `name`, `lease`, ...).
@@ -118,6 +120,24 @@ pub enum Error {
         "semaphore {semaphore:?} does not exist: build it with `Semaphore::builder(..).build(&pool)`"
     )]
     SemaphoreNotFound {
+        /// The semaphore's name.
+        semaphore: String,
+    },
+
+    /// A claim (or a queue join) waited longer than the database's bound
+    /// (2 s of `lock_timeout`, inside `pgsemaphore.claim` and
+    /// `pgsemaphore.enqueue`) for the semaphore's row: another transaction
+    /// holds it, typically a claim or an enqueue left uncommitted in an
+    /// open transaction. Nothing was claimed. Waiting acquires retry through
+    /// it (one `WARN`); a fail-fast claim returns it. The culprit shows in
+    /// `pg_stat_activity` (`idle in transaction`, its query a
+    /// `pgsemaphore.claim`); `idle_in_transaction_session_timeout` on the
+    /// application's role bounds how long one can last.
+    #[error(
+        "claims on semaphore {semaphore:?} waited 2 s for its row, which another transaction holds \
+         (a claim or an enqueue left uncommitted in an open transaction?): nothing was claimed"
+    )]
+    Stalled {
         /// The semaphore's name.
         semaphore: String,
     },
@@ -227,6 +247,15 @@ pub enum Error {
     UnrecognizedSchema {
         /// How many tables, views, sequences and functions the schema holds.
         objects: i64,
+    },
+
+    /// A broken internal invariant of pg-semaphore (a bug: please report
+    /// it). Never read as an outage: a fail-open handle does not admit on
+    /// it, and a waiting acquire does not retry it.
+    #[error("pg-semaphore internal error: {message}")]
+    Internal {
+        /// What was found broken.
+        message: String,
     },
 
     /// Any other database error (connection refused, pool timeout, an error
@@ -385,7 +414,9 @@ impl std::fmt::Display for LostReason {
 
 impl Error {
     /// Whether the error only means "busy": no slot was free, the queue was
-    /// full, a mutex was held, or a wait timed out.
+    /// full, a mutex was held, a wait timed out, or the semaphore's row was
+    /// held by a stuck transaction for longer than the bound
+    /// ([`Error::Stalled`]).
     ///
     /// Handy for mapping to HTTP 429/503 while treating everything else as a failure.
     ///
@@ -407,6 +438,7 @@ impl Error {
                 | Error::QueueFull { .. }
                 | Error::Locked { .. }
                 | Error::Timeout { .. }
+                | Error::Stalled { .. }
         )
     }
 
@@ -420,6 +452,12 @@ impl Error {
         match self {
             Error::Database(error) => crate::db::unreachable(error),
             _ => false,
+        }
+    }
+
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        Error::Internal {
+            message: message.into(),
         }
     }
 

@@ -228,7 +228,8 @@ pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, 
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
-    ReleaseOutcome, SemaphoreInfo, configure, force_release, semaphores, set_capacity,
+    ReleaseOutcome, SemaphoreInfo, clear_queue, configure, force_release, semaphores, set_capacity,
+    set_queue_order,
 };
 pub use audit::{
     AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,

@@ -41,19 +41,23 @@ pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 /// Token bucket check: takes `$5` tokens from key `$2` of limiter `$1` if it
 /// has them (rate `$3` per second, burst `$4`).
 const TOKEN_BUCKET: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
-                            FROM pgsemaphore.token_bucket($1, $2, $3, $4, $5)";
+                            FROM pgsemaphore.token_bucket(p_limiter => $1, p_key => $2, p_rate => $3, \
+                                                         p_burst => $4, p_n => $5)";
 
 /// Fixed window check: `$5` permits of key `$2` of limiter `$1` (limit `$3` per window `$4`).
 const FIXED_WINDOW: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
-                            FROM pgsemaphore.fixed_window($1, $2, $3, $4, $5)";
+                            FROM pgsemaphore.fixed_window(p_limiter => $1, p_key => $2, p_limit => $3, \
+                                                         p_window => $4, p_n => $5)";
 
 /// Sliding window check: `$5` permits of key `$2` of limiter `$1` (limit `$3` per window `$4`).
 const SLIDING_WINDOW: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
-                              FROM pgsemaphore.sliding_window($1, $2, $3, $4, $5)";
+                              FROM pgsemaphore.sliding_window(p_limiter => $1, p_key => $2, p_limit => $3, \
+                                                             p_window => $4, p_n => $5)";
 
 /// Deletes up to a batch of keys at rest, walking the primary key from a cursor.
 const PRUNE: &str = "SELECT o_deleted, o_kind, o_limiter, o_key \
-                     FROM pgsemaphore.prune_rate_limits($1, $2, $3, $4, $5)";
+                     FROM pgsemaphore.prune_rate_limits(p_idle_for => $1, p_kind => $2, \
+                                                     p_limiter => $3, p_key => $4, p_batch => $5)";
 
 /// Rows looked at per prune statement: short transactions, even for a big table.
 const PRUNE_BATCH: i32 = 5_000;

@@ -48,7 +48,7 @@ pub async fn reap(pool: &PgPool) -> Result<u64> {
 }
 
 /// Deletes one batch of finished claims older than the cutoff.
-const PRUNE: &str = "SELECT pgsemaphore.prune($1, $2)";
+const PRUNE: &str = "SELECT pgsemaphore.prune(p_older_than => $1, p_batch => $2)";
 
 /// Reclaims the space of pruned rows now rather than at autovacuum's next
 /// visit (by default up to a minute away, while a busy semaphore churns

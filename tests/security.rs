@@ -27,6 +27,9 @@ struct Roles {
 
 const PASSWORD: &str = "least-privilege-pw";
 
+/// A well-formed token that is nobody's.
+const WRONG_TOKEN: &[u8] = b"not-the-holder!!";
+
 impl Roles {
     async fn create(
         db: &support::TestDb,
@@ -309,6 +312,7 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
             "SELECT pgsemaphore.reap()",
             "SELECT * FROM pgsemaphore.force_release(1)",
             "SELECT * FROM pgsemaphore.configure('guarded', 100, NULL)",
+            "SELECT pgsemaphore.clear_queue('guarded')",
             "SELECT pgsemaphore.prune(interval '0', 100)",
             "SELECT * FROM pgsemaphore.prune_rate_limits(interval '0', '', '', '', 100)",
         ] {
@@ -323,28 +327,32 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
         // Releasing, renewing or fencing someone else's claim without its
         // token changes nothing.
         let (outcome,): (String,) =
-            sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], '\\x00'::bytea)")
+            sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], $2)")
                 .bind(id)
+                .bind(WRONG_TOKEN)
+                .fetch_one(&app)
+                .await?;
+        assert_eq!(outcome, "not_holder");
+        let (outcome,): (String,) =
+            sqlx::query_as("CALL pgsemaphore.release_then_wake(ARRAY[$1], $2, false)")
+                .bind(id)
+                .bind(WRONG_TOKEN)
                 .fetch_one(&app)
                 .await?;
         assert_eq!(outcome, "not_holder");
         let (outcome,): (String,) = sqlx::query_as(
-            "CALL pgsemaphore.release_then_wake(ARRAY[$1], '\\x00'::bytea, false)",
+            "SELECT o_outcome FROM pgsemaphore.renew(ARRAY[$1], $2, interval '1 s')",
         )
         .bind(id)
+        .bind(WRONG_TOKEN)
         .fetch_one(&app)
         .await?;
         assert_eq!(outcome, "not_holder");
-        let (outcome,): (String,) = sqlx::query_as(
-            "SELECT o_outcome FROM pgsemaphore.renew(ARRAY[$1], '\\x00'::bytea, interval '1 s')",
-        )
-        .bind(id)
-        .fetch_one(&app)
-        .await?;
-        assert_eq!(outcome, "not_holder");
-        let ended: i32 = sqlx::query_scalar("SELECT pgsemaphore.release_by_token('guarded', '\\x00')")
-            .fetch_one(&app)
-            .await?;
+        let (ended,): (i32,) =
+            sqlx::query_as("SELECT o_ended FROM pgsemaphore.release_by_token('guarded', $1)")
+                .bind(WRONG_TOKEN)
+                .fetch_one(&app)
+                .await?;
         assert_eq!(ended, 0);
         assert_eq!(sem.holders().await?.len(), 1, "the claim is untouched");
         theirs.release().await?;
@@ -402,8 +410,9 @@ async fn a_hijacked_search_path_changes_nothing() -> TestResult {
         .await?;
         // With a wrong token, the hijacked sha256 would match the claim.
         let (outcome,): (String,) =
-            sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], '\\x00'::bytea)")
+            sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], $2)")
                 .bind(theirs.id())
+                .bind(WRONG_TOKEN)
                 .fetch_one(&app)
                 .await?;
         assert_eq!(outcome, "not_holder");
@@ -530,4 +539,664 @@ async fn errors_never_show_the_connection_password() -> TestResult {
         "password leaked by the pool's Debug"
     );
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The README's list of what the application role can and cannot do: each
+// sentence, quoted, above the test that checks it, as the application role
+// with the README's grants, calling the SQL functions directly.
+// ---------------------------------------------------------------------------
+
+/// The application's and the operator's pools, with the README's grants.
+async fn app_and_operator(
+    db: &support::TestDb,
+) -> Result<(Roles, PgPool, PgPool), Box<dyn std::error::Error + Send + Sync>> {
+    let roles = Roles::create(db).await?;
+    let app = roles.pool(db, &roles.app).await?;
+    let operator = roles.pool(db, &roles.operator).await?;
+    Ok((roles, app, operator))
+}
+
+/// Runs `body` with the two pools, then drops the roles whatever happened.
+async fn as_roles<F, Fut>(body: F) -> TestResult
+where
+    F: FnOnce(support::TestDb, PgPool, PgPool) -> Fut,
+    Fut: std::future::Future<Output = TestResult>,
+{
+    let db = support::migrated_db().await;
+    let (roles, app, operator) = app_and_operator(&db).await?;
+    let result = body(db, app.clone(), operator.clone()).await;
+    app.close().await;
+    operator.close().await;
+    roles.drop_all().await?;
+    result
+}
+
+/// A 16-byte token of the given tag.
+fn token(tag: &str) -> Vec<u8> {
+    let mut bytes = tag.as_bytes().to_vec();
+    bytes.resize(16, b'.');
+    bytes.truncate(16);
+    bytes
+}
+
+async fn raw_claim(
+    conn: impl sqlx::PgExecutor<'_>,
+    semaphore: &str,
+    token: &[u8],
+) -> sqlx::Result<(String, Option<Vec<i64>>)> {
+    sqlx::query_as(
+        "SELECT o_status, o_ids FROM pgsemaphore.claim(p_semaphore => $1, p_holder => 'h', \
+         p_lease => NULL, p_metadata => NULL, p_token => $2)",
+    )
+    .bind(semaphore)
+    .bind(token)
+    .fetch_one(conn)
+    .await
+}
+
+async fn live_count(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.live_slots WHERE semaphore = $1")
+        .bind(semaphore)
+        .fetch_one(pool)
+        .await
+}
+
+/// SQLSTATE and COLUMN of a refused call.
+fn refusal<T: std::fmt::Debug>(result: sqlx::Result<T>) -> (String, Option<String>) {
+    let error = result.expect_err("refused");
+    let db = error.as_database_error().expect("a database error");
+    (
+        db.code().unwrap_or_default().into_owned(),
+        db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .and_then(|e| e.column())
+            .map(str::to_owned),
+    )
+}
+
+/// README: "Create a semaphore that does not exist, but never change the
+/// capacity, lease or queue order of one that does."
+#[tokio::test]
+async fn privileges_open_creates_and_never_changes() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let open = "SELECT o_capacity, o_default_lease::text, o_created, o_queue_lifo \
+                    FROM pgsemaphore.open($1, $2, $3::interval, $4)";
+        let created: (i32, String, bool, bool) = sqlx::query_as(open)
+            .bind("opened")
+            .bind(2)
+            .bind("30 s")
+            .bind(false)
+            .fetch_one(&app)
+            .await?;
+        assert_eq!(created, (2, "00:00:30".to_owned(), true, false));
+        let again: (i32, String, bool, bool) = sqlx::query_as(open)
+            .bind("opened")
+            .bind(50)
+            .bind("1 hour")
+            .bind(true)
+            .fetch_one(&app)
+            .await?;
+        assert_eq!(again, (2, "00:00:30".to_owned(), false, false));
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Claim slots only within the capacity: every claim counts the
+/// held slots under the semaphore's row lock, whatever its arguments."
+#[tokio::test]
+async fn privileges_claims_stay_within_the_capacity() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open('bounded', 4, '90 s')")
+            .execute(&app)
+            .await?;
+        let mut n = 0;
+        let mut attempt = |permits: i32, priority: i16, reserve: i32| {
+            n += 1;
+            sqlx::query_as::<_, (String,)>(
+                "SELECT o_status FROM pgsemaphore.claim(p_semaphore => 'bounded', p_holder => 'h', \
+                 p_lease => NULL, p_metadata => NULL, p_token => $1, p_permits => $2, \
+                 p_priority => $3, p_reserve => $4)",
+            )
+            .bind(token(&format!("bounded-{n}")))
+            .bind(permits)
+            .bind(priority)
+            .bind(reserve)
+        };
+        let mut statuses = Vec::new();
+        for (permits, priority, reserve) in [
+            (2, 1, 0),
+            (5, 1, 0),
+            (3, 1, 0),
+            (1, 0, -3),
+            (2, 0, 0),
+            (1, 1, 0),
+            (100_000, 1, 0),
+            (1, 1, 0),
+        ] {
+            statuses.push(
+                match attempt(permits, priority, reserve).fetch_one(&app).await {
+                    Ok((status,)) => status,
+                    Err(error) => error
+                        .as_database_error()
+                        .and_then(|e| e.code())
+                        .unwrap_or_default()
+                        .into_owned(),
+                },
+            );
+            assert!(live_count(&app, "bounded").await? <= 4, "{statuses:?}");
+        }
+        assert_eq!(live_count(&app, "bounded").await?, 4, "{statuses:?}");
+        // Lowered below what is held: nothing more until it drains.
+        sqlx::query("SELECT * FROM pgsemaphore.configure('bounded', 1, NULL)")
+            .execute(&operator)
+            .await?;
+        let (status,) = attempt(1, 1, 0).fetch_one(&app).await?;
+        assert_eq!(status, "full");
+        assert_eq!(live_count(&app, "bounded").await?, 4);
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Release, renew or fence only claims whose token it holds; with
+/// a wrong token it locks nothing and changes nothing."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_a_wrong_token_locks_and_changes_nothing() -> TestResult {
+    as_roles(|db, app, _operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open('owned', 2, '90 s')")
+            .execute(&app)
+            .await?;
+        let mine = token("owner");
+        let (_, ids) = raw_claim(&app, "owned", &mine).await?;
+        let id = ids.expect("claimed")[0];
+        let before: (
+            Option<chrono::DateTime<chrono::Utc>>,
+            chrono::DateTime<chrono::Utc>,
+        ) = sqlx::query_as("SELECT completed_at, expires_at FROM pgsemaphore.slots WHERE id = $1")
+            .bind(id)
+            .fetch_one(&app)
+            .await?;
+
+        let mut stranger = app.acquire().await?;
+        sqlx::query("BEGIN").execute(&mut *stranger).await?;
+        for call in [
+            "SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], $2)",
+            "SELECT o_outcome FROM pgsemaphore.release(ARRAY[$1], $2, true)",
+            "SELECT o_outcome FROM pgsemaphore.renew(ARRAY[$1], $2, '1 hour')",
+            "SELECT o_outcome FROM pgsemaphore.fence(ARRAY[$1], $2)",
+        ] {
+            let (outcome,): (String,) = sqlx::query_as(call)
+                .bind(id)
+                .bind(WRONG_TOKEN)
+                .fetch_one(&mut *stranger)
+                .await?;
+            assert_eq!(outcome, "not_holder", "{call}");
+        }
+        // The holder, meanwhile, is never blocked by the stranger's open transaction.
+        let mut holder = PgConnection::connect_with(
+            &db.options
+                .clone()
+                .username(&app_role(&app).await?)
+                .password(PASSWORD),
+        )
+        .await?;
+        sqlx::query("SET lock_timeout = '1s'")
+            .execute(&mut holder)
+            .await?;
+        let (fenced,): (String,) =
+            sqlx::query_as("SELECT o_outcome FROM pgsemaphore.fence(ARRAY[$1], $2)")
+                .bind(id)
+                .bind(&mine)
+                .fetch_one(&mut holder)
+                .await?;
+        assert_eq!(fenced, "held");
+        let (renewed,): (String,) =
+            sqlx::query_as("SELECT o_outcome FROM pgsemaphore.renew(ARRAY[$1], $2, '90 s')")
+                .bind(id)
+                .bind(&mine)
+                .fetch_one(&mut holder)
+                .await?;
+        assert_eq!(renewed, "renewed");
+        sqlx::query("ROLLBACK").execute(&mut *stranger).await?;
+        let after: (
+            Option<chrono::DateTime<chrono::Utc>>,
+            chrono::DateTime<chrono::Utc>,
+        ) = sqlx::query_as("SELECT completed_at, expires_at FROM pgsemaphore.slots WHERE id = $1")
+            .bind(id)
+            .fetch_one(&app)
+            .await?;
+        assert_eq!(after.0, before.0, "still live");
+        assert!(after.1 >= before.1);
+        Ok(())
+    })
+    .await
+}
+
+async fn app_role(app: &PgPool) -> sqlx::Result<String> {
+    sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(app)
+        .await
+}
+
+/// README: "Release, by its token, a claim whose reply it lost, even one
+/// still waiting for the semaphore's row: no claim with that token holds a
+/// slot afterwards."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_release_by_token_reaches_a_claim_in_flight() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open('lost-reply', 3, '90 s')")
+            .execute(&app)
+            .await?;
+        let lost = token("lost-reply");
+        let mut row_holder = app.acquire().await?;
+        sqlx::query("BEGIN").execute(&mut *row_holder).await?;
+        raw_claim(&mut *row_holder, "lost-reply", &token("row-holder")).await?;
+        let in_flight = {
+            let (app, lost) = (app.clone(), lost.clone());
+            tokio::spawn(async move { raw_claim(&app, "lost-reply", &lost).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let release = {
+            let (app, lost) = (app.clone(), lost.clone());
+            tokio::spawn(async move {
+                sqlx::query_as::<_, (i32, bool)>(
+                    "SELECT o_ended, o_wake FROM pgsemaphore.release_by_token('lost-reply', $1)",
+                )
+                .bind(lost)
+                .fetch_one(&app)
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        sqlx::query("COMMIT").execute(&mut *row_holder).await?;
+        release.await??;
+        let _ = in_flight.await?;
+        let live: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pgsemaphore.live_slots WHERE token_hash = sha256($1::bytea)",
+        )
+        .bind(&lost)
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(live, 0);
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Join, renew and leave only its own places in a queue, and a
+/// ticket proves a place only in the queue of its own semaphore."
+#[tokio::test]
+async fn privileges_queue_places_are_their_owners() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        for name in ["queue-own", "queue-other"] {
+            sqlx::query("SELECT * FROM pgsemaphore.open($1, 1, '90 s')")
+                .bind(name)
+                .execute(&app)
+                .await?;
+        }
+        let enqueue =
+            "SELECT o_ticket FROM pgsemaphore.enqueue($1, 1, 1::smallint, 'h', NULL, '10 s', $2)";
+        let owner = token("queue-owner");
+        let (ticket,): (Option<i64>,) = sqlx::query_as(enqueue)
+            .bind("queue-own")
+            .bind(&owner)
+            .fetch_one(&app)
+            .await?;
+        let ticket = ticket.expect("queued");
+        let expires = || {
+            sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+                "SELECT expires_at FROM pgsemaphore.waiters WHERE id = $1",
+            )
+            .bind(ticket)
+        };
+        let before = expires().fetch_one(&app).await?;
+        // Someone else renews and leaves: nothing happens to the place.
+        sqlx::query(
+            "SELECT pgsemaphore.keep_waiting('queue-own', '60 s', ARRAY[$1], $2, false, 1)",
+        )
+        .bind(ticket)
+        .bind(WRONG_TOKEN)
+        .execute(&app)
+        .await?;
+        let left: bool = sqlx::query_scalar("SELECT pgsemaphore.leave_queue($1, $2)")
+            .bind(ticket)
+            .bind(WRONG_TOKEN)
+            .fetch_one(&app)
+            .await?;
+        assert!(!left);
+        assert_eq!(expires().fetch_one(&app).await?, before);
+        // The ticket proves nothing in another semaphore's queue.
+        let (status,): (String,) = sqlx::query_as(
+            "SELECT o_status FROM pgsemaphore.claim(p_semaphore => 'queue-other', p_holder => 'h', \
+             p_lease => NULL, p_metadata => NULL, p_token => $1, p_ticket => $2, \
+             p_ticket_token => $3, p_waiter_lease => '10 s')",
+        )
+        .bind(token("jump"))
+        .bind(ticket)
+        .bind(&owner)
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(status, "no_ticket");
+        // Its owner renews and leaves.
+        sqlx::query(
+            "SELECT pgsemaphore.keep_waiting('queue-own', '60 s', ARRAY[$1], $2, false, 1)",
+        )
+        .bind(ticket)
+        .bind(&owner)
+        .execute(&app)
+        .await?;
+        assert!(expires().fetch_one(&app).await? > before);
+        let left: bool = sqlx::query_scalar("SELECT pgsemaphore.leave_queue($1, $2)")
+            .bind(ticket)
+            .bind(&owner)
+            .fetch_one(&app)
+            .await?;
+        assert!(left);
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Read every table, which is the audit log: holders, metadata,
+/// and the SHA-256 of tokens, never a token."
+#[tokio::test]
+async fn privileges_every_table_is_readable_and_holds_no_token() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open('readable', 1, '90 s')")
+            .execute(&app)
+            .await?;
+        let mine = token("readable");
+        raw_claim(&app, "readable", &mine).await?;
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'pgsemaphore'",
+        )
+        .fetch_all(&app)
+        .await?;
+        assert!(tables.len() >= 6, "{tables:?}");
+        for table in &tables {
+            sqlx::query(AssertSqlSafe(format!("SELECT * FROM {table} LIMIT 1")))
+                .execute(&app)
+                .await
+                .map_err(|e| format!("{table}: {e}"))?;
+        }
+        let (stored, hashed): (Vec<u8>, Vec<u8>) = sqlx::query_as(
+            "SELECT token_hash, sha256($1::bytea) FROM pgsemaphore.slots WHERE semaphore = 'readable'",
+        )
+        .bind(&mine)
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(stored, hashed);
+        assert_ne!(stored, mine);
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Check rate limits, and so use up a key's budget."
+#[tokio::test]
+async fn privileges_rate_limits_are_checked_and_spent() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let check = "SELECT o_allowed FROM pgsemaphore.fixed_window('budget', 'k', 2, '1 hour', 1)";
+        let mut allowed = Vec::new();
+        for _ in 0..3 {
+            allowed.push(sqlx::query_scalar::<_, bool>(check).fetch_one(&app).await?);
+        }
+        assert_eq!(allowed, [true, true, false]);
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Write any table directly."
+#[tokio::test]
+async fn privileges_no_table_is_writable() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'pgsemaphore'",
+        )
+        .fetch_all(&app)
+        .await?;
+        for table in &tables {
+            let column: String = sqlx::query_scalar(
+                "SELECT quote_ident(attname) FROM pg_attribute
+                  WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped
+                    AND attidentity = '' AND attgenerated = ''
+                  ORDER BY attnum LIMIT 1",
+            )
+            .bind(table)
+            .fetch_one(&app)
+            .await?;
+            for sql in [
+                format!("DELETE FROM {table}"),
+                format!("UPDATE {table} SET {column} = {column}"),
+                format!("INSERT INTO {table} DEFAULT VALUES"),
+                format!("TRUNCATE {table}"),
+            ] {
+                assert!(
+                    denied(sqlx::query(AssertSqlSafe(sql.clone())).execute(&app).await),
+                    "allowed: {sql}"
+                );
+            }
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Run the operator functions or the internal helpers."
+#[tokio::test]
+async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        // Every routine of the schema the application was not granted.
+        let refused: Vec<String> = sqlx::query_scalar(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p
+               JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE n.nspname = 'pgsemaphore'
+                AND NOT has_function_privilege(p.oid, 'EXECUTE')
+              ORDER BY 1",
+        )
+        .fetch_all(&app)
+        .await?;
+        for expected in [
+            "pgsemaphore.configure(text,integer,interval,boolean,boolean)",
+            "pgsemaphore.force_release(bigint)",
+            "pgsemaphore.clear_queue(text)",
+            "pgsemaphore.reap()",
+            "pgsemaphore.prune(interval,integer)",
+            "pgsemaphore.gate(text)",
+            "pgsemaphore.token_bucket_unchecked(text,text,double precision,double precision,double precision)",
+            "pgsemaphore.prune_unchecked(interval,integer)",
+            "pgsemaphore.notify_if_waited(text)",
+        ] {
+            assert!(refused.iter().any(|r| r == expected), "{expected} is executable: {refused:?}");
+        }
+        // Calling them proves it, not only the catalog.
+        for sql in [
+            "SELECT pgsemaphore.gate('x')",
+            "SELECT pgsemaphore.refuse('p_x', 'no')",
+            "SELECT * FROM pgsemaphore.token_bucket_unchecked('l', 'k', 1, 1, 1)",
+            "SELECT pgsemaphore.prune_unchecked('0', 1)",
+            "SELECT pgsemaphore.clear_queue('x')",
+        ] {
+            assert!(denied(sqlx::query(sql).execute(&app).await), "allowed: {sql}");
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Pass an argument outside its documented range: every function
+/// refuses it with SQLSTATE 22023 and the argument's name in the error's
+/// COLUMN field." (Every argument of every function: tests/hostile.rs.)
+#[tokio::test]
+async fn privileges_arguments_out_of_range_are_refused() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open('ranged', 2, '90 s')")
+            .execute(&app)
+            .await?;
+        for (sql, column) in [
+            ("SELECT * FROM pgsemaphore.claim('ranged', 'h', NULL, NULL, $1, p_permits => -1)", "p_permits"),
+            ("SELECT * FROM pgsemaphore.claim('ranged', 'h', NULL, NULL, $1, p_reserve => -1)", "p_reserve"),
+            ("SELECT * FROM pgsemaphore.release(ARRAY[NULL::bigint], $1)", "p_ids"),
+            ("SELECT * FROM pgsemaphore.renew(ARRAY[1], $1, '-1 s')", "p_lease"),
+            ("SELECT * FROM pgsemaphore.enqueue('ranged', 1, 1::smallint, 'h', NULL, '1 year', $1)", "p_waiter_lease"),
+            ("SELECT * FROM pgsemaphore.claim('ranged', 'h', NULL, NULL, NULL)", "p_token"),
+        ] {
+            let result = sqlx::query(sql).bind(token("ranged")).execute(&app).await;
+            assert_eq!(refusal(result), ("22023".to_owned(), Some(column.to_owned())), "{sql}");
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Holding a semaphore's row in an open transaction delays every
+/// other claim of that semaphore by at most 2 seconds each, which then
+/// fails with SQLSTATE 55P03 (`Error::Stalled`), while waiting acquires
+/// keep retrying."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let sem = Semaphore::builder("held-row", 2).build(&app).await?;
+        let mut squatter = app.acquire().await?;
+        sqlx::query("BEGIN").execute(&mut *squatter).await?;
+        sqlx::query(
+            "SELECT * FROM pgsemaphore.enqueue('held-row', 1, 1::smallint, 'h', NULL, '10 s', $1)",
+        )
+        .bind(token("squatter"))
+        .execute(&mut *squatter)
+        .await?;
+        let started = std::time::Instant::now();
+        let refused = raw_claim(&app, "held-row", &token("other")).await;
+        let waited = started.elapsed();
+        assert_eq!(refusal(refused).0, "55P03");
+        assert!(
+            waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+            "{waited:?}"
+        );
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::Stalled { .. })
+        ));
+        let waiter = {
+            let sem = sem.clone();
+            tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert!(!waiter.is_finished());
+        sqlx::query("ROLLBACK").execute(&mut *squatter).await?;
+        waiter.await??.release().await?;
+        Ok(())
+    })
+    .await
+}
+
+/// README: "A queue place that it keeps renewing without claiming blocks
+/// the queue until an operator clears it (`pg_semaphore::clear_queue`,
+/// `pg-semaphore clear-queue`), and a place it stops renewing ends within
+/// 60 seconds."
+#[tokio::test]
+async fn privileges_a_squatted_queue_is_cleared_and_places_end() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        let sem = Semaphore::builder("squatted", 1).build(&app).await?;
+        let enqueue = "SELECT o_ticket FROM pgsemaphore.enqueue('squatted', 1, 1::smallint, 'h', NULL, $1::interval, $2)";
+        let too_long = sqlx::query(enqueue).bind("61 s").bind(token("squatter")).execute(&app).await;
+        assert_eq!(refusal(too_long), ("22023".to_owned(), Some("p_waiter_lease".to_owned())));
+        sqlx::query(enqueue).bind("60 s").bind(token("squatter")).execute(&app).await?;
+        assert!(matches!(sem.try_acquire().await, Err(Error::NoSlotsAvailable { .. })));
+        assert_eq!(pg_semaphore::clear_queue(&operator, "squatted").await?, 1);
+        sem.try_acquire().await?.release().await?;
+        // A place nobody renews ends with its lease.
+        sqlx::query(enqueue).bind("1 s").bind(token("gone")).execute(&app).await?;
+        assert!(matches!(sem.try_acquire().await, Err(Error::NoSlotsAvailable { .. })));
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        sem.try_acquire().await?.release().await?;
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Holding a semaphore's wake-up gate makes releases send spare
+/// wake-ups, or makes registrations fail so that waiters poll, and never
+/// admits too many."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let sem = Semaphore::builder("gated", 1)
+            .fallback_interval(Duration::from_millis(300))
+            .build(&app)
+            .await?;
+        for mode in ["pg_advisory_lock", "pg_advisory_lock_shared"] {
+            let mut squatter = app.acquire().await?;
+            sqlx::query(AssertSqlSafe(format!(
+                "SELECT {mode}(1885828965, hashtext('gated'))"
+            )))
+            .execute(&mut *squatter)
+            .await?;
+            let held = sem.try_acquire().await?;
+            // Each waiter, once served, checks the limit and releases.
+            let waiters: Vec<_> = (0..3)
+                .map(|_| {
+                    let (sem, app) = (sem.clone(), app.clone());
+                    tokio::spawn(async move {
+                        let permit = sem.acquire_timeout(Duration::from_secs(20)).await?;
+                        let live = live_count(&app, "gated").await?;
+                        permit.release().await?;
+                        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(live)
+                    })
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let started = std::time::Instant::now();
+            held.release().await?;
+            assert!(
+                started.elapsed() < Duration::from_secs(1),
+                "{mode}: the release waited"
+            );
+            for waiter in waiters {
+                assert_eq!(waiter.await??, 1, "{mode}");
+            }
+            sqlx::query(AssertSqlSafe(format!(
+                "SELECT {}(1885828965, hashtext('gated'))",
+                mode.replace("lock", "unlock")
+            )))
+            .execute(&mut *squatter)
+            .await?;
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// Every sentence of the README's list has a test above, quoted in its doc
+/// comment: a sentence added without one fails here.
+#[test]
+fn every_sentence_of_the_privileges_list_has_a_test() {
+    fn words(text: &str) -> String {
+        text.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+    let readme = include_str!("../README.md");
+    let start = readme.find("<!-- privileges:begin -->").expect("marker");
+    let end = readme.find("<!-- privileges:end -->").expect("marker");
+    let sentences: Vec<String> = readme[start..end]
+        .lines()
+        .filter_map(|line| line.strip_prefix("- "))
+        .map(words)
+        .collect();
+    assert!(sentences.len() >= 12, "{sentences:?}");
+    let source = include_str!("security.rs");
+    let quoted: String = words(
+        &source
+            .lines()
+            .filter_map(|line| line.trim_start().strip_prefix("///"))
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
+    for sentence in sentences {
+        assert!(
+            quoted.contains(&format!("README: \"{sentence}\"")),
+            "no test quotes the README sentence {sentence:?}"
+        );
+    }
 }

@@ -727,7 +727,7 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
     // here) and died: nobody renews it.
     let ghost: i64 = sqlx::query_scalar(
         "SELECT o_ticket FROM pgsemaphore.enqueue('crash', 1, 1::smallint, 'dead-process', NULL, \
-         interval '3 seconds', '\\xdead'::bytea)",
+         interval '3 seconds', 'dead-process-tok'::bytea)",
     )
     .fetch_one(&db.pool)
     .await?;
@@ -756,11 +756,11 @@ async fn the_reaper_removes_a_crashed_waiter_and_wakes_the_semaphore() -> TestRe
         .await?;
     let ghost: i64 = sqlx::query_scalar(
         "SELECT o_ticket FROM pgsemaphore.enqueue('crash-reaped', 1, 1::smallint, 'dead-process', \
-         NULL, interval '100 milliseconds', '\\xdead'::bytea)",
+         NULL, interval '1 second', 'dead-process-tok'::bytea)",
     )
     .fetch_one(&db.pool)
     .await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     pg_semaphore::reap(&db.pool).await?;
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters WHERE id = $1")
         .bind(ghost)

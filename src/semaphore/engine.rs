@@ -31,30 +31,40 @@ pub const MIN_LEASE: Duration = Duration::from_millis(10);
 pub const MAX_LEASE: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
 /// The claim, one round trip. `o_retry_in` and `o_wake`: see the function.
+/// Every function is called with named arguments: a parameter added to a
+/// function can never shift the others.
 const CLAIM: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at, o_capacity, \
                             o_free, o_retry_in, o_wake \
-                     FROM pgsemaphore.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+                     FROM pgsemaphore.claim(p_semaphore => $1, p_holder => $2, p_lease => $3, \
+                                            p_metadata => $4, p_token => $5, p_permits => $6, \
+                                            p_priority => $7, p_reserve => $8, p_ticket => $9, \
+                                            p_ticket_token => $10, p_waiter_lease => $11)";
 
 /// Renews a permit's claims, one round trip.
-const RENEW: &str = "SELECT o_id, o_outcome, o_at FROM pgsemaphore.renew($1, $2, $3)";
+const RENEW: &str = "SELECT o_id, o_outcome, o_at \
+                     FROM pgsemaphore.renew(p_ids => $1, p_token => $2, p_lease => $3)";
 
 /// Share-locks a permit's claims inside the caller's transaction.
-const FENCE: &str = "SELECT o_id, o_outcome, o_at FROM pgsemaphore.fence($1, $2)";
+const FENCE: &str =
+    "SELECT o_id, o_outcome, o_at FROM pgsemaphore.fence(p_ids => $1, p_token => $2)";
 
-/// Ends whatever live claims carry a token whose claim reply was lost.
-const RELEASE_BY_TOKEN: &str = "SELECT pgsemaphore.release_by_token($1, $2)";
+/// Ends whatever live claims carry a token whose claim reply was lost
+/// (including one still in flight), and says whether to wake waiters after.
+const RELEASE_BY_TOKEN: &str = "SELECT o_ended, o_wake \
+                                FROM pgsemaphore.release_by_token(p_semaphore => $1, p_token => $2)";
 
 /// Sends a semaphore's wake-up if anyone waits (after the transaction that
 /// freed slots committed).
-const WAKE: &str = "SELECT pgsemaphore.wake($1)";
+const WAKE: &str = "SELECT pgsemaphore.wake(p_semaphore => $1)";
 
 /// The release, one round trip: `pgsemaphore.release_then_wake` ends the
-/// claims in a durable transaction that also looks for registered waiters
-/// (under the semaphore's wake-up gate, see `pgsemaphore.release`, so no
-/// waiter registering meanwhile is missed); only if one is registered does
-/// it commit and send the wake-up from a transaction of its own. A prepared
+/// claims in a durable transaction that also asks the semaphore's wake-up
+/// gate whether a waiter may be registered (see `pgsemaphore.gate`, so no
+/// waiter registering meanwhile is missed); only if one may does it commit
+/// and send the wake-up from a transaction of its own. A prepared
 /// statement on a direct pool.
-const RELEASE: &str = "CALL pgsemaphore.release_then_wake($1, $2, $3)";
+const RELEASE: &str =
+    "CALL pgsemaphore.release_then_wake(p_ids => $1, p_token => $2, p_lost => $3)";
 
 /// The same behind a transaction pooler, where a prepared statement needs an
 /// explicit transaction and a procedure that commits cannot run in one: one
@@ -63,7 +73,8 @@ const RELEASE: &str = "CALL pgsemaphore.release_then_wake($1, $2, $3)";
 fn release_call(ids: &[i64], token: &Token, lost: bool) -> String {
     let ids = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
     format!(
-        "CALL pgsemaphore.release_then_wake('{{{ids}}}'::bigint[], decode('{token}', 'hex'), {lost})",
+        "CALL pgsemaphore.release_then_wake(p_ids => '{{{ids}}}'::bigint[], \
+         p_token => decode('{token}', 'hex'), p_lost => {lost})",
         token = token.hex(),
     )
 }
@@ -122,8 +133,16 @@ pub enum QueueOrder {
 }
 
 impl QueueOrder {
-    fn is_lifo(self) -> bool {
+    pub(crate) fn is_lifo(self) -> bool {
         self == QueueOrder::NewestFirst
+    }
+
+    pub(crate) fn from_lifo(lifo: bool) -> QueueOrder {
+        if lifo {
+            QueueOrder::NewestFirst
+        } else {
+            QueueOrder::OldestFirst
+        }
     }
 
     /// A ticket's place in the local order: smallest first.
@@ -295,10 +314,9 @@ pub(crate) async fn claim(
     ticket: Option<(i64, &Token)>,
 ) -> Result<Admission> {
     let token = Token::new();
-    let (lifo, waiter_lease) = match core.queue {
-        Some(queue) => (queue.order.is_lifo(), Some(super::wake::wait_lease())),
-        None => (false, None),
-    };
+    // A queued claim renews its ticket's lease; the queue's order is the
+    // semaphore's own (stored with it).
+    let waiter_lease = ticket.map(|_| super::wake::wait_lease());
     let query = core
         .db
         .query_as::<ClaimRow>(CLAIM)
@@ -312,7 +330,6 @@ pub(crate) async fn claim(
         .bind(core.reserved as i32)
         .bind(ticket.map(|(id, _)| id))
         .bind(ticket.map(|(_, ticket_token)| ticket_token.bytes()))
-        .bind(lifo)
         .bind(waiter_lease);
     let sent = Instant::now();
     let row = match core.db.fetch_one(query).await {
@@ -321,7 +338,7 @@ pub(crate) async fn claim(
             if db::outcome_unknown(&error) {
                 forget_claim(core.clone(), token, attempt.lease);
             }
-            return Err(not_found_or(error, &core.name));
+            return Err(refused_on(error, &core.name));
         }
     };
     if row.o_wake {
@@ -334,9 +351,9 @@ pub(crate) async fn claim(
             let (Some(ids), Some(slots), Some(acquired_at), Some(expires_at)) =
                 (row.o_ids, row.o_slots, row.o_created_at, row.o_expires_at)
             else {
-                return Err(Error::Database(sqlx::Error::Protocol(
-                    "pgsemaphore.claim returned a claim without ids or timestamps".into(),
-                )));
+                return Err(Error::internal(
+                    "pgsemaphore.claim returned a claim without ids or timestamps",
+                ));
             };
             Admission::Claimed(Claimed {
                 claims: ids
@@ -371,17 +388,19 @@ fn forget_claim(core: Arc<Core>, token: Token, lease: Option<PgInterval>) {
         loop {
             let query = core
                 .db
-                .query_as::<(i32,)>(RELEASE_BY_TOKEN)
+                .query_as::<(i32, bool)>(RELEASE_BY_TOKEN)
                 .bind(core.name.clone())
                 .bind(token.bytes());
             match core.db.fetch_one(query).await {
-                Ok((ended,)) => {
+                Ok((ended, wake_waiters)) => {
                     if ended > 0 {
                         tracing::info!(
                             semaphore = %core.name,
                             ended,
                             "a claim whose reply was lost had committed; released it"
                         );
+                    }
+                    if wake_waiters {
                         wake(&core).await;
                     }
                     return;
@@ -442,12 +461,29 @@ fn ended(id: i64, outcome: &str, at: Option<DateTime<Utc>>) -> Ended {
     Ended::Lost { id, reason }
 }
 
-/// The first lost claim among a statement's rows, if any.
-fn first_lost(rows: Vec<(i64, String, Option<DateTime<Utc>>)>) -> Ended {
-    rows.into_iter()
-        .map(|(id, outcome, at)| ended(id, &outcome, at))
-        .find(|e| *e != Ended::Done)
-        .unwrap_or(Ended::Done)
+/// The first lost claim among the rows of a renewal or a fence of `ids`,
+/// if any. An id the database did not answer for counts as lost
+/// ([`LostReason::Missing`]): a renewal that renewed nothing never reads as
+/// success.
+fn first_lost(ids: &[i64], rows: Vec<(i64, String, Option<DateTime<Utc>>)>) -> Ended {
+    let mut lost = rows
+        .iter()
+        .map(|(id, outcome, at)| ended(*id, outcome, *at))
+        .filter(|e| *e != Ended::Done)
+        .chain(
+            ids.iter()
+                .filter(|id| !rows.iter().any(|(answered, _, _)| answered == *id))
+                .map(|&id| Ended::Lost {
+                    id,
+                    reason: LostReason::Missing,
+                }),
+        )
+        .collect::<Vec<_>>();
+    lost.sort_by_key(|e| match e {
+        Ended::Lost { id, .. } => *id,
+        Ended::Done => i64::MIN,
+    });
+    lost.into_iter().next().unwrap_or(Ended::Done)
 }
 
 /// Ends a permit's claims (and wakes waiters, if any, after the commit), in
@@ -462,11 +498,9 @@ pub(crate) async fn release(
 ) -> Result<(Ended, Option<DateTime<Utc>>)> {
     let (outcome, id, at): (String, Option<i64>, Option<DateTime<Utc>>) = if core.db.is_pooled() {
         let rows = core.db.batch(release_call(ids, token, lost)).await?;
-        let row = rows.first().ok_or_else(|| {
-            Error::Database(sqlx::Error::Protocol(
-                "pgsemaphore.release_then_wake returned no row".into(),
-            ))
-        })?;
+        let row = rows
+            .first()
+            .ok_or_else(|| Error::internal("pgsemaphore.release_then_wake returned no row"))?;
         (
             row.try_get("o_outcome")?,
             row.try_get("o_id")?,
@@ -498,7 +532,7 @@ pub(crate) async fn renew(
         .bind(ids.to_vec())
         .bind(token.bytes())
         .bind(lease);
-    Ok(first_lost(core.db.fetch_all(query).await?))
+    Ok(first_lost(ids, core.db.fetch_all(query).await?))
 }
 
 /// Fences a permit's claims inside the caller's transaction.
@@ -515,21 +549,25 @@ pub(crate) async fn fence(
         .fetch_all(conn)
         .await
         .map_err(db::ours)?;
-    Ok(first_lost(rows))
+    Ok(first_lost(ids, rows))
 }
 
-/// P0002 no_data_found: raised by the claim and enqueue for an unknown semaphore.
-pub(crate) fn not_found_or(error: Error, semaphore: &str) -> Error {
+/// What the claim and enqueue refuse with: P0002 (no_data_found) for an
+/// unknown semaphore, 55P03 (lock_not_available) when the semaphore's row
+/// stayed locked past the functions' `lock_timeout`.
+pub(crate) fn refused_on(error: Error, semaphore: &str) -> Error {
     let code = match &error {
         Error::Database(error) => error.as_database_error().and_then(|e| e.code()),
         _ => None,
     };
-    if code.as_deref() == Some("P0002") {
-        Error::SemaphoreNotFound {
+    match code.as_deref() {
+        Some("P0002") => Error::SemaphoreNotFound {
             semaphore: semaphore.to_owned(),
-        }
-    } else {
-        error
+        },
+        Some("55P03") => Error::Stalled {
+            semaphore: semaphore.to_owned(),
+        },
+        _ => error,
     }
 }
 
@@ -599,8 +637,29 @@ mod tests {
             (2, "completed".to_owned(), Some(Utc::now())),
             (3, "missing".to_owned(), None),
         ];
-        assert!(matches!(first_lost(rows), Ended::Lost { id: 2, .. }));
-        assert_eq!(first_lost(Vec::new()), Ended::Done);
+        assert!(matches!(
+            first_lost(&[1, 2, 3], rows),
+            Ended::Lost { id: 2, .. }
+        ));
+        let renewed = vec![(1, "renewed".to_owned(), None)];
+        assert_eq!(first_lost(&[1], renewed), Ended::Done);
+    }
+
+    #[test]
+    fn an_id_the_database_did_not_answer_for_is_lost() {
+        assert_eq!(
+            first_lost(&[7], Vec::new()),
+            Ended::Lost {
+                id: 7,
+                reason: LostReason::Missing
+            },
+            "a renewal that renewed nothing is not a success"
+        );
+        let rows = vec![(8, "renewed".to_owned(), None)];
+        assert!(matches!(
+            first_lost(&[7, 8], rows),
+            Ended::Lost { id: 7, .. }
+        ));
     }
 
     #[test]
@@ -609,8 +668,8 @@ mod tests {
         let sql = release_call(&[7, 9], &token, true);
         assert_eq!(
             sql,
-            "CALL pgsemaphore.release_then_wake('{7,9}'::bigint[], \
-             decode('abababababababababababababababab', 'hex'), true)"
+            "CALL pgsemaphore.release_then_wake(p_ids => '{7,9}'::bigint[], \
+             p_token => decode('abababababababababababababababab', 'hex'), p_lost => true)"
         );
         assert_eq!(format!("{token:?}"), "Token(..)", "never printed");
     }

@@ -52,8 +52,9 @@ pub const DEFAULT_FALLBACK_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Opens a semaphore: creates it if it does not exist, and returns the
 /// settings in force.
-const OPEN: &str =
-    "SELECT o_capacity, o_default_lease, o_created FROM pgsemaphore.open($1, $2, $3)";
+const OPEN: &str = "SELECT o_capacity, o_default_lease, o_created, o_queue_lifo \
+                    FROM pgsemaphore.open(p_name => $1, p_capacity => $2, p_lease => $3, \
+                                          p_queue_lifo => $4)";
 
 /// Free slots right now (live claims count as held until a reaper or a
 /// claim ends them, expired or not).
@@ -283,9 +284,13 @@ impl SemaphoreBuilder {
     /// [`try_acquire`](Semaphore::try_acquire) (on any handle) fails fast with
     /// [`Error::NoSlotsAvailable`] rather than jump the queue. A waiter that
     /// is cancelled leaves the queue at once; one whose process crashes
-    /// leaves it within 10 seconds. Every queued handle of a semaphore must
-    /// use the same order: a FIFO and a LIFO waiter can each find the other
-    /// ahead of it, and wait until one of them gives up.
+    /// leaves it within 10 seconds.
+    ///
+    /// The order is the semaphore's, stored with it: `order` is the order a
+    /// semaphore this builder *creates* gets; an existing semaphore keeps
+    /// its own (a `WARN` event says so when it differs), which this handle
+    /// then uses, and an operator changes it with
+    /// [`set_queue_order`](crate::set_queue_order).
     ///
     /// Costs: a waiting acquire takes two round trips more than without a
     /// queue (joining and leaving), and each process renews its waiters in
@@ -364,12 +369,29 @@ impl SemaphoreBuilder {
         };
         check_reserve(self.reserved, self.capacity)?;
         let db = Db::new(pool, self.pooled);
+        let requested_order = self.queue.map(|q| q.order).unwrap_or_default();
         let query = db
-            .query_as::<(i32, PgInterval, bool)>(OPEN)
+            .query_as::<(i32, PgInterval, bool, bool)>(OPEN)
             .bind(self.name.clone())
             .bind(self.capacity as i32)
-            .bind(lease);
-        let (capacity, stored_lease, created) = db.fetch_one(query).await?;
+            .bind(lease)
+            .bind(requested_order.is_lifo());
+        let (capacity, stored_lease, created, lifo) = db.fetch_one(query).await?;
+        // The queue's order is the semaphore's: the stored one is in force.
+        let stored_order = QueueOrder::from_lifo(lifo);
+        let queue = self.queue.map(|q| QueueOptions {
+            order: stored_order,
+            ..q
+        });
+        if !created && self.queue.is_some() && stored_order != requested_order {
+            tracing::warn!(
+                semaphore = %self.name,
+                order = ?stored_order,
+                requested_order = ?requested_order,
+                "semaphore's queue order differs from this handle's, and stays in force; \
+                 change it with pg_semaphore::set_queue_order"
+            );
+        }
         let capacity = capacity.max(1) as u32;
         let stored_lease = engine::duration_of(&stored_lease);
         if created {
@@ -400,7 +422,7 @@ impl SemaphoreBuilder {
                 heartbeat: self.heartbeat,
                 fail_open: self.fail_open,
                 reserved: self.reserved,
-                queue: self.queue,
+                queue,
             }),
         })
     }
@@ -485,7 +507,8 @@ impl Semaphore {
         self.core.reserved
     }
 
-    /// This handle's queue order, if its acquires wait in the fair queue.
+    /// The semaphore's queue order, as stored when this handle was opened,
+    /// if this handle's acquires wait in the fair queue.
     pub fn queue_order(&self) -> Option<QueueOrder> {
         self.core.queue.map(|q| q.order)
     }

@@ -28,11 +28,13 @@ use super::wake::wait_lease;
 
 /// Joins the queue: a ticket (NULL when the queue is full), and whether dead
 /// waiters were removed.
-const ENQUEUE: &str =
-    "SELECT o_ticket, o_wake FROM pgsemaphore.enqueue($1, $2, $3, $4, $5, $6, $7)";
+const ENQUEUE: &str = "SELECT o_ticket, o_wake \
+                       FROM pgsemaphore.enqueue(p_semaphore => $1, p_permits => $2, \
+                                                p_priority => $3, p_holder => $4, p_limit => $5, \
+                                                p_waiter_lease => $6, p_token => $7)";
 
 /// Leaves the queue and wakes the semaphore's waiters, so the next head looks.
-const LEAVE: &str = "SELECT pgsemaphore.leave_queue($1, $2)";
+const LEAVE: &str = "SELECT pgsemaphore.leave_queue(p_ticket => $1, p_token => $2)";
 
 /// Live waiters of a semaphore.
 const QUEUED: &str = "SELECT count(*) FROM pgsemaphore.waiters \
@@ -63,7 +65,7 @@ pub(crate) async fn enqueue(
             .db
             .fetch_one(query)
             .await
-            .map_err(|error| engine::not_found_or(error, &core.name))?;
+            .map_err(|error| engine::refused_on(error, &core.name))?;
         if wake {
             engine::wake(&core).await;
         }

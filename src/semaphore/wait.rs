@@ -105,8 +105,11 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
                     lease_ends = retry_in.map(|wait| Instant::now() + wait + AFTER_LEASE);
                 }
             }
-            if !registered {
-                watch.register(&core.db).await;
+            // Registered now, claim again: a release that committed before
+            // the registration sent no wake-up, but this claim sees it. A
+            // registration that failed leaves this waiter to the fallback
+            // re-check (and the lease that blocks it).
+            if !registered && watch.register(&core.db).await {
                 continue;
             }
             if let Some(options) = core.queue
@@ -138,8 +141,9 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
 }
 
 /// How a wait rides out an outage (a database restart, a failover, a
-/// partition): a round trip that could not reach the database, or found the
-/// pool exhausted, is retried after a pause that grows from 50 ms to the
+/// partition) or a stall (the semaphore's row held by a stuck transaction,
+/// [`Error::Stalled`]): a round trip that could not reach the database,
+/// found the pool exhausted, or stalled, is retried after a pause that grows from 50 ms to the
 /// fallback interval, until it gets through or the caller's timeout ends;
 /// one WARN per outage. An answer from the database (an error of the
 /// statement) still ends the wait.
@@ -170,14 +174,24 @@ impl Outage {
             Err(error)
                 if self.enabled
                     && (error.is_unreachable()
-                        || matches!(error, Error::Database(sqlx::Error::PoolTimedOut))) =>
+                        || matches!(
+                            error,
+                            Error::Database(sqlx::Error::PoolTimedOut) | Error::Stalled { .. }
+                        )) =>
             {
                 let pause = match self.pause {
                     None => {
-                        tracing::warn!(
-                            semaphore = %core.name, %error,
-                            "database unreachable while waiting; retrying until it is back or the wait times out"
-                        );
+                        if matches!(error, Error::Stalled { .. }) {
+                            tracing::warn!(
+                                semaphore = %core.name, %error,
+                                "the semaphore's row is held by a stuck transaction; retrying until it is free or the wait times out"
+                            );
+                        } else {
+                            tracing::warn!(
+                                semaphore = %core.name, %error,
+                                "database unreachable while waiting; retrying until it is back or the wait times out"
+                            );
+                        }
                         Duration::from_millis(50)
                     }
                     Some(pause) => (pause * 2).min(core.fallback.max(Duration::from_millis(50))),
@@ -229,8 +243,7 @@ pub(crate) async fn idle(core: &Arc<Core>) -> Result<()> {
             }
             Some((true, _)) => return Ok(()),
             Some((false, ends)) => {
-                if !registered {
-                    watch.register(&core.db).await;
+                if !registered && watch.register(&core.db).await {
                     continue;
                 }
                 match ends {

@@ -59,10 +59,13 @@ pub(crate) const WAIT_LEASE: Duration = Duration::from_secs(10);
 /// Renews a process's registration (unless `$5` is false: behind a
 /// transaction pooler, where nothing can listen) for its waiting spell `$6`,
 /// and its queue tickets.
-const KEEP_WAITING: &str = "SELECT pgsemaphore.keep_waiting($1, $2, $3, $4, $5, $6)";
+const KEEP_WAITING: &str = "SELECT pgsemaphore.keep_waiting(p_semaphore => $1, p_lease => $2, \
+                                                         p_tickets => $3, p_token => $4, \
+                                                         p_register => $5, p_spell => $6)";
 
 /// The process's last waiter left: its registration (of spell `$3`) goes.
-const STOP_WAITING: &str = "SELECT pgsemaphore.stop_waiting($1, $2, $3)";
+const STOP_WAITING: &str =
+    "SELECT pgsemaphore.stop_waiting(p_semaphore => $1, p_token => $2, p_spell => $3)";
 
 /// Wake-up services by pool (the pool's connect-options `Arc` identifies it).
 static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Wakeups>)>> = Mutex::new(Vec::new());
@@ -410,11 +413,14 @@ impl Watch {
 
     /// Registers this process for the semaphore's wake-ups (one round trip)
     /// and makes sure a keeper renews the registration and the process's
-    /// queue tickets while anyone here waits. A failure is logged: waiters
-    /// then rely on the fallback re-check until the keeper gets through.
-    pub(crate) async fn register(&self, db: &Db) {
+    /// queue tickets while anyone here waits. Returns whether the
+    /// registration was written. A failure is logged: waiters then rely on
+    /// the fallback re-check until the keeper gets through (a registration
+    /// waits for the semaphore's wake-up gate, and gives up after the
+    /// function's `lock_timeout` if someone holds it).
+    pub(crate) async fn register(&self, db: &Db) -> bool {
         let token = &self.entries.token;
-        keep_waiting(db, &self.semaphore, &self.entry, token).await;
+        let registered = keep_waiting(db, &self.semaphore, &self.entry, token).await;
         let mut state = lock(&self.entry.state);
         if state.keeper.as_ref().is_none_or(|k| k.is_finished()) {
             state.keeper = Some(tokio::spawn(keeper(
@@ -424,6 +430,7 @@ impl Watch {
                 token.clone(),
             )));
         }
+        registered
     }
 }
 
@@ -458,8 +465,9 @@ impl Drop for Watch {
 }
 
 /// One renewal: the registration (unless behind a transaction pooler) and
-/// the leases of the queue tickets of every local place.
-async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) {
+/// the leases of the queue tickets of every local place. Returns whether a
+/// registration was written.
+async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) -> bool {
     let (tickets, spell) = {
         let state = lock(&entry.state);
         let tickets: Vec<i64> = state.places.values().flatten().copied().collect();
@@ -491,9 +499,11 @@ async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) {
                     stop_waiting(db.clone(), semaphore.to_owned(), token.clone(), state.spell);
                 }
             }
+            register
         }
         Err(error) => {
             tracing::debug!(semaphore, %error, "renewing the wake-up registration failed");
+            false
         }
     }
 }
