@@ -69,6 +69,7 @@ async fn help_lists_every_command_and_the_exit_statuses() {
         "reap",
         "release",
         "set-capacity",
+        "clear-queue",
         "prune",
     ] {
         assert!(help.contains(command), "--help lacks {command}:\n{help}");
@@ -511,6 +512,34 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     assert_eq!(pg_semaphore::semaphores(&db.pool).await?[0].capacity, 3);
     held.release().await?;
     second.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn clear_queue_removes_every_waiter() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = Semaphore::builder("cleared", 1).build(&db.pool).await?;
+    for tag in ["squatter-one-tok", "squatter-two-tok"] {
+        sqlx::query(
+            "SELECT * FROM pgsemaphore.enqueue('cleared', 1, 1::smallint, 'squatter', NULL, '60 s', $1)",
+        )
+        .bind(tag.as_bytes())
+        .execute(&db.pool)
+        .await?;
+    }
+    assert!(
+        sem.try_acquire().await.is_err(),
+        "the queue blocks plain claims"
+    );
+    let out = run(&db, &["clear-queue", "cleared"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "cleared: removed 2 waiters from the queue"
+    );
+    sem.try_acquire().await?.release().await?;
+    let out = run(&db, &["clear-queue", "missing"]).await;
+    assert_status(&out, 3);
     Ok(())
 }
 

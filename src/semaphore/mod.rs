@@ -588,6 +588,11 @@ impl Semaphore {
     ///   Also while waiters are queued in the semaphore's fair queue (see
     ///   [`SemaphoreBuilder::queue`]), even if a slot is free: a fail-fast
     ///   claim never jumps the queue.
+    /// - [`Error::Stalled`] when another transaction held the semaphore's
+    ///   row for longer than 2 s (a claim left uncommitted): nothing was
+    ///   claimed; answer 503 as for a full semaphore, and find the culprit.
+    /// - [`Error::InvalidArgument`] when the database refused an argument
+    ///   (metadata over 64 kB, ...).
     /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
     ///
     /// # Cancel safety
@@ -607,9 +612,10 @@ impl Semaphore {
     /// acquires are served in order.
     ///
     /// An outage (a database restart, a failover, a partition, an exhausted
-    /// pool) does not end the wait: the claim is retried, with a pause that
-    /// grows to the fallback interval and one `WARN` per outage, until the
-    /// database answers again (bound it with
+    /// pool) or a stall ([`Error::Stalled`]: the semaphore's row held by a
+    /// stuck transaction) does not end the wait: the claim is retried, with
+    /// a pause that grows to the fallback interval and one `WARN` per
+    /// outage, until the database answers again (bound it with
     /// [`acquire_timeout`](Self::acquire_timeout)).
     ///
     /// # Errors
@@ -664,6 +670,7 @@ impl Semaphore {
     ///   (it could never succeed).
     /// - [`Error::NoSlotsAvailable`] when fewer than `n` slots are free, or
     ///   waiters are queued on the semaphore (see [`SemaphoreBuilder::queue`]).
+    /// - [`Error::Stalled`], as for [`try_acquire`](Self::try_acquire).
     /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
     ///
     /// # Cancel safety

@@ -136,6 +136,14 @@ pub(crate) async fn set_capacity(
     Ok(format!("{name}: capacity {previous} -> {capacity}\n"))
 }
 
+pub(crate) async fn clear_queue(pool: &PgPool, name: &str) -> Result<String, Failure> {
+    let removed = pg_semaphore::clear_queue(pool, name).await?;
+    Ok(format!(
+        "{name}: removed {removed} waiter{} from the queue\n",
+        plural(removed)
+    ))
+}
+
 pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String, Failure> {
     let deleted = pg_semaphore::prune(pool, older_than).await?;
     Ok(format!(

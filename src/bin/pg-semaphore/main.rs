@@ -47,7 +47,7 @@ Exit status:
   0  success (also when there was nothing to do)
   1  database or runtime error (connection refused, query failed, ...)
   2  usage error (bad arguments, no database URL)
-  3  not found: no such semaphore (audit, report, status NAME, set-capacity) or claim (release)
+  3  not found: no such semaphore (audit, report, status NAME, set-capacity, clear-queue) or claim (release)
   4  pg-semaphore's migrations are not applied to this database (run `pg-semaphore migrate`)
 
 The database URL comes from --database-url, else DATABASE_URL in the
@@ -140,13 +140,26 @@ enum Command {
     /// Growing wakes waiters at once; shrinking lets holders above the new
     /// capacity finish (new claims see the new capacity).
     ///
-    /// Processes that build the semaphore with another capacity set it back
-    /// when they start: change their configuration too.
+    /// Processes that open the semaphore with another capacity do not set
+    /// it back (opening never changes an existing semaphore): change their
+    /// configuration too, for the day the semaphore is created anew.
     SetCapacity {
         /// The semaphore's name.
         name: String,
         /// The new capacity (1 to 100000).
         capacity: u32,
+    },
+
+    /// Remove every waiter from a semaphore's fair queue.
+    ///
+    /// For a queue that a waiter blocks (a process that keeps renewing its
+    /// place but never claims). Waiters of live processes notice at their
+    /// next claim and queue again, at the back; the semaphore's waiters are
+    /// woken. Prints how many were removed (exit status 3 if the semaphore
+    /// does not exist).
+    ClearQueue {
+        /// The semaphore's name.
+        name: String,
     },
 
     /// Delete finished claims older than --older-than.
@@ -315,6 +328,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         Command::SetCapacity { name, capacity } => {
             commands::set_capacity(&pool, &name, capacity).await?
         }
+        Command::ClearQueue { name } => commands::clear_queue(&pool, &name).await?,
         Command::Prune { older_than } => commands::prune(&pool, older_than).await?,
     };
     pool.close().await;
