@@ -136,7 +136,13 @@
 //! `search_path`: the application's role needs `EXECUTE` on the
 //! application's functions and no write privilege on any table; an operator
 //! role gets the operator's functions ([`set_capacity`], [`configure`],
-//! [`force_release`], [`reap`], [`prune`]). The README lists the exact grants.
+//! [`set_queue_order`], [`clear_queue`], [`force_release`], [`reap`],
+//! [`prune`]). The README lists the exact grants, and what the application
+//! role can and cannot do with them: the SQL functions are the security
+//! boundary, not this crate. They check every argument (a refused one is
+//! [`Error::InvalidArgument`], naming it), never lock or change a claim
+//! whose token the caller does not hold, and bound how long a transaction
+//! left open can hold a semaphore's row ([`Error::Stalled`]).
 //!
 //! # Migrations
 //!
