@@ -8,6 +8,7 @@
 #   - PgBouncer (apt: pgbouncer), for tests/pgbouncer.rs;
 #   - sqlx-cli 0.9 (cargo install), for tests/migrations.rs;
 #   - Chromium (apt: chromium), for the browser tests;
+#   - pg_isolation_regress (apt: postgresql-client), for tests/isolation.rs;
 # then runs `cargo test --all-features` with PGSEMAPHORE_REQUIRE_TOOLS=1, so a
 # test whose tool is missing fails instead of skipping. Arguments are passed
 # on to cargo test (`bash scripts/test.sh --test pgbouncer`).
@@ -80,6 +81,15 @@ else
     echo "sqlx-cli: installing 0.9.0 (cargo install, takes a few minutes)"
     quietly cargo install -q sqlx-cli --version 0.9.0 --locked \
         --no-default-features --features postgres,rustls,sqlx-toml
+fi
+
+# tests/isolation.rs runs PostgreSQL's isolation tester, which Debian ships
+# in the client package, outside PATH.
+if compgen -G '/usr/lib/postgresql/*/lib/pgxs/src/test/isolation/pg_isolation_regress' >/dev/null; then
+    echo "pg_isolation_regress: $(compgen -G '/usr/lib/postgresql/*/lib/pgxs/src/test/isolation/pg_isolation_regress' | sort -V | tail -n 1)"
+else
+    echo "pg_isolation_regress: installing (apt-get install postgresql-client)"
+    apt_install postgresql-client
 fi
 
 if [[ -x /usr/bin/chromium ]]; then
