@@ -17,7 +17,8 @@
 --   * a name belongs to one kind: a trigger on each table refuses a name
 --     the other kind has (SQLSTATE 22023 naming p_name);
 --   * application functions open_advisory, advisory_claim,
---     advisory_release, advisory_log; operator function configure_advisory;
+--     advisory_release, advisory_drained, advisory_log; operator function
+--     configure_advisory;
 --   * pgsemaphore.advisory_claims: the audit log, insert-only, written in
 --     batches off the hot path (advisory_log);
 --   * schema_version() returns (3, 2): code built for version 2 works
@@ -179,11 +180,10 @@ BEGIN
 END;
 $$;
 
-CREATE FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits integer, p_mine integer[])
-RETURNS TABLE (o_status text, o_slots integer[], o_capacity integer, o_at timestamptz)
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
+CREATE FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits integer, p_mine integer[],
+                                           OUT o_status text, OUT o_slots integer[],
+                                           OUT o_capacity integer, OUT o_at timestamptz)
+LANGUAGE plpgsql
 AS $$
 -- THE ADVISORY CLAIM. Takes p_permits slots of the advisory semaphore
 -- p_semaphore as session-level advisory locks of the caller's session, all
@@ -223,6 +223,14 @@ AS $$
 -- its locks when it notices); anyone taking these keys with
 -- pg_advisory_lock directly (any role may: it only makes the semaphore look
 -- fuller).
+-- With the caller's rights (SECURITY INVOKER, no SET clause: a SET clause
+-- costs more than the rest of the function): it only reads the semaphore's
+-- row (SELECT, which the application's grants give) and takes and frees
+-- the caller's own session locks, which any role may. A caller that
+-- redirects its own search_path, or skips the claim, can only exceed the
+-- limit itself, as any client that does not use a semaphore can; it cannot
+-- free or take over another session's slots. The one write, lowering
+-- peak_capacity when a drop is over, is pgsemaphore.advisory_drained's.
 DECLARE
     v_capacity integer;
     v_peak     integer;
@@ -233,14 +241,17 @@ DECLARE
     s          integer;
 BEGIN
     IF p_semaphore IS NULL THEN
-        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+        RAISE EXCEPTION 'invalid p_semaphore: %', 'a semaphore name, got NULL'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_semaphore';
     END IF;
     IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
-        PERFORM pgsemaphore.refuse('p_permits', format('1 to 100000, got %s', coalesce(p_permits::text, 'NULL')));
+        RAISE EXCEPTION 'invalid p_permits: %', format('1 to 100000, got %s', coalesce(p_permits::text, 'NULL'))
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_permits';
     END IF;
     IF p_mine IS NULL OR cardinality(p_mine) > 100000 OR array_position(p_mine, NULL) IS NOT NULL
        OR (cardinality(p_mine) > 0 AND array_ndims(p_mine) <> 1) THEN
-        PERFORM pgsemaphore.refuse('p_mine', 'zero to 100000 slots, in a one-dimensional array without NULLs');
+        RAISE EXCEPTION 'invalid p_mine: %', 'zero to 100000 slots, in a one-dimensional array without NULLs'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_mine';
     END IF;
     SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
       FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
@@ -251,7 +262,6 @@ BEGIN
     o_capacity := v_capacity;
     IF p_permits > v_capacity THEN
         o_status := 'too_many';
-        RETURN NEXT;
         RETURN;
     END IF;
     -- 1. The lowest free slots below the capacity. (Nested IFs: SQL does
@@ -268,7 +278,6 @@ BEGIN
     IF cardinality(v_slots) < p_permits THEN
         PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
         o_status := 'full';
-        RETURN NEXT;
         RETURN;
     END IF;
     -- 2. A capacity drop is pending: count every held slot below the peak.
@@ -291,75 +300,96 @@ BEGIN
         IF v_held > v_capacity THEN
             PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
             o_status := 'full';
-            RETURN NEXT;
             RETURN;
         END IF;
         -- Every slot above the capacity was free, and none is ever taken
         -- again: the drop is over. One write, once per drop.
         IF NOT v_above THEN
-            UPDATE pgsemaphore.advisory_semaphores a
-               SET peak_capacity = a.capacity
-             WHERE a.name = p_semaphore AND a.capacity = v_capacity AND a.peak_capacity = v_peak;
+            PERFORM pgsemaphore.advisory_drained(p_semaphore, v_capacity, v_peak);
         END IF;
     END IF;
     o_status := 'claimed';
     o_slots := v_slots;
     o_at := clock_timestamp();
-    RETURN NEXT;
 END;
 $$;
 
-CREATE FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_slots integer[])
-RETURNS TABLE (o_released integer, o_notified boolean)
+CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text, p_capacity integer, p_peak integer)
+RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
 AS $$
--- Ends a permit of the advisory semaphore p_semaphore: unlocks its slots
--- p_slots on the caller's session, then wakes waiters of other sessions if
--- any wait. Returns how many of the slots this session held (and so
--- released), and whether it sent the semaphore's NOTIFY.
---   p_semaphore an advisory semaphore (else P0002); p_slots 1..100000
---   slots, no NULLs
+-- A capacity drop of p_semaphore is over: advisory_claim found every slot
+-- at or above the capacity free (none is ever taken again), so claims stop
+-- counting them. Only if the capacity and the peak are still what that
+-- claim read (a concurrent configure_advisory wins). With the owner's
+-- rights: the application may not write the table. A caller that calls it
+-- early can only make claims stop counting holders above the capacity
+-- while some remain: callable by the application, but it gains nothing
+-- over not using the semaphore, and the README says so.
+BEGIN
+    UPDATE pgsemaphore.advisory_semaphores a
+       SET peak_capacity = a.capacity
+     WHERE a.name = p_semaphore AND a.capacity = p_capacity AND a.peak_capacity = p_peak
+       AND p_peak > p_capacity;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint, p_slots integer[])
+RETURNS integer
+LANGUAGE plpgsql
+AS $$
+-- Ends a permit of the advisory semaphore p_semaphore whose keys start at
+-- p_key_base (as open_advisory returned it): unlocks its slots p_slots on
+-- the caller's session, then wakes waiters of other sessions if any wait.
+-- Returns how many of the slots this session held (and so released);
+-- negative (minus that) when it sent the semaphore's NOTIFY.
+--   p_semaphore 1..200 characters; p_key_base not NULL; p_slots 1..100000
+--   slots below 1048575, no NULLs
 -- Waking without a gate: a waiter holds the semaphore's waiting key
 -- (key_base + 1048575) in shared mode while it waits, taken before its
 -- claim. After unlocking, this tries the waiting key in exclusive mode:
 --   * it gets it: no other session waits now (a lock of the caller's own
 --     session never conflicts with it: the caller's process wakes its own
 --     waiters itself); it unlocks it at once and sends nothing. A waiter
---     that takes the key after this took its shared lock after the unlock
---     above, and its claim, which comes after, sees the free slot;
+--     that takes the key after this took its shared lock after the unlocks
+--     above, and its claim, which comes after, sees the free slots;
 --   * it does not: someone waits; the NOTIFY is sent when this statement's
 --     transaction commits (it writes nothing else).
 -- Advisory locks are visible to every session the moment they are taken or
--- released, so unlike the lease semaphore's release, no snapshot can hide a
--- waiter here.
+-- freed, so unlike the lease semaphore's release, no snapshot can hide a
+-- waiter here. With the caller's rights, as advisory_claim: it touches only
+-- the caller's own session locks.
 DECLARE
-    v_base bigint;
+    v_released integer := 0;
+    s          integer;
 BEGIN
-    IF p_semaphore IS NULL THEN
-        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    IF p_semaphore IS NULL OR char_length(p_semaphore) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'invalid p_semaphore: 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_semaphore';
+    END IF;
+    IF p_key_base IS NULL THEN
+        RAISE EXCEPTION 'invalid p_key_base: %', 'the key base open_advisory returned, got NULL'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_key_base';
     END IF;
     IF p_slots IS NULL OR array_ndims(p_slots) IS DISTINCT FROM 1
        OR cardinality(p_slots) NOT BETWEEN 1 AND 100000 OR array_position(p_slots, NULL) IS NOT NULL THEN
-        PERFORM pgsemaphore.refuse('p_slots', 'one to 100000 slots, in a one-dimensional array without NULLs');
+        RAISE EXCEPTION 'invalid p_slots: %', 'one to 100000 slots, in a one-dimensional array without NULLs'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_slots';
     END IF;
-    SELECT a.key_base INTO v_base FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_semaphore)
-            USING ERRCODE = 'no_data_found';
+    FOREACH s IN ARRAY p_slots LOOP
+        IF s BETWEEN 0 AND 1048574 THEN
+            IF pg_advisory_unlock(p_key_base + s) THEN
+                v_released := v_released + 1;
+            END IF;
+        END IF;
+    END LOOP;
+    IF pg_try_advisory_lock(p_key_base + 1048575) THEN
+        PERFORM pg_advisory_unlock(p_key_base + 1048575);
+        RETURN v_released;
     END IF;
-    SELECT count(*) FILTER (WHERE pg_advisory_unlock(v_base + s)) INTO o_released
-      FROM unnest(p_slots) AS u(s)
-     WHERE u.s BETWEEN 0 AND 1048574;
-    IF pg_try_advisory_lock(v_base + 1048575) THEN
-        PERFORM pg_advisory_unlock(v_base + 1048575);
-        o_notified := false;
-    ELSE
-        PERFORM pg_notify('pgsemaphore', p_semaphore);
-        o_notified := true;
-    END IF;
-    RETURN NEXT;
+    PERFORM pg_notify('pgsemaphore', p_semaphore);
+    RETURN -v_released;
 END;
 $$;
 

@@ -496,7 +496,7 @@ enum Claim {
 async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
     let session = core.sessions.pick().await?;
     let reply = session
-        .claim(&core.name, n)
+        .claim(&core.name, core.key_base, n)
         .await
         .map_err(|error| not_found_or(error, &core.name))?;
     Ok(match reply {

@@ -153,7 +153,10 @@ impl AdvisoryPermit {
     pub async fn release(mut self) -> Result<()> {
         self.released = true;
         let slots = std::mem::take(&mut self.slots);
-        let result = self.session.release(&self.core.name, slots.clone()).await;
+        let result = self
+            .session
+            .release(&self.core.name, self.core.key_base, slots.clone())
+            .await;
         let lost = self.session.lost_reason();
         self.core.wakeups.wake_local(&self.core.name);
         self.audit(
@@ -212,13 +215,16 @@ impl Drop for AdvisoryPermit {
                 let (core, session, freed) =
                     (self.core.clone(), self.session.clone(), slots.clone());
                 runtime.spawn(async move {
-                    if let Err(error) = session.release(&core.name, freed).await {
+                    if let Err(error) = session.release(&core.name, core.key_base, freed).await {
                         tracing::debug!(semaphore = %core.name, %error, "background release of a dropped advisory permit failed");
                     }
                     core.wakeups.wake_local(&core.name);
                 });
             }
-            (None, Err(_)) => self.session.release_later(&self.core.name, slots.clone()),
+            (None, Err(_)) => {
+                self.session
+                    .release_later(&self.core.name, self.core.key_base, slots.clone())
+            }
         }
         self.audit(
             slots,

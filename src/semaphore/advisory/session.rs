@@ -43,9 +43,10 @@ use crate::mutex::session::dead_man_sql;
 const CLAIM: &str = "SELECT o_status, o_slots, o_capacity, o_at \
                      FROM pgsemaphore.advisory_claim(p_semaphore => $1, p_permits => $2, p_mine => $3)";
 
-/// Ends a permit: unlocks its slots and wakes other sessions' waiters.
-const RELEASE: &str = "SELECT o_released, o_notified \
-                       FROM pgsemaphore.advisory_release(p_semaphore => $1, p_slots => $2)";
+/// Ends a permit: unlocks its slots and wakes other sessions' waiters
+/// (returns the slots released, negative when it notified).
+const RELEASE: &str =
+    "SELECT pgsemaphore.advisory_release(p_semaphore => $1, p_key_base => $2, p_slots => $3)";
 
 /// How many times, a millisecond apart, a waiter tries the waiting key
 /// before it waits without it (a release holds it for microseconds; a
@@ -64,11 +65,13 @@ pub(crate) enum ClaimReply {
 enum Command {
     Claim {
         semaphore: String,
+        key_base: i64,
         permits: u32,
         reply: oneshot::Sender<Result<ClaimReply>>,
     },
     Release {
         semaphore: String,
+        key_base: i64,
         slots: Vec<u32>,
         reply: Option<oneshot::Sender<Result<()>>>,
     },
@@ -120,10 +123,16 @@ impl SessionHandle {
     /// Claims on this session. Cancel-safe: the session runs the claim
     /// whatever happens to this future, and releases what it claimed if
     /// nobody is there to take the reply.
-    pub(crate) async fn claim(&self, semaphore: &str, permits: u32) -> Result<ClaimReply> {
+    pub(crate) async fn claim(
+        &self,
+        semaphore: &str,
+        key_base: i64,
+        permits: u32,
+    ) -> Result<ClaimReply> {
         let (reply, answer) = oneshot::channel();
         self.send(Command::Claim {
             semaphore: semaphore.to_owned(),
+            key_base,
             permits,
             reply,
         })?;
@@ -131,10 +140,16 @@ impl SessionHandle {
     }
 
     /// Releases slots on this session and waits for the answer.
-    pub(crate) async fn release(&self, semaphore: &str, slots: Vec<u32>) -> Result<()> {
+    pub(crate) async fn release(
+        &self,
+        semaphore: &str,
+        key_base: i64,
+        slots: Vec<u32>,
+    ) -> Result<()> {
         let (reply, answer) = oneshot::channel();
         self.send(Command::Release {
             semaphore: semaphore.to_owned(),
+            key_base,
             slots,
             reply: Some(reply),
         })?;
@@ -142,9 +157,10 @@ impl SessionHandle {
     }
 
     /// Releases slots on this session without waiting (a dropped permit).
-    pub(crate) fn release_later(&self, semaphore: &str, slots: Vec<u32>) {
+    pub(crate) fn release_later(&self, semaphore: &str, key_base: i64, slots: Vec<u32>) {
         let _ = self.send(Command::Release {
             semaphore: semaphore.to_owned(),
+            key_base,
             slots,
             reply: None,
         });
@@ -382,6 +398,7 @@ impl Session {
         match command {
             Command::Claim {
                 semaphore,
+                key_base,
                 permits,
                 reply,
             } => {
@@ -427,16 +444,20 @@ impl Session {
                         ?slots,
                         "claim answered after its caller left; releasing"
                     );
-                    return self.release(&semaphore, slots, bound).await.map(drop);
+                    return self
+                        .release(&semaphore, key_base, slots, bound)
+                        .await
+                        .map(drop);
                 }
                 Ok(())
             }
             Command::Release {
                 semaphore,
+                key_base,
                 slots,
                 reply,
             } => {
-                let result = self.release(&semaphore, slots, bound).await;
+                let result = self.release(&semaphore, key_base, slots, bound).await;
                 let answer = match &result {
                     Ok(Ok(())) => Ok(()),
                     Ok(Err(message)) => Err(Error::internal(message.clone())),
@@ -504,6 +525,7 @@ impl Session {
     async fn release(
         &mut self,
         semaphore: &str,
+        key_base: i64,
         slots: Vec<u32>,
         bound: Duration,
     ) -> std::result::Result<std::result::Result<(), String>, String> {
@@ -518,15 +540,16 @@ impl Session {
             }
         }
         let ints: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-        let query = sqlx::query_as::<_, (i32, bool)>(RELEASE)
+        let query = sqlx::query_scalar::<_, i32>(RELEASE)
             .bind(semaphore)
+            .bind(key_base)
             .bind(ints);
         match tokio::time::timeout(bound, query.fetch_one(&mut self.conn)).await {
             Err(_) => Err(format!("a release did not answer within {bound:?}")),
             Ok(Err(error)) if db::unreachable(&error) => Err(error.to_string()),
             Ok(Err(error)) => Ok(Err(error.to_string())),
-            Ok(Ok((released, _notified))) if released as usize == slots.len() => Ok(Ok(())),
-            Ok(Ok((released, _))) => Ok(Err(format!(
+            Ok(Ok(released)) if released.unsigned_abs() as usize == slots.len() => Ok(Ok(())),
+            Ok(Ok(released)) => Ok(Err(format!(
                 "released {released} of {} slots of {semaphore:?}: the session did not hold the others",
                 slots.len()
             ))),
