@@ -377,3 +377,148 @@ async fn finished_permits_reach_the_audit_log() -> TestResult {
     );
     Ok(())
 }
+
+/// Behind a partition (a link that drops every packet, no reset): the
+/// holder is told within about two heartbeats, and the server ends the
+/// silent session after three, freeing the slot for others; no one else
+/// got it before the holder was told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
+    let db = support::migrated_db().await;
+    let proxy = support::proxy::Proxy::start(&db).await;
+    let cut_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(proxy.options())
+        .await?;
+    let heartbeat = Duration::from_millis(300);
+    let holder = AdvisorySemaphore::builder("partitioned", 1)
+        .heartbeat(heartbeat)
+        .audit(false)
+        .build(&cut_pool)
+        .await?;
+    let sem = advisory(&db.pool, "partitioned", 1).await?;
+    let permit = holder.try_acquire().await?;
+    let lost = permit.lost();
+    tokio::time::sleep(heartbeat * 2).await;
+    assert!(!permit.is_lost());
+
+    proxy.blackhole();
+    let cut_off = Instant::now();
+    let told = tokio::spawn(async move {
+        let reason = lost.await;
+        (reason, Instant::now())
+    });
+    let freed = loop {
+        match sem.try_acquire().await {
+            Ok(next) => break (next, Instant::now()),
+            Err(Error::NoSlotsAvailable { .. }) if cut_off.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => return Err(format!("the slot was not freed: {error}").into()),
+        }
+    };
+    let (reason, told_at) = tokio::time::timeout(Duration::from_secs(5), told).await??;
+    assert_eq!(reason, LostReason::ConnectionLost);
+    let told_after = told_at - cut_off;
+    let freed_after = freed.1 - cut_off;
+    assert!(
+        told_after <= heartbeat * 2 + Duration::from_millis(300),
+        "told {told_after:?} after the cut, more than two heartbeats"
+    );
+    assert!(
+        told_at < freed.1,
+        "the slot was freed ({freed_after:?}) before its holder was told ({told_after:?})"
+    );
+    assert!(
+        freed_after < Duration::from_secs(4),
+        "freed {freed_after:?} after the cut"
+    );
+    freed.0.release().await?;
+    proxy.restore();
+    Ok(())
+}
+
+/// A database restart loses every permit, and every holder is told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_holder_is_told_when_the_sessions_die() -> TestResult {
+    let db = support::migrated_db().await;
+    let pool = support::another_pool(&db, 2).await;
+    let sem = AdvisorySemaphore::builder("restarted", 4)
+        .connections(2)
+        .audit(false)
+        .build(&pool)
+        .await?;
+    let permits = vec![
+        sem.try_acquire().await?,
+        sem.try_acquire().await?,
+        sem.try_acquire_many(2).await?,
+    ];
+    // What a restart does to the sessions: every backend of them ends.
+    let pids: Vec<i32> = permits.iter().map(|p| p.backend_pid()).collect();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) pid")
+        .bind(&pids)
+        .execute(&db.pool)
+        .await?;
+    for permit in &permits {
+        let reason = tokio::time::timeout(Duration::from_secs(3), permit.lost()).await?;
+        assert_eq!(reason, LostReason::ConnectionLost);
+    }
+    drop(permits);
+    // Nothing is left held, and new permits come from new sessions.
+    assert_eq!(sem.available_permits().await?, 4);
+    sem.try_acquire_many(4).await?.release().await?;
+    Ok(())
+}
+
+/// Behind PgBouncer in transaction pooling mode: the application's pool
+/// goes through the bouncer, the slots' sessions connect directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
+    let db = support::migrated_db().await;
+    let bounced = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(support::pgbouncer::bouncer().await.options(&db.name))
+        .await?;
+    assert!(matches!(
+        AdvisorySemaphore::builder("bounced", 1)
+            .transaction_pooling(true)
+            .build(&bounced)
+            .await,
+        Err(Error::InvalidArgument {
+            argument: "connect_options",
+            ..
+        })
+    ));
+    let sem = AdvisorySemaphore::builder("bounced", 1)
+        .transaction_pooling(true)
+        .connect_options(db.options.clone())
+        .fallback_interval(Duration::from_secs(60))
+        .holder("bounced-app")
+        .build(&bounced)
+        .await?;
+    let held = sem.try_acquire().await?;
+    assert_eq!(sem.available_permits().await?, 0);
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    held.release().await?;
+    waiter.await??.release().await?;
+    let logged = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE holder = 'bounced-app'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 2
+    })
+    .await;
+    assert!(logged, "the audit log went through the bouncer");
+    Ok(())
+}

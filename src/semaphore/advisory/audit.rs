@@ -15,9 +15,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 use tokio::sync::mpsc;
+
+use crate::db::Db;
 
 /// How often queued permits are written.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -83,9 +84,9 @@ pub(crate) struct AuditWriter {
 static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<AuditWriter>)>> = Mutex::new(Vec::new());
 
 impl AuditWriter {
-    /// The writer for `pool` (one per pool per process).
-    pub(crate) fn for_pool(pool: &PgPool) -> Arc<AuditWriter> {
-        let options = pool.connect_options();
+    /// The writer for `db`'s pool (one per pool per process).
+    pub(crate) fn for_db(db: &Db) -> Arc<AuditWriter> {
+        let options = db.pool().connect_options();
         let mut registry = REGISTRY
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -98,7 +99,7 @@ impl AuditWriter {
             return writer;
         }
         let (queue, inbox) = mpsc::unbounded_channel();
-        tokio::spawn(write(pool.clone(), inbox));
+        tokio::spawn(write(db.clone(), inbox));
         let writer = Arc::new(AuditWriter { queue });
         registry.push((options, Arc::downgrade(&writer)));
         writer
@@ -112,7 +113,7 @@ impl AuditWriter {
 
 /// Empties the queue every [`FLUSH_EVERY`] until every writer handle is
 /// gone and the queue is empty.
-async fn write(pool: PgPool, mut inbox: mpsc::UnboundedReceiver<Record>) {
+async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Record>) {
     let mut pending: Vec<Record> = Vec::new();
     let mut open = true;
     let mut warned = false;
@@ -140,8 +141,10 @@ async fn write(pool: PgPool, mut inbox: mpsc::UnboundedReceiver<Record>) {
         while !pending.is_empty() {
             let take = pending.len().min(BATCH);
             let batch: Vec<serde_json::Value> = pending[..take].iter().map(Record::json).collect();
-            let query = sqlx::query_scalar::<_, i32>(LOG).bind(serde_json::Value::Array(batch));
-            match query.fetch_one(&pool).await {
+            let query = db
+                .query_as::<(i32,)>(LOG)
+                .bind(serde_json::Value::Array(batch));
+            match db.fetch_one(query).await {
                 Ok(_) => {
                     pending.drain(..take);
                     warned = false;

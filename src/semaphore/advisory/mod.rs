@@ -36,6 +36,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 use tokio::time::Instant;
 
+use crate::db::Db;
 use crate::error::{Error, Result, WaitedFor};
 use crate::metrics::SemaphoreMetrics;
 use crate::mutex::DEFAULT_HEARTBEAT;
@@ -119,7 +120,8 @@ pub(crate) struct AdvisoryCore {
     key_base: i64,
     holder: String,
     fallback: Duration,
-    pool: PgPool,
+    /// The application's pool: opening, the audit log, `available_permits`.
+    db: Db,
     sessions: Arc<Sessions>,
     wakeups: Arc<Wakeups>,
     audit: Option<Arc<AuditWriter>>,
@@ -155,6 +157,7 @@ pub struct AdvisorySemaphoreBuilder {
     fallback: Duration,
     options: Option<PgConnectOptions>,
     audit: bool,
+    pooled: bool,
 }
 
 impl AdvisorySemaphoreBuilder {
@@ -197,6 +200,17 @@ impl AdvisorySemaphoreBuilder {
     /// session-level lock needs a session of its own.
     pub fn connect_options(mut self, options: PgConnectOptions) -> Self {
         self.options = Some(options);
+        self
+    }
+
+    /// Declares that the pool connects through a **transaction-pooling
+    /// proxy** such as PgBouncer with `pool_mode = transaction` (default
+    /// `false`): the statements this semaphore sends through the pool
+    /// (opening, the audit log, `available_permits`) then run unnamed inside
+    /// explicit transactions. Its slots still need sessions of their own:
+    /// give a direct URL with [`connect_options`](Self::connect_options).
+    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
+        self.pooled = enabled;
         self
     }
 
@@ -252,12 +266,19 @@ impl AdvisorySemaphoreBuilder {
             }
             None => super::default_holder(),
         };
-        let (capacity, created, key_base): (i32, bool, i64) = sqlx::query_as(OPEN)
-            .bind(&self.name)
-            .bind(self.capacity as i32)
-            .fetch_one(pool)
-            .await
-            .map_err(crate::db::ours)?;
+        if self.pooled && self.options.is_none() {
+            return Err(Error::invalid(
+                "connect_options",
+                "behind a transaction pooler, the slots need a direct connection: \
+                 give its options with `.connect_options(..)`",
+            ));
+        }
+        let db = Db::new(pool, self.pooled);
+        let query = db
+            .query_as::<(i32, bool, i64)>(OPEN)
+            .bind(self.name.clone())
+            .bind(self.capacity as i32);
+        let (capacity, created, key_base) = db.fetch_one(query).await?;
         if created {
             tracing::debug!(semaphore = %self.name, capacity, "advisory semaphore created");
         } else if capacity as u32 != self.capacity {
@@ -277,13 +298,13 @@ impl AdvisorySemaphoreBuilder {
             core: Arc::new(AdvisoryCore {
                 sessions: Sessions::for_options(options.clone(), self.heartbeat, self.connections),
                 wakeups: Wakeups::for_options(options),
-                audit: self.audit.then(|| AuditWriter::for_pool(pool)),
+                audit: self.audit.then(|| AuditWriter::for_db(&db)),
                 metrics: SemaphoreMetrics::new(&self.name),
                 capacity: capacity.max(1) as u32,
                 key_base,
                 holder,
                 fallback: self.fallback,
-                pool: pool.clone(),
+                db,
                 announced: Mutex::new(Weak::new()),
                 name: self.name,
             }),
@@ -308,6 +329,7 @@ impl AdvisorySemaphore {
             fallback: DEFAULT_FALLBACK_INTERVAL,
             options: None,
             audit: true,
+            pooled: false,
         }
     }
 
@@ -334,13 +356,12 @@ impl AdvisorySemaphore {
     ///
     /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
     pub async fn available_permits(&self) -> Result<u32> {
-        let free: Option<i32> = sqlx::query_scalar(AVAILABLE)
-            .bind(&self.core.name)
-            .fetch_optional(&self.core.pool)
-            .await
-            .map_err(crate::db::ours)?;
-        match free {
-            Some(free) => Ok(free.max(0) as u32),
+        let db = &self.core.db;
+        let query = db
+            .query_as::<(i32,)>(AVAILABLE)
+            .bind(self.core.name.clone());
+        match db.fetch_optional(query).await? {
+            Some((free,)) => Ok(free.max(0) as u32),
             None => Err(Error::SemaphoreNotFound {
                 semaphore: self.core.name.clone(),
             }),
