@@ -305,7 +305,7 @@ BEGIN
         -- Every slot above the capacity was free, and none is ever taken
         -- again: the drop is over. One write, once per drop.
         IF NOT v_above THEN
-            PERFORM pgsemaphore.advisory_drained(p_semaphore, v_capacity, v_peak);
+            PERFORM pgsemaphore.advisory_drained(p_semaphore);
         END IF;
     END IF;
     o_status := 'claimed';
@@ -314,24 +314,42 @@ BEGIN
 END;
 $$;
 
-CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text, p_capacity integer, p_peak integer)
-RETURNS void
+CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text)
+RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
--- A capacity drop of p_semaphore is over: advisory_claim found every slot
--- at or above the capacity free (none is ever taken again), so claims stop
--- counting them. Only if the capacity and the peak are still what that
--- claim read (a concurrent configure_advisory wins). With the owner's
--- rights: the application may not write the table. A caller that calls it
--- early can only make claims stop counting holders above the capacity
--- while some remain: callable by the application, but it gains nothing
--- over not using the semaphore, and the README says so.
+-- A capacity drop of p_semaphore may be over (advisory_claim found every
+-- slot at or above the capacity free): if pg_locks shows no lock, of any
+-- session, on a key between the capacity and the peak, claims stop
+-- counting them (none is ever taken again). Decides from pg_locks itself,
+-- under the semaphore's row lock (serialised with configure_advisory),
+-- never from what its caller says: any role may call it, and calling it
+-- early changes nothing. Returns whether the drop is over. With the
+-- owner's rights: the application may not write the table.
+DECLARE
+    v_capacity integer;
+    v_peak     integer;
+    v_base     bigint;
 BEGIN
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
+    SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore FOR NO KEY UPDATE;
+    IF NOT FOUND OR v_peak <= v_capacity THEN
+        RETURN NOT FOUND OR v_peak <= v_capacity;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_locks l
+                WHERE l.locktype = 'advisory' AND l.objsubid = 1
+                  AND ((l.classid::bigint << 32) | l.objid::bigint)
+                      BETWEEN v_base + v_capacity AND v_base + v_peak - 1) THEN
+        RETURN false;
+    END IF;
     UPDATE pgsemaphore.advisory_semaphores a
        SET peak_capacity = a.capacity
-     WHERE a.name = p_semaphore AND a.capacity = p_capacity AND a.peak_capacity = p_peak
-       AND p_peak > p_capacity;
+     WHERE a.name = p_semaphore;
+    RETURN true;
 END;
 $$;
 

@@ -828,13 +828,14 @@ mod tests {
             pending_files(0),
             [
                 "20261122000001_pgsemaphore.sql",
-                "20261124000001_pgsemaphore_validated_api.sql"
+                "20261124000001_pgsemaphore_validated_api.sql",
+                "20261125000001_pgsemaphore_advisory.sql"
             ],
             "pending files are named as in migrations/"
         );
         assert_eq!(
-            pending_files(1),
-            ["20261124000001_pgsemaphore_validated_api.sql"]
+            pending_files(2),
+            ["20261125000001_pgsemaphore_advisory.sql"]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());
     }
