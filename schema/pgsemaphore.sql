@@ -262,15 +262,18 @@ CREATE FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint
 -- Returns how many of the slots this session held (and so released);
 -- negative (minus that) when it sent the semaphore's NOTIFY.
 --   p_semaphore 1..200 characters; p_key_base not NULL; p_slots 1..100000
---   slots below 1048575, no NULLs
--- Waking without a gate: a waiter holds the semaphore's waiting key
--- (key_base + 1048575) in shared mode while it waits, taken before its
--- claim. After unlocking, this tries the waiting key in exclusive mode:
---   * it gets it: no other session waits now (a lock of the caller's own
---     session never conflicts with it: the caller's process wakes its own
---     waiters itself); it unlocks it at once and sends nothing. A waiter
---     that takes the key after this took its shared lock after the unlocks
---     above, and its claim, which comes after, sees the free slots;
+--   slots below 1048560, no NULLs
+-- Waking without a gate: a waiter holds every one of the semaphore's 16
+-- waiting keys (key_base + 1048560 + 0..15) in shared mode while it waits,
+-- all taken before its claim. After unlocking, this tries one of them (the
+-- stripe of its first slot: releases of different slots do not contend on
+-- one lock) in exclusive mode:
+--   * it gets it: no other session waits now (a waiter holds every stripe;
+--     and a lock of the caller's own session never conflicts with it: the
+--     caller's process wakes its own waiters itself); it unlocks it at
+--     once and sends nothing. A waiter that takes that stripe after this
+--     completes its announcement after the unlocks above, and its claim,
+--     which comes after, sees the free slots;
 --   * it does not: someone waits; the NOTIFY is sent when this statement's
 --     transaction commits (it writes nothing else).
 -- Advisory locks are visible to every session the moment they are taken or
@@ -279,6 +282,7 @@ CREATE FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint
 -- the caller's own session locks.
 DECLARE
     v_released integer := 0;
+    v_stripe   bigint;
     s          integer;
 BEGIN
     IF p_semaphore IS NULL OR char_length(p_semaphore) NOT BETWEEN 1 AND 200 THEN
@@ -295,19 +299,37 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_slots';
     END IF;
     FOREACH s IN ARRAY p_slots LOOP
-        IF s BETWEEN 0 AND 1048574 THEN
+        IF s BETWEEN 0 AND 1048559 THEN
             IF pg_advisory_unlock(p_key_base + s) THEN
                 v_released := v_released + 1;
             END IF;
         END IF;
     END LOOP;
-    IF pg_try_advisory_lock(p_key_base + 1048575) THEN
-        PERFORM pg_advisory_unlock(p_key_base + 1048575);
+    v_stripe := p_key_base + 1048560 + (abs(p_slots[1]) % 16);
+    IF pg_try_advisory_lock(v_stripe) THEN
+        PERFORM pg_advisory_unlock(v_stripe);
         RETURN v_released;
     END IF;
     PERFORM pg_notify('pgsemaphore', p_semaphore);
     RETURN -v_released;
 END;
+$$;
+
+
+--
+-- Name: advisory_release_one(text, bigint, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key bigint, p_stripe bigint) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    SELECT CASE WHEN pg_catalog.pg_advisory_unlock(p_key)
+                THEN CASE WHEN pg_catalog.pg_try_advisory_lock(p_stripe)
+                          THEN CASE WHEN pg_catalog.pg_advisory_unlock(p_stripe) THEN 1 ELSE 1 END
+                          ELSE CASE WHEN pg_catalog.pg_notify('pgsemaphore', p_semaphore) IS NULL
+                                    THEN -1 ELSE -1 END
+                     END
+                ELSE 0 END
 $$;
 
 
@@ -2594,7 +2616,7 @@ ALTER TABLE ONLY pgsemaphore.wakeups
 -- Name: advisory_claims_history_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
 --
 
-CREATE INDEX advisory_claims_history_idx ON pgsemaphore.advisory_claims USING btree (semaphore, acquired_at);
+CREATE INDEX advisory_claims_history_idx ON pgsemaphore.advisory_claims USING brin (acquired_at);
 
 
 --
@@ -2682,6 +2704,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.advisory_log(p_claims jsonb) FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint, p_slots integer[]) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_release_one(p_semaphore text, p_key bigint, p_stripe bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key bigint, p_stripe bigint) FROM PUBLIC;
 
 
 --

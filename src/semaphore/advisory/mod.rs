@@ -16,10 +16,10 @@
 //! to a dedicated session, and waits with the lease semaphore's wake-ups
 //! (one `LISTEN` connection per process, a local order of waiters).
 //!
-//! Waiting without a table: a waiting process holds the semaphore's
-//! waiting key in shared mode (on one of its sessions) before it claims; a
-//! release that can take that key exclusively knows that no other process
-//! waits and sends no `NOTIFY`. Advisory locks are visible to every session
+//! Waiting without a table: a waiting process holds the semaphore's 16
+//! waiting keys in shared mode (on one of its sessions) before it claims; a
+//! release that can take one of them exclusively knows that no other
+//! process waits and sends no `NOTIFY`. Advisory locks are visible to every session
 //! the moment they are taken or freed, so there is no snapshot to miss a
 //! waiter in (the lease semaphore needs its wake-up gate for that).
 
@@ -44,7 +44,7 @@ use crate::validate;
 
 use self::audit::AuditWriter;
 pub use self::permit::AdvisoryPermit;
-use self::session::{ClaimReply, SessionHandle, Sessions};
+use self::session::{ClaimReply, Session, Sessions};
 use super::wake::Wakeups;
 use super::{DEFAULT_FALLBACK_INTERVAL, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_NAME_LEN};
 
@@ -62,10 +62,10 @@ const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(*)::int FROM pgsemaph
                                               WHERE h.semaphore = a.name) \
                          FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
 
-/// The waiting key of a semaphore whose keys start at `base` (see
-/// `pgsemaphore.advisory_semaphores`).
-fn waiting_key(base: i64) -> i64 {
-    base + 1_048_575
+/// The first of the 16 waiting keys of a semaphore whose keys start at
+/// `base` (see `pgsemaphore.advisory_semaphores`).
+fn waiting_keys(base: i64) -> i64 {
+    base + 1_048_560
 }
 
 /// A counting semaphore whose slots are **advisory locks**: every process
@@ -513,21 +513,28 @@ enum Claim {
     TooMany { capacity: u32 },
 }
 
-/// One claim round trip on a session.
+/// One claim round trip on a session, cancel-safe by construction: it runs
+/// in the caller's task, and if the caller has gone before it finished, the
+/// rest runs in a spawned task and the permit it made is dropped there,
+/// which releases it.
 async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
-    let session = core.sessions.pick().await?;
-    let reply = session
-        .claim(&core.name, core.key_base, n)
-        .await
-        .map_err(|error| not_found_or(error, &core.name))?;
-    Ok(match reply {
-        ClaimReply::Claimed { slots, at } => {
-            tracing::debug!(semaphore = %core.name, ?slots, "advisory permit acquired");
-            Claim::Claimed(AdvisoryPermit::new(core, session, slots, at, None))
-        }
-        ClaimReply::Full { capacity } => Claim::Full { capacity },
-        ClaimReply::TooMany { capacity } => Claim::TooMany { capacity },
+    let core = core.clone();
+    crate::db::detached(move |_| async move {
+        let session = core.sessions.pick().await?;
+        let reply = session
+            .claim(&core.name, n)
+            .await
+            .map_err(|error| not_found_or(error, &core.name))?;
+        Ok(match reply {
+            ClaimReply::Claimed { slots, at } => {
+                tracing::debug!(semaphore = %core.name, ?slots, "advisory permit acquired");
+                Claim::Claimed(AdvisoryPermit::new(&core, session, slots, at, None))
+            }
+            ClaimReply::Full { capacity } => Claim::Full { capacity },
+            ClaimReply::TooMany { capacity } => Claim::TooMany { capacity },
+        })
     })
+    .await
 }
 
 /// P0002: no advisory semaphore of that name.
@@ -544,35 +551,44 @@ fn not_found_or(error: Error, name: &str) -> Error {
     }
 }
 
-/// This process's announcement that it waits on a semaphore: the waiting
-/// key, held in shared mode on one session; given back when the last local
-/// waiter drops its handle.
+/// This process's announcement that it waits on a semaphore: the 16
+/// waiting keys from `key`, held in shared mode on one session; given back
+/// when the last local waiter drops its handle.
 struct Announcement {
-    session: Arc<SessionHandle>,
+    session: Arc<Session>,
     key: i64,
 }
 
 impl Drop for Announcement {
     fn drop(&mut self) {
-        self.session.withdraw(self.key);
+        let (session, key) = (self.session.clone(), self.key);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { session.withdraw(key).await });
+        }
     }
 }
 
 /// The process's announcement for `core`'s semaphore, taken if there is
 /// none alive. `None`: it could not be taken (waiters then rely on the
-/// fallback re-check).
+/// fallback re-check). Cancel-safe: an announcement taken after the caller
+/// left is given back.
 async fn announce(core: &Arc<AdvisoryCore>) -> Option<Arc<Announcement>> {
     if let Some(current) = lock(&core.announced).upgrade()
         && current.session.lost_reason().is_none()
     {
         return Some(current);
     }
-    let session = core.sessions.pick().await.ok()?;
-    let key = waiting_key(core.key_base);
-    if !session.announce(key).await {
-        return None;
-    }
-    let announcement = Arc::new(Announcement { session, key });
+    let key = waiting_keys(core.key_base);
+    let sessions = core.sessions.clone();
+    let taken = crate::db::detached(move |_| async move {
+        let session = sessions.pick().await?;
+        Ok(session
+            .announce(key)
+            .await
+            .then(|| Arc::new(Announcement { session, key })))
+    })
+    .await;
+    let announcement = taken.ok().flatten()?;
     let mut slot = lock(&core.announced);
     match slot.upgrade() {
         // Another waiter announced meanwhile: keep one (ours is given back).

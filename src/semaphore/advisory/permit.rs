@@ -8,12 +8,13 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 
+use crate::db;
 use crate::error::{Error, LostReason, Result};
 use crate::metrics::Held;
 
 use super::AdvisoryCore;
 use super::audit::{Ending, Record};
-use super::session::SessionHandle;
+use super::session::Session;
 
 /// Held slots of an [`AdvisorySemaphore`](crate::AdvisorySemaphore): one,
 /// or `n` for [`acquire_many`](crate::AdvisorySemaphore::acquire_many).
@@ -42,7 +43,7 @@ use super::session::SessionHandle;
 #[must_use = "dropping a permit releases it in the background at once; hold it while you work"]
 pub struct AdvisoryPermit {
     core: Arc<AdvisoryCore>,
-    session: Arc<SessionHandle>,
+    session: Arc<Session>,
     slots: Vec<u32>,
     acquired_at: DateTime<Utc>,
     /// When it was acquired on this process's monotonic clock (the audit
@@ -68,11 +69,12 @@ impl fmt::Debug for AdvisoryPermit {
 impl AdvisoryPermit {
     pub(super) fn new(
         core: &Arc<AdvisoryCore>,
-        session: Arc<SessionHandle>,
+        session: Arc<Session>,
         slots: Vec<u32>,
         acquired_at: DateTime<Utc>,
         metadata: Option<serde_json::Value>,
     ) -> AdvisoryPermit {
+        session.held();
         AdvisoryPermit {
             _held: core.metrics.acquired(slots.len()),
             core: core.clone(),
@@ -152,21 +154,17 @@ impl AdvisoryPermit {
     /// future.
     pub async fn release(mut self) -> Result<()> {
         self.released = true;
+        self.session.freed();
         let slots = std::mem::take(&mut self.slots);
-        let result = self
-            .session
-            .release(&self.core.name, self.core.key_base, slots.clone())
-            .await;
+        let (core, session, freed) = (self.core.clone(), self.session.clone(), slots.clone());
+        let result = db::detached(move |_| async move {
+            let result = session.release(&core.name, core.key_base, &freed).await;
+            core.wakeups.wake_local(&core.name);
+            result
+        })
+        .await;
         let lost = self.session.lost_reason();
-        self.core.wakeups.wake_local(&self.core.name);
-        self.audit(
-            slots,
-            if lost.is_some() {
-                Ending::Lost
-            } else {
-                Ending::Released
-            },
-        );
+        self.audit(slots, if lost.is_some() { Ending::Lost } else { Ending::Released });
         match (result, lost) {
             (_, Some(reason)) => {
                 self.core.metrics.lost(reason);
@@ -206,6 +204,7 @@ impl Drop for AdvisoryPermit {
         if self.released {
             return;
         }
+        self.session.freed();
         let slots = std::mem::take(&mut self.slots);
         let lost = self.session.lost_reason();
         match (lost, tokio::runtime::Handle::try_current()) {
@@ -215,16 +214,17 @@ impl Drop for AdvisoryPermit {
                 let (core, session, freed) =
                     (self.core.clone(), self.session.clone(), slots.clone());
                 runtime.spawn(async move {
-                    if let Err(error) = session.release(&core.name, core.key_base, freed).await {
+                    if let Err(error) = session.release(&core.name, core.key_base, &freed).await {
                         tracing::debug!(semaphore = %core.name, %error, "background release of a dropped advisory permit failed");
                     }
                     core.wakeups.wake_local(&core.name);
                 });
             }
-            (None, Err(_)) => {
-                self.session
-                    .release_later(&self.core.name, self.core.key_base, slots.clone())
-            }
+            // No runtime: the slots stay held until the session ends.
+            (None, Err(_)) => tracing::warn!(
+                semaphore = %self.core.name,
+                "advisory permit dropped outside a tokio runtime: its slots are freed when its session ends"
+            ),
         }
         self.audit(
             slots,
