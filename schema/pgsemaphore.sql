@@ -28,6 +28,312 @@ CREATE SCHEMA pgsemaphore;
 
 
 --
+-- Name: advisory_claim(text, integer, integer[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits integer, p_mine integer[], OUT o_status text, OUT o_slots integer[], OUT o_capacity integer, OUT o_at timestamp with time zone) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+-- THE ADVISORY CLAIM. Takes p_permits slots of the advisory semaphore
+-- p_semaphore as session-level advisory locks of the caller's session, all
+-- or nothing, and writes nothing. The caller must keep its session (its
+-- dedicated connection) for as long as it holds them, and end them with
+-- advisory_release on that session; the server frees them if the session
+-- ends.
+--   p_semaphore  an advisory semaphore (else P0002)
+--   p_permits    1..100000
+--   p_mine       the slots of this semaphore this session already holds
+--                (for other permits), 0..100000 of them, no NULLs: an
+--                advisory lock is re-entrant, so without this list a second
+--                claim on the same session would take a slot it holds again
+-- Returns one row: o_status 'claimed' (o_slots, lowest first, and o_at, the
+-- database clock), 'full' (nothing taken), or 'too_many' (more permits than
+-- the capacity); o_capacity, the capacity in force.
+--
+-- Invariant: at any instant, the holders of a semaphore's slots that its
+-- claims admitted number at most its capacity. Below peak_capacity = the
+-- capacity (no drop pending), a claim takes only slots below the capacity,
+-- and a slot is one lock: at most one holder each. After a capacity drop
+-- (peak_capacity > capacity), holders may still sit on slots at or above
+-- the capacity; a claim then locks its slots first, then counts every slot
+-- below peak_capacity held by anyone (try-lock and unlock at once: a slot
+-- it can lock is free; its own count as held), and keeps its slots only if
+-- the count is at most the capacity. Claims never take a slot at or above
+-- the capacity, so those only empty. Two claims that overlap each see the
+-- other's lock (advisory locks are visible to every session at once): of
+-- any set of admitted claims and old holders all holding at one instant,
+-- the claim that locked last counted them all, so it was refused if they
+-- were too many. (A probe's brief lock can only make a concurrent count
+-- higher: a refusal, never an admission.)
+-- Meets: other claims (the locks themselves, above); releases (an unlock is
+-- seen at once by the next try); a capacity change (configure_advisory: a
+-- claim that read the old capacity is linearised before it, and its slots
+-- are counted by every later claim); a session that dies (the server frees
+-- its locks when it notices); anyone taking these keys with
+-- pg_advisory_lock directly (any role may: it only makes the semaphore look
+-- fuller).
+-- With the caller's rights (SECURITY INVOKER, no SET clause: a SET clause
+-- costs more than the rest of the function): it only reads the semaphore's
+-- row (SELECT, which the application's grants give) and takes and frees
+-- the caller's own session locks, which any role may. A caller that
+-- redirects its own search_path, or skips the claim, can only exceed the
+-- limit itself, as any client that does not use a semaphore can; it cannot
+-- free or take over another session's slots. The one write, lowering
+-- peak_capacity when a drop is over, is pgsemaphore.advisory_drained's.
+DECLARE
+    v_capacity integer;
+    v_peak     integer;
+    v_base     bigint;
+    v_slots    integer[] := '{}';
+    v_held     integer := 0;
+    v_above    boolean := false;
+    s          integer;
+BEGIN
+    IF p_semaphore IS NULL THEN
+        RAISE EXCEPTION 'invalid p_semaphore: %', 'a semaphore name, got NULL'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_semaphore';
+    END IF;
+    IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
+        RAISE EXCEPTION 'invalid p_permits: %', format('1 to 100000, got %s', coalesce(p_permits::text, 'NULL'))
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_permits';
+    END IF;
+    IF p_mine IS NULL OR cardinality(p_mine) > 100000 OR array_position(p_mine, NULL) IS NOT NULL
+       OR (cardinality(p_mine) > 0 AND array_ndims(p_mine) <> 1) THEN
+        RAISE EXCEPTION 'invalid p_mine: %', 'zero to 100000 slots, in a one-dimensional array without NULLs'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_mine';
+    END IF;
+    SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_semaphore)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    o_capacity := v_capacity;
+    IF p_permits > v_capacity THEN
+        o_status := 'too_many';
+        RETURN;
+    END IF;
+    -- 1. The lowest free slots below the capacity. (Nested IFs: SQL does
+    -- not promise the order in which an AND evaluates its operands, and a
+    -- try on a slot this session holds would take it a second time.)
+    FOR s IN 0 .. v_capacity - 1 LOOP
+        IF s <> ALL (p_mine) THEN
+            IF pg_try_advisory_lock(v_base + s) THEN
+                v_slots := v_slots || s;
+                EXIT WHEN cardinality(v_slots) = p_permits;
+            END IF;
+        END IF;
+    END LOOP;
+    IF cardinality(v_slots) < p_permits THEN
+        PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
+        o_status := 'full';
+        RETURN;
+    END IF;
+    -- 2. A capacity drop is pending: count every held slot below the peak.
+    IF v_peak > v_capacity THEN
+        FOR s IN 0 .. v_peak - 1 LOOP
+            IF s = ANY (v_slots) OR s = ANY (p_mine) THEN
+                v_held := v_held + 1;
+                IF s >= v_capacity THEN
+                    v_above := true;
+                END IF;
+            ELSIF pg_try_advisory_lock(v_base + s) THEN
+                PERFORM pg_advisory_unlock(v_base + s);
+            ELSE
+                v_held := v_held + 1;
+                IF s >= v_capacity THEN
+                    v_above := true;
+                END IF;
+            END IF;
+        END LOOP;
+        IF v_held > v_capacity THEN
+            PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
+            o_status := 'full';
+            RETURN;
+        END IF;
+        -- Every slot above the capacity was free, and none is ever taken
+        -- again: the drop is over. One write, once per drop.
+        IF NOT v_above THEN
+            PERFORM pgsemaphore.advisory_drained(p_semaphore);
+        END IF;
+    END IF;
+    o_status := 'claimed';
+    o_slots := v_slots;
+    o_at := clock_timestamp();
+END;
+$$;
+
+
+--
+-- Name: advisory_drained(text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+-- A capacity drop of p_semaphore may be over (advisory_claim found every
+-- slot at or above the capacity free): if pg_locks shows no lock, of any
+-- session, on a key between the capacity and the peak, claims stop
+-- counting them (none is ever taken again). Decides from pg_locks itself,
+-- under the semaphore's row lock (serialised with configure_advisory),
+-- never from what its caller says: any role may call it, and calling it
+-- early changes nothing. Returns whether the drop is over. With the
+-- owner's rights: the application may not write the table.
+DECLARE
+    v_capacity integer;
+    v_peak     integer;
+    v_base     bigint;
+BEGIN
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
+    SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore FOR NO KEY UPDATE;
+    IF NOT FOUND OR v_peak <= v_capacity THEN
+        RETURN NOT FOUND OR v_peak <= v_capacity;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_locks l
+                WHERE l.locktype = 'advisory' AND l.objsubid = 1
+                  AND ((l.classid::bigint << 32) | l.objid::bigint)
+                      BETWEEN v_base + v_capacity AND v_base + v_peak - 1) THEN
+        RETURN false;
+    END IF;
+    UPDATE pgsemaphore.advisory_semaphores a
+       SET peak_capacity = a.capacity
+     WHERE a.name = p_semaphore;
+    RETURN true;
+END;
+$$;
+
+
+--
+-- Name: advisory_log(jsonb); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_log(p_claims jsonb) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- Appends finished permits of advisory semaphores to the audit log
+-- (pgsemaphore.advisory_claims), a batch at a time: a JSON array of
+-- objects {semaphore, slots, holder, metadata, acquired_at, ended_at,
+-- outcome}, at most 10000, each checked as the table's columns are (a bad
+-- entry refuses the batch: 22023, p_claims). Insert-only: nothing it writes
+-- is ever updated. Returns how many rows it wrote. A fast commit: losing a
+-- batch in a crash loses audit rows, never a slot.
+DECLARE
+    v_count integer;
+BEGIN
+    IF p_claims IS NULL OR jsonb_typeof(p_claims) <> 'array' OR jsonb_array_length(p_claims) > 10000 THEN
+        PERFORM pgsemaphore.refuse('p_claims', 'a JSON array of at most 10000 claims');
+    END IF;
+    PERFORM pgsemaphore.fast_commit();
+    BEGIN
+        INSERT INTO pgsemaphore.advisory_claims
+               (semaphore, slots, holder, metadata, acquired_at, ended_at, outcome)
+        SELECT c.semaphore, c.slots, c.holder, c.metadata, c.acquired_at, c.ended_at, c.outcome
+          FROM jsonb_to_recordset(p_claims) AS c(semaphore text, slots integer[], holder text,
+                                                 metadata jsonb, acquired_at timestamptz,
+                                                 ended_at timestamptz, outcome text)
+         WHERE pgsemaphore.checked_text(c.semaphore, 'p_claims', 200) IS NOT NULL
+           AND pgsemaphore.checked_text(c.holder, 'p_claims', 1000) IS NOT NULL;
+    EXCEPTION WHEN not_null_violation OR check_violation OR invalid_text_representation
+                   OR datetime_field_overflow OR invalid_datetime_format THEN
+        PERFORM pgsemaphore.refuse('p_claims', 'an entry does not fit the audit log: ' || SQLERRM);
+    END;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+
+--
+-- Name: advisory_release(text, bigint, integer[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint, p_slots integer[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+-- Ends a permit of the advisory semaphore p_semaphore whose keys start at
+-- p_key_base (as open_advisory returned it): unlocks its slots p_slots on
+-- the caller's session, then wakes waiters of other sessions if any wait.
+-- Returns how many of the slots this session held (and so released);
+-- negative (minus that) when it sent the semaphore's NOTIFY.
+--   p_semaphore 1..200 characters; p_key_base not NULL; p_slots 1..100000
+--   slots below 1048560, no NULLs
+-- Waking without a gate: a waiter holds every one of the semaphore's 16
+-- waiting keys (key_base + 1048560 + 0..15) in shared mode while it waits,
+-- all taken before its claim. After unlocking, this tries one of them (the
+-- stripe of its first slot: releases of different slots do not contend on
+-- one lock) in exclusive mode:
+--   * it gets it: no other session waits now (a waiter holds every stripe;
+--     and a lock of the caller's own session never conflicts with it: the
+--     caller's process wakes its own waiters itself); it unlocks it at
+--     once and sends nothing. A waiter that takes that stripe after this
+--     completes its announcement after the unlocks above, and its claim,
+--     which comes after, sees the free slots;
+--   * it does not: someone waits; the NOTIFY is sent when this statement's
+--     transaction commits (it writes nothing else).
+-- Advisory locks are visible to every session the moment they are taken or
+-- freed, so unlike the lease semaphore's release, no snapshot can hide a
+-- waiter here. With the caller's rights, as advisory_claim: it touches only
+-- the caller's own session locks.
+DECLARE
+    v_released integer := 0;
+    v_stripe   bigint;
+    s          integer;
+BEGIN
+    IF p_semaphore IS NULL OR char_length(p_semaphore) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'invalid p_semaphore: 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_semaphore';
+    END IF;
+    IF p_key_base IS NULL THEN
+        RAISE EXCEPTION 'invalid p_key_base: %', 'the key base open_advisory returned, got NULL'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_key_base';
+    END IF;
+    IF p_slots IS NULL OR array_ndims(p_slots) IS DISTINCT FROM 1
+       OR cardinality(p_slots) NOT BETWEEN 1 AND 100000 OR array_position(p_slots, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid p_slots: %', 'one to 100000 slots, in a one-dimensional array without NULLs'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_slots';
+    END IF;
+    FOREACH s IN ARRAY p_slots LOOP
+        IF s BETWEEN 0 AND 1048559 THEN
+            IF pg_advisory_unlock(p_key_base + s) THEN
+                v_released := v_released + 1;
+            END IF;
+        END IF;
+    END LOOP;
+    v_stripe := p_key_base + 1048560 + (abs(p_slots[1]) % 16);
+    IF pg_try_advisory_lock(v_stripe) THEN
+        PERFORM pg_advisory_unlock(v_stripe);
+        RETURN v_released;
+    END IF;
+    PERFORM pg_notify('pgsemaphore', p_semaphore);
+    RETURN -v_released;
+END;
+$$;
+
+
+--
+-- Name: advisory_release_one(text, bigint, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key bigint, p_stripe bigint) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    SELECT CASE WHEN pg_catalog.pg_advisory_unlock(p_key)
+                THEN CASE WHEN pg_catalog.pg_try_advisory_lock(p_stripe)
+                          THEN CASE WHEN pg_catalog.pg_advisory_unlock(p_stripe) THEN 1 ELSE 1 END
+                          ELSE CASE WHEN pg_catalog.pg_notify('pgsemaphore', p_semaphore) IS NULL
+                                    THEN -1 ELSE -1 END
+                     END
+                ELSE 0 END
+$$;
+
+
+--
 -- Name: check_limiter_key(text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -593,6 +899,49 @@ $$;
 
 
 --
+-- Name: configure_advisory(text, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.configure_advisory(p_name text, p_capacity integer) RETURNS TABLE(o_capacity integer, o_previous_capacity integer)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- Changes the capacity of an existing advisory semaphore (P0002 if there is
+-- none). Holders above a reduced capacity keep their slots until they
+-- release, and are counted by every claim until then (peak_capacity, see
+-- advisory_claim); claims see the new capacity at once. Wakes the
+-- semaphore's waiters when the capacity grew (the NOTIFY goes out at this
+-- transaction's commit).
+--   p_name 1..200 characters; p_capacity 1..100000
+DECLARE
+    v_old integer;
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
+    IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
+    END IF;
+    SELECT a.capacity INTO v_old FROM pgsemaphore.advisory_semaphores a
+     WHERE a.name = p_name FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_name)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    IF p_capacity <> v_old THEN
+        UPDATE pgsemaphore.advisory_semaphores a
+           SET capacity = p_capacity, peak_capacity = greatest(a.peak_capacity, p_capacity),
+               updated_at = clock_timestamp()
+         WHERE a.name = p_name;
+    END IF;
+    IF p_capacity > v_old THEN
+        PERFORM pg_notify('pgsemaphore', p_name);
+    END IF;
+    RETURN QUERY SELECT p_capacity, v_old;
+END;
+$$;
+
+
+--
 -- Name: durable_commit(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1073,6 +1422,36 @@ $$;
 
 
 --
+-- Name: one_kind_per_name(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.one_kind_per_name() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'creating a pg-semaphore semaphore needs READ COMMITTED isolation, the session uses %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    PERFORM pg_advisory_xact_lock(1885828966, hashtext(NEW.name));
+    IF TG_TABLE_NAME = 'semaphores'
+       AND EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = NEW.name) THEN
+        PERFORM pgsemaphore.refuse('p_name',
+            format('%s is an advisory semaphore (AdvisorySemaphore): a lease semaphore cannot have its name',
+                   quote_literal(NEW.name)));
+    ELSIF TG_TABLE_NAME = 'advisory_semaphores'
+       AND EXISTS (SELECT 1 FROM pgsemaphore.semaphores s WHERE s.name = NEW.name) THEN
+        PERFORM pgsemaphore.refuse('p_name',
+            format('%s is a lease semaphore (Semaphore): an advisory semaphore cannot have its name',
+                   quote_literal(NEW.name)));
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+
+--
 -- Name: open(text, integer, interval, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1108,6 +1487,37 @@ BEGIN
     -- ON CONFLICT waited for it).
     RETURN QUERY SELECT s.capacity, s.default_lease, false, s.queue_lifo
                    FROM pgsemaphore.semaphores s WHERE s.name = p_name;
+END;
+$$;
+
+
+--
+-- Name: open_advisory(text, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer) RETURNS TABLE(o_capacity integer, o_created boolean, o_key_base bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- Opens an advisory semaphore: creates it with this capacity if it does
+-- not exist; an existing one keeps its capacity (the operator's
+-- configure_advisory changes it). Returns the capacity in force, whether it
+-- was created, and the base of its advisory keys.
+--   p_name 1..200 characters, not the name of a lease semaphore (22023,
+--   p_name); p_capacity 1..100000
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
+    IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
+    END IF;
+    INSERT INTO pgsemaphore.advisory_semaphores (name, capacity, peak_capacity)
+    VALUES (p_name, p_capacity, p_capacity)
+    ON CONFLICT (name) DO NOTHING;
+    o_created := FOUND;
+    SELECT a.capacity, a.key_base INTO o_capacity, o_key_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_name;
+    RETURN NEXT;
 END;
 $$;
 
@@ -1646,7 +2056,7 @@ $$;
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 2, 2 $$;
+    AS $$ SELECT 3, 2 $$;
 
 
 --
@@ -1943,6 +2353,58 @@ SET default_tablespace = '';
 SET default_table_access_method = heap;
 
 --
+-- Name: advisory_claims; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.advisory_claims (
+    semaphore text NOT NULL,
+    slots integer[] NOT NULL,
+    holder text NOT NULL,
+    metadata jsonb,
+    acquired_at timestamp with time zone NOT NULL,
+    ended_at timestamp with time zone NOT NULL,
+    outcome text NOT NULL,
+    CONSTRAINT advisory_claims_outcome CHECK ((outcome = ANY (ARRAY['released'::text, 'lost'::text, 'dropped'::text])))
+);
+
+
+--
+-- Name: advisory_semaphores; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.advisory_semaphores (
+    name text NOT NULL,
+    capacity integer NOT NULL,
+    peak_capacity integer NOT NULL,
+    key_base bigint GENERATED ALWAYS AS ((hashtextextended(name, (0)::bigint) & (~ (1048575)::bigint))) STORED NOT NULL,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT advisory_semaphores_capacity_range CHECK (((capacity >= 1) AND (capacity <= 100000))),
+    CONSTRAINT advisory_semaphores_name_length CHECK (((char_length(name) >= 1) AND (char_length(name) <= 200))),
+    CONSTRAINT advisory_semaphores_peak CHECK (((peak_capacity >= capacity) AND (peak_capacity <= 100000)))
+);
+
+
+--
+-- Name: advisory_holders; Type: VIEW; Schema: pgsemaphore; Owner: -
+--
+
+CREATE VIEW pgsemaphore.advisory_holders AS
+ SELECT a.name AS semaphore,
+    ((k.key - a.key_base))::integer AS slot,
+    k.pid,
+    p.application_name,
+    p.client_addr,
+    p.backend_start
+   FROM ((pgsemaphore.advisory_semaphores a
+     JOIN ( SELECT l.pid,
+            (((l.classid)::bigint << 32) | (l.objid)::bigint) AS key
+           FROM pg_locks l
+          WHERE ((l.locktype = 'advisory'::text) AND (l.objsubid = 1) AND l.granted AND (l.mode = 'ExclusiveLock'::text))) k ON (((k.key >= a.key_base) AND (k.key < (a.key_base + a.peak_capacity)))))
+     LEFT JOIN pg_stat_activity p ON ((p.pid = k.pid)));
+
+
+--
 -- Name: slots; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -2095,6 +2557,14 @@ CREATE TABLE pgsemaphore.wakeups (
 
 
 --
+-- Name: advisory_semaphores advisory_semaphores_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.advisory_semaphores
+    ADD CONSTRAINT advisory_semaphores_pkey PRIMARY KEY (name);
+
+
+--
 -- Name: rate_limits rate_limits_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
 --
 
@@ -2143,6 +2613,13 @@ ALTER TABLE ONLY pgsemaphore.wakeups
 
 
 --
+-- Name: advisory_claims_history_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
+--
+
+CREATE INDEX advisory_claims_history_idx ON pgsemaphore.advisory_claims USING brin (acquired_at);
+
+
+--
 -- Name: slots_history_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
 --
 
@@ -2161,6 +2638,20 @@ CREATE UNIQUE INDEX slots_live_slot_key ON pgsemaphore.slots USING btree (semaph
 --
 
 CREATE INDEX waiters_queue_idx ON pgsemaphore.waiters USING btree (semaphore, priority, id);
+
+
+--
+-- Name: advisory_semaphores advisory_semaphores_one_kind_per_name; Type: TRIGGER; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TRIGGER advisory_semaphores_one_kind_per_name BEFORE INSERT ON pgsemaphore.advisory_semaphores FOR EACH ROW EXECUTE FUNCTION pgsemaphore.one_kind_per_name();
+
+
+--
+-- Name: semaphores semaphores_one_kind_per_name; Type: TRIGGER; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TRIGGER semaphores_one_kind_per_name BEFORE INSERT ON pgsemaphore.semaphores FOR EACH ROW EXECUTE FUNCTION pgsemaphore.one_kind_per_name();
 
 
 --
@@ -2185,6 +2676,41 @@ ALTER TABLE ONLY pgsemaphore.waiters
 
 ALTER TABLE ONLY pgsemaphore.wakeups
     ADD CONSTRAINT wakeups_semaphore_fkey FOREIGN KEY (semaphore) REFERENCES pgsemaphore.semaphores(name);
+
+
+--
+-- Name: FUNCTION advisory_claim(p_semaphore text, p_permits integer, p_mine integer[], OUT o_status text, OUT o_slots integer[], OUT o_capacity integer, OUT o_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits integer, p_mine integer[], OUT o_status text, OUT o_slots integer[], OUT o_capacity integer, OUT o_at timestamp with time zone) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_drained(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_drained(p_semaphore text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_log(p_claims jsonb); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_log(p_claims jsonb) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_release(p_semaphore text, p_key_base bigint, p_slots integer[]); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint, p_slots integer[]) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_release_one(p_semaphore text, p_key bigint, p_stripe bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key bigint, p_stripe bigint) FROM PUBLIC;
 
 
 --
@@ -2248,6 +2774,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.clear_queue(p_semaphore text) FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval, p_create boolean, p_queue_lifo boolean) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION configure_advisory(p_name text, p_capacity integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.configure_advisory(p_name text, p_capacity integer) FROM PUBLIC;
 
 
 --
@@ -2328,10 +2861,24 @@ REVOKE ALL ON FUNCTION pgsemaphore.notify_if_waited(p_semaphore text) FROM PUBLI
 
 
 --
+-- Name: FUNCTION one_kind_per_name(); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.one_kind_per_name() FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION open(p_name text, p_capacity integer, p_lease interval, p_queue_lifo boolean); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.open(p_name text, p_capacity integer, p_lease interval, p_queue_lifo boolean) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION open_advisory(p_name text, p_capacity integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer) FROM PUBLIC;
 
 
 --

@@ -40,6 +40,10 @@ const CONFIGURE: &str = "SELECT o_previous_capacity \
                                                     p_lease => $3, p_create => $4, \
                                                     p_queue_lifo => $5)";
 
+/// Sets an advisory semaphore's capacity.
+const CONFIGURE_ADVISORY: &str = "SELECT o_previous_capacity \
+                                  FROM pgsemaphore.configure_advisory(p_name => $1, p_capacity => $2)";
+
 /// Removes every waiter of a semaphore's queue.
 const CLEAR_QUEUE: &str = "SELECT pgsemaphore.clear_queue(p_semaphore => $1)";
 
@@ -233,10 +237,12 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
     })
 }
 
-/// Changes the capacity of an existing semaphore, keeping its default lease,
-/// and returns the previous capacity. Growing it wakes waiters at once;
-/// shrinking it lets holders above the new capacity keep their slots until
-/// they release (new claims see the new capacity).
+/// Changes the capacity of an existing semaphore, a lease
+/// [`Semaphore`](crate::Semaphore) (keeping its default lease) or an
+/// [`AdvisorySemaphore`](crate::AdvisorySemaphore), and returns the previous
+/// capacity. Growing it wakes waiters at once; shrinking it lets holders
+/// above the new capacity keep their slots until they release (new claims
+/// see the new capacity, and count those holders until they are gone).
 ///
 /// Processes that open the semaphore with another capacity do not change
 /// it back: [`SemaphoreBuilder::build`](crate::SemaphoreBuilder::build)
@@ -262,8 +268,23 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u32> {
     validate::text("name", name, MAX_NAME_LEN)?;
     check_capacity(capacity)?;
-    let previous = run_configure(pool, name, Some(capacity), None, None, false).await?;
-    let previous = previous.unwrap_or(capacity);
+    let previous = match run_configure(pool, name, Some(capacity), None, None, false).await {
+        Ok(previous) => previous.unwrap_or(capacity),
+        // Not a lease semaphore: an advisory one, perhaps.
+        Err(Error::SemaphoreNotFound { .. }) => {
+            let db = db(pool);
+            let query = db
+                .query_as::<(i32,)>(CONFIGURE_ADVISORY)
+                .bind(name.to_owned())
+                .bind(capacity as i32);
+            let (previous,) = db
+                .fetch_one(query)
+                .await
+                .map_err(|error| not_found_or(error, name))?;
+            previous.max(0) as u32
+        }
+        Err(error) => return Err(error),
+    };
     tracing::info!(
         semaphore = name,
         previous,

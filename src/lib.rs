@@ -250,8 +250,10 @@ pub use rate_limit::{
 };
 pub use reaper::{Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
-    Claim, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_LEASE,
-    MAX_NAME_LEN, MIN_LEASE, Permit, Priority, QueueOrder, Semaphore, SemaphoreBuilder,
+    AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
+    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY,
+    MAX_HOLDER_LEN, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, Permit, Priority, QueueOrder, Semaphore,
+    SemaphoreBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;

@@ -1200,3 +1200,101 @@ fn every_sentence_of_the_privileges_list_has_a_test() {
         );
     }
 }
+
+/// README: "Hold slots of an advisory semaphore only as advisory locks of
+/// its own sessions: it cannot free or take over another session's slots,
+/// and it cannot end a capacity drop while a holder above the capacity
+/// remains."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_advisory_slots_belong_to_their_sessions() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        let sem = pg_semaphore::AdvisorySemaphore::builder("advisory-owned", 2)
+            .audit(false)
+            .build(&app)
+            .await?;
+        let low = sem.try_acquire().await?;
+        let high = sem.try_acquire().await?;
+        let base: i64 = sqlx::query_scalar(
+            "SELECT key_base FROM pgsemaphore.advisory_semaphores WHERE name = 'advisory-owned'",
+        )
+        .fetch_one(&app)
+        .await?;
+        let mut stranger = app.acquire().await?;
+        let released: i32 = sqlx::query_scalar(
+            "SELECT pgsemaphore.advisory_release('advisory-owned', $1, ARRAY[0, 1])",
+        )
+        .bind(base)
+        .fetch_one(&mut *stranger)
+        .await?;
+        assert_eq!(released, 0, "a stranger's session released someone's slots");
+        let unlocked: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+            .bind(base)
+            .fetch_one(&mut *stranger)
+            .await?;
+        assert!(!unlocked);
+        assert_eq!(sem.available_permits().await?, 0);
+        // A drop to 1 with both slots held: ending it early is refused.
+        pg_semaphore::set_capacity(&operator, "advisory-owned", 1).await?;
+        low.release().await?;
+        let drained: bool =
+            sqlx::query_scalar("SELECT pgsemaphore.advisory_drained('advisory-owned')")
+                .fetch_one(&mut *stranger)
+                .await?;
+        assert!(
+            !drained,
+            "a drop was ended while a holder above the capacity remained"
+        );
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        high.release().await?;
+        sem.try_acquire().await?.release().await?;
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Taking an advisory semaphore's keys with advisory locks of its
+/// own makes that semaphore look fuller, and a client that skips the claim
+/// exceeds the limit only by itself, as any client that does not use a
+/// semaphore does."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_foreign_advisory_locks_only_fill_the_semaphore() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let sem = pg_semaphore::AdvisorySemaphore::builder("advisory-squatted", 2)
+            .audit(false)
+            .build(&app)
+            .await?;
+        let base: i64 = sqlx::query_scalar(
+            "SELECT key_base FROM pgsemaphore.advisory_semaphores WHERE name = 'advisory-squatted'",
+        )
+        .fetch_one(&app)
+        .await?;
+        let mut squatter = app.acquire().await?;
+        sqlx::query("SELECT pg_advisory_lock($1), pg_advisory_lock($1 + 1)")
+            .bind(base)
+            .execute(&mut *squatter)
+            .await?;
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        sqlx::query("SELECT pg_advisory_unlock($1 + 1)")
+            .bind(base)
+            .execute(&mut *squatter)
+            .await?;
+        let permit = sem.try_acquire().await?;
+        assert_eq!(permit.slot(), 1);
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        permit.release().await?;
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *squatter)
+            .await?;
+        Ok(())
+    })
+    .await
+}

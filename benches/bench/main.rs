@@ -42,7 +42,10 @@
 //! 10. **redis**: seed 002's concurrent requests limiter (Stripe's: a sorted
 //!     set and a Lua script) on the Redis at 127.0.0.1:6379 (or
 //!     `PGSEMAPHORE_BENCH_REDIS_URL`), side by side with ours; skipped, saying
-//!     so, when no Redis answers there.
+//!     so, when no Redis answers there;
+//! 11. **advisory**: the advisory semaphore's try_acquire + release cycles at
+//!     1, 8 and 32 clients, against the raw advisory-lock cycle, the counter
+//!     row, the lease semaphore and (when one answers) the Redis limiter.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -51,6 +54,7 @@
 //! numbers measured in the same run, through pg-semaphore's public API only.
 //! Tables (or JSON) go to stdout, progress to stderr.
 
+mod advisory;
 mod fleet;
 mod growth;
 mod lease;
@@ -78,7 +82,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory] \
                      [--server fsync-off|durable]";
 
 /// The schema the baselines' tables live in; never `pgsemaphore`.
@@ -103,10 +107,11 @@ pub enum Workload {
     Idle,
     Lease,
     Redis,
+    Advisory,
 }
 
 impl Workload {
-    const ALL: [Workload; 10] = [
+    const ALL: [Workload; 11] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -117,6 +122,7 @@ impl Workload {
         Workload::Idle,
         Workload::Lease,
         Workload::Redis,
+        Workload::Advisory,
     ];
 
     pub fn name(self) -> &'static str {
@@ -131,6 +137,7 @@ impl Workload {
             Workload::Idle => "idle",
             Workload::Lease => "lease",
             Workload::Redis => "redis",
+            Workload::Advisory => "advisory",
         }
     }
 
@@ -480,6 +487,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Idle => fleet::idle_workload(ctx).await?,
             Workload::Lease => lease::lease_workload(ctx).await?,
             Workload::Redis => redis::redis_workload(ctx).await?,
+            Workload::Advisory => advisory::advisory_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
         eprintln!("== {} took {took:.1} s", workload.name());

@@ -22,7 +22,7 @@ use crate::semaphore::sem_ours;
 use crate::{Ctx, Res, Settings, Workload};
 
 /// Where the Redis is: `PGSEMAPHORE_BENCH_REDIS_URL`, else this.
-const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
 const REDIS_IMPL: &str = "seed 002: Redis sorted set + Lua (Stripe)";
 
 /// The seed's `concurrent_requests_limiter.lua`, verbatim.
@@ -77,7 +77,7 @@ pub async fn redis_workload(ctx: &mut Ctx) -> Res<()> {
                     json!({ "server": server.label, "clients": clients, "capacity": CAPACITY });
                 reps[i].push(sem_ours(server, &s, clients, CAPACITY, config).await?);
             }
-            reps[servers.len()].push(redis_cell(&client, &s, clients).await?);
+            reps[servers.len()].push(redis_cell(&client, &s, clients, CAPACITY).await?);
         }
         let mut group: Vec<Cell> = reps.into_iter().map(|r| Cell::from_reps(r, &[])).collect();
         let redis_index = group.len() - 1;
@@ -130,7 +130,13 @@ pub async fn redis_workload(ctx: &mut Ctx) -> Res<()> {
     Ok(())
 }
 
-async fn redis_cell(client: &redis::Client, s: &Settings, clients: usize) -> Res<Cell> {
+/// One cell of the Redis limiter of `capacity`.
+pub async fn redis_cell(
+    client: &redis::Client,
+    s: &Settings,
+    clients: usize,
+    capacity: u32,
+) -> Res<Cell> {
     let mut connections = Vec::with_capacity(clients);
     for _ in 0..clients {
         connections.push(client.get_multiplexed_async_connection().await?);
@@ -159,7 +165,7 @@ async fn redis_cell(client: &redis::Client, s: &Settings, clients: usize) -> Res
                     .await?;
                 let (allowed, _count): (Option<i64>, i64) = script
                     .key(&*key)
-                    .arg(CAPACITY)
+                    .arg(capacity)
                     .arg(now)
                     .arg(&id)
                     .invoke_async(&mut con)
@@ -183,7 +189,7 @@ async fn redis_cell(client: &redis::Client, s: &Settings, clients: usize) -> Res
         .arg(&*key)
         .query_async::<()>(&mut con)
         .await?;
-    let config = json!({ "server": Value::Null, "clients": clients, "capacity": CAPACITY });
+    let config = json!({ "server": Value::Null, "clients": clients, "capacity": capacity });
     let cell = Cell::from_load(Workload::Redis, REDIS_IMPL, config, load);
     eprintln!("{}", cell.progress());
     Ok(cell)

@@ -7,7 +7,7 @@
 //! - [`cancel`]: cancelling a lock wait whose caller has gone.
 
 mod cancel;
-mod session;
+pub(crate) mod session;
 mod xact;
 
 use std::fmt;

@@ -34,7 +34,7 @@ use super::{Mode, Mutex, Wait, run_on};
 /// The server-side dead-man switch of a dedicated session, for a heartbeat
 /// of `heartbeat`: the session ends after three silent heartbeats (at least
 /// a second), and the server's keepalives probe a silent peer at that pace.
-fn dead_man_sql(heartbeat: Duration) -> String {
+pub(crate) fn dead_man_sql(heartbeat: Duration) -> String {
     let idle_ms = (heartbeat * 3).max(Duration::from_secs(1)).as_millis();
     let keepalive_s = (idle_ms / 1000).max(1);
     format!(

@@ -8,6 +8,7 @@
 //!   heartbeat in [`lease`];
 //! - [`queue`]: tickets of the fair queue.
 
+mod advisory;
 mod engine;
 mod lease;
 mod permit;
@@ -30,6 +31,9 @@ use crate::error::{Error, Result, WaitedFor};
 use crate::metrics::SemaphoreMetrics;
 use crate::validate;
 
+pub use self::advisory::{
+    AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, DEFAULT_ADVISORY_CONNECTIONS,
+};
 use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions};
 pub use self::engine::{MAX_LEASE, MIN_LEASE, Priority, QueueOrder};
 pub use self::permit::Permit;
@@ -1037,7 +1041,7 @@ fn validate_holder(holder: &str) -> Result<()> {
 }
 
 /// `host:pid`, the default holder label.
-fn default_holder() -> String {
+pub(crate) fn default_holder() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())

@@ -110,7 +110,12 @@ impl Drop for Running {
 impl Wakeups {
     /// The service shared by every semaphore built on `pool`.
     pub(crate) fn for_pool(pool: &PgPool) -> Arc<Wakeups> {
-        let options = pool.connect_options();
+        Wakeups::for_options(pool.connect_options())
+    }
+
+    /// The service for connections made with `options` (the same `Arc`:
+    /// a pool's, or one an advisory semaphore was given).
+    pub(crate) fn for_options(options: Arc<PgConnectOptions>) -> Arc<Wakeups> {
         let mut registry = lock(&REGISTRY);
         registry.retain(|(_, wakeups)| wakeups.strong_count() > 0);
         if let Some(wakeups) = registry
@@ -154,6 +159,12 @@ impl Wakeups {
                 self.entries.clone(),
             )));
         }
+    }
+
+    /// Wakes this process's waiters of `semaphore` now (a release in this
+    /// process, which no NOTIFY tells this process about).
+    pub(crate) fn wake_local(&self, semaphore: &str) {
+        self.entries.wake(semaphore);
     }
 
     /// Watches `semaphore` (woken on each of its notifications and fallback

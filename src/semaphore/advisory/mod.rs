@@ -1,0 +1,664 @@
+//! The advisory semaphore: a counting semaphore whose slots are
+//! session-level advisory locks, so that claiming and releasing write no
+//! row and a long transaction elsewhere in the database (a `pg_dump`, a
+//! report, an idle-in-transaction session) cannot slow it down.
+//!
+//! - [`AdvisorySemaphore`] (this module): opening, claims, waits;
+//! - [`session`]: the dedicated connections that hold the slots, their
+//!   heartbeat and the server's dead-man switch;
+//! - [`permit`]: the permit, [`AdvisoryPermit`];
+//! - [`audit`]: the insert-only audit log, written in batches off the hot
+//!   path.
+//!
+//! The rules live in SQL (`pgsemaphore.advisory_claim` and
+//! `pgsemaphore.advisory_release`, whose bodies state the invariant and
+//! what they meet); this module sends one statement per claim or release
+//! to a dedicated session, and waits with the lease semaphore's wake-ups
+//! (one `LISTEN` connection per process, a local order of waiters).
+//!
+//! Waiting without a table: a waiting process holds the semaphore's 16
+//! waiting keys in shared mode (on one of its sessions) before it claims; a
+//! release that can take one of them exclusively knows that no other
+//! process waits and sends no `NOTIFY`. Advisory locks are visible to every session
+//! the moment they are taken or freed, so there is no snapshot to miss a
+//! waiter in (the lease semaphore needs its wake-up gate for that).
+
+mod audit;
+mod permit;
+mod session;
+
+use std::fmt;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
+use tokio::time::Instant;
+
+use crate::db::Db;
+use crate::error::{Error, Result, WaitedFor};
+use crate::metrics::SemaphoreMetrics;
+use crate::mutex::DEFAULT_HEARTBEAT;
+use crate::validate;
+
+use self::audit::AuditWriter;
+pub use self::permit::AdvisoryPermit;
+use self::session::{ClaimReply, Session, Sessions};
+use super::wake::Wakeups;
+use super::{DEFAULT_FALLBACK_INTERVAL, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_NAME_LEN};
+
+/// The default most dedicated connections a pool's advisory semaphores
+/// open to hold slots (they run one statement at a time each).
+pub const DEFAULT_ADVISORY_CONNECTIONS: usize = 4;
+
+/// Opens (creates if needed) the semaphore; returns its capacity, whether
+/// it was created, and the base of its advisory keys.
+const OPEN: &str = "SELECT o_capacity, o_created, o_key_base \
+                    FROM pgsemaphore.open_advisory(p_name => $1, p_capacity => $2)";
+
+/// Free slots right now: the capacity less the slots held (from pg_locks).
+const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(*)::int FROM pgsemaphore.advisory_holders h \
+                                              WHERE h.semaphore = a.name) \
+                         FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
+
+/// The first of the 16 waiting keys of a semaphore whose keys start at
+/// `base` (see `pgsemaphore.advisory_semaphores`).
+fn waiting_keys(base: i64) -> i64 {
+    base + 1_048_560
+}
+
+/// A counting semaphore whose slots are **advisory locks**: every process
+/// that uses the same database shares at most `capacity` permits, and
+/// claiming or releasing one writes nothing.
+///
+/// The two semaphores, side by side ([`Semaphore`](crate::Semaphore) is the
+/// lease semaphore):
+///
+/// | | `AdvisorySemaphore` | `Semaphore` |
+/// |---|---|---|
+/// | a permit is | a session-level advisory lock on a dedicated connection | a row in `pgsemaphore.slots`, with a lease |
+/// | a claim + release writes | nothing | a row, then makes it dead |
+/// | a long transaction in the database (`pg_dump`, a report) | no effect | each claim slows, without bound |
+/// | holder crashes | slot free at once (its connection closes) | slot free when its lease ends |
+/// | holder's link cut | holder told within ~2 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
+/// | database restart or failover | every permit lost, every holder told | permits survive (durable rows) |
+/// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per pool, held while permits are | none held between round trips |
+/// | behind PgBouncer (transaction pooling) | needs a direct URL for its connections ([`connect_options`](AdvisorySemaphoreBuilder::connect_options)) | works through it |
+/// | audit log | one row per finished permit, written in batches after it ends (`pgsemaphore.advisory_claims`); live holders in `pg_locks` | every claim, live or ended, in `pgsemaphore.slots` |
+/// | fence a write into your transaction | no | [`Permit::fence`](crate::Permit::fence) |
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use pg_semaphore::{AdvisorySemaphore, Error};
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// pg_semaphore::migrate(&pool).await?;
+/// let sem = AdvisorySemaphore::builder("payments-api", 4).build(&pool).await?;
+/// match sem.try_acquire().await {
+///     Ok(permit) => {
+///         // ... call the upstream ...
+///         permit.release().await?;
+///     }
+///     Err(Error::NoSlotsAvailable { .. }) => { /* 503 */ }
+///     Err(e) => return Err(e.into()),
+/// }
+/// let permit = sem.acquire_timeout(Duration::from_secs(5)).await?;
+/// permit.release().await?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct AdvisorySemaphore {
+    core: Arc<AdvisoryCore>,
+}
+
+/// What every handle of one advisory semaphore shares.
+pub(crate) struct AdvisoryCore {
+    name: String,
+    capacity: u32,
+    key_base: i64,
+    holder: String,
+    fallback: Duration,
+    /// The application's pool: opening, the audit log, `available_permits`.
+    db: Db,
+    sessions: Arc<Sessions>,
+    wakeups: Arc<Wakeups>,
+    audit: Option<Arc<AuditWriter>>,
+    metrics: SemaphoreMetrics,
+    /// This process's waiting announcement for the semaphore, shared by its
+    /// waiters.
+    announced: Mutex<Weak<Announcement>>,
+}
+
+impl fmt::Debug for AdvisorySemaphore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let core = &self.core;
+        f.debug_struct("AdvisorySemaphore")
+            .field("name", &core.name)
+            .field("capacity", &core.capacity)
+            .field("holder", &core.holder)
+            .field("heartbeat", &core.sessions.heartbeat())
+            .field("fallback_interval", &core.fallback)
+            .field("audit", &core.audit.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures an [`AdvisorySemaphore`]; made by [`AdvisorySemaphore::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `.build(&pool).await`"]
+pub struct AdvisorySemaphoreBuilder {
+    name: String,
+    capacity: u32,
+    holder: Option<String>,
+    heartbeat: Duration,
+    connections: usize,
+    fallback: Duration,
+    options: Option<PgConnectOptions>,
+    audit: bool,
+    pooled: bool,
+}
+
+impl AdvisorySemaphoreBuilder {
+    /// The holder label recorded in the audit log (default: `host:pid`).
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+
+    /// How often each dedicated connection proves it is alive (default
+    /// [`DEFAULT_HEARTBEAT`], 1 s). A permit is told it is lost within about
+    /// two heartbeats of its link going silent; the server ends a silent
+    /// session, freeing its slots, after three. Set on the first advisory
+    /// semaphore built on a pool (the pool's connections are shared).
+    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+
+    /// The most dedicated connections this pool's advisory semaphores open
+    /// to hold slots (default [`DEFAULT_ADVISORY_CONNECTIONS`]). Each runs
+    /// one statement at a time and holds any number of permits; a new one
+    /// is opened only when every open one is busy. Set on the first
+    /// advisory semaphore built on a pool.
+    pub fn connections(mut self, connections: usize) -> Self {
+        self.connections = connections;
+        self
+    }
+
+    /// How often a waiting acquire re-checks even without a wake-up
+    /// (default [`DEFAULT_FALLBACK_INTERVAL`]).
+    pub fn fallback_interval(mut self, interval: Duration) -> Self {
+        self.fallback = interval;
+        self
+    }
+
+    /// Connects the dedicated connections (and the `LISTEN` connection)
+    /// with these options instead of the pool's: for a pool behind a
+    /// transaction pooler (PgBouncer), give a direct URL here, since a
+    /// session-level lock needs a session of its own.
+    pub fn connect_options(mut self, options: PgConnectOptions) -> Self {
+        self.options = Some(options);
+        self
+    }
+
+    /// Declares that the pool connects through a **transaction-pooling
+    /// proxy** such as PgBouncer with `pool_mode = transaction` (default
+    /// `false`): the statements this semaphore sends through the pool
+    /// (opening, the audit log, `available_permits`) then run unnamed inside
+    /// explicit transactions. Its slots still need sessions of their own:
+    /// give a direct URL with [`connect_options`](Self::connect_options).
+    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
+        self.pooled = enabled;
+        self
+    }
+
+    /// Whether finished permits are written to the audit log
+    /// (`pgsemaphore.advisory_claims`, default `true`).
+    pub fn audit(mut self, enabled: bool) -> Self {
+        self.audit = enabled;
+        self
+    }
+
+    /// Validates the settings and opens the semaphore: creates it with this
+    /// capacity if it does not exist; an existing one keeps its capacity
+    /// (the handle reports and uses the stored one).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad name, capacity, holder, a zero
+    /// heartbeat, fallback or connection count, or a name that a lease
+    /// [`Semaphore`](crate::Semaphore) already has (one name, one kind:
+    /// two kinds of the same name would each admit the capacity);
+    /// [`Error::MigrationsMissing`]; [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Opening is one statement: cancelling either creates the semaphore or not.
+    pub async fn build(self, pool: &PgPool) -> Result<AdvisorySemaphore> {
+        validate::text("name", &self.name, MAX_NAME_LEN)?;
+        if self.capacity == 0 || self.capacity > MAX_CAPACITY {
+            return Err(Error::invalid(
+                "capacity",
+                format!(
+                    "{} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots",
+                    self.capacity
+                ),
+            ));
+        }
+        if self.heartbeat.is_zero() {
+            return Err(Error::invalid("heartbeat", "must be greater than zero"));
+        }
+        if self.fallback.is_zero() {
+            return Err(Error::invalid(
+                "fallback_interval",
+                "must be greater than zero",
+            ));
+        }
+        if self.connections == 0 {
+            return Err(Error::invalid("connections", "must be at least 1"));
+        }
+        let holder = match self.holder {
+            Some(holder) => {
+                validate::text("holder", &holder, MAX_HOLDER_LEN)?;
+                holder
+            }
+            None => super::default_holder(),
+        };
+        if self.pooled && self.options.is_none() {
+            return Err(Error::invalid(
+                "connect_options",
+                "behind a transaction pooler, the slots need a direct connection: \
+                 give its options with `.connect_options(..)`",
+            ));
+        }
+        let db = Db::new(pool, self.pooled);
+        let query = db
+            .query_as::<(i32, bool, i64)>(OPEN)
+            .bind(self.name.clone())
+            .bind(self.capacity as i32);
+        let (capacity, created, key_base) = db.fetch_one(query).await?;
+        if created {
+            tracing::debug!(semaphore = %self.name, capacity, "advisory semaphore created");
+        } else if capacity as u32 != self.capacity {
+            tracing::warn!(
+                semaphore = %self.name,
+                capacity,
+                requested_capacity = self.capacity,
+                "advisory semaphore exists with another capacity, which stays in force; \
+                 change it with pg_semaphore::set_capacity or `pg-semaphore set-capacity`"
+            );
+        }
+        let options = match self.options {
+            Some(options) => Arc::new(options),
+            None => pool.connect_options(),
+        };
+        Ok(AdvisorySemaphore {
+            core: Arc::new(AdvisoryCore {
+                sessions: Sessions::for_options(options.clone(), self.heartbeat, self.connections),
+                wakeups: Wakeups::for_options(options),
+                audit: self.audit.then(|| AuditWriter::for_db(&db)),
+                metrics: SemaphoreMetrics::new(&self.name),
+                capacity: capacity.max(1) as u32,
+                key_base,
+                holder,
+                fallback: self.fallback,
+                db,
+                announced: Mutex::new(Weak::new()),
+                name: self.name,
+            }),
+        })
+    }
+}
+
+/// Arrival order of waiting acquires in this process.
+static ARRIVAL: AtomicI64 = AtomicI64::new(0);
+
+impl AdvisorySemaphore {
+    /// Starts configuring the advisory semaphore `name` with `capacity` slots.
+    ///
+    /// Nothing is validated or written until [`AdvisorySemaphoreBuilder::build`].
+    pub fn builder(name: impl Into<String>, capacity: u32) -> AdvisorySemaphoreBuilder {
+        AdvisorySemaphoreBuilder {
+            name: name.into(),
+            capacity,
+            holder: None,
+            heartbeat: DEFAULT_HEARTBEAT,
+            connections: DEFAULT_ADVISORY_CONNECTIONS,
+            fallback: DEFAULT_FALLBACK_INTERVAL,
+            options: None,
+            audit: true,
+            pooled: false,
+        }
+    }
+
+    /// The semaphore's name.
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    /// The capacity stored when this handle was opened (claims always use
+    /// the database's current value).
+    pub fn capacity(&self) -> u32 {
+        self.core.capacity
+    }
+
+    /// The holder label recorded in the audit log.
+    pub fn holder(&self) -> &str {
+        &self.core.holder
+    }
+
+    /// How many slots are free right now (the capacity less the slots held,
+    /// from `pg_locks`). Only a snapshot.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    pub async fn available_permits(&self) -> Result<u32> {
+        let db = &self.core.db;
+        let query = db
+            .query_as::<(i32,)>(AVAILABLE)
+            .bind(self.core.name.clone());
+        match db.fetch_optional(query).await? {
+            Some((free,)) => Ok(free.max(0) as u32),
+            None => Err(Error::SemaphoreNotFound {
+                semaphore: self.core.name.clone(),
+            }),
+        }
+    }
+
+    /// Claims a slot if one is free, or fails at once. One round trip on a
+    /// dedicated connection; nothing is written.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoSlotsAvailable`] when every slot is held (answer
+    /// 429/503); [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// [`Error::Database`] (the database cannot be reached, or the session
+    /// was lost).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the claim runs on its session whatever happens to this
+    /// future, and what it claims after the caller left is released there.
+    pub async fn try_acquire(&self) -> Result<AdvisoryPermit> {
+        self.try_acquire_many(1).await
+    }
+
+    /// Claims `n` slots at once if that many are free (all or nothing), or
+    /// fails at once.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire`](Self::try_acquire); [`Error::InvalidArgument`] for
+    /// `n` = 0 or more than the capacity.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`try_acquire`](Self::try_acquire).
+    pub async fn try_acquire_many(&self, n: u32) -> Result<AdvisoryPermit> {
+        self.check_permits(n)?;
+        match claim(&self.core, n).await? {
+            Claim::Claimed(permit) => Ok(permit),
+            Claim::Full { capacity } => {
+                self.core.metrics.no_slots();
+                Err(Error::NoSlotsAvailable {
+                    semaphore: self.core.name.clone(),
+                    capacity,
+                })
+            }
+            Claim::TooMany { capacity } => Err(self.too_many(n, capacity)),
+        }
+    }
+
+    /// Waits without limit until a slot is free, then claims it. Waiting
+    /// tasks hold no connection of the pool; they are woken by a release
+    /// (a `NOTIFY` from another process, directly in this one), or by the
+    /// fallback re-check. Within a process, waiters are served in order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// [`Error::InvalidArgument`] when the capacity shrank below the permits
+    /// asked for; an outage does not end the wait (it retries).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: nothing is left held or announced.
+    pub async fn acquire(&self) -> Result<AdvisoryPermit> {
+        self.acquire_many(1).await
+    }
+
+    /// Waits without limit until `n` slots are free, then claims them all
+    /// at once; never holds some while waiting for the rest.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Self::acquire); [`Error::InvalidArgument`] for `n` = 0
+    /// or more than the capacity.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_many(&self, n: u32) -> Result<AdvisoryPermit> {
+        self.check_permits(n)?;
+        wait(&self.core, n).await
+    }
+
+    /// Waits up to `timeout` for a slot.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] after `timeout`; otherwise as [`acquire`](Self::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<AdvisoryPermit> {
+        self.acquire_many_timeout(1, timeout).await
+    }
+
+    /// Waits up to `timeout` for `n` slots at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] after `timeout`; otherwise as
+    /// [`acquire_many`](Self::acquire_many).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_many_timeout(&self, n: u32, timeout: Duration) -> Result<AdvisoryPermit> {
+        self.check_permits(n)?;
+        match tokio::time::timeout(timeout, wait(&self.core, n)).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.core.metrics.timed_out();
+                Err(Error::Timeout {
+                    waited_for: WaitedFor::Permit {
+                        semaphore: self.core.name.clone(),
+                    },
+                    timeout,
+                })
+            }
+        }
+    }
+
+    fn check_permits(&self, n: u32) -> Result<()> {
+        if n == 0 || n > MAX_CAPACITY {
+            return Err(Error::invalid(
+                "permits",
+                format!("{n} is out of range: 1 to {MAX_CAPACITY}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn too_many(&self, n: u32, capacity: u32) -> Error {
+        Error::invalid(
+            "permits",
+            format!(
+                "{n} can never be held at once: advisory semaphore {:?} has {capacity} slots",
+                self.core.name
+            ),
+        )
+    }
+}
+
+/// What one claim found.
+enum Claim {
+    Claimed(AdvisoryPermit),
+    Full { capacity: u32 },
+    TooMany { capacity: u32 },
+}
+
+/// One claim round trip on a session, cancel-safe by construction: it runs
+/// in the caller's task, and if the caller has gone before it finished, the
+/// rest runs in a spawned task and the permit it made is dropped there,
+/// which releases it.
+async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
+    let core = core.clone();
+    crate::db::detached(move |_| async move {
+        let session = core.sessions.pick().await?;
+        let reply = session
+            .claim(&core.name, n)
+            .await
+            .map_err(|error| not_found_or(error, &core.name))?;
+        Ok(match reply {
+            ClaimReply::Claimed { slots, at } => {
+                tracing::debug!(semaphore = %core.name, ?slots, "advisory permit acquired");
+                Claim::Claimed(AdvisoryPermit::new(&core, session, slots, at, None))
+            }
+            ClaimReply::Full { capacity } => Claim::Full { capacity },
+            ClaimReply::TooMany { capacity } => Claim::TooMany { capacity },
+        })
+    })
+    .await
+}
+
+/// P0002: no advisory semaphore of that name.
+fn not_found_or(error: Error, name: &str) -> Error {
+    match &error {
+        Error::Database(db)
+            if db.as_database_error().and_then(|e| e.code()).as_deref() == Some("P0002") =>
+        {
+            Error::SemaphoreNotFound {
+                semaphore: name.to_owned(),
+            }
+        }
+        _ => error,
+    }
+}
+
+/// This process's announcement that it waits on a semaphore: the 16
+/// waiting keys from `key`, held in shared mode on one session; given back
+/// when the last local waiter drops its handle.
+struct Announcement {
+    session: Arc<Session>,
+    key: i64,
+}
+
+impl Drop for Announcement {
+    fn drop(&mut self) {
+        let (session, key) = (self.session.clone(), self.key);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { session.withdraw(key).await });
+        }
+    }
+}
+
+/// The process's announcement for `core`'s semaphore, taken if there is
+/// none alive. `None`: it could not be taken (waiters then rely on the
+/// fallback re-check). Cancel-safe: an announcement taken after the caller
+/// left is given back.
+async fn announce(core: &Arc<AdvisoryCore>) -> Option<Arc<Announcement>> {
+    if let Some(current) = lock(&core.announced).upgrade()
+        && current.session.lost_reason().is_none()
+    {
+        return Some(current);
+    }
+    let key = waiting_keys(core.key_base);
+    let sessions = core.sessions.clone();
+    let taken = crate::db::detached(move |_| async move {
+        let session = sessions.pick().await?;
+        Ok(session
+            .announce(key)
+            .await
+            .then(|| Arc::new(Announcement { session, key })))
+    })
+    .await;
+    let announcement = taken.ok().flatten()?;
+    let mut slot = lock(&core.announced);
+    match slot.upgrade() {
+        // Another waiter announced meanwhile: keep one (ours is given back).
+        Some(other) if other.session.lost_reason().is_none() => Some(other),
+        _ => {
+            *slot = Arc::downgrade(&announcement);
+            Some(announcement)
+        }
+    }
+}
+
+/// Waits until `n` slots can be claimed, then claims them.
+async fn wait(core: &Arc<AdvisoryCore>, n: u32) -> Result<AdvisoryPermit> {
+    let _waiting = core.metrics.waiting();
+    let started = Instant::now();
+    core.wakeups.start(true);
+    let mut watch = core.wakeups.watch(&core.name, core.fallback);
+    watch.take_place((0, 1, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
+    let mut announcement: Option<Arc<Announcement>> = None;
+    let mut pause: Option<Duration> = None;
+    loop {
+        watch.seen();
+        if watch.is_first() {
+            // Announce before the claim: a release that does not see the
+            // announcement came before it, and this claim sees its slot.
+            if announcement
+                .as_ref()
+                .is_none_or(|a| a.session.lost_reason().is_some())
+            {
+                announcement = announce(core).await;
+            }
+            match claim(core, n).await {
+                Ok(Claim::Claimed(permit)) => {
+                    // Whoever is next here tries too: slots may be left.
+                    watch.leave(true);
+                    core.metrics.waited(started.elapsed());
+                    return Ok(permit);
+                }
+                Ok(Claim::TooMany { capacity }) => {
+                    return Err(Error::invalid(
+                        "permits",
+                        format!(
+                            "{n} can never be held at once: advisory semaphore {:?} has {capacity} slots",
+                            core.name
+                        ),
+                    ));
+                }
+                Ok(Claim::Full { .. }) => pause = None,
+                Err(error) if error.is_unreachable() => {
+                    // An outage: retry, pausing longer each time.
+                    let next = pause.map_or(Duration::from_millis(50), |p| {
+                        (p * 2).min(core.fallback.max(Duration::from_millis(50)))
+                    });
+                    if pause.is_none() {
+                        tracing::warn!(semaphore = %core.name, %error, "database unreachable while waiting; retrying until it is back or the wait times out");
+                    }
+                    pause = Some(next);
+                    tokio::time::sleep(next).await;
+                    continue;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        watch.changed().await;
+    }
+}
+
+/// Locks a mutex, recovering from poisoning (no code panics while holding these).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}

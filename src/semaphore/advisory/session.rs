@@ -1,0 +1,597 @@
+//! The dedicated connections ("sessions") that hold advisory semaphores'
+//! slots: a session-level advisory lock belongs to the backend that took
+//! it, so each permit lives on one session, and is released there.
+//!
+//! A [`Session`] owns one connection, outside the application's pool, behind
+//! an async mutex: a claim or a release runs its one statement on it in the
+//! caller's own task (no hop to another task on the hot path), one at a
+//! time. It knows which slots it holds (an advisory lock is re-entrant: a
+//! second claim on the same session must not take a slot it holds again, so
+//! each claim sends that list), and it is the permits' lease:
+//!
+//! - **the holder learns of a dead link**: a task pings the session every
+//!   heartbeat in which no statement ran, and every statement is bounded; a
+//!   ping or a statement that fails, or does not answer within a heartbeat
+//!   (three for a statement), loses the session, and every permit on it is
+//!   told ([`LostReason::ConnectionLost`]) within about two heartbeats;
+//! - **the server frees a cut-off session**: the session sets
+//!   `idle_session_timeout` to three heartbeats (and the server's TCP
+//!   keepalives): pings keep a live one busy, so only a session whose
+//!   client went silent is ended, and its locks freed, a heartbeat after
+//!   its holder was told. A killed process's session ends at once (its
+//!   socket closes).
+//!
+//! [`Sessions`] is the set a pool's advisory semaphores share: a claim goes
+//! to an idle session that holds no permit (so that its release does not
+//! wait for someone else's claim), a new one is opened when there is none,
+//! up to a maximum, and otherwise to the least busy.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::db;
+use crate::error::{Error, LostReason, Result};
+use crate::mutex::session::dead_man_sql;
+
+/// Takes slots; `p_mine`: what this session holds of the semaphore already.
+/// Every kind of claim (several permits, a session that holds slots of the
+/// semaphore already, a capacity drop pending).
+const CLAIM: &str = "SELECT o_status, o_slots, o_capacity, o_at \
+                     FROM pgsemaphore.advisory_claim(p_semaphore => $1, p_permits => $2, p_mine => $3)";
+
+/// The common claim, as one small statement: one permit, on a session that
+/// holds no slot of the semaphore (so no lock it takes can be one it
+/// holds), with no capacity drop pending; what `pgsemaphore.advisory_claim`
+/// does in that case, at the cost of a plain statement (a PL/pgSQL call
+/// rebuilds its expressions in every transaction). The lowest slot it can
+/// lock, or NULL; no row: no such semaphore. A drop pending
+/// (`peak_capacity > capacity`) takes nothing (the gate is a one-time filter
+/// of the subquery), and the caller then sends [`CLAIM`].
+const CLAIM_ONE: &str = "SELECT a.capacity, a.peak_capacity, \
+                                (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
+                                  WHERE a.peak_capacity = a.capacity \
+                                    AND pg_try_advisory_lock(a.key_base + g.s) \
+                                  LIMIT 1) AS slot, \
+                                clock_timestamp() AS at \
+                         FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
+
+/// The release of a one-slot permit (see `pgsemaphore.advisory_release_one`).
+const RELEASE_ONE: &str =
+    "SELECT pgsemaphore.advisory_release_one(p_semaphore => $1, p_key => $2, p_stripe => $3)";
+
+/// Ends a permit: unlocks its slots and wakes other sessions' waiters
+/// (returns the slots released, negative when it notified).
+const RELEASE: &str =
+    "SELECT pgsemaphore.advisory_release(p_semaphore => $1, p_key_base => $2, p_slots => $3)";
+
+/// How many times, a millisecond apart, a waiter tries the waiting key
+/// before it waits without it (a release holds it for microseconds; a
+/// session that holds it longer is not ours to wait for).
+const ANNOUNCE_TRIES: u32 = 20;
+
+/// What a claim found.
+#[derive(Debug)]
+pub(crate) enum ClaimReply {
+    Claimed {
+        slots: Vec<u32>,
+        at: DateTime<Utc>,
+    },
+    Full {
+        capacity: u32,
+    },
+    TooMany {
+        capacity: u32,
+    },
+}
+
+/// One session: its connection, and what it holds.
+#[derive(Debug)]
+pub(crate) struct Session {
+    /// `None` once the session is lost (the connection is dropped, which
+    /// closes it).
+    state: tokio::sync::Mutex<Option<State>>,
+    lost: watch::Sender<Option<LostReason>>,
+    /// Statements waiting for or running on the connection.
+    in_flight: AtomicUsize,
+    /// Permits held on this session.
+    permits: AtomicUsize,
+    /// The backend holding this session's locks (`pg_locks.pid`).
+    pid: i32,
+    heartbeat: Duration,
+}
+
+#[derive(Debug)]
+struct State {
+    conn: PgConnection,
+    /// Slots held, by semaphore.
+    held: HashMap<String, Vec<u32>>,
+    /// When the connection last answered.
+    answered: Instant,
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    o_status: String,
+    o_slots: Option<Vec<i32>>,
+    o_capacity: i32,
+    o_at: Option<DateTime<Utc>>,
+}
+
+/// Counts a statement in flight for as long as it lives.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(counter: &'a AtomicUsize) -> InFlight<'a> {
+        counter.fetch_add(1, Ordering::Relaxed);
+        InFlight(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Session {
+    pub(crate) fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// A permit was made on this session.
+    pub(crate) fn held(&self) {
+        self.permits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A permit of this session ended.
+    pub(crate) fn freed(&self) {
+        self.permits.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Why the session was lost, if it was.
+    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
+        *self.lost.borrow()
+    }
+
+    /// Resolves when the session is lost; never otherwise.
+    pub(crate) fn lost(&self) -> impl std::future::Future<Output = LostReason> + Send + 'static {
+        let mut lost = self.lost.subscribe();
+        async move {
+            let reason = lost.wait_for(Option::is_some).await.map(|reason| *reason);
+            match reason {
+                Ok(reason) => reason.unwrap_or(LostReason::ConnectionLost),
+                // The session is gone without a loss (nothing holds it any more).
+                Err(_) => std::future::pending().await,
+            }
+        }
+    }
+
+    /// Loses the session: every permit on it is told, and the connection is
+    /// dropped (closing it: the server frees what it held, if it still can).
+    fn lose(&self, state: &mut Option<State>, why: &str) {
+        if let Some(lost) = state.take() {
+            tracing::warn!(
+                pid = self.pid,
+                %why,
+                held = lost.held.values().map(Vec::len).sum::<usize>(),
+                "advisory semaphore session lost: its permits are lost"
+            );
+        }
+        self.lost.send_replace(Some(LostReason::ConnectionLost));
+    }
+
+    /// Claims on this session: one statement. Not cancel-safe on its own
+    /// (a claim whose reply is dropped keeps its slots until they are
+    /// released): run it inside [`db::detached`], whose value, dropped if
+    /// the caller has gone, releases them.
+    pub(crate) async fn claim(&self, semaphore: &str, permits: u32) -> Result<ClaimReply> {
+        let _in_flight = InFlight::new(&self.in_flight);
+        let mut guard = self.state.lock().await;
+        let Some(state) = guard.as_mut() else {
+            return Err(lost_session());
+        };
+        let bound = self.heartbeat * 3;
+        let mine: Vec<i32> = state
+            .held
+            .get(semaphore)
+            .map(|slots| slots.iter().map(|&s| s as i32).collect())
+            .unwrap_or_default();
+        // The common claim, as a plain statement.
+        if permits == 1 && mine.is_empty() {
+            let query = sqlx::query_as::<_, (i32, i32, Option<i32>, DateTime<Utc>)>(CLAIM_ONE)
+                .bind(semaphore);
+            match tokio::time::timeout(bound, query.fetch_optional(&mut state.conn)).await {
+                Err(_) => {
+                    self.lose(&mut guard, &format!("a claim did not answer within {bound:?}"));
+                    return Err(lost_session());
+                }
+                Ok(Err(error)) => {
+                    if db::unreachable(&error) {
+                        self.lose(&mut guard, &error.to_string());
+                    }
+                    return Err(db::ours(error));
+                }
+                Ok(Ok(None)) => {
+                    return Err(Error::SemaphoreNotFound {
+                        semaphore: semaphore.to_owned(),
+                    });
+                }
+                Ok(Ok(Some((capacity, peak, slot, at)))) => {
+                    state.answered = Instant::now();
+                    if peak <= capacity {
+                        let capacity = capacity.max(0) as u32;
+                        return Ok(match slot {
+                            Some(slot) => {
+                                let slot = slot.max(0) as u32;
+                                state.held.entry(semaphore.to_owned()).or_default().push(slot);
+                                ClaimReply::Claimed {
+                                    slots: vec![slot],
+                                    at,
+                                }
+                            }
+                            None => ClaimReply::Full { capacity },
+                        });
+                    }
+                    // A capacity drop is pending: the general claim counts.
+                }
+            }
+        }
+        let query = sqlx::query_as::<_, ClaimRow>(CLAIM)
+            .bind(semaphore)
+            .bind(permits as i32)
+            .bind(mine);
+        let row = match tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await {
+            Err(_) => {
+                self.lose(&mut guard, &format!("a claim did not answer within {bound:?}"));
+                return Err(lost_session());
+            }
+            Ok(Err(error)) => {
+                if db::unreachable(&error) {
+                    self.lose(&mut guard, &error.to_string());
+                }
+                return Err(db::ours(error));
+            }
+            Ok(Ok(row)) => row,
+        };
+        state.answered = Instant::now();
+        let capacity = row.o_capacity.max(0) as u32;
+        Ok(match (row.o_status.as_str(), row.o_slots, row.o_at) {
+            ("claimed", Some(slots), Some(at)) => {
+                let slots: Vec<u32> = slots.into_iter().map(|s| s.max(0) as u32).collect();
+                state
+                    .held
+                    .entry(semaphore.to_owned())
+                    .or_default()
+                    .extend(slots.iter().copied());
+                ClaimReply::Claimed { slots, at }
+            }
+            ("too_many", _, _) => ClaimReply::TooMany { capacity },
+            _ => ClaimReply::Full { capacity },
+        })
+    }
+
+    /// Unlocks `slots` of `semaphore` on this session: one statement.
+    pub(crate) async fn release(&self, semaphore: &str, key_base: i64, slots: &[u32]) -> Result<()> {
+        let _in_flight = InFlight::new(&self.in_flight);
+        let mut guard = self.state.lock().await;
+        let Some(state) = guard.as_mut() else {
+            return Err(lost_session());
+        };
+        if let Some(held) = state.held.get_mut(semaphore) {
+            for slot in slots {
+                if let Some(at) = held.iter().position(|s| s == slot) {
+                    held.swap_remove(at);
+                }
+            }
+            if held.is_empty() {
+                state.held.remove(semaphore);
+            }
+        }
+        let bound = self.heartbeat * 3;
+        let query = match slots {
+            [slot] => sqlx::query_scalar::<_, i32>(RELEASE_ONE)
+                .bind(semaphore)
+                .bind(key_base + i64::from(*slot))
+                .bind(key_base + 1_048_560 + i64::from(*slot % 16)),
+            _ => sqlx::query_scalar::<_, i32>(RELEASE)
+                .bind(semaphore)
+                .bind(key_base)
+                .bind(slots.iter().map(|&s| s as i32).collect::<Vec<i32>>()),
+        };
+        match tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await {
+            Err(_) => {
+                self.lose(&mut guard, &format!("a release did not answer within {bound:?}"));
+                Err(lost_session())
+            }
+            Ok(Err(error)) => {
+                if db::unreachable(&error) {
+                    self.lose(&mut guard, &error.to_string());
+                }
+                Err(db::ours(error))
+            }
+            Ok(Ok(released)) => {
+                state.answered = Instant::now();
+                if released.unsigned_abs() as usize == slots.len() {
+                    Ok(())
+                } else {
+                    Err(Error::internal(format!(
+                        "released {released} of {} slots of {semaphore:?}: the session did not \
+                         hold the others",
+                        slots.len()
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Takes the 16 waiting keys from `first` in shared mode on this
+    /// session; whether it got every one (if not, it gives back those it
+    /// got: a partial announcement would hide nothing from some releases
+    /// and mislead others).
+    pub(crate) async fn announce(&self, first: i64) -> bool {
+        let _in_flight = InFlight::new(&self.in_flight);
+        let mut guard = self.state.lock().await;
+        let bound = self.heartbeat * 3;
+        let mut missing: Vec<i64> = (first..first + 16).collect();
+        for _ in 0..ANNOUNCE_TRIES {
+            let Some(state) = guard.as_mut() else {
+                return false;
+            };
+            let got = tokio::time::timeout(
+                bound,
+                sqlx::query_scalar::<_, Vec<i64>>(
+                    "SELECT coalesce(array_agg(k) FILTER (WHERE pg_try_advisory_lock_shared(k)), '{}') \
+                     FROM unnest($1::bigint[]) AS k",
+                )
+                .bind(&missing)
+                .fetch_one(&mut state.conn),
+            )
+            .await;
+            match got {
+                Ok(Ok(taken)) => {
+                    state.answered = Instant::now();
+                    missing.retain(|k| !taken.contains(k));
+                    if missing.is_empty() {
+                        return true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Ok(Err(error)) if !db::unreachable(&error) => break,
+                Ok(Err(error)) => {
+                    self.lose(&mut guard, &error.to_string());
+                    return false;
+                }
+                Err(_) => {
+                    self.lose(&mut guard, "announcing a waiter did not answer");
+                    return false;
+                }
+            }
+        }
+        // Give back what was taken.
+        let taken: Vec<i64> = (first..first + 16).filter(|k| !missing.contains(k)).collect();
+        if let Some(state) = guard.as_mut() {
+            let _ = tokio::time::timeout(
+                bound,
+                sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM unnest($1::bigint[]) AS k")
+                    .bind(&taken)
+                    .execute(&mut state.conn),
+            )
+            .await;
+        }
+        false
+    }
+
+    /// Gives the 16 waiting keys from `first` back.
+    pub(crate) async fn withdraw(&self, first: i64) {
+        let _in_flight = InFlight::new(&self.in_flight);
+        let mut guard = self.state.lock().await;
+        let Some(state) = guard.as_mut() else {
+            return;
+        };
+        let done = tokio::time::timeout(
+            self.heartbeat * 3,
+            sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM generate_series($1::bigint, $1 + 15) AS k")
+                .bind(first)
+                .execute(&mut state.conn),
+        )
+        .await;
+        match done {
+            Ok(Ok(_)) => state.answered = Instant::now(),
+            Ok(Err(error)) if !db::unreachable(&error) => {}
+            Ok(Err(error)) => self.lose(&mut guard, &error.to_string()),
+            Err(_) => self.lose(&mut guard, "withdrawing a waiter did not answer"),
+        }
+    }
+
+    /// One heartbeat: if no statement answered within the last heartbeat,
+    /// ping (bounded by a heartbeat). Skipped while a statement runs (it is
+    /// bounded itself). `false` once the session is lost.
+    async fn beat(&self) -> bool {
+        let Ok(mut guard) = self.state.try_lock() else {
+            return true;
+        };
+        let Some(state) = guard.as_mut() else {
+            return false;
+        };
+        if state.answered.elapsed() < self.heartbeat {
+            return true;
+        }
+        match tokio::time::timeout(self.heartbeat, state.conn.ping()).await {
+            Ok(Ok(())) => {
+                state.answered = Instant::now();
+                true
+            }
+            Ok(Err(error)) => {
+                self.lose(&mut guard, &format!("its connection died: {error}"));
+                false
+            }
+            Err(_) => {
+                let why = format!("its connection did not answer within {:?}", self.heartbeat);
+                self.lose(&mut guard, &why);
+                false
+            }
+        }
+    }
+}
+
+/// Pings `session` every heartbeat until it is lost or dropped.
+async fn heartbeat(session: Weak<Session>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(session) = session.upgrade() else {
+            return;
+        };
+        if !session.beat().await {
+            return;
+        }
+    }
+}
+
+/// What a statement on a lost session returns: an outage, to a waiter.
+pub(crate) fn lost_session() -> Error {
+    Error::Database(sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "the advisory semaphore's session was lost",
+    )))
+}
+
+/// The sessions a pool's advisory semaphores share.
+#[derive(Debug)]
+pub(crate) struct Sessions {
+    options: PgConnectOptions,
+    heartbeat: Duration,
+    max: usize,
+    open: Mutex<Vec<Arc<Session>>>,
+    /// Held while a session is being opened, so that a burst of claims
+    /// opens one at a time.
+    opening: tokio::sync::Mutex<()>,
+}
+
+/// Session sets by the options `Arc` they were made for.
+static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Sessions>)>> = Mutex::new(Vec::new());
+
+impl Sessions {
+    /// The set for connections made with `options` (shared by every
+    /// advisory semaphore built with the same options `Arc`: the first sets
+    /// the heartbeat and the maximum).
+    pub(crate) fn for_options(
+        options: Arc<PgConnectOptions>,
+        heartbeat: Duration,
+        max: usize,
+    ) -> Arc<Sessions> {
+        let mut registry = lock(&REGISTRY);
+        registry.retain(|(_, sessions)| sessions.strong_count() > 0);
+        if let Some(sessions) = registry
+            .iter()
+            .find(|(o, _)| Arc::ptr_eq(o, &options))
+            .and_then(|(_, s)| s.upgrade())
+        {
+            return sessions;
+        }
+        let sessions = Arc::new(Sessions {
+            options: (*options).clone().application_name("pg-semaphore advisory"),
+            heartbeat,
+            max: max.max(1),
+            open: Mutex::new(Vec::new()),
+            opening: tokio::sync::Mutex::new(()),
+        });
+        registry.push((options, Arc::downgrade(&sessions)));
+        sessions
+    }
+
+    pub(crate) fn heartbeat(&self) -> Duration {
+        self.heartbeat
+    }
+
+    /// A session for the next claim: an idle one that holds no permit, else
+    /// a new one if the maximum allows, else the least busy (fewest
+    /// statements in flight, then fewest permits held).
+    pub(crate) async fn pick(&self) -> Result<Arc<Session>> {
+        if let Some(free) = self.least_busy(true) {
+            return Ok(free);
+        }
+        if lock(&self.open).len() >= self.max {
+            if let Some(busy) = self.least_busy(false) {
+                return Ok(busy);
+            }
+        }
+        let _opening = self.opening.lock().await;
+        // Another claim may have opened one meanwhile.
+        if let Some(free) = self.least_busy(true) {
+            return Ok(free);
+        }
+        if lock(&self.open).len() < self.max {
+            match self.connect().await {
+                Ok(session) => {
+                    lock(&self.open).push(session.clone());
+                    return Ok(session);
+                }
+                // An outage: use a busy session if one is alive.
+                Err(error) => return self.least_busy(false).ok_or(error),
+            }
+        }
+        self.least_busy(false).ok_or_else(lost_session)
+    }
+
+    /// The open session with the fewest statements in flight, then the
+    /// fewest permits (only one with neither if `free_only`); drops lost
+    /// sessions from the set.
+    fn least_busy(&self, free_only: bool) -> Option<Arc<Session>> {
+        let mut open = lock(&self.open);
+        open.retain(|s| s.lost_reason().is_none());
+        let load = |s: &Arc<Session>| {
+            (
+                s.in_flight.load(Ordering::Relaxed),
+                s.permits.load(Ordering::Relaxed),
+            )
+        };
+        open.iter()
+            .min_by_key(|s| load(s))
+            .filter(|s| !free_only || load(s) == (0, 0))
+            .cloned()
+    }
+
+    /// Opens a session: a connection of its own, with the server's
+    /// dead-man switch set, and its heartbeat.
+    async fn connect(&self) -> Result<Arc<Session>> {
+        let mut conn = self.options.connect().await?;
+        sqlx::raw_sql(AssertSqlSafe(dead_man_sql(self.heartbeat)))
+            .execute(&mut conn)
+            .await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await?;
+        let session = Arc::new(Session {
+            state: tokio::sync::Mutex::new(Some(State {
+                conn,
+                held: HashMap::new(),
+                answered: Instant::now(),
+            })),
+            lost: watch::Sender::new(None),
+            in_flight: AtomicUsize::new(0),
+            permits: AtomicUsize::new(0),
+            pid,
+            heartbeat: self.heartbeat,
+        });
+        tokio::spawn(heartbeat(Arc::downgrade(&session), self.heartbeat));
+        Ok(session)
+    }
+}
+
+/// Locks a mutex, recovering from poisoning (no code panics while holding these).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}

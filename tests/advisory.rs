@@ -1,0 +1,524 @@
+//! The advisory semaphore: slots held as session-level advisory locks.
+//! Each test names the promise it pins: the hard limit (across processes,
+//! across a capacity drop), waiting and wake-ups, the session as the lease
+//! (a killed backend frees its slots at once and its holder is told), one
+//! name for one kind, and no row written on the claim and release path.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore};
+use sqlx::PgPool;
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+async fn advisory(
+    pool: &PgPool,
+    name: &str,
+    capacity: u32,
+) -> pg_semaphore::Result<AdvisorySemaphore> {
+    AdvisorySemaphore::builder(name, capacity)
+        .heartbeat(Duration::from_millis(250))
+        .fallback_interval(Duration::from_secs(60))
+        .build(pool)
+        .await
+}
+
+#[tokio::test]
+async fn at_most_capacity_permits_are_held_and_a_release_frees_one() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "basic", 2).await?;
+    let a = sem.try_acquire().await?;
+    let b = sem.try_acquire().await?;
+    assert_eq!(
+        {
+            let mut slots = vec![a.slot(), b.slot()];
+            slots.sort();
+            slots
+        },
+        [0, 1]
+    );
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { capacity: 2, .. })
+    ));
+    assert_eq!(sem.available_permits().await?, 0);
+    a.release().await?;
+    assert_eq!(sem.available_permits().await?, 1);
+    let c = sem.try_acquire().await?;
+    assert!(matches!(
+        sem.try_acquire_many(2).await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    b.release().await?;
+    c.release().await?;
+    let both = sem.try_acquire_many(2).await?;
+    assert_eq!(both.num_permits(), 2);
+    assert!(matches!(
+        sem.try_acquire_many(3).await,
+        Err(Error::InvalidArgument {
+            argument: "permits",
+            ..
+        })
+    ));
+    both.release().await?;
+    assert_eq!(sem.available_permits().await?, 2);
+    Ok(())
+}
+
+/// Many "processes" (a pool and a semaphore handle each, so their own
+/// dedicated connections) hammer one semaphore; a shared counter of
+/// holders never exceeds the capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_hard_limit_holds_across_processes() -> TestResult {
+    let db = support::migrated_db().await;
+    let capacity = 3;
+    let holding = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for process in 0..4 {
+        let pool = support::another_pool(&db, 3).await;
+        let sem = AdvisorySemaphore::builder("limited", capacity)
+            .connections(3)
+            .build(&pool)
+            .await?;
+        for _ in 0..4 {
+            let (sem, holding, most) = (sem.clone(), holding.clone(), most.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut admitted = 0;
+                for round in 0..60 {
+                    let permit = if round % 3 == 0 {
+                        sem.acquire_timeout(Duration::from_secs(20)).await?
+                    } else {
+                        match sem.try_acquire().await {
+                            Ok(permit) => permit,
+                            Err(Error::NoSlotsAvailable { .. }) => continue,
+                            Err(error) => return Err(error),
+                        }
+                    };
+                    let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    holding.fetch_sub(1, Ordering::SeqCst);
+                    permit.release().await?;
+                    admitted += 1;
+                }
+                let _ = process;
+                Ok::<_, Error>(admitted)
+            }));
+        }
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await??;
+    }
+    assert!(admitted > 100, "only {admitted} admitted");
+    assert!(
+        most.load(Ordering::SeqCst) <= capacity as usize,
+        "{} held at once at capacity {capacity}",
+        most.load(Ordering::SeqCst)
+    );
+    Ok(())
+}
+
+/// Lowering the capacity while permits sit on slots above it admits nobody
+/// until the holders are fewer than the new capacity.
+#[tokio::test]
+async fn a_capacity_drop_admits_nobody_until_the_holders_drain() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "dropped", 4).await?;
+    let other_pool = support::another_pool(&db, 2).await;
+    let other = advisory(&other_pool, "dropped", 4).await?;
+    let p = [
+        sem.try_acquire().await?,
+        sem.try_acquire().await?,
+        other.try_acquire().await?,
+        other.try_acquire().await?,
+    ];
+    let [p0, p1, p2, p3] = p;
+    p0.release().await?;
+    p1.release().await?;
+    // Slots 2 and 3 (or whichever the two holders have) stay held.
+    pg_semaphore::set_capacity(&db.pool, "dropped", 2).await?;
+    for handle in [&sem, &other] {
+        assert!(
+            matches!(
+                handle.try_acquire().await,
+                Err(Error::NoSlotsAvailable { .. })
+            ),
+            "admitted beside 2 holders at capacity 2"
+        );
+    }
+    p2.release().await?;
+    // One holder left: one more may come in, not two.
+    let q = sem.try_acquire().await?;
+    assert!(matches!(
+        other.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    p3.release().await?;
+    let r = other.try_acquire().await?;
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    q.release().await?;
+    r.release().await?;
+    // The drop is over: the peak came back down to the capacity.
+    let peak: i32 = sqlx::query_scalar(
+        "SELECT peak_capacity FROM pgsemaphore.advisory_semaphores WHERE name = 'dropped'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(peak, 2);
+    Ok(())
+}
+
+/// A waiter in another process is woken by a release (a NOTIFY, its
+/// fallback a minute away), and one in the same process directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_a_release_in_any_process() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "woken", 1).await?;
+    let other_pool = support::another_pool(&db, 2).await;
+    let remote = advisory(&other_pool, "woken", 1).await?;
+    for waiter_sem in [remote.clone(), sem.clone()] {
+        let held = sem.try_acquire().await?;
+        let waiter = tokio::spawn(async move {
+            let started = Instant::now();
+            let permit = waiter_sem.acquire_timeout(Duration::from_secs(20)).await?;
+            Ok::<_, Error>((permit, started))
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let released = Instant::now();
+        held.release().await?;
+        let (permit, _) = waiter.await??;
+        let woken = released.elapsed();
+        assert!(
+            woken < Duration::from_secs(2),
+            "woken {woken:?} after the release"
+        );
+        permit.release().await?;
+    }
+    Ok(())
+}
+
+/// The session is the lease: terminating a holder's backend frees its slot
+/// at once, and the holder is told within about two heartbeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_session_frees_its_slots_and_its_holder_is_told() -> TestResult {
+    let db = support::migrated_db().await;
+    let holder_pool = support::another_pool(&db, 2).await;
+    let holder = advisory(&holder_pool, "killed", 1).await?;
+    let sem = advisory(&db.pool, "killed", 1).await?;
+    let permit = holder.try_acquire().await?;
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    let lost = permit.lost();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(permit.backend_pid())
+        .execute(&db.pool)
+        .await?;
+    let killed = Instant::now();
+    // The slot is free as soon as the backend is gone.
+    let next = loop {
+        match sem.try_acquire().await {
+            Ok(permit) => break permit,
+            Err(Error::NoSlotsAvailable { .. }) if killed.elapsed() < Duration::from_secs(2) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    };
+    let freed = killed.elapsed();
+    let reason = tokio::time::timeout(Duration::from_secs(2), lost).await?;
+    assert_eq!(reason, LostReason::ConnectionLost);
+    assert!(permit.is_lost());
+    assert!(matches!(
+        permit.release().await,
+        Err(Error::PermitLost {
+            reason: LostReason::ConnectionLost,
+            ..
+        })
+    ));
+    assert!(
+        freed < Duration::from_millis(500),
+        "slot freed {freed:?} after the kill"
+    );
+    next.release().await?;
+    // The holder's process carries on with a new session.
+    holder.try_acquire().await?.release().await?;
+    Ok(())
+}
+
+/// A name belongs to one kind: a lease semaphore and an advisory semaphore
+/// of one name would each admit the capacity.
+#[tokio::test]
+async fn a_name_belongs_to_one_kind_of_semaphore() -> TestResult {
+    let db = support::migrated_db().await;
+    advisory(&db.pool, "advisory-name", 1).await?;
+    Semaphore::builder("lease-name", 1).build(&db.pool).await?;
+    match Semaphore::builder("advisory-name", 1).build(&db.pool).await {
+        Err(Error::InvalidArgument {
+            argument: "name",
+            reason,
+        }) => {
+            assert!(reason.contains("advisory semaphore"), "{reason}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    match advisory(&db.pool, "lease-name", 1).await {
+        Err(Error::InvalidArgument {
+            argument: "name",
+            reason,
+        }) => {
+            assert!(reason.contains("lease semaphore"), "{reason}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// Claims and releases write no row: the statistics of every table of the
+/// schema (but the audit log's, which is off here) do not move during a
+/// run, once the sessions that ran it have ended and reported them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_and_releases_write_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    let stats = "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del + n_tup_hot_upd), 0)::bigint \
+                 FROM pg_stat_user_tables WHERE schemaname = 'pgsemaphore'";
+    {
+        let pool = support::another_pool(&db, 2).await;
+        let sem = AdvisorySemaphore::builder("silent", 4)
+            .audit(false)
+            .build(&pool)
+            .await?;
+        sem.try_acquire().await?.release().await?;
+        pool.close().await;
+    }
+    let read = |pool: PgPool| async move {
+        let mut conn = pool.acquire().await?;
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query_scalar::<_, i64>(stats)
+            .fetch_one(&mut *conn)
+            .await
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = read(db.pool.clone()).await?;
+    {
+        let pool = support::another_pool(&db, 2).await;
+        let sem = AdvisorySemaphore::builder("silent", 4)
+            .audit(false)
+            .build(&pool)
+            .await?;
+        for _ in 0..200 {
+            let permit = sem.try_acquire().await?;
+            let two = sem.try_acquire_many(2).await?;
+            permit.release().await?;
+            two.release().await?;
+        }
+        drop(sem);
+        pool.close().await;
+    }
+    // The sessions' backends report their statistics as they exit.
+    let mut after = before;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        after = read(db.pool.clone()).await?;
+        if after != before {
+            break;
+        }
+    }
+    assert_eq!(after, before, "claims and releases wrote rows");
+    Ok(())
+}
+
+/// The audit log gets one row per finished permit, off the hot path.
+#[tokio::test]
+async fn finished_permits_reach_the_audit_log() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = AdvisorySemaphore::builder("audited", 2)
+        .holder("audit-test")
+        .build(&db.pool)
+        .await?;
+    sem.try_acquire().await?.release().await?;
+    drop(sem.try_acquire_many(2).await?);
+    let logged = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'audited'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 2
+    })
+    .await;
+    assert!(logged, "the audit log did not get both permits");
+    let rows: Vec<(Vec<i32>, String, String)> = sqlx::query_as(
+        "SELECT slots, holder, outcome FROM pgsemaphore.advisory_claims \
+         WHERE semaphore = 'audited' ORDER BY acquired_at",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(
+        rows[0],
+        (vec![0], "audit-test".to_owned(), "released".to_owned())
+    );
+    assert_eq!(
+        rows[1],
+        (vec![0, 1], "audit-test".to_owned(), "dropped".to_owned())
+    );
+    Ok(())
+}
+
+/// Behind a partition (a link that drops every packet, no reset): the
+/// holder is told within about two heartbeats, and the server ends the
+/// silent session after three, freeing the slot for others; no one else
+/// got it before the holder was told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
+    let db = support::migrated_db().await;
+    let proxy = support::proxy::Proxy::start(&db).await;
+    let cut_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(proxy.options())
+        .await?;
+    let heartbeat = Duration::from_millis(300);
+    let holder = AdvisorySemaphore::builder("partitioned", 1)
+        .heartbeat(heartbeat)
+        .audit(false)
+        .build(&cut_pool)
+        .await?;
+    let sem = advisory(&db.pool, "partitioned", 1).await?;
+    let permit = holder.try_acquire().await?;
+    let lost = permit.lost();
+    tokio::time::sleep(heartbeat * 2).await;
+    assert!(!permit.is_lost());
+
+    proxy.blackhole();
+    let cut_off = Instant::now();
+    let told = tokio::spawn(async move {
+        let reason = lost.await;
+        (reason, Instant::now())
+    });
+    let freed = loop {
+        match sem.try_acquire().await {
+            Ok(next) => break (next, Instant::now()),
+            Err(Error::NoSlotsAvailable { .. }) if cut_off.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => return Err(format!("the slot was not freed: {error}").into()),
+        }
+    };
+    let (reason, told_at) = tokio::time::timeout(Duration::from_secs(5), told).await??;
+    assert_eq!(reason, LostReason::ConnectionLost);
+    let told_after = told_at - cut_off;
+    let freed_after = freed.1 - cut_off;
+    assert!(
+        told_after <= heartbeat * 2 + Duration::from_millis(300),
+        "told {told_after:?} after the cut, more than two heartbeats"
+    );
+    assert!(
+        told_at < freed.1,
+        "the slot was freed ({freed_after:?}) before its holder was told ({told_after:?})"
+    );
+    assert!(
+        freed_after < Duration::from_secs(4),
+        "freed {freed_after:?} after the cut"
+    );
+    freed.0.release().await?;
+    proxy.restore();
+    Ok(())
+}
+
+/// A database restart loses every permit, and every holder is told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_holder_is_told_when_the_sessions_die() -> TestResult {
+    let db = support::migrated_db().await;
+    let pool = support::another_pool(&db, 2).await;
+    let sem = AdvisorySemaphore::builder("restarted", 4)
+        .connections(2)
+        .audit(false)
+        .build(&pool)
+        .await?;
+    let permits = vec![
+        sem.try_acquire().await?,
+        sem.try_acquire().await?,
+        sem.try_acquire_many(2).await?,
+    ];
+    // What a restart does to the sessions: every backend of them ends.
+    let pids: Vec<i32> = permits.iter().map(|p| p.backend_pid()).collect();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) pid")
+        .bind(&pids)
+        .execute(&db.pool)
+        .await?;
+    for permit in &permits {
+        let reason = tokio::time::timeout(Duration::from_secs(3), permit.lost()).await?;
+        assert_eq!(reason, LostReason::ConnectionLost);
+    }
+    drop(permits);
+    // Nothing is left held, and new permits come from new sessions.
+    assert_eq!(sem.available_permits().await?, 4);
+    sem.try_acquire_many(4).await?.release().await?;
+    Ok(())
+}
+
+/// Behind PgBouncer in transaction pooling mode: the application's pool
+/// goes through the bouncer, the slots' sessions connect directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> TestResult {
+    if support::pgbouncer::installed().is_none() {
+        return Ok(()); // skipped, with one line saying how to install it
+    }
+    let db = support::migrated_db().await;
+    let bounced = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(support::pgbouncer::bouncer().await.options(&db.name))
+        .await?;
+    assert!(matches!(
+        AdvisorySemaphore::builder("bounced", 1)
+            .transaction_pooling(true)
+            .build(&bounced)
+            .await,
+        Err(Error::InvalidArgument {
+            argument: "connect_options",
+            ..
+        })
+    ));
+    let sem = AdvisorySemaphore::builder("bounced", 1)
+        .transaction_pooling(true)
+        .connect_options(db.options.clone())
+        .fallback_interval(Duration::from_secs(60))
+        .holder("bounced-app")
+        .build(&bounced)
+        .await?;
+    let held = sem.try_acquire().await?;
+    assert_eq!(sem.available_permits().await?, 0);
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    held.release().await?;
+    waiter.await??.release().await?;
+    let logged = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE holder = 'bounced-app'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 2
+    })
+    .await;
+    assert!(logged, "the audit log went through the bouncer");
+    Ok(())
+}
