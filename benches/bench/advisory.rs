@@ -181,8 +181,7 @@ async fn adv_ours(
 ) -> Res<Cell> {
     let pool = pool(&server.opts, POOL_SPARE + 1).await?;
     let sem = AdvisorySemaphore::builder(unique(&format!("bench-adv-c{clients}")), CAPACITY)
-        .connections(std::env::var("ADV_CONNS").ok().and_then(|v| v.parse().ok()).unwrap_or(clients))
-        .audit(std::env::var("ADV_AUDIT").map_or(true, |v| v != "0"))
+        .connections(clients)
         .build(&pool)
         .await?;
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {

@@ -164,7 +164,14 @@ impl AdvisoryPermit {
         })
         .await;
         let lost = self.session.lost_reason();
-        self.audit(slots, if lost.is_some() { Ending::Lost } else { Ending::Released });
+        self.audit(
+            slots,
+            if lost.is_some() {
+                Ending::Lost
+            } else {
+                Ending::Released
+            },
+        );
         match (result, lost) {
             (_, Some(reason)) => {
                 self.core.metrics.lost(reason);

@@ -80,16 +80,9 @@ const ANNOUNCE_TRIES: u32 = 20;
 /// What a claim found.
 #[derive(Debug)]
 pub(crate) enum ClaimReply {
-    Claimed {
-        slots: Vec<u32>,
-        at: DateTime<Utc>,
-    },
-    Full {
-        capacity: u32,
-    },
-    TooMany {
-        capacity: u32,
-    },
+    Claimed { slots: Vec<u32>, at: DateTime<Utc> },
+    Full { capacity: u32 },
+    TooMany { capacity: u32 },
 }
 
 /// One session: its connection, and what it holds.
@@ -210,7 +203,10 @@ impl Session {
                 .bind(semaphore);
             match tokio::time::timeout(bound, query.fetch_optional(&mut state.conn)).await {
                 Err(_) => {
-                    self.lose(&mut guard, &format!("a claim did not answer within {bound:?}"));
+                    self.lose(
+                        &mut guard,
+                        &format!("a claim did not answer within {bound:?}"),
+                    );
                     return Err(lost_session());
                 }
                 Ok(Err(error)) => {
@@ -231,7 +227,11 @@ impl Session {
                         return Ok(match slot {
                             Some(slot) => {
                                 let slot = slot.max(0) as u32;
-                                state.held.entry(semaphore.to_owned()).or_default().push(slot);
+                                state
+                                    .held
+                                    .entry(semaphore.to_owned())
+                                    .or_default()
+                                    .push(slot);
                                 ClaimReply::Claimed {
                                     slots: vec![slot],
                                     at,
@@ -250,7 +250,10 @@ impl Session {
             .bind(mine);
         let row = match tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await {
             Err(_) => {
-                self.lose(&mut guard, &format!("a claim did not answer within {bound:?}"));
+                self.lose(
+                    &mut guard,
+                    &format!("a claim did not answer within {bound:?}"),
+                );
                 return Err(lost_session());
             }
             Ok(Err(error)) => {
@@ -279,7 +282,12 @@ impl Session {
     }
 
     /// Unlocks `slots` of `semaphore` on this session: one statement.
-    pub(crate) async fn release(&self, semaphore: &str, key_base: i64, slots: &[u32]) -> Result<()> {
+    pub(crate) async fn release(
+        &self,
+        semaphore: &str,
+        key_base: i64,
+        slots: &[u32],
+    ) -> Result<()> {
         let _in_flight = InFlight::new(&self.in_flight);
         let mut guard = self.state.lock().await;
         let Some(state) = guard.as_mut() else {
@@ -308,7 +316,10 @@ impl Session {
         };
         match tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await {
             Err(_) => {
-                self.lose(&mut guard, &format!("a release did not answer within {bound:?}"));
+                self.lose(
+                    &mut guard,
+                    &format!("a release did not answer within {bound:?}"),
+                );
                 Err(lost_session())
             }
             Ok(Err(error)) => {
@@ -376,7 +387,9 @@ impl Session {
             }
         }
         // Give back what was taken.
-        let taken: Vec<i64> = (first..first + 16).filter(|k| !missing.contains(k)).collect();
+        let taken: Vec<i64> = (first..first + 16)
+            .filter(|k| !missing.contains(k))
+            .collect();
         if let Some(state) = guard.as_mut() {
             let _ = tokio::time::timeout(
                 bound,
