@@ -534,10 +534,10 @@ impl Sessions {
         if let Some(free) = self.least_busy(true) {
             return Ok(free);
         }
-        if lock(&self.open).len() >= self.max {
-            if let Some(busy) = self.least_busy(false) {
-                return Ok(busy);
-            }
+        if lock(&self.open).len() >= self.max
+            && let Some(busy) = self.least_busy(false)
+        {
+            return Ok(busy);
         }
         let _opening = self.opening.lock().await;
         // Another claim may have opened one meanwhile.
