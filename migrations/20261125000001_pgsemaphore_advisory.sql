@@ -127,6 +127,15 @@ LANGUAGE plpgsql
 AS $$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- The check below needs a snapshot taken after the lock. Opening a
+        -- semaphore that exists (the insert will meet its row and do
+        -- nothing) needs no check; creating one is refused here.
+        IF (TG_TABLE_NAME = 'semaphores'
+            AND EXISTS (SELECT 1 FROM pgsemaphore.semaphores s WHERE s.name = NEW.name))
+           OR (TG_TABLE_NAME = 'advisory_semaphores'
+               AND EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = NEW.name)) THEN
+            RETURN NEW;
+        END IF;
         RAISE EXCEPTION 'creating a pg-semaphore semaphore needs READ COMMITTED isolation, the session uses %',
             current_setting('transaction_isolation')
             USING ERRCODE = 'invalid_transaction_state';
