@@ -45,7 +45,13 @@
 //!     so, when no Redis answers there;
 //! 11. **advisory**: the advisory semaphore's try_acquire + release cycles at
 //!     1, 8 and 32 clients, against the raw advisory-lock cycle, the counter
-//!     row, the lease semaphore and (when one answers) the Redis limiter.
+//!     row, the lease semaphore and (when one answers) the Redis limiter;
+//! 12. **pressure** (only with `--only pressure`: it takes hours): each
+//!     design's cycles/s, 30 s interval by 30 s interval, while a long query,
+//!     an idle transaction with an xid, a query in another database or a
+//!     `pg_dump` holds back the xmin horizon, against its undisturbed rate
+//!     just before. `--minutes M` (10 by default) sets the time under each
+//!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump).
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -60,6 +66,7 @@ mod growth;
 mod lease;
 mod load;
 mod mutex;
+mod pressure;
 mod rate;
 mod redis;
 mod report;
@@ -82,8 +89,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory] \
-                     [--server fsync-off|durable]";
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure] \
+                     [--server fsync-off|durable] [--minutes M] \
+                     [--pressure query|idle-xact|other-db|pg-dump]";
 
 /// The schema the baselines' tables live in; never `pgsemaphore`.
 pub const BASELINE_SCHEMA: &str = "bench_baseline";
@@ -108,10 +116,11 @@ pub enum Workload {
     Lease,
     Redis,
     Advisory,
+    Pressure,
 }
 
 impl Workload {
-    const ALL: [Workload; 11] = [
+    const ALL: [Workload; 12] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -123,6 +132,7 @@ impl Workload {
         Workload::Lease,
         Workload::Redis,
         Workload::Advisory,
+        Workload::Pressure,
     ];
 
     pub fn name(self) -> &'static str {
@@ -138,6 +148,7 @@ impl Workload {
             Workload::Lease => "lease",
             Workload::Redis => "redis",
             Workload::Advisory => "advisory",
+            Workload::Pressure => "pressure",
         }
     }
 
@@ -155,6 +166,8 @@ struct Args {
     quick: bool,
     only: Option<Workload>,
     server: Option<Durability>,
+    minutes: Option<f64>,
+    pressure: Option<pressure::Pressure>,
 }
 
 fn parse_args(args: &[String]) -> Result<Args, String> {
@@ -184,6 +197,18 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                     other => return Err(format!("unknown server {other:?}")),
                 });
             }
+            "--minutes" => {
+                let minutes: f64 = value("a number of minutes")?
+                    .parse()
+                    .map_err(|_| format!("{flag} needs a number of minutes"))?;
+                if !(minutes > 0.0 && minutes.is_finite()) {
+                    return Err(format!("{flag} needs a positive number of minutes"));
+                }
+                parsed.minutes = Some(minutes);
+            }
+            "--pressure" => {
+                parsed.pressure = Some(pressure::Pressure::parse(&value("a pressure")?)?)
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -211,6 +236,10 @@ pub struct Settings {
     pub lease_reps: usize,
     /// The lease the vanished holder had.
     pub lease: Duration,
+    /// The pressure workload's time under each pressure (`--minutes`).
+    pub pressure_minutes: Option<f64>,
+    /// The one pressure to apply (`--pressure`), or all.
+    pub pressure: Option<pressure::Pressure>,
 }
 
 impl Settings {
@@ -230,6 +259,8 @@ impl Settings {
                 fleet_window: Duration::from_millis(1_000),
                 lease_reps: 3,
                 lease: Duration::from_millis(500),
+                pressure_minutes: None,
+                pressure: None,
             }
         } else {
             Settings {
@@ -246,6 +277,8 @@ impl Settings {
                 fleet_window: Duration::from_secs(5),
                 lease_reps: 10,
                 lease: Duration::from_secs(1),
+                pressure_minutes: None,
+                pressure: None,
             }
         }
     }
@@ -375,7 +408,9 @@ async fn run(args: Args) -> Res<()> {
             settings: String::new(),
         });
     }
-    let settings = Settings::new(args.quick);
+    let mut settings = Settings::new(args.quick);
+    settings.pressure_minutes = args.minutes;
+    settings.pressure = args.pressure;
     let mut ctx = Ctx {
         servers,
         pid,
@@ -396,6 +431,8 @@ async fn run(args: Args) -> Res<()> {
                 "growth_cycles": settings.growth_cycles,
                 "fleet_window_s": settings.fleet_window.as_secs_f64(),
                 "lease_reps": settings.lease_reps,
+                "pressure_minutes": settings.pressure_minutes,
+                "pressure": settings.pressure.map(pressure::Pressure::name),
             }),
             cells: Vec::new(),
             targets: Vec::new(),
@@ -474,6 +511,10 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
         if only.is_some_and(|only| only != workload) {
             continue;
         }
+        // Hours long: only when asked for by name.
+        if workload == Workload::Pressure && only.is_none() {
+            continue;
+        }
         eprintln!("== {}", workload.name());
         let started = Instant::now();
         match workload {
@@ -488,6 +529,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Lease => lease::lease_workload(ctx).await?,
             Workload::Redis => redis::redis_workload(ctx).await?,
             Workload::Advisory => advisory::advisory_workload(ctx).await?,
+            Workload::Pressure => pressure::pressure_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
         eprintln!("== {} took {took:.1} s", workload.name());

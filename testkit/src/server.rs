@@ -183,7 +183,7 @@ pub fn start_throwaway(durability: Durability) -> Result<Server, String> {
 
 /// The directory holding `initdb` and `pg_ctl`: `$PG_BIN`, `pg_config --bindir`,
 /// the newest `/usr/lib/postgresql/*/bin`, or `$PATH`.
-pub(crate) fn find_bin_dir() -> Option<PathBuf> {
+pub fn find_bin_dir() -> Option<PathBuf> {
     let has_tools = |dir: &Path| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file();
     if let Some(dir) = std::env::var_os("PG_BIN").map(PathBuf::from)
         && has_tools(&dir)
