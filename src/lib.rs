@@ -213,6 +213,7 @@ mod admin;
 mod audit;
 mod db;
 mod error;
+mod horizon;
 mod metrics;
 mod migrate;
 mod mutex;
@@ -242,13 +243,14 @@ pub use audit::{
     Summary,
 };
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
+pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
     Decision, FixedWindow, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
     TokenBucket, TokenBucketBuilder, WindowBuilder, prune_rate_limits,
 };
-pub use reaper::{Reaper, ReaperBuilder, prune, reap};
+pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
     DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY,

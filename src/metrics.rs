@@ -16,6 +16,8 @@
 //! | `pg_semaphore_permits_lost_total` | counter | `semaphore`, `reason` | permits found lost when released or dropped, once per permit |
 //! | `pg_semaphore_fail_open_total` | counter | `semaphore` | fail-open admissions: unchecked permits, and requests `SemaphoreLayer` served without a permit |
 //! | `pg_semaphore_reaped_total` | counter | none | expired claims freed by [`reap`](crate::reap) (and so by a [`Reaper`](crate::Reaper)), every semaphore together |
+//! | `pg_semaphore_horizon_held_seconds` | gauge | none | how long the oldest holder of the database's xmin horizon has held it, as a [`Reaper`](crate::Reaper) last saw it (0: nobody) |
+//! | `pg_semaphore_horizon_age_xids` | gauge | none | transaction ids begun since that horizon: row versions VACUUM cannot remove yet |
 //! | `pg_semaphore_mutex_wait_seconds` | histogram | `mutex` | a waiting lock's time from its call until it was granted |
 //! | `pg_semaphore_mutex_timeouts_total` | counter | `mutex` | lock waits that gave up (`Timeout`) |
 //! | `pg_semaphore_mutex_deadlocks_total` | counter | `mutex` | lock waits PostgreSQL aborted as deadlocks (`Deadlock`) |
@@ -61,6 +63,8 @@ const QUEUE_FULL: &str = "pg_semaphore_queue_full_total";
 const PERMITS_LOST: &str = "pg_semaphore_permits_lost_total";
 const FAIL_OPEN: &str = "pg_semaphore_fail_open_total";
 const REAPED: &str = "pg_semaphore_reaped_total";
+const HORIZON_HELD_SECONDS: &str = "pg_semaphore_horizon_held_seconds";
+const HORIZON_AGE_XIDS: &str = "pg_semaphore_horizon_age_xids";
 const MUTEX_WAIT_SECONDS: &str = "pg_semaphore_mutex_wait_seconds";
 const MUTEX_TIMEOUTS: &str = "pg_semaphore_mutex_timeouts_total";
 const MUTEX_DEADLOCKS: &str = "pg_semaphore_mutex_deadlocks_total";
@@ -131,6 +135,15 @@ pub fn describe_metrics() {
     describe_counter!(
         REAPED,
         "Expired claims freed by reap() or a Reaper, all semaphores together"
+    );
+    describe_gauge!(
+        HORIZON_HELD_SECONDS,
+        Unit::Seconds,
+        "How long the oldest holder of the database's xmin horizon has held it (Reaper)"
+    );
+    describe_gauge!(
+        HORIZON_AGE_XIDS,
+        "Transaction ids begun since the database's xmin horizon (Reaper)"
     );
     describe_histogram!(
         MUTEX_WAIT_SECONDS,
@@ -305,6 +318,16 @@ pub(crate) fn reaped(reaped: u64) {
     counter!(REAPED).increment(reaped);
 }
 
+/// A [`Reaper`](crate::Reaper) round's look at the xmin horizon.
+#[inline]
+pub(crate) fn horizon(held_for: Duration, age_xids: i64) {
+    #[cfg(feature = "metrics")]
+    {
+        gauge!(HORIZON_HELD_SECONDS).set(held_for.as_secs_f64());
+        gauge!(HORIZON_AGE_XIDS).set(age_xids as f64);
+    }
+}
+
 /// The metrics of one mutex.
 #[derive(Debug, Clone)]
 pub(crate) struct MutexMetrics {
@@ -430,7 +453,12 @@ mod tests {
             RATE_LIMIT_DECISIONS,
         ];
         let histograms = [WAIT_SECONDS, HOLD_SECONDS, MUTEX_WAIT_SECONDS];
-        let gauges = [PERMITS_HELD, WAITERS];
+        let gauges = [
+            PERMITS_HELD,
+            WAITERS,
+            HORIZON_HELD_SECONDS,
+            HORIZON_AGE_XIDS,
+        ];
         for name in counters.iter().chain(&histograms).chain(&gauges) {
             assert!(name.starts_with("pg_semaphore_"), "{name}");
             assert!(

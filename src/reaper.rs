@@ -5,7 +5,9 @@
 //! handle. Claims reap their own semaphore anyway, and waiters look again
 //! when a lease ends: a reaper frees slots for semaphores nobody is claiming
 //! and keeps the audit log bounded. Operator functions: under the README's
-//! grants they need the operator role.
+//! grants they need the operator role. Each round the reaper also looks at
+//! the database's xmin horizon ([`horizon`](crate::horizon)) and warns when
+//! one session, slot or prepared transaction has held it too long.
 
 use std::time::Duration;
 
@@ -14,6 +16,7 @@ use tokio::task::JoinHandle;
 
 use crate::db::Db;
 use crate::error::{Error, Result};
+use crate::horizon::{self, HorizonHolder};
 use crate::metrics;
 use crate::validate;
 
@@ -137,7 +140,12 @@ pub struct ReaperBuilder {
     interval: Duration,
     retention: Option<Duration>,
     rate_limits: Option<Duration>,
+    horizon_warning: Option<Duration>,
 }
+
+/// How long one holder may hold the xmin horizon before the [`Reaper`] warns
+/// (see [`ReaperBuilder::horizon_warning`]).
+pub const DEFAULT_HORIZON_WARNING: Duration = Duration::from_secs(300);
 
 impl ReaperBuilder {
     /// How often to reap (default 10 s).
@@ -160,6 +168,25 @@ impl ReaperBuilder {
     /// rate limiter keys are never deleted.
     pub fn rate_limits(mut self, idle_for: Duration) -> Self {
         self.rate_limits = Some(idle_for);
+        self
+    }
+
+    /// Warn (`tracing` WARN, target `pg_semaphore::reaper`) when one session,
+    /// replication slot or prepared transaction has held back VACUUM's xmin
+    /// horizon for longer than `after` (default [`DEFAULT_HORIZON_WARNING`],
+    /// five minutes): while it does, every row the lease semaphore and the
+    /// rate limiters update leaves a version nobody can remove, and they slow
+    /// down by the minute. The warning names the holder (pid, user,
+    /// application, state) and repeats at most once per `after` while the
+    /// same holder stays. `None` turns the check off.
+    ///
+    /// The reaper measures how long a holder has held the horizon itself
+    /// (from the rounds that saw it), so the warning works without the
+    /// `pg_read_all_stats` role; with it, the server's own start time counts
+    /// from the first round. With the `metrics` feature, every round records
+    /// `pg_semaphore_horizon_held_seconds` and `pg_semaphore_horizon_age_xids`.
+    pub fn horizon_warning(mut self, after: Option<Duration>) -> Self {
+        self.horizon_warning = after;
         self
     }
 
@@ -206,6 +233,7 @@ impl Reaper {
             interval: Duration::from_secs(10),
             retention: None,
             rate_limits: None,
+            horizon_warning: Some(DEFAULT_HORIZON_WARNING),
         }
     }
 
@@ -229,6 +257,7 @@ impl Reaper {
             interval,
             retention,
             rate_limits,
+            horizon_warning,
         } = options;
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         // Every event of the background reaper (counts, errors) comes with its settings.
@@ -239,6 +268,7 @@ impl Reaper {
         );
         let task = tokio::spawn(tracing::Instrument::instrument(
             async move {
+                let mut watch = horizon::Watch::default();
                 let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
@@ -269,6 +299,7 @@ impl Reaper {
                     {
                         tracing::warn!(%error, "pruning rate limiter keys failed; retrying next interval");
                     }
+                    watch_horizon(&pool, &mut watch, horizon_warning).await;
                 }
             },
             span,
@@ -292,6 +323,49 @@ impl Reaper {
             let _ = task.await;
         }
     }
+}
+
+/// One round's look at the xmin horizon: the metrics, and a warning when
+/// the same holder has held it longer than `warn_after`.
+async fn watch_horizon(pool: &PgPool, watch: &mut horizon::Watch, warn_after: Option<Duration>) {
+    let holder = match horizon::horizon(pool).await {
+        Ok(holder) => holder,
+        Err(error) => {
+            tracing::debug!(%error, "reading the xmin horizon failed");
+            return;
+        }
+    };
+    let Some(holder) = holder else {
+        watch.clear();
+        metrics::horizon(Duration::ZERO, 0);
+        return;
+    };
+    let held_for = watch.observe(&holder);
+    metrics::horizon(held_for, holder.age_xids);
+    if let Some(after) = warn_after
+        && held_for >= after
+        && watch.should_warn(after)
+    {
+        warn_horizon(&holder, held_for);
+    }
+}
+
+fn warn_horizon(holder: &HorizonHolder, held_for: Duration) {
+    tracing::warn!(
+        kind = ?holder.kind,
+        pid = holder.pid,
+        user = holder.user.as_deref(),
+        application = holder.application_name.as_deref(),
+        state = holder.state.as_deref(),
+        name = holder.name.as_deref(),
+        held_for_s = held_for.as_secs(),
+        age_xids = holder.age_xids,
+        "VACUUM has been held back for {} s by {}: the lease semaphore and the rate limiters \
+         slow down until it ends (pg-semaphore doctor names it; see the README, \
+         \"Two semaphores\")",
+        held_for.as_secs(),
+        holder,
+    );
 }
 
 impl Drop for Reaper {

@@ -23,6 +23,17 @@ pub(crate) fn seconds<S: Serializer>(
     serializer.serialize_f64(duration.as_secs_f64())
 }
 
+/// An optional duration as seconds, or `null`.
+pub(crate) fn opt_seconds<S: Serializer>(
+    duration: &Option<Duration>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match duration {
+        Some(d) => serializer.serialize_some(&d.as_secs_f64()),
+        None => serializer.serialize_none(),
+    }
+}
+
 /// A signed time difference as seconds (microsecond precision, as stored).
 fn delta_seconds(delta: TimeDelta) -> Option<f64> {
     delta.num_microseconds().map(|us| us as f64 / 1e6)

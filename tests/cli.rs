@@ -71,6 +71,7 @@ async fn help_lists_every_command_and_the_exit_statuses() {
         "set-capacity",
         "clear-queue",
         "prune",
+        "doctor",
     ] {
         assert!(help.contains(command), "--help lacks {command}:\n{help}");
     }
@@ -565,5 +566,54 @@ async fn prune_deletes_finished_claims_only() -> TestResult {
     assert_eq!(holders.len(), 1);
     assert_eq!(holders[0].id, live.id());
     live.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn doctor_names_the_session_that_holds_back_vacuum() -> TestResult {
+    use sqlx::Connection;
+    let db = support::migrated_db().await;
+    let out = run(&db, &["doctor"]).await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).starts_with("xmin horizon: not held"),
+        "{}",
+        stdout(&out)
+    );
+    let out = run(&db, &["doctor", "--json"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).trim(), "null");
+
+    let mut idle =
+        sqlx::PgConnection::connect_with(&db.options.clone().application_name("cron-export"))
+            .await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut idle)
+        .await?;
+    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
+        .execute(&mut idle)
+        .await?;
+    let out = run(&db, &["doctor"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(text.starts_with("xmin horizon: held for "), "{text}");
+    assert!(
+        text.contains(&format!("by pid {pid} (application \"cron-export\", user ")),
+        "{text}"
+    );
+    assert!(text.contains(", idle in transaction), "), "{text}");
+    assert!(
+        text.contains(&format!("SELECT pg_terminate_backend({pid});")),
+        "{text}"
+    );
+    let out = run(&db, &["doctor", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_str(&stdout(&out))?;
+    assert_eq!(json["kind"], "session");
+    assert_eq!(json["pid"], pid);
+    assert_eq!(json["application_name"], "cron-export");
+    assert_eq!(json["state"], "idle in transaction");
+    assert!(json["held_for_seconds"].as_f64().is_some(), "{json}");
+    sqlx::raw_sql("ROLLBACK").execute(&mut idle).await?;
     Ok(())
 }

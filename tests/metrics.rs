@@ -54,6 +54,8 @@ const METRICS: &[(&str, &str, &[&str])] = &[
     ),
     ("pg_semaphore_fail_open_total", "counter", &["semaphore"]),
     ("pg_semaphore_reaped_total", "counter", &[]),
+    ("pg_semaphore_horizon_held_seconds", "gauge", &[]),
+    ("pg_semaphore_horizon_age_xids", "gauge", &[]),
     ("pg_semaphore_mutex_wait_seconds", "histogram", &["mutex"]),
     ("pg_semaphore_mutex_timeouts_total", "counter", &["mutex"]),
     ("pg_semaphore_mutex_deadlocks_total", "counter", &["mutex"]),
@@ -745,5 +747,21 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
         .build(pool)?;
     let _ = limiter.check(SECRET_KEY, 1).await?;
     let _ = limiter.check(SECRET_KEY, 1).await?;
+
+    // A reaper's round records the xmin horizon's gauges.
+    let reaper = pg_semaphore::Reaper::builder()
+        .interval(Duration::from_secs(3600))
+        .spawn(pool)?;
+    for _ in 0..100 {
+        if scrape()
+            .await
+            .types
+            .contains_key("pg_semaphore_horizon_age_xids")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reaper.shutdown().await;
     Ok(())
 }

@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use pg_semaphore::{Error, Mutex, Semaphore};
+use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
+use sqlx::Connection;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
@@ -156,5 +157,58 @@ async fn a_reap_reports_how_many_slots_it_freed() -> TestResult {
             .count(),
         1
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_reaper_warns_about_a_session_holding_back_vacuum_naming_it() -> TestResult {
+    let db = support::migrated_db().await;
+    let mut idle =
+        sqlx::PgConnection::connect_with(&db.options.clone().application_name("stuck-report"))
+            .await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut idle)
+        .await?;
+    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
+        .execute(&mut idle)
+        .await?;
+    let capture = Capture::default();
+    let _default = tracing::subscriber::set_default(capture.clone());
+    let warnings = |capture: &Capture| -> Vec<Captured> {
+        capture
+            .events()
+            .into_iter()
+            .filter(|e| e.level == Level::WARN && e.field("pid") == Some(&pid.to_string()))
+            .collect()
+    };
+
+    let threshold = Duration::from_millis(400);
+    let reaper = Reaper::builder()
+        .interval(Duration::from_millis(50))
+        .horizon_warning(Some(threshold))
+        .spawn(&db.pool)?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(warnings(&capture).is_empty(), "not before the threshold");
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let said = warnings(&capture);
+    // Over 1.2 s: at 0.4 s at the earliest, then at most once per 0.4 s.
+    assert!((1..=3).contains(&said.len()), "{said:#?}");
+    let first = &said[0];
+    assert_eq!(first.field("application"), Some("stuck-report"));
+    assert_eq!(first.field("state"), Some("idle in transaction"));
+    assert!(
+        first
+            .field("message")
+            .is_some_and(|m| m.contains(&format!("pid {pid}"))),
+        "{first:?}"
+    );
+
+    // Once it ends, the reaper says nothing more.
+    sqlx::raw_sql("COMMIT").execute(&mut idle).await?;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let before = warnings(&capture).len();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(warnings(&capture).len(), before);
+    reaper.shutdown().await;
     Ok(())
 }

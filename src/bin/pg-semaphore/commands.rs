@@ -44,6 +44,15 @@ pub(crate) async fn status(
     })
 }
 
+pub(crate) async fn doctor(pool: &PgPool, json: bool) -> Result<String, Failure> {
+    let holder = pg_semaphore::horizon(pool).await?;
+    Ok(if json {
+        render::doctor_json(holder.as_ref())
+    } else {
+        render::doctor_text(holder.as_ref())
+    })
+}
+
 pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;

@@ -90,6 +90,19 @@ enum Command {
         json: bool,
     },
 
+    /// Name what holds back VACUUM on this database, if anything.
+    ///
+    /// The oldest session, replication slot or prepared transaction that
+    /// holds the database's xmin horizon: while one does, the lease
+    /// semaphore and the rate limiters slow down by the minute (the advisory
+    /// semaphore and the mutex do not). Sessions of other roles show their
+    /// start and state only to a role with pg_read_all_stats (or pg_monitor).
+    Doctor {
+        /// Print JSON instead of text (`null`: nobody holds the horizon).
+        #[arg(long)]
+        json: bool,
+    },
+
     /// A semaphore's claims over a time window, with a summary.
     ///
     /// The summary counts claims per outcome (completed, timed out, live) and
@@ -321,6 +334,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
     let output = match cli.command {
         Command::Migrate => commands::migrate(&pool).await?,
         Command::Status { name, json } => commands::status(&pool, name.as_deref(), json).await?,
+        Command::Doctor { json } => commands::doctor(&pool, json).await?,
         Command::Audit(args) => commands::audit(&pool, args).await?,
         Command::Report(args) => commands::report(&pool, args).await?,
         Command::Reap => commands::reap(&pool).await?,

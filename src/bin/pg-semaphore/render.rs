@@ -9,7 +9,9 @@ use std::ops::Range;
 use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
-use pg_semaphore::{ClaimRecord, Outcome, SemaphoreInfo, Summary};
+use pg_semaphore::{
+    ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome, SemaphoreInfo, Summary,
+};
 use serde::Serialize;
 
 /// `pg-semaphore status`: one row per semaphore, then each one's holders.
@@ -71,6 +73,60 @@ pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
 /// serializes them.
 pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
     json(&list)
+}
+
+/// `pg-semaphore doctor`: who holds the xmin horizon, for how long, and
+/// what to do.
+pub(crate) fn doctor_text(holder: Option<&HorizonHolder>) -> String {
+    let Some(h) = holder else {
+        return "xmin horizon: not held (no other session, replication slot or prepared \
+                transaction has a snapshot or a transaction id in this database)\n"
+            .to_owned();
+    };
+    let mut out = match h.held_for {
+        Some(d) => format!("xmin horizon: held for {} by {h}", human(d)),
+        None => format!(
+            "xmin horizon: held by {h}; for how long is not visible to this role \
+             (grant it pg_read_all_stats)"
+        ),
+    };
+    let _ = writeln!(
+        out,
+        ", {} transaction id{} behind",
+        h.age_xids,
+        plural(h.age_xids.max(0) as u64)
+    );
+    if let Some(since) = h.since {
+        let _ = writeln!(out, "  since {}", rfc3339(since));
+    }
+    let _ = writeln!(
+        out,
+        "  {}",
+        match h.kind {
+            HorizonHolderKind::Session => match h.pid {
+                Some(pid) =>
+                    format!("ends with its transaction, or: SELECT pg_terminate_backend({pid});"),
+                None => "ends with its transaction".to_owned(),
+            },
+            HorizonHolderKind::ReplicationSlot =>
+                "ends when its consumer catches up, or: SELECT pg_drop_replication_slot(name);"
+                    .to_owned(),
+            HorizonHolderKind::PreparedTransaction =>
+                "ends with COMMIT PREPARED or ROLLBACK PREPARED of its gid".to_owned(),
+            _ => "ends when it does".to_owned(),
+        }
+    );
+    out.push_str(
+        "  while a holder stays for minutes, the lease semaphore and the rate limiters slow \
+         down (AdvisorySemaphore and Mutex write no rows: they do not)\n",
+    );
+    out
+}
+
+/// `pg-semaphore doctor --json`: the holder as the library serializes it,
+/// or `null`.
+pub(crate) fn doctor_json(holder: Option<&HorizonHolder>) -> String {
+    json(&holder)
 }
 
 /// `pg-semaphore audit`: the claims as a table, then the summary line.

@@ -1,0 +1,89 @@
+//! The xmin horizon: `pg_semaphore::horizon` names the session that holds
+//! back VACUUM on this database, and only this database's (a session of
+//! another database does not hold its tables' horizon). The reaper's warning
+//! is tested in tests/tracing.rs, its metrics in tests/metrics.rs, the
+//! `doctor` command in tests/cli.rs.
+
+mod support;
+
+use std::time::Duration;
+
+use pg_semaphore::HorizonHolderKind;
+use sqlx::{Connection, PgConnection};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// A session of `options`' database, named `application`, that opens a
+/// transaction, takes a transaction id and goes idle. Returns it and its pid.
+pub async fn idle_in_transaction(
+    options: &sqlx::postgres::PgConnectOptions,
+    application: &str,
+) -> Result<(PgConnection, i32), sqlx::Error> {
+    let mut conn =
+        PgConnection::connect_with(&options.clone().application_name(application)).await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut conn)
+        .await?;
+    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
+        .execute(&mut conn)
+        .await?;
+    Ok((conn, pid))
+}
+
+/// `n` transactions that each take an xid, so the horizon's age grows.
+async fn burn_xids(pool: &sqlx::PgPool, n: usize) -> Result<(), sqlx::Error> {
+    for _ in 0..n {
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(pool)
+            .await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_quiet_database_has_no_holder() -> TestResult {
+    let db = support::migrated_db().await;
+    assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_idle_transaction_is_named_with_its_state_start_and_age() -> TestResult {
+    let db = support::migrated_db().await;
+    let (mut idle, pid) = idle_in_transaction(&db.options, "nightly-export").await?;
+    burn_xids(&db.pool, 5).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let holder = pg_semaphore::horizon(&db.pool)
+        .await?
+        .expect("the idle transaction holds the horizon");
+    assert_eq!(holder.kind, HorizonHolderKind::Session);
+    assert_eq!(holder.pid, Some(pid));
+    assert_eq!(holder.application_name.as_deref(), Some("nightly-export"));
+    assert_eq!(holder.state.as_deref(), Some("idle in transaction"));
+    assert!(holder.since.is_some());
+    let held_for = holder.held_for.expect("visible to the superuser");
+    assert!(held_for >= Duration::from_millis(200), "{holder:?}");
+    assert!(holder.age_xids >= 5, "{holder:?}");
+
+    // Its end ends the hold.
+    sqlx::raw_sql("COMMIT").execute(&mut idle).await?;
+    assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_session_of_another_database_does_not_hold_this_ones_horizon() -> TestResult {
+    let db = support::migrated_db().await;
+    let other = support::empty_db().await;
+    let (idle, _) = idle_in_transaction(&other.options, "other-database").await?;
+    burn_xids(&db.pool, 3).await?;
+    assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
+    // ... while it holds the other database's.
+    let holder = pg_semaphore::horizon(&other.pool)
+        .await?
+        .expect("held there");
+    assert_eq!(holder.application_name.as_deref(), Some("other-database"));
+    drop(idle);
+    Ok(())
+}
