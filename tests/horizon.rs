@@ -2,13 +2,15 @@
 //! back VACUUM on this database, and only this database's (a session of
 //! another database does not hold its tables' horizon). The reaper's warning
 //! is tested in tests/tracing.rs, its metrics in tests/metrics.rs, the
-//! `doctor` command in tests/cli.rs.
+//! `doctor` command in tests/cli.rs. Last, the lease semaphore in a
+//! database of its own, as the README suggests to keep it out of the
+//! application's horizon.
 
 mod support;
 
 use std::time::Duration;
 
-use pg_semaphore::HorizonHolderKind;
+use pg_semaphore::{Error, HorizonHolderKind, Semaphore};
 use sqlx::{Connection, PgConnection};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -85,5 +87,44 @@ async fn a_session_of_another_database_does_not_hold_this_ones_horizon() -> Test
         .expect("held there");
     assert_eq!(holder.application_name.as_deref(), Some("other-database"));
     drop(idle);
+    Ok(())
+}
+
+/// The README's "Avoid it": the lease semaphore in a database of its own.
+/// The application's held snapshot does not hold the semaphore database's
+/// horizon; a fence on a transaction of another database fails instead of
+/// fencing nothing; on its own database's transaction it holds.
+#[tokio::test]
+async fn a_semaphore_in_a_database_of_its_own_is_out_of_the_applications_horizon() -> TestResult {
+    let own = support::migrated_db().await;
+    let app = support::empty_db().await;
+    let app_with_schema = support::migrated_db().await;
+    let sem = Semaphore::builder("own-database", 1)
+        .build(&own.pool)
+        .await?;
+    let permit = sem.try_acquire().await?;
+
+    let (report, _) = idle_in_transaction(&app.options, "app-report").await?;
+    burn_xids(&own.pool, 3).await?;
+    assert_eq!(pg_semaphore::horizon(&own.pool).await?, None);
+    assert!(pg_semaphore::horizon(&app.pool).await?.is_some());
+
+    let mut tx = app.pool.begin().await?;
+    let error = permit.fence(&mut tx).await.expect_err("no schema there");
+    assert!(
+        matches!(error, Error::MigrationsMissing { .. }),
+        "{error:?}"
+    );
+    tx.rollback().await?;
+    let mut tx = app_with_schema.pool.begin().await?;
+    let error = permit.fence(&mut tx).await.expect_err("not its claim");
+    assert!(matches!(error, Error::PermitLost { .. }), "{error:?}");
+    tx.rollback().await?;
+
+    let mut tx = own.pool.begin().await?;
+    permit.fence(&mut tx).await?;
+    tx.commit().await?;
+    permit.release().await?;
+    drop(report);
     Ok(())
 }
