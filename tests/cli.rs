@@ -571,7 +571,6 @@ async fn prune_deletes_finished_claims_only() -> TestResult {
 
 #[tokio::test]
 async fn doctor_names_the_session_that_holds_back_vacuum() -> TestResult {
-    use sqlx::Connection;
     let db = support::migrated_db().await;
     let out = run(&db, &["doctor"]).await;
     assert_status(&out, 0);
@@ -584,15 +583,7 @@ async fn doctor_names_the_session_that_holds_back_vacuum() -> TestResult {
     assert_status(&out, 0);
     assert_eq!(stdout(&out).trim(), "null");
 
-    let mut idle =
-        sqlx::PgConnection::connect_with(&db.options.clone().application_name("cron-export"))
-            .await?;
-    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut idle)
-        .await?;
-    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
-        .execute(&mut idle)
-        .await?;
+    let (mut idle, pid) = support::idle_in_transaction(&db.options, "cron-export").await?;
     let out = run(&db, &["doctor"]).await;
     assert_status(&out, 0);
     let text = stdout(&out);

@@ -11,26 +11,8 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{Error, HorizonHolderKind, Semaphore};
-use sqlx::{Connection, PgConnection};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-/// A session of `options`' database, named `application`, that opens a
-/// transaction, takes a transaction id and goes idle. Returns it and its pid.
-pub async fn idle_in_transaction(
-    options: &sqlx::postgres::PgConnectOptions,
-    application: &str,
-) -> Result<(PgConnection, i32), sqlx::Error> {
-    let mut conn =
-        PgConnection::connect_with(&options.clone().application_name(application)).await?;
-    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut conn)
-        .await?;
-    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
-        .execute(&mut conn)
-        .await?;
-    Ok((conn, pid))
-}
 
 /// `n` transactions that each take an xid, so the horizon's age grows.
 async fn burn_xids(pool: &sqlx::PgPool, n: usize) -> Result<(), sqlx::Error> {
@@ -52,7 +34,7 @@ async fn a_quiet_database_has_no_holder() -> TestResult {
 #[tokio::test]
 async fn an_idle_transaction_is_named_with_its_state_start_and_age() -> TestResult {
     let db = support::migrated_db().await;
-    let (mut idle, pid) = idle_in_transaction(&db.options, "nightly-export").await?;
+    let (mut idle, pid) = support::idle_in_transaction(&db.options, "nightly-export").await?;
     burn_xids(&db.pool, 5).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
@@ -78,7 +60,7 @@ async fn an_idle_transaction_is_named_with_its_state_start_and_age() -> TestResu
 async fn a_session_of_another_database_does_not_hold_this_ones_horizon() -> TestResult {
     let db = support::migrated_db().await;
     let other = support::empty_db().await;
-    let (idle, _) = idle_in_transaction(&other.options, "other-database").await?;
+    let (idle, _) = support::idle_in_transaction(&other.options, "other-database").await?;
     burn_xids(&db.pool, 3).await?;
     assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
     // ... while it holds the other database's.
@@ -104,7 +86,7 @@ async fn a_semaphore_in_a_database_of_its_own_is_out_of_the_applications_horizon
         .await?;
     let permit = sem.try_acquire().await?;
 
-    let (report, _) = idle_in_transaction(&app.options, "app-report").await?;
+    let (report, _) = support::idle_in_transaction(&app.options, "app-report").await?;
     burn_xids(&own.pool, 3).await?;
     assert_eq!(pg_semaphore::horizon(&own.pool).await?, None);
     assert!(pg_semaphore::horizon(&app.pool).await?.is_some());

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
-use sqlx::Connection;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
@@ -163,15 +162,7 @@ async fn a_reap_reports_how_many_slots_it_freed() -> TestResult {
 #[tokio::test(flavor = "current_thread")]
 async fn the_reaper_warns_about_a_session_holding_back_vacuum_naming_it() -> TestResult {
     let db = support::migrated_db().await;
-    let mut idle =
-        sqlx::PgConnection::connect_with(&db.options.clone().application_name("stuck-report"))
-            .await?;
-    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut idle)
-        .await?;
-    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
-        .execute(&mut idle)
-        .await?;
+    let (mut idle, pid) = support::idle_in_transaction(&db.options, "stuck-report").await?;
     let capture = Capture::default();
     let _default = tracing::subscriber::set_default(capture.clone());
     let warnings = |capture: &Capture| -> Vec<Captured> {

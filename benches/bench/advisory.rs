@@ -222,23 +222,7 @@ async fn adv_raw(
             let connections = connections.clone();
             async move {
                 let mut conn = connections[client].lock().await;
-                let slot: Option<i32> = sqlx::query_scalar(
-                    "SELECT s FROM generate_series(0, $2 - 1) s \
-                     WHERE pg_try_advisory_lock($1, s) LIMIT 1",
-                )
-                .bind(key)
-                .bind(CAPACITY as i32)
-                .fetch_optional(&mut *conn)
-                .await?;
-                let Some(slot) = slot else {
-                    return Ok(Outcome::Refused);
-                };
-                sqlx::query("SELECT pg_advisory_unlock($1, $2)")
-                    .bind(key)
-                    .bind(slot)
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(Outcome::Done)
+                raw_cycle(&mut conn, key, CAPACITY).await
             }
         }
     })
@@ -246,4 +230,26 @@ async fn adv_raw(
     let cell = Cell::from_load(Workload::Advisory, ADV_RAW, config, load);
     eprintln!("{}", cell.progress());
     Ok(cell)
+}
+
+/// One cycle of the raw advisory-lock semaphore on `conn`: lock the first
+/// free slot of `key` below `capacity`, then unlock it.
+pub async fn raw_cycle(conn: &mut PgConnection, key: i32, capacity: u32) -> Res<Outcome> {
+    let slot: Option<i32> = sqlx::query_scalar(
+        "SELECT s FROM generate_series(0, $2 - 1) s \
+         WHERE pg_try_advisory_lock($1, s) LIMIT 1",
+    )
+    .bind(key)
+    .bind(capacity as i32)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(slot) = slot else {
+        return Ok(Outcome::Refused);
+    };
+    sqlx::query("SELECT pg_advisory_unlock($1, $2)")
+        .bind(key)
+        .bind(slot)
+        .execute(&mut *conn)
+        .await?;
+    Ok(Outcome::Done)
 }

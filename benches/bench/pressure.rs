@@ -39,12 +39,14 @@ use serde_json::json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::io::AsyncReadExt;
 
+use crate::advisory::raw_cycle;
 use crate::load::{Outcome, connect, create_database, pool, run_load, splitmix64, unique};
 use crate::mutex::Keys;
 use crate::rate::rate_key;
 use crate::report::{
     Cell, Target, fmt_int, fmt_opt, fmt_rate, fmt_ratio, markdown_table, percentile,
 };
+use crate::semaphore::counter_cycle;
 use crate::{Ctx, POOL_SPARE, Res, Server, Workload};
 
 /// Clients per design, as in the measurement that filed the issue.
@@ -489,25 +491,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
             Arc::new(move |_, _| {
                 let pool = pool.clone();
                 let name = name.clone();
-                Box::pin(async move {
-                    let used: Option<i32> = sqlx::query_scalar(
-                        "UPDATE bench_baseline.counters SET used = used + 1 \
-                         WHERE name = $1 AND used < max RETURNING used",
-                    )
-                    .bind(&*name)
-                    .fetch_optional(&pool)
-                    .await?;
-                    if used.is_none() {
-                        return Ok(Outcome::Refused);
-                    }
-                    sqlx::query(
-                        "UPDATE bench_baseline.counters SET used = used - 1 WHERE name = $1",
-                    )
-                    .bind(&*name)
-                    .execute(&pool)
-                    .await?;
-                    Ok(Outcome::Done)
-                })
+                Box::pin(async move { counter_cycle(&pool, &name).await })
             })
         }
         _ => {
@@ -521,23 +505,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 let connections = connections.clone();
                 Box::pin(async move {
                     let mut conn = connections[client].lock().await;
-                    let slot: Option<i32> = sqlx::query_scalar(
-                        "SELECT s FROM generate_series(0, $2 - 1) s \
-                         WHERE pg_try_advisory_lock($1, s) LIMIT 1",
-                    )
-                    .bind(key)
-                    .bind(CAPACITY as i32)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                    let Some(slot) = slot else {
-                        return Ok(Outcome::Refused);
-                    };
-                    sqlx::query("SELECT pg_advisory_unlock($1, $2)")
-                        .bind(key)
-                        .bind(slot)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(Outcome::Done)
+                    raw_cycle(&mut conn, key, CAPACITY).await
                 })
             })
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pg_semaphore::{Error, Semaphore};
 use serde_json::{Value, json};
-use sqlx::AssertSqlSafe;
+use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::load::{Outcome, pool, run_load, unique};
 use crate::report::{
@@ -278,27 +278,31 @@ pub async fn sem_counter(
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {
         let pool = op_pool.clone();
         let name = name.clone();
-        async move {
-            let used: Option<i32> = sqlx::query_scalar(
-                "UPDATE bench_baseline.counters SET used = used + 1 \
-                     WHERE name = $1 AND used < max RETURNING used",
-            )
-            .bind(&*name)
-            .fetch_optional(&pool)
-            .await?;
-            if used.is_none() {
-                return Ok(Outcome::Refused);
-            }
-            sqlx::query("UPDATE bench_baseline.counters SET used = used - 1 WHERE name = $1")
-                .bind(&*name)
-                .execute(&pool)
-                .await?;
-            Ok(Outcome::Done)
-        }
+        async move { counter_cycle(&pool, &name).await }
     })
     .await?;
     pool.close().await;
     let cell = Cell::from_load(Workload::Semaphore, SEM_COUNTER, config, load);
     eprintln!("{}", cell.progress());
     Ok(cell)
+}
+
+/// One cycle of seed 000's counter row `name`: take a unit if one is left,
+/// then give it back.
+pub async fn counter_cycle(pool: &PgPool, name: &str) -> Res<Outcome> {
+    let used: Option<i32> = sqlx::query_scalar(
+        "UPDATE bench_baseline.counters SET used = used + 1 \
+             WHERE name = $1 AND used < max RETURNING used",
+    )
+    .bind(name)
+    .fetch_optional(pool)
+    .await?;
+    if used.is_none() {
+        return Ok(Outcome::Refused);
+    }
+    sqlx::query("UPDATE bench_baseline.counters SET used = used - 1 WHERE name = $1")
+        .bind(name)
+        .execute(pool)
+        .await?;
+    Ok(Outcome::Done)
 }

@@ -25,6 +25,25 @@ pub async fn migrated_db() -> TestDb {
     db
 }
 
+/// A session of `options`' database, named `application`, that opens a
+/// transaction, takes a transaction id and goes idle: it holds that
+/// database's xmin horizon until it ends. Returns it and its pid.
+pub async fn idle_in_transaction(
+    options: &sqlx::postgres::PgConnectOptions,
+    application: &str,
+) -> sqlx::Result<(sqlx::PgConnection, i32)> {
+    use sqlx::Connection;
+    let mut conn =
+        sqlx::PgConnection::connect_with(&options.clone().application_name(application)).await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut conn)
+        .await?;
+    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();")
+        .execute(&mut conn)
+        .await?;
+    Ok((conn, pid))
+}
+
 /// The most claims of `semaphore` that overlapped at any instant, swept over
 /// the audit log's own timestamps (a claim ending as another starts is a
 /// hand-over, not an overlap). Claims must have ended.
