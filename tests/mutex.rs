@@ -419,6 +419,36 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
     assert!(mutex.try_lock_in(&mut third).await.is_ok());
     third.rollback().await?;
 
+    // A lock that had to wait (the try failed, so lock_timeout was set for
+    // the wait) restores the caller's setting as well.
+    let mut holder = db.pool.begin().await?;
+    mutex.try_lock_in(&mut holder).await?;
+    let spawned = std::time::Instant::now();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        holder.commit().await
+    });
+    let mut waiter = db.pool.begin().await?;
+    sqlx::query("SET LOCAL lock_timeout = '7s'")
+        .execute(&mut *waiter)
+        .await?;
+    mutex
+        .lock_in_timeout(&mut waiter, Duration::from_secs(10))
+        .await?;
+    assert!(
+        spawned.elapsed() >= Duration::from_millis(200),
+        "the lock was granted only once the holder committed"
+    );
+    release.await??;
+    let setting: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *waiter)
+        .await?;
+    assert_eq!(
+        setting, "7s",
+        "the caller's lock_timeout is restored after a wait"
+    );
+    waiter.rollback().await?;
+
     // The transaction-scoped guard restores the session's own setting too.
     let mut guard = mutex
         .lock_timeout(&db.pool, Duration::from_millis(250))
