@@ -27,6 +27,7 @@ use crate::semaphore::{sem_counter, sem_ours};
 use crate::{Ctx, POOL_SPARE, Res, Server, Settings, Workload};
 
 pub const ADV_OURS: &str = "AdvisorySemaphore";
+pub const ADV_OURS_NO_AUDIT: &str = "AdvisorySemaphore, audit off";
 pub const ADV_RAW: &str = "raw advisory-lock cycle";
 
 /// Capacity of every limiter here: large enough that 32 clients are never
@@ -42,15 +43,17 @@ pub async fn advisory_workload(ctx: &mut Ctx) -> Res<()> {
         for server in &servers {
             let config =
                 json!({ "server": server.label, "clients": clients, "capacity": CAPACITY });
-            // ours, raw, counter, lease semaphore[, redis]
-            let mut reps: Vec<Vec<Cell>> = (0..5).map(|_| Vec::new()).collect();
+            // ours, ours without its audit log, raw, counter, lease
+            // semaphore[, redis]
+            let mut reps: Vec<Vec<Cell>> = (0..6).map(|_| Vec::new()).collect();
             for _ in 0..s.reps {
-                reps[0].push(adv_ours(server, &s, clients, config.clone()).await?);
-                reps[1].push(adv_raw(server, &s, clients, config.clone()).await?);
-                reps[2].push(sem_counter(server, &s, clients, CAPACITY, config.clone()).await?);
-                reps[3].push(sem_ours(server, &s, clients, CAPACITY, config.clone()).await?);
+                reps[0].push(adv_ours(server, &s, clients, true, config.clone()).await?);
+                reps[1].push(adv_ours(server, &s, clients, false, config.clone()).await?);
+                reps[2].push(adv_raw(server, &s, clients, config.clone()).await?);
+                reps[3].push(sem_counter(server, &s, clients, CAPACITY, config.clone()).await?);
+                reps[4].push(sem_ours(server, &s, clients, CAPACITY, config.clone()).await?);
                 if let Some(client) = &redis {
-                    reps[4].push(crate::redis::redis_cell(client, &s, clients, CAPACITY).await?);
+                    reps[5].push(crate::redis::redis_cell(client, &s, clients, CAPACITY).await?);
                 }
             }
             let mut group: Vec<Cell> = reps
@@ -58,10 +61,10 @@ pub async fn advisory_workload(ctx: &mut Ctx) -> Res<()> {
                 .filter(|r| !r.is_empty())
                 .map(|r| Cell::from_reps(r, &[]))
                 .collect();
-            throughput_ratios(&mut group, "vs_raw", 1);
-            throughput_ratios(&mut group, "vs_counter", 2);
-            if group.len() > 4 {
-                throughput_ratios(&mut group, "vs_redis", 4);
+            throughput_ratios(&mut group, "vs_raw", 2);
+            throughput_ratios(&mut group, "vs_counter", 3);
+            if group.len() > 5 {
+                throughput_ratios(&mut group, "vs_redis", 5);
             }
             all.extend(group);
         }
@@ -88,7 +91,8 @@ pub async fn advisory_workload(ctx: &mut Ctx) -> Res<()> {
     ctx.report.print(&format!(
         "## 11. Advisory semaphore: try_acquire + release cycles\n\n\
          Capacity {CAPACITY}, each client loops claim + release. Ours: an AdvisorySemaphore with \
-         one dedicated connection per client. Raw: the advisory-lock statement pair on one \
+         one dedicated connection per client, with its audit log (the default) and without \
+         (`.audit(false)`: the share of the audit log). Raw: the advisory-lock statement pair on one \
          connection per client. Counter: seed 000's row. Lease: the lease Semaphore. Redis: seed \
          002's limiter (when one answers). cycles/s: median of {} runs of {} s (min–max). Ratios: \
          median cycles/s divided by the baseline's in the same configuration.\n",
@@ -177,11 +181,13 @@ async fn adv_ours(
     server: &Server,
     s: &Settings,
     clients: usize,
+    audit: bool,
     config: serde_json::Value,
 ) -> Res<Cell> {
     let pool = pool(&server.opts, POOL_SPARE + 1).await?;
     let sem = AdvisorySemaphore::builder(unique(&format!("bench-adv-c{clients}")), CAPACITY)
         .connections(clients)
+        .audit(audit)
         .build(&pool)
         .await?;
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {
@@ -199,7 +205,8 @@ async fn adv_ours(
     })
     .await?;
     pool.close().await;
-    let cell = Cell::from_load(Workload::Advisory, ADV_OURS, config, load);
+    let name = if audit { ADV_OURS } else { ADV_OURS_NO_AUDIT };
+    let cell = Cell::from_load(Workload::Advisory, name, config, load);
     eprintln!("{}", cell.progress());
     Ok(cell)
 }
