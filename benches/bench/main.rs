@@ -51,7 +51,9 @@
 //!     an idle transaction with an xid, a query in another database or a
 //!     `pg_dump` holds back the xmin horizon, against its undisturbed rate
 //!     just before. `--minutes M` (10 by default) sets the time under each
-//!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump).
+//!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump),
+//!     `--designs a,b` only these designs
+//!     (lease|advisory|mutex|bucket|counter|raw).
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -91,7 +93,8 @@ pub type Res<T> = Result<T, BoxError>;
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
                      [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure] \
                      [--server fsync-off|durable] [--minutes M] \
-                     [--pressure query|idle-xact|other-db|pg-dump]";
+                     [--pressure query|idle-xact|other-db|pg-dump] \
+                     [--designs lease,advisory,mutex,bucket,counter,raw]";
 
 /// The schema the baselines' tables live in; never `pgsemaphore`.
 pub const BASELINE_SCHEMA: &str = "bench_baseline";
@@ -168,6 +171,7 @@ struct Args {
     server: Option<Durability>,
     minutes: Option<f64>,
     pressure: Option<pressure::Pressure>,
+    designs: Option<Vec<&'static str>>,
 }
 
 fn parse_args(args: &[String]) -> Result<Args, String> {
@@ -209,6 +213,9 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             "--pressure" => {
                 parsed.pressure = Some(pressure::Pressure::parse(&value("a pressure")?)?)
             }
+            "--designs" => {
+                parsed.designs = Some(pressure::parse_designs(&value("a list of designs")?)?)
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -240,6 +247,8 @@ pub struct Settings {
     pub pressure_minutes: Option<f64>,
     /// The one pressure to apply (`--pressure`), or all.
     pub pressure: Option<pressure::Pressure>,
+    /// The pressure workload's designs (`--designs`), or all.
+    pub pressure_designs: Option<Vec<&'static str>>,
 }
 
 impl Settings {
@@ -261,6 +270,7 @@ impl Settings {
                 lease: Duration::from_millis(500),
                 pressure_minutes: None,
                 pressure: None,
+                pressure_designs: None,
             }
         } else {
             Settings {
@@ -279,6 +289,7 @@ impl Settings {
                 lease: Duration::from_secs(1),
                 pressure_minutes: None,
                 pressure: None,
+                pressure_designs: None,
             }
         }
     }
@@ -411,6 +422,7 @@ async fn run(args: Args) -> Res<()> {
     let mut settings = Settings::new(args.quick);
     settings.pressure_minutes = args.minutes;
     settings.pressure = args.pressure;
+    settings.pressure_designs = args.designs;
     let mut ctx = Ctx {
         servers,
         pid,
@@ -433,6 +445,7 @@ async fn run(args: Args) -> Res<()> {
                 "lease_reps": settings.lease_reps,
                 "pressure_minutes": settings.pressure_minutes,
                 "pressure": settings.pressure.map(pressure::Pressure::name),
+                "pressure_designs": settings.pressure_designs,
             }),
             cells: Vec::new(),
             targets: Vec::new(),

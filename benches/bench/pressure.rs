@@ -65,6 +65,25 @@ pub const P_BUCKET: &str = "TokenBucket (1,000 keys)";
 pub const P_COUNTER: &str = "counter row (seed 000)";
 pub const P_RAW: &str = "raw advisory-lock cycle";
 const DESIGNS: [&str; 6] = [P_LEASE, P_ADVISORY, P_MUTEX, P_BUCKET, P_COUNTER, P_RAW];
+/// The short names `--designs` takes, in the order of [`DESIGNS`].
+const DESIGN_NAMES: [&str; 6] = ["lease", "advisory", "mutex", "bucket", "counter", "raw"];
+
+/// `--designs lease,advisory`: the designs to run, in the workload's order.
+pub fn parse_designs(list: &str) -> Result<Vec<&'static str>, String> {
+    let asked: Vec<&str> = list.split(',').map(str::trim).collect();
+    if let Some(unknown) = asked.iter().find(|a| !DESIGN_NAMES.contains(a)) {
+        return Err(format!(
+            "unknown design {unknown:?} ({})",
+            DESIGN_NAMES.join("|")
+        ));
+    }
+    Ok(DESIGNS
+        .into_iter()
+        .zip(DESIGN_NAMES)
+        .filter(|(_, name)| asked.contains(name))
+        .map(|(design, _)| design)
+        .collect())
+}
 
 /// What holds the horizon.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +166,8 @@ pub async fn pressure_workload(ctx: &mut Ctx) -> Res<()> {
         }
         for &pressure in &pressures {
             let mut rows = Vec::new();
-            for design in DESIGNS {
+            let designs = s.pressure_designs.clone().unwrap_or(DESIGNS.to_vec());
+            for design in designs {
                 let cell = run_design(server, design, pressure, &other_db, schedule).await?;
                 rows.push(row(&cell));
                 cells.push(cell);
