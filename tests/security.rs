@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
@@ -558,14 +559,17 @@ async fn app_and_operator(
 }
 
 /// Runs `body` with the two pools, then drops the roles whatever happened.
+/// The database lives until then: a body that ignores its handle (`_db`)
+/// drops only a clone (on a `DATABASE_URL` server, dropping the last one
+/// drops the database, ending every connection to it).
 async fn as_roles<F, Fut>(body: F) -> TestResult
 where
-    F: FnOnce(support::TestDb, PgPool, PgPool) -> Fut,
+    F: FnOnce(Arc<support::TestDb>, PgPool, PgPool) -> Fut,
     Fut: std::future::Future<Output = TestResult>,
 {
-    let db = support::migrated_db().await;
+    let db = Arc::new(support::migrated_db().await);
     let (roles, app, operator) = app_and_operator(&db).await?;
-    let result = body(db, app.clone(), operator.clone()).await;
+    let result = body(db.clone(), app.clone(), operator.clone()).await;
     app.close().await;
     operator.close().await;
     roles.drop_all().await?;
