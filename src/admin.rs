@@ -1,8 +1,8 @@
-//! Operator functions: list every semaphore with its live holders, force a
-//! claim's release, change a capacity or lease. The `pg-semaphore` CLI is
-//! built on them; applications can call them too (an admin endpoint, a
-//! runbook script). Under the README's grants, listing needs only the
-//! application role; the others need the operator role.
+//! Operator functions: list every semaphore (lease or advisory) with its
+//! live holders, force a claim's release, change a capacity or lease. The
+//! `pg-semaphore` CLI is built on them; applications can call them too (an
+//! admin endpoint, a runbook script). Under the README's grants, listing
+//! needs only the application role; the others need the operator role.
 
 use std::time::Duration;
 
@@ -27,6 +27,20 @@ SELECT s.name, s.capacity,
   FROM pgsemaphore.semaphores s
   LEFT JOIN pgsemaphore.live_slots l ON l.semaphore = s.name
  ORDER BY s.name, l.created_at, l.id";
+
+/// Every advisory semaphore with the live holders of its slots, read in one
+/// statement (one snapshot of the table; `pg_locks` and `pg_stat_activity`
+/// as the statement reads them). A holder is whatever session holds a
+/// slot's key (`pgsemaphore.advisory_holders`). `client_addr` as text
+/// without its netmask.
+const ADVISORY_STATUS: &str = "\
+SELECT a.name, a.capacity, a.created_at, a.updated_at,
+       statement_timestamp() AS as_of,
+       h.slot, h.pid, h.application_name, host(h.client_addr) AS client_addr,
+       h.backend_start
+  FROM pgsemaphore.advisory_semaphores a
+  LEFT JOIN pgsemaphore.advisory_holders h ON h.semaphore = a.name
+ ORDER BY a.name, h.slot, h.pid";
 
 /// Ends a claim, whoever holds it.
 const FORCE_RELEASE: &str =
@@ -53,7 +67,9 @@ fn db(pool: &PgPool) -> Db {
     Db::new(pool, true)
 }
 
-/// A semaphore as stored, with its live claims; listed by [`semaphores`].
+/// A lease semaphore ([`Semaphore`](crate::Semaphore)) as stored, with its
+/// live claims; listed by [`semaphores`] (advisory semaphores:
+/// [`AdvisorySemaphoreInfo`]).
 ///
 /// With the `serde` feature it serializes as `{"name", "capacity", "held",
 /// "default_lease_seconds", "created_at", "updated_at", "as_of", "holders"}`,
@@ -78,6 +94,75 @@ pub struct SemaphoreInfo {
     /// The database clock when this was read: compare it with a holder's
     /// `created_at` (its age) and `expires_at` (its lease left).
     pub as_of: DateTime<Utc>,
+}
+
+/// An advisory semaphore ([`AdvisorySemaphore`](crate::AdvisorySemaphore))
+/// as stored, with the live holders of its slots; listed by
+/// [`advisory_semaphores`].
+///
+/// With the `serde` feature it serializes as `{"kind": "advisory", "name",
+/// "capacity", "held", "created_at", "updated_at", "as_of", "holders"}`,
+/// each holder an [`AdvisoryHolder`]; `kind` tells it apart from a
+/// [`SemaphoreInfo`] (which has none) in `pg-semaphore status --json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AdvisorySemaphoreInfo {
+    /// The semaphore's name.
+    pub name: String,
+    /// Its capacity: how many slots may be held at once.
+    pub capacity: u32,
+    /// When the semaphore was first built.
+    pub created_at: DateTime<Utc>,
+    /// When its capacity last changed.
+    pub updated_at: DateTime<Utc>,
+    /// The held slots, lowest first. After a capacity drop there may be
+    /// more of them than the capacity, on slots at or above it, until
+    /// their holders release (no new claim is admitted meanwhile).
+    pub holders: Vec<AdvisoryHolder>,
+    /// The database clock when this was read: compare it with a holder's
+    /// [`backend_start`](AdvisoryHolder::backend_start).
+    pub as_of: DateTime<Utc>,
+}
+
+/// A held slot of an advisory semaphore: the session whose advisory lock
+/// it is, as `pg_locks` and `pg_stat_activity` show it.
+///
+/// The session is one of a process's dedicated connections (an
+/// [`AdvisoryPermit`](crate::AdvisoryPermit)'s
+/// [`backend_pid`](crate::AdvisoryPermit::backend_pid); one session may
+/// hold several permits), or any client that took the slot's key with
+/// `pg_advisory_lock` (which only makes the semaphore look fuller). The
+/// permit's holder label and metadata are not there: they reach
+/// `pgsemaphore.advisory_claims` when the permit ends.
+///
+/// PostgreSQL shows a session's `client_addr` and `backend_start` only to
+/// its own role and to members of `pg_read_all_stats` (or `pg_monitor`):
+/// for the sessions of other roles they are `None`; the pid and the
+/// application name are always there.
+///
+/// With the `serde` feature it serializes as `{"slot", "pid",
+/// "application_name", "client_addr", "backend_start"}`, times in RFC 3339.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct AdvisoryHolder {
+    /// The slot held.
+    pub slot: u32,
+    /// The backend that holds the slot's lock (`pg_locks.pid`); `SELECT
+    /// pg_terminate_backend(pid)` frees at once every slot its session
+    /// holds (the permits' holders are told). `None` only for a prepared
+    /// transaction holding the key, never for a permit.
+    pub pid: Option<i32>,
+    /// The session's `application_name`: `pg-semaphore advisory` for the
+    /// crate's own sessions.
+    pub application_name: Option<String>,
+    /// The client's IP address; `None` over a Unix socket, or when not
+    /// visible to this role.
+    pub client_addr: Option<String>,
+    /// When the session connected (not when it took the slot: a process
+    /// reuses its sessions for many permits); `None` when not visible to
+    /// this role.
+    pub backend_start: Option<DateTime<Utc>>,
 }
 
 /// What [`force_release`] found.
@@ -135,7 +220,8 @@ struct StatusRow {
     expires_at: Option<DateTime<Utc>>,
 }
 
-/// Every semaphore in the database, by name, each with its live claims.
+/// Every lease semaphore in the database, by name, each with its live
+/// claims. Advisory semaphores are listed by [`advisory_semaphores`].
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
@@ -184,6 +270,82 @@ pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
                 metadata: row.metadata,
                 created_at,
                 expires_at,
+            });
+        }
+    }
+    Ok(list)
+}
+
+#[derive(sqlx::FromRow)]
+struct AdvisoryStatusRow {
+    name: String,
+    capacity: i32,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    as_of: DateTime<Utc>,
+    slot: Option<i32>,
+    pid: Option<i32>,
+    application_name: Option<String>,
+    client_addr: Option<String>,
+    backend_start: Option<DateTime<Utc>>,
+}
+
+/// Every advisory semaphore in the database, by name, each with the
+/// sessions that hold its slots, by slot. Lease semaphores are listed by
+/// [`semaphores`]; a name belongs to one kind only.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// for sem in pg_semaphore::advisory_semaphores(&pool).await? {
+///     println!("{}: {} of {} held", sem.name, sem.holders.len(), sem.capacity);
+///     for h in &sem.holders {
+///         println!("  slot {} by pid {:?} ({:?})", h.slot, h.pid, h.application_name);
+///     }
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Privileges
+///
+/// Reads `pgsemaphore.advisory_semaphores` and the view
+/// `pgsemaphore.advisory_holders`, which the README's grants give both the
+/// application and the operator role (`GRANT SELECT ON ALL TABLES` covers
+/// views that exist when it runs: run the grants again after migrating to
+/// schema version 3). What a role sees of other roles' sessions is
+/// limited: see [`AdvisoryHolder`].
+///
+/// # Errors
+///
+/// [`Error::MigrationsMissing`] (also for a schema older than version 3,
+/// which has no advisory semaphores), [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// Read-only: cancel at will.
+pub async fn advisory_semaphores(pool: &PgPool) -> Result<Vec<AdvisorySemaphoreInfo>> {
+    let db = db(pool);
+    let rows: Vec<AdvisoryStatusRow> = db.fetch_all(db.query_as(ADVISORY_STATUS)).await?;
+    let mut list: Vec<AdvisorySemaphoreInfo> = Vec::new();
+    for row in rows {
+        if list.last().is_none_or(|last| last.name != row.name) {
+            list.push(AdvisorySemaphoreInfo {
+                name: row.name.clone(),
+                capacity: row.capacity.max(0) as u32,
+                created_at: row.created_at,
+                updated_at: row.updated_at,
+                holders: Vec::new(),
+                as_of: row.as_of,
+            });
+        }
+        if let Some(slot) = row.slot {
+            let info = list.last_mut().expect("pushed above");
+            info.holders.push(AdvisoryHolder {
+                slot: slot.max(0) as u32,
+                pid: row.pid,
+                application_name: row.application_name,
+                client_addr: row.client_addr,
+                backend_start: row.backend_start,
             });
         }
     }

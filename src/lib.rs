@@ -124,9 +124,11 @@
 //!
 //! # Operating
 //!
-//! [`semaphores`] lists every semaphore with its live holders,
-//! [`force_release`] frees a stuck claim, [`set_capacity`] resizes a
-//! semaphore, [`reap`] and [`prune`] clean up, [`AuditLog`] reads history.
+//! [`semaphores`] lists every lease semaphore with its live holders and
+//! [`advisory_semaphores`] every advisory one with the sessions that hold
+//! its slots, [`force_release`] frees a stuck claim, [`set_capacity`]
+//! resizes a semaphore, [`reap`] and [`prune`] clean up, [`AuditLog`] reads
+//! history.
 //! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
 //!
@@ -168,8 +170,9 @@
 //!
 //! - `cli`: the `pg-semaphore` operator binary (enables `serde`).
 //! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
-//!   [`Holder`], [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and
-//!   its parts, [`ReleaseOutcome`] and [`Decision`]. Times are RFC 3339 strings,
+//!   [`Holder`], [`AdvisorySemaphoreInfo`], [`AdvisoryHolder`],
+//!   [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
+//!   [`ReleaseOutcome`] and [`Decision`]. Times are RFC 3339 strings,
 //!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
 //!   the shapes `pg-semaphore ... --json` prints.
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
@@ -235,8 +238,8 @@ pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, 
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
-    ReleaseOutcome, SemaphoreInfo, clear_queue, configure, force_release, semaphores, set_capacity,
-    set_queue_order,
+    AdvisoryHolder, AdvisorySemaphoreInfo, ReleaseOutcome, SemaphoreInfo, advisory_semaphores,
+    clear_queue, configure, force_release, semaphores, set_capacity, set_queue_order,
 };
 pub use audit::{
     AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,

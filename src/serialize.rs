@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::TimeDelta;
 use serde::ser::{Serialize, SerializeStruct, Serializer};
 
-use crate::admin::SemaphoreInfo;
+use crate::admin::{AdvisorySemaphoreInfo, SemaphoreInfo};
 use crate::audit::{Holder, Summary};
 
 /// A duration as seconds.
@@ -88,13 +88,30 @@ impl Serialize for SemaphoreInfo {
     }
 }
 
+/// Adds `"kind": "advisory"` (a [`SemaphoreInfo`] has no `kind`, so the
+/// two can share a list) and `held`.
+impl Serialize for AdvisorySemaphoreInfo {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut s = serializer.serialize_struct("AdvisorySemaphoreInfo", 8)?;
+        s.serialize_field("kind", "advisory")?;
+        s.serialize_field("name", &self.name)?;
+        s.serialize_field("capacity", &self.capacity)?;
+        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("created_at", &self.created_at)?;
+        s.serialize_field("updated_at", &self.updated_at)?;
+        s.serialize_field("as_of", &self.as_of)?;
+        s.serialize_field("holders", &self.holders)?;
+        s.end()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use chrono::{DateTime, Utc};
     use serde_json::json;
 
     use super::*;
-    use crate::admin::ReleaseOutcome;
+    use crate::admin::{AdvisoryHolder, ReleaseOutcome};
     use crate::audit::{ClaimRecord, Outcome};
     use crate::rate_limit::Decision;
 
@@ -157,6 +174,61 @@ mod tests {
         assert_eq!(value["holders"][0]["claimed_at"], "2026-11-21T08:00:00Z");
         assert_eq!(value["holders"][0]["age_seconds"], 12.5);
         assert_eq!(value["holders"][0]["lease_left_seconds"], -2.5);
+    }
+
+    #[test]
+    fn an_advisory_semaphore_says_its_kind_and_its_holders_sessions() {
+        let info = AdvisorySemaphoreInfo {
+            name: "exports".into(),
+            capacity: 3,
+            created_at: at("2026-11-21T07:00:00Z"),
+            updated_at: at("2026-11-21T07:30:00Z"),
+            holders: vec![
+                AdvisoryHolder {
+                    slot: 0,
+                    pid: Some(4242),
+                    application_name: Some("pg-semaphore advisory".into()),
+                    client_addr: Some("10.0.0.7".into()),
+                    backend_start: Some(at("2026-11-21T07:59:00Z")),
+                },
+                AdvisoryHolder {
+                    slot: 2,
+                    pid: Some(4243),
+                    application_name: Some("pg-semaphore advisory".into()),
+                    client_addr: None,
+                    backend_start: None,
+                },
+            ],
+            as_of: at("2026-11-21T08:00:00Z"),
+        };
+        assert_eq!(
+            serde_json::to_value(&info).unwrap(),
+            json!({
+                "kind": "advisory",
+                "name": "exports",
+                "capacity": 3,
+                "held": 2,
+                "created_at": "2026-11-21T07:00:00Z",
+                "updated_at": "2026-11-21T07:30:00Z",
+                "as_of": "2026-11-21T08:00:00Z",
+                "holders": [
+                    {
+                        "slot": 0,
+                        "pid": 4242,
+                        "application_name": "pg-semaphore advisory",
+                        "client_addr": "10.0.0.7",
+                        "backend_start": "2026-11-21T07:59:00Z",
+                    },
+                    {
+                        "slot": 2,
+                        "pid": 4243,
+                        "application_name": "pg-semaphore advisory",
+                        "client_addr": null,
+                        "backend_start": null,
+                    },
+                ],
+            })
+        );
     }
 
     #[test]

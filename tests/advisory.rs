@@ -2,7 +2,8 @@
 //! Each test names the promise it pins: the hard limit (across processes,
 //! across a capacity drop), waiting and wake-ups, the session as the lease
 //! (a killed backend frees its slots at once and its holder is told), one
-//! name for one kind, and no row written on the claim and release path.
+//! name for one kind, what an operator sees of its holders, and no row
+//! written on the claim and release path.
 
 mod support;
 
@@ -281,6 +282,91 @@ async fn a_name_belongs_to_one_kind_of_semaphore() -> TestResult {
         }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
+    Ok(())
+}
+
+/// `pg_semaphore::advisory_semaphores` lists every advisory semaphore (and
+/// no lease one) with the sessions that hold its slots, by slot: the
+/// permits' own backends, any session that took a slot's key, and holders
+/// left above a dropped capacity; a release takes its slots off the list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestResult {
+    let db = support::migrated_db().await;
+    let started: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT statement_timestamp()")
+        .fetch_one(&db.pool)
+        .await?;
+    let listed = advisory(&db.pool, "listed", 4).await?;
+    advisory(&db.pool, "idle", 1).await?;
+    Semaphore::builder("leased", 1).build(&db.pool).await?;
+    assert_eq!(pg_semaphore::semaphores(&db.pool).await?.len(), 1);
+
+    let pair = listed.try_acquire_many(2).await?;
+    let one = listed.try_acquire().await?;
+    assert_eq!((pair.slots(), one.slot()), (&[0, 1][..], 2));
+
+    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let names: Vec<&str> = list.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["idle", "listed"]);
+    assert_eq!((list[0].capacity, list[0].holders.len()), (1, 0));
+    let sem = &list[1];
+    assert_eq!(sem.capacity, 4);
+    let seen: Vec<(u32, Option<i32>)> = sem.holders.iter().map(|h| (h.slot, h.pid)).collect();
+    assert_eq!(
+        seen,
+        [
+            (0, Some(pair.backend_pid())),
+            (1, Some(pair.backend_pid())),
+            (2, Some(one.backend_pid())),
+        ]
+    );
+    for h in &sem.holders {
+        assert_eq!(h.application_name.as_deref(), Some("pg-semaphore advisory"));
+        let connected = h.backend_start.expect("our own sessions are visible");
+        assert!(started <= connected && connected <= sem.as_of, "{h:?}");
+    }
+
+    // A session that takes a slot's key by hand holds it too.
+    let key_base: i64 = sqlx::query_scalar(
+        "SELECT key_base FROM pgsemaphore.advisory_semaphores WHERE name = 'listed'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    let (mut squatter, squatter_pid) = {
+        use sqlx::Connection;
+        let mut conn =
+            sqlx::PgConnection::connect_with(&db.options.clone().application_name("squatter"))
+                .await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await?;
+        (conn, pid)
+    };
+    sqlx::query("SELECT pg_advisory_lock($1 + 3)")
+        .bind(key_base)
+        .execute(&mut squatter)
+        .await?;
+    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let last = list[1].holders.last().expect("holders");
+    assert_eq!(
+        (last.slot, last.pid, last.application_name.as_deref()),
+        (3, Some(squatter_pid), Some("squatter"))
+    );
+    sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut squatter)
+        .await?;
+
+    // A capacity drop below the slots held: they stay listed until released.
+    pg_semaphore::set_capacity(&db.pool, "listed", 1).await?;
+    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    assert_eq!((list[1].capacity, list[1].holders.len()), (1, 3));
+
+    pair.release().await?;
+    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let slots: Vec<u32> = list[1].holders.iter().map(|h| h.slot).collect();
+    assert_eq!(slots, [2]);
+    one.release().await?;
+    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    assert!(list.iter().all(|s| s.holders.is_empty()), "{list:?}");
     Ok(())
 }
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
-use pg_semaphore::{Error, LostReason, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore};
 use tokio::process::Command;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -244,6 +244,161 @@ async fn status_lists_every_semaphore_and_its_holders() -> TestResult {
     assert_status(&out, 3);
     a.release().await?;
     b.release().await?;
+    Ok(())
+}
+
+/// The cells of the table row whose first cell is `first`, in the table
+/// under the header line that starts with `header`.
+fn table_row(text: &str, header: &str, first: &str) -> Vec<String> {
+    text.lines()
+        .skip_while(|l| !l.trim_start().starts_with(header))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .find(|l| l.split_whitespace().next() == Some(first))
+        .unwrap_or_else(|| panic!("no row {first:?} under {header:?}:\n{text}"))
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The rows (cells split on whitespace) of the holders' table under the
+/// line `heading`, or `None` when there is no such heading.
+fn section(text: &str, heading: &str) -> Option<Vec<Vec<String>>> {
+    let mut lines = text.lines().skip_while(|l| *l != heading);
+    lines.next()?;
+    Some(
+        lines
+            .skip(1) // the column headers
+            .take_while(|l| !l.trim().is_empty())
+            .map(|l| l.split_whitespace().map(str::to_owned).collect())
+            .collect(),
+    )
+}
+
+#[tokio::test]
+async fn status_shows_advisory_semaphores_and_the_sessions_that_hold_them() -> TestResult {
+    let db = support::migrated_db().await;
+    let started: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT statement_timestamp()")
+        .fetch_one(&db.pool)
+        .await?;
+    // The address the database sees for this test's connections (the
+    // semaphore's sessions are made with the same options): `None` over a
+    // Unix socket.
+    let client: Option<String> = sqlx::query_scalar("SELECT host(inet_client_addr())")
+        .fetch_one(&db.pool)
+        .await?;
+    let sem = AdvisorySemaphore::builder("exports", 3)
+        .audit(false)
+        .build(&db.pool)
+        .await?;
+
+    // Only an advisory semaphore: it is listed, not "no semaphores yet".
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        table_row(&stdout(&out), "ADVISORY SEMAPHORE", "exports")[1..4],
+        ["3", "0", "3"]
+    );
+
+    let leased = Semaphore::builder("payments", 2).build(&db.pool).await?;
+    let a = sem.try_acquire().await?;
+    let b = sem.try_acquire().await?;
+    let lease_permit = leased.claim().holder("worker-a").try_acquire().await?;
+    let pid_of = |slot: u32| {
+        [&a, &b]
+            .into_iter()
+            .find(|p| p.slot() == slot)
+            .map(|p| p.backend_pid())
+            .unwrap_or_else(|| panic!("no permit holds slot {slot}"))
+    };
+
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    // Both kinds, each in its own table.
+    assert_eq!(
+        table_row(&text, "SEMAPHORE", "payments")[1..4],
+        ["2", "1", "1"]
+    );
+    assert_eq!(
+        table_row(&text, "ADVISORY SEMAPHORE", "exports")[1..4],
+        ["3", "2", "1"]
+    );
+    // SLOT PID CLIENT CONNECTED-FOR APPLICATION: one row per held slot.
+    let holders = section(&text, "exports (advisory):").expect("a holders table");
+    let slots: Vec<&str> = holders.iter().map(|h| h[0].as_str()).collect();
+    assert_eq!(slots, ["0", "1"], "{text}");
+    for h in &holders {
+        let slot: u32 = h[0].parse()?;
+        assert_eq!(h[1], pid_of(slot).to_string(), "{text}");
+        assert_eq!(h[2], client.as_deref().unwrap_or("local"), "{text}");
+        assert_eq!(h[4..], ["pg-semaphore", "advisory"], "{text}");
+    }
+
+    // One name, of either kind.
+    let out = run(&db, &["status", "exports"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert_eq!(
+        table_row(&text, "ADVISORY SEMAPHORE", "exports")[1..4],
+        ["3", "2", "1"]
+    );
+    assert!(!text.contains("payments"), "{text}");
+    assert_eq!(
+        section(&text, "exports (advisory):").map(|h| h.len()),
+        Some(2)
+    );
+
+    // JSON: the lease semaphores as before (no `kind`), then the advisory ones.
+    let out = run(&db, &["status", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let list = json.as_array().expect("an array");
+    assert_eq!(list.len(), 2, "{json}");
+    assert_eq!(list[0]["name"], "payments");
+    assert_eq!(list[0].get("kind"), None, "{json}");
+    assert_eq!(list[0]["holders"][0]["id"], lease_permit.id());
+    let exports = &list[1];
+    assert_eq!(exports["kind"], "advisory");
+    assert_eq!(exports["name"], "exports");
+    assert_eq!(exports["capacity"], 3);
+    assert_eq!(exports["held"], 2);
+    let as_of: chrono::DateTime<chrono::Utc> = exports["as_of"].as_str().unwrap().parse()?;
+    let holders = exports["holders"].as_array().expect("holders");
+    assert_eq!(holders.len(), 2);
+    for (h, slot) in holders.iter().zip([0, 1]) {
+        assert_eq!(h["slot"], slot, "{h}");
+        assert_eq!(h["pid"], pid_of(slot), "{h}");
+        assert_eq!(h["application_name"], "pg-semaphore advisory", "{h}");
+        assert_eq!(h["client_addr"].as_str(), client.as_deref(), "{h}");
+        // The session was opened by this test, before the listing.
+        let connected: chrono::DateTime<chrono::Utc> =
+            h["backend_start"].as_str().expect("visible").parse()?;
+        assert!(started <= connected && connected <= as_of, "{h}");
+    }
+
+    let out = run(&db, &["status", "exports", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json.as_array().map(Vec::len), Some(1), "{json}");
+    assert_eq!(json[0]["kind"], "advisory");
+
+    // Released: nothing held, no holders table.
+    a.release().await?;
+    b.release().await?;
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert_eq!(
+        table_row(&text, "ADVISORY SEMAPHORE", "exports")[1..4],
+        ["3", "0", "3"]
+    );
+    assert_eq!(section(&text, "exports (advisory):"), None, "{text}");
+    let out = run(&db, &["status", "exports", "--json"]).await;
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json[0]["held"], 0);
+    assert_eq!(json[0]["holders"], serde_json::json!([]));
+    lease_permit.release().await?;
     Ok(())
 }
 

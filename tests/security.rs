@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
@@ -285,6 +286,52 @@ async fn the_operator_role_reaps_prunes_resizes_and_force_releases() -> TestResu
     result
 }
 
+/// Both roles list advisory semaphores and their holders under the
+/// documented grants (the view `pgsemaphore.advisory_holders` included);
+/// a role that is not a member of `pg_read_all_stats` sees the pid and the
+/// application of another role's sessions, not their client or start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_roles_list_advisory_holders_and_see_what_postgres_shows_them() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        let sem = pg_semaphore::AdvisorySemaphore::builder("advisory-listed", 2)
+            .audit(false)
+            .build(&app)
+            .await?;
+        let permit = sem.try_acquire().await?;
+        // The application's own sessions: everything.
+        let list = pg_semaphore::advisory_semaphores(&app).await?;
+        assert_eq!(list.len(), 1);
+        let mine = &list[0].holders;
+        assert_eq!(mine.len(), 1);
+        assert_eq!(mine[0].pid, Some(permit.backend_pid()));
+        assert!(mine[0].backend_start.is_some(), "{mine:?}");
+        // The operator: another role's session.
+        let list = pg_semaphore::advisory_semaphores(&operator).await?;
+        let theirs = &list[0].holders;
+        assert_eq!(theirs.len(), 1);
+        assert_eq!(
+            (theirs[0].slot, theirs[0].pid),
+            (permit.slot(), Some(permit.backend_pid()))
+        );
+        assert_eq!(
+            theirs[0].application_name.as_deref(),
+            Some("pg-semaphore advisory")
+        );
+        assert_eq!(
+            (&theirs[0].client_addr, theirs[0].backend_start),
+            (&None, None)
+        );
+        permit.release().await?;
+        assert!(
+            pg_semaphore::advisory_semaphores(&operator).await?[0]
+                .holders
+                .is_empty()
+        );
+        Ok(())
+    })
+    .await
+}
+
 /// What the application role must not be able to do: write any table
 /// directly, run an operator function, or end someone else's claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -558,14 +605,17 @@ async fn app_and_operator(
 }
 
 /// Runs `body` with the two pools, then drops the roles whatever happened.
+/// The database lives until then: a body that ignores its handle (`_db`)
+/// drops only a clone (on a `DATABASE_URL` server, dropping the last one
+/// drops the database, ending every connection to it).
 async fn as_roles<F, Fut>(body: F) -> TestResult
 where
-    F: FnOnce(support::TestDb, PgPool, PgPool) -> Fut,
+    F: FnOnce(Arc<support::TestDb>, PgPool, PgPool) -> Fut,
     Fut: std::future::Future<Output = TestResult>,
 {
-    let db = support::migrated_db().await;
+    let db = Arc::new(support::migrated_db().await);
     let (roles, app, operator) = app_and_operator(&db).await?;
-    let result = body(db, app.clone(), operator.clone()).await;
+    let result = body(db.clone(), app.clone(), operator.clone()).await;
     app.close().await;
     operator.close().await;
     roles.drop_all().await?;

@@ -31,16 +31,18 @@ pub(crate) async fn status(
     json: bool,
 ) -> Result<String, Failure> {
     let mut list = pg_semaphore::semaphores(pool).await?;
+    let mut advisory = pg_semaphore::advisory_semaphores(pool).await?;
     if let Some(name) = name {
         list.retain(|s| s.name == name);
-        if list.is_empty() {
+        advisory.retain(|s| s.name == name);
+        if list.is_empty() && advisory.is_empty() {
             return Err(Failure::not_found(format!("no semaphore named {name:?}")));
         }
     }
     Ok(if json {
-        render::status_json(&list)
+        render::status_json(&list, &advisory)
     } else {
-        render::status_table(&list)
+        render::status_table(&list, &advisory)
     })
 }
 

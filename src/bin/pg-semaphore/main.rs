@@ -81,11 +81,24 @@ enum Command {
     /// and `sqlx migrate run --source migrations --config migrations/sqlx.toml`.
     Migrate,
 
-    /// Every semaphore: capacity, live holders, their age and lease left.
+    /// Every semaphore, lease and advisory: capacity, live holders.
+    ///
+    /// Lease semaphores first, each holder with its claim id, slot, label,
+    /// age and lease left; then advisory semaphores, each held slot with
+    /// the session whose advisory lock it is (from pg_locks): its backend
+    /// pid, client address, how long it has been connected (not how long it
+    /// has held the slot) and application_name. Sessions of other roles
+    /// show their client and start only to a role with pg_read_all_stats
+    /// (or pg_monitor).
+    ///
+    /// --json prints one array: the lease semaphores as before (objects
+    /// without a "kind" field), then the advisory ones, each with "kind":
+    /// "advisory" and its holders as {"slot", "pid", "application_name",
+    /// "client_addr", "backend_start"}.
     Status {
-        /// Only this semaphore (exit status 3 if it does not exist).
+        /// Only this semaphore, of either kind (exit status 3 if it does not exist).
         name: Option<String>,
-        /// Print JSON instead of a table.
+        /// Print JSON instead of tables (advisory semaphores carry "kind": "advisory").
         #[arg(long)]
         json: bool,
     },

@@ -10,16 +10,32 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
-    ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome, SemaphoreInfo, Summary,
+    AdvisoryHolder, AdvisorySemaphoreInfo, ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome,
+    SemaphoreInfo, Summary,
 };
 use serde::Serialize;
 
-/// `pg-semaphore status`: one row per semaphore, then each one's holders.
-pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
-    if list.is_empty() {
+/// `pg-semaphore status`: one row per lease semaphore, then each one's
+/// holders; then one row per advisory semaphore, then each one's holders.
+pub(crate) fn status_table(list: &[SemaphoreInfo], advisory: &[AdvisorySemaphoreInfo]) -> String {
+    if list.is_empty() && advisory.is_empty() {
         return "no semaphores yet\n".to_owned();
     }
     let mut out = String::new();
+    if !list.is_empty() {
+        lease_table(&mut out, list);
+    }
+    if !advisory.is_empty() {
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        advisory_table(&mut out, advisory);
+    }
+    out
+}
+
+/// The lease semaphores' table and their holders' tables.
+fn lease_table(out: &mut String, list: &[SemaphoreInfo]) {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|sem| {
@@ -34,7 +50,7 @@ pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
         })
         .collect();
     table(
-        &mut out,
+        out,
         "",
         &["SEMAPHORE", "CAPACITY", "HELD", "FREE", "LEASE"],
         &rows,
@@ -60,19 +76,90 @@ pub(crate) fn status_table(list: &[SemaphoreInfo]) -> String {
             })
             .collect();
         table(
-            &mut out,
+            out,
             "  ",
             &["CLAIM", "SLOT", "HOLDER", "AGE", "LEASE LEFT"],
             &rows,
         );
     }
-    out
 }
 
-/// `pg-semaphore status --json`: an array of semaphores, as the library
-/// serializes them.
-pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
-    json(&list)
+/// The advisory semaphores' table and, for each held one, its holders: the
+/// sessions whose advisory locks its slots are.
+fn advisory_table(out: &mut String, list: &[AdvisorySemaphoreInfo]) {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|sem| {
+            let held = sem.holders.len() as u32;
+            vec![
+                sem.name.clone(),
+                sem.capacity.to_string(),
+                held.to_string(),
+                sem.capacity.saturating_sub(held).to_string(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        "",
+        &["ADVISORY SEMAPHORE", "CAPACITY", "HELD", "FREE"],
+        &rows,
+    );
+    for sem in list.iter().filter(|s| !s.holders.is_empty()) {
+        let _ = writeln!(out, "\n{} (advisory):", sem.name);
+        let rows: Vec<Vec<String>> = sem
+            .holders
+            .iter()
+            .map(|h| {
+                vec![
+                    h.slot.to_string(),
+                    h.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()),
+                    client(h),
+                    h.backend_start
+                        .map_or_else(|| "-".to_owned(), |at| human(signed(sem.as_of - at))),
+                    match h.application_name.as_deref() {
+                        None | Some("") => "-".to_owned(),
+                        Some(name) => name.to_owned(),
+                    },
+                ]
+            })
+            .collect();
+        table(
+            out,
+            "  ",
+            &["SLOT", "PID", "CLIENT", "CONNECTED FOR", "APPLICATION"],
+            &rows,
+        );
+    }
+}
+
+/// An advisory holder's client: its address, `local` for a Unix socket
+/// (the session is visible but has no address), `-` when this role may not
+/// see it.
+fn client(holder: &AdvisoryHolder) -> String {
+    match (&holder.client_addr, holder.backend_start) {
+        (Some(addr), _) => addr.clone(),
+        (None, Some(_)) => "local".to_owned(),
+        (None, None) => "-".to_owned(),
+    }
+}
+
+/// `pg-semaphore status --json`: one array, the lease semaphores first
+/// (unchanged, without `kind`), then the advisory ones (`"kind":
+/// "advisory"`), each as the library serializes it.
+pub(crate) fn status_json(list: &[SemaphoreInfo], advisory: &[AdvisorySemaphoreInfo]) -> String {
+    #[derive(Serialize)]
+    #[serde(untagged)]
+    enum Entry<'a> {
+        Lease(&'a SemaphoreInfo),
+        Advisory(&'a AdvisorySemaphoreInfo),
+    }
+    let entries: Vec<Entry<'_>> = list
+        .iter()
+        .map(Entry::Lease)
+        .chain(advisory.iter().map(Entry::Advisory))
+        .collect();
+    json(&entries)
 }
 
 /// `pg-semaphore doctor`: who holds the xmin horizon, for how long, and
