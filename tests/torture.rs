@@ -1,9 +1,13 @@
 //! The torture test: several worker processes, each with many tasks, hammer
-//! three semaphores (capacities 1, 3 and 16) and a mutex with random hold
+//! three lease semaphores (capacities 1, 3 and 16), two advisory semaphores
+//! (capacities 1 and 4, heartbeat 250 ms) and a mutex with random hold
 //! times, while a chaos driver SIGKILLs whole workers mid-hold, terminates
-//! random backends (LISTEN connections included), crashes and restarts the
-//! PostgreSQL server once (when the harness owns it), and a reaper runs.
-//! Workers cancel their own acquires at random points.
+//! random backends (LISTEN connections and advisory sessions holding slots
+//! included), crashes and restarts the PostgreSQL server once (when the
+//! harness owns it), and a reaper runs. Workers cancel their own acquires at
+//! random points, and now and then drop an advisory permit instead of
+//! releasing it. The driver logs what it did, with timestamps
+//! (`chaos.events`: kills, terminated backend pids, the crash).
 //!
 //! An independent checker then asserts, from the workers' own timestamps and
 //! from the slot table:
@@ -14,10 +18,12 @@
 //! - every claim a worker was given is in the audit log with exactly one
 //!   outcome, matching what the worker was told;
 //! - no acquire hung (timed out) and no worker failed to stop;
-//! - after the chaos, every semaphore serves again at full capacity.
+//! - after the chaos, every semaphore serves again at full capacity (the
+//!   advisory ones too).
 //!
 //! It prints the counts so a reviewer sees what was exercised. Runs in about
-//! a minute; `PGSEM_TORTURE_SECS` lengthens the chaos phase.
+//! a minute; `PGSEM_TORTURE_SECS` lengthens the chaos phase. The logs are in
+//! the directory it prints first, kept when an assertion fails.
 
 mod support;
 
@@ -29,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Reaper, Semaphore};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::workers::{Log, Rng, max_overlap, now_us, one_line};
@@ -38,14 +44,21 @@ type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// The semaphores under test: (name, capacity).
 const SEMAPHORES: [(&str, u32); 3] = [("cap1", 1), ("cap3", 3), ("cap16", 16)];
+/// The advisory semaphores under test: (name, capacity).
+const ADVISORY: [(&str, u32); 2] = [("adv1", 1), ("adv4", 4)];
 const MUTEX: &str = "torture-mutex";
 const LEASE: Duration = Duration::from_secs(2);
 const REAP_EVERY: Duration = Duration::from_millis(250);
-/// An acquire that waits this long is a hang: holds last at most 40 ms, and
+/// The advisory sessions' heartbeat: short, so that a holder whose backend
+/// ends is told within the run (the server's `idle_session_timeout` is then
+/// its floor of 1 s, four heartbeats).
+const HEARTBEAT: Duration = Duration::from_millis(250);
+/// An acquire that waits this long is a hang: holds last at most 1.5 s, and
 /// a killed holder's slot is free again after about LEASE + REAP_EVERY.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(15);
 const WORKERS: usize = 3;
 const SEMAPHORE_TASKS: usize = 8;
+const ADVISORY_TASKS: usize = 6;
 const MUTEX_TASKS: usize = 2;
 
 // ---------------------------------------------------------------- workers --
@@ -58,6 +71,16 @@ const MUTEX_TASKS: usize = 2;
 /// - `T <semaphore>`: an acquire timed out; `C`: an acquire cancelled on purpose;
 /// - `X <error>`: a database error (expected while the chaos runs);
 /// - `M`: a mutex-protected increment committed.
+///
+/// The advisory tasks log the same letters in lower case, a hold named by
+/// `<id>` = `<task>.<n>` within its worker:
+/// - `a <id> <semaphore> <slot> <backend pid> <t> <locked>`: acquired (t as
+///   above; `locked`: the permit's `acquired_at`, the claim statement's
+///   clock, this host's);
+/// - `e <id> <t>`, `l <id> <t> <reason>`, `t <semaphore>`, `c`, `x <error>`;
+/// - `r <id> <outcome>`: `ok`, `lost <reason>`, `error <error>`, or
+///   `dropped` / `dropped-lost` when the task dropped the permit instead of
+///   releasing it (`-lost`: `is_lost()` said so just before).
 #[test]
 fn torture_worker_entry_point() {
     let (Ok(url), Ok(log), Ok(label), Ok(stop)) = (
@@ -112,11 +135,35 @@ async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
         };
         semaphores.push(sem);
     }
+    let mut advisory = Vec::new();
+    for (name, capacity) in ADVISORY {
+        let sem = loop {
+            match AdvisorySemaphore::builder(name, capacity)
+                .heartbeat(HEARTBEAT)
+                .connections(3)
+                .holder(&label)
+                .fallback_interval(Duration::from_millis(500))
+                .build(&pool)
+                .await
+            {
+                Ok(sem) => break sem,
+                Err(error) => {
+                    log.line(format!("x build: {}", one_line(&error)));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        advisory.push(sem);
+    }
     let stopping = Arc::new(AtomicBool::new(false));
     let mut tasks = tokio::task::JoinSet::new();
     for task in 0..SEMAPHORE_TASKS {
         let (semaphores, log, stopping) = (semaphores.clone(), log.clone(), stopping.clone());
         tasks.spawn(semaphore_task(semaphores, log, stopping, task as u64));
+    }
+    for task in 0..ADVISORY_TASKS {
+        let (advisory, log, stopping) = (advisory.clone(), log.clone(), stopping.clone());
+        tasks.spawn(advisory_task(advisory, log, stopping, 200 + task as u64));
     }
     for task in 0..MUTEX_TASKS {
         let (pool, log, stopping) = (pool.clone(), log.clone(), stopping.clone());
@@ -127,6 +174,11 @@ async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
     }
     stopping.store(true, Ordering::SeqCst);
     while tasks.join_next().await.is_some() {}
+    // A worker that stops lives to flush its advisory audit log: with the
+    // last handle gone, the writer writes what is queued (at most one
+    // flush interval, 500 ms, after a permit ended) and stops.
+    drop(advisory);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
 }
 
 async fn semaphore_task(
@@ -191,6 +243,85 @@ async fn semaphore_task(
             }
             reason = permit.lost() => {
                 log.line(format!("L {id} {} {reason:?}", now_us()));
+                drop(permit);
+            }
+        }
+    }
+}
+
+async fn advisory_task(
+    semaphores: Vec<AdvisorySemaphore>,
+    log: Log,
+    stopping: Arc<AtomicBool>,
+    salt: u64,
+) {
+    let mut rng = Rng::seeded(salt);
+    let mut held = 0u64;
+    while !stopping.load(Ordering::SeqCst) {
+        let sem = &semaphores[rng.below(semaphores.len() as u64) as usize];
+        let acquired = if rng.below(5) == 0 {
+            // Cancel the acquire at a random point.
+            let patience = Duration::from_micros(rng.below(30_000));
+            tokio::select! {
+                result = sem.acquire_timeout(ACQUIRE_TIMEOUT) => result,
+                () = tokio::time::sleep(patience) => {
+                    log.line("c".to_owned());
+                    continue;
+                }
+            }
+        } else {
+            sem.acquire_timeout(ACQUIRE_TIMEOUT).await
+        };
+        let permit = match acquired {
+            Ok(permit) => permit,
+            Err(Error::Timeout { .. }) => {
+                log.line(format!("t {}", sem.name()));
+                continue;
+            }
+            Err(error) => {
+                log.line(format!("x acquire: {}", one_line(&error)));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        held += 1;
+        let id = format!("{salt}.{held}");
+        log.line(format!(
+            "a {id} {} {} {} {} {}",
+            sem.name(),
+            permit.slot(),
+            permit.backend_pid(),
+            now_us(),
+            permit.acquired_at().timestamp_micros()
+        ));
+        // Mostly short holds; now and then a long one, many heartbeats long,
+        // for the chaos to cut (a terminated backend, the server's crash).
+        let long = if sem.capacity() == 1 { 30 } else { 8 };
+        let hold = if rng.below(long) == 0 {
+            Duration::from_millis(300 + rng.below(1200))
+        } else {
+            Duration::from_micros(rng.below(40_000))
+        };
+        let lost = permit.lost();
+        tokio::select! {
+            () = tokio::time::sleep(hold) => {
+                log.line(format!("e {id} {}", now_us()));
+                let outcome = if rng.below(10) == 0 {
+                    // Dropped, not released: released in the background.
+                    let was_lost = permit.is_lost();
+                    drop(permit);
+                    if was_lost { "dropped-lost" } else { "dropped" }.to_owned()
+                } else {
+                    match permit.release().await {
+                        Ok(()) => "ok".to_owned(),
+                        Err(Error::PermitLost { reason, .. }) => format!("lost {reason:?}"),
+                        Err(error) => format!("error {}", one_line(&error)),
+                    }
+                };
+                log.line(format!("r {id} {outcome}"));
+            }
+            reason = lost => {
+                log.line(format!("l {id} {} {reason:?}", now_us()));
                 drop(permit);
             }
         }
@@ -277,6 +408,8 @@ struct Chaos {
     running: Vec<Running>,
     /// label -> when it was SIGKILLed (driver's clock, µs).
     killed: HashMap<String, i64>,
+    /// The driver's own log, `chaos.events`: kills, terminated backends, the crash.
+    events: Log,
 }
 
 impl Chaos {
@@ -301,14 +434,21 @@ impl Chaos {
         Ok(())
     }
 
-    fn kill_one(&mut self, rng: &mut Rng) -> std::io::Result<()> {
+    /// SIGKILLs a random worker and starts another; returns the victim's
+    /// label and when it was killed.
+    fn kill_one(&mut self, rng: &mut Rng) -> std::io::Result<(String, i64)> {
         let mut victim = self
             .running
             .swap_remove(rng.below(self.running.len() as u64) as usize);
+        // Stamped before the signal: the process may die at once, and its
+        // slots are free only after it has.
+        let at = now_us();
         victim.child.kill()?; // SIGKILL
-        self.killed.insert(victim.label.clone(), now_us());
+        self.killed.insert(victim.label.clone(), at);
+        self.events.line(format!("K {} {at}", victim.label));
         let _ = victim.child.wait();
-        self.spawn()
+        self.spawn()?;
+        Ok((victim.label, at))
     }
 }
 
@@ -317,24 +457,92 @@ struct Counts {
     kills: u64,
     terminations: u64,
     listen_terminations: u64,
+    advisory_terminations: u64,
     restarts: u64,
 }
 
+/// Which backend [`terminate_one`] picks.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    /// Any backend of the test database but the driver's.
+    Any,
+    /// A LISTEN connection.
+    Listen,
+    /// An advisory session that holds a slot.
+    AdvisoryHolder,
+}
+
 /// Terminates one random backend of the test database that is not the
-/// driver's; `listen` picks a LISTEN connection.
-async fn terminate_one(pool: &PgPool, database: &str, listen: bool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) FROM ( \
-             SELECT pid FROM pg_stat_activity \
+/// driver's, of the kind `victim`; returns its pid, the server's clock just
+/// before `pg_terminate_backend` (the backend, and any advisory lock it
+/// holds, ends after that), and its application name.
+async fn terminate_one(
+    pool: &PgPool,
+    database: &str,
+    victim: Victim,
+) -> Result<Option<(i32, DateTime<Utc>, String)>, sqlx::Error> {
+    let kind = match victim {
+        Victim::Any => "any",
+        Victim::Listen => "listen",
+        Victim::AdvisoryHolder => "advisory",
+    };
+    // The target list is evaluated in order: the clock is read before the signal.
+    let row: Option<(i32, DateTime<Utc>, String, bool)> = sqlx::query_as(
+        "SELECT pid, clock_timestamp(), application_name, pg_terminate_backend(pid) FROM ( \
+             SELECT pid, application_name FROM pg_stat_activity \
               WHERE datname = $1 AND pid <> pg_backend_pid() \
                 AND application_name <> 'torture-driver' \
-                AND ($2 = false OR query LIKE 'LISTEN%') \
+                AND ($2 = 'any' \
+                     OR ($2 = 'listen' AND query LIKE 'LISTEN%') \
+                     OR ($2 = 'advisory' AND pid IN (SELECT h.pid FROM pgsemaphore.advisory_holders h))) \
               ORDER BY random() LIMIT 1) victim",
     )
     .bind(database)
-    .bind(listen)
-    .fetch_one(pool)
-    .await
+    .bind(kind)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row
+        .filter(|(.., terminated)| *terminated)
+        .map(|(pid, at, application, _)| (pid, at, application)))
+}
+
+/// After `label` was SIGKILLed at `killed`: how long until none of the
+/// backends its log names (`a` lines) holds an advisory slot; `None` if
+/// some still did after 5 s.
+async fn advisory_slots_freed(
+    pool: &PgPool,
+    dir: &Path,
+    label: &str,
+    killed: i64,
+) -> Result<Option<i64>, sqlx::Error> {
+    let text = std::fs::read_to_string(dir.join(format!("{label}.log"))).unwrap_or_default();
+    let pids: Vec<i32> = text
+        .lines()
+        .filter(|line| line.starts_with("a "))
+        .filter_map(|line| line.split(' ').nth(4)?.parse().ok())
+        .collect::<HashSet<i32>>()
+        .into_iter()
+        .collect();
+    let killed_at = DateTime::<Utc>::from_timestamp_micros(killed).unwrap_or_default();
+    loop {
+        // A pid reused by a backend started after the kill is not the worker's.
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pgsemaphore.advisory_holders \
+              WHERE pid = ANY($1) AND (backend_start IS NULL OR backend_start < $2)",
+        )
+        .bind(&pids)
+        .bind(killed_at)
+        .fetch_one(pool)
+        .await?;
+        let after = now_us() - killed;
+        if held == 0 {
+            return Ok(Some(after));
+        }
+        if after > 5_000_000 {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,6 +570,11 @@ async fn torture() -> TestResult {
             .build(&driver)
             .await?;
     }
+    for (name, capacity) in ADVISORY {
+        AdvisorySemaphore::builder(name, capacity)
+            .build(&driver)
+            .await?;
+    }
     let reaper = Reaper::spawn(&driver, REAP_EVERY)?;
 
     let server = support::server::server();
@@ -374,6 +587,7 @@ async fn torture() -> TestResult {
     let dir =
         std::env::temp_dir().join(format!("pgsem-torture-{}-{}", std::process::id(), now_us()));
     std::fs::create_dir_all(&dir)?;
+    println!("torture: logs in {}", dir.display());
     let mut chaos = Chaos {
         url: support::server::url_for(&db.name),
         stop: dir.join("stop"),
@@ -381,6 +595,7 @@ async fn torture() -> TestResult {
         spawned: 0,
         running: Vec::new(),
         killed: HashMap::new(),
+        events: Log::open(&dir.join("chaos.events"))?,
     };
     for _ in 0..WORKERS {
         chaos.spawn()?;
@@ -395,19 +610,32 @@ async fn torture() -> TestResult {
     let mut sentinel = None;
     let mut next_kill = started + Duration::from_secs(3);
     let mut next_terminate = started + Duration::from_millis(700);
+    let mut terminate_round = 0u64;
     let restart_at = started + chaos_for / 2;
     while started.elapsed() < chaos_for {
         let now = tokio::time::Instant::now();
         if now >= next_kill {
-            chaos.kill_one(&mut rng)?;
+            let (label, at) = chaos.kill_one(&mut rng)?;
             counts.kills += 1;
+            let freed = advisory_slots_freed(&driver, &dir, &label, at).await?;
+            chaos.events.line(format!(
+                "F {label} {}",
+                freed.map_or("never".to_owned(), |us| us.to_string())
+            ));
             next_kill = now + Duration::from_millis(2500 + rng.below(2000));
         }
         if now >= next_terminate {
-            let listen = counts.terminations % 3 == 0;
-            if let Ok(true) = terminate_one(&driver, &db.name, listen).await {
+            let victim = [Victim::Listen, Victim::AdvisoryHolder, Victim::Any]
+                [(terminate_round % 3) as usize];
+            terminate_round += 1;
+            if let Ok(Some((pid, at, application))) = terminate_one(&driver, &db.name, victim).await
+            {
+                chaos
+                    .events
+                    .line(format!("P {pid} {} {victim:?} {application}", us(at)));
                 counts.terminations += 1;
-                counts.listen_terminations += u64::from(listen);
+                counts.listen_terminations += u64::from(matches!(victim, Victim::Listen));
+                counts.advisory_terminations += u64::from(matches!(victim, Victim::AdvisoryHolder));
             }
             next_terminate = now + Duration::from_millis(300 + rng.below(700));
         }
@@ -437,7 +665,9 @@ async fn torture() -> TestResult {
                 support::server::server().crash_and_restart(LEASE + Duration::from_millis(500))
             })
             .await??;
-            restart_window = Some((from, now_us()));
+            let to = now_us();
+            chaos.events.line(format!("S {from} {to}"));
+            restart_window = Some((from, to));
             counts.restarts += 1;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -495,6 +725,28 @@ async fn torture() -> TestResult {
     .await?;
 
     // Full capacity after the chaos: every slot can be held at once, by one process.
+    for (name, capacity) in ADVISORY {
+        let sem = AdvisorySemaphore::builder(name, capacity)
+            .holder("torture-driver")
+            .build(&db.pool)
+            .await?;
+        assert_eq!(
+            sem.available_permits().await?,
+            capacity,
+            "{name}: advisory slots still held after the chaos"
+        );
+        let mut held = Vec::new();
+        for _ in 0..capacity {
+            held.push(sem.try_acquire().await?);
+        }
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        for permit in held {
+            permit.release().await?;
+        }
+    }
     for (name, capacity) in SEMAPHORES {
         let sem = Semaphore::builder(name, capacity)
             .lease(LEASE)
@@ -520,13 +772,15 @@ async fn torture() -> TestResult {
 
     println!(
         "torture: {:.0?} of chaos on {}: {} worker processes spawned, {} SIGKILLed, \
-         {} backends terminated ({} of them LISTEN connections), {} server crash-restart(s)",
+         {} backends terminated ({} of them LISTEN connections, {} advisory sessions holding slots), \
+         {} server crash-restart(s)",
         chaos_for,
         server.description,
         chaos.spawned,
         counts.kills,
         counts.terminations,
         counts.listen_terminations,
+        counts.advisory_terminations,
         counts.restarts,
     );
     println!("{report}");
@@ -534,6 +788,10 @@ async fn torture() -> TestResult {
     assert!(
         counts.listen_terminations >= 1,
         "the chaos must kill LISTEN connections: {counts:?}"
+    );
+    assert!(
+        counts.advisory_terminations >= 1,
+        "the chaos must kill advisory sessions holding slots: {counts:?}"
     );
     if server.can_restart() {
         assert_eq!(counts.restarts, 1);
