@@ -1,23 +1,40 @@
 //! The torture test: several worker processes, each with many tasks, hammer
-//! three semaphores (capacities 1, 3 and 16) and a mutex with random hold
+//! three lease semaphores (capacities 1, 3 and 16), two advisory semaphores
+//! (capacities 1 and 4, heartbeat 250 ms) and a mutex with random hold
 //! times, while a chaos driver SIGKILLs whole workers mid-hold, terminates
-//! random backends (LISTEN connections included), crashes and restarts the
-//! PostgreSQL server once (when the harness owns it), and a reaper runs.
-//! Workers cancel their own acquires at random points.
+//! random backends (LISTEN connections and advisory sessions holding slots
+//! included), crashes and restarts the PostgreSQL server once (when the
+//! harness owns it), and a reaper runs. Workers cancel their own acquires at
+//! random points, and now and then drop an advisory permit instead of
+//! releasing it. The driver logs what it did, with timestamps
+//! (`chaos.events`: kills, terminated backend pids, the crash).
 //!
-//! An independent checker then asserts, from the workers' own timestamps and
-//! from the slot table:
+//! An independent checker then asserts, from the workers' own timestamps, the
+//! driver's events, the slot table and the audit logs:
 //! - never more than `capacity` holders at any instant, never two holders of
 //!   a slot, never two holders of the mutex (and no lost update under it);
+//!   for an advisory semaphore, a hold lasts from its lock to the earliest of
+//!   its end of work, its lost notice, the end of its backend (terminated, or
+//!   the crash) and its worker's death: a slot is free the moment its backend
+//!   ends, while its holder learns of it only at its next heartbeat, so the
+//!   holds cut short that way are counted and printed, not hidden;
 //! - every slot of a killed holder was freed within lease + reaper interval
-//!   (plus a slack for scheduling and the restart);
+//!   (plus a slack for scheduling and the restart); a killed worker's
+//!   advisory slots were free within a second;
+//! - an advisory holder whose backend ended was told within two heartbeats
+//!   (plus a slack for scheduling), unless its work ended or its worker died
+//!   first;
 //! - every claim a worker was given is in the audit log with exactly one
-//!   outcome, matching what the worker was told;
+//!   outcome, matching what the worker was told; every row of the advisory
+//!   audit log is a hold its worker logged, with the outcome the worker saw,
+//!   and a worker that stopped normally has a row for each of its holds (a
+//!   killed worker's queued rows are lost, as documented);
 //! - no acquire hung (timed out) and no worker failed to stop;
 //! - after the chaos, every semaphore serves again at full capacity.
 //!
 //! It prints the counts so a reviewer sees what was exercised. Runs in about
-//! a minute; `PGSEM_TORTURE_SECS` lengthens the chaos phase.
+//! a minute; `PGSEM_TORTURE_SECS` lengthens the chaos phase. The logs are in
+//! the directory it prints first, kept when an assertion fails.
 
 mod support;
 
@@ -29,7 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Reaper, Semaphore};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::workers::{Log, Rng, max_overlap, now_us, one_line};
@@ -38,14 +55,37 @@ type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// The semaphores under test: (name, capacity).
 const SEMAPHORES: [(&str, u32); 3] = [("cap1", 1), ("cap3", 3), ("cap16", 16)];
+/// The advisory semaphores under test: (name, capacity).
+const ADVISORY: [(&str, u32); 2] = [("adv1", 1), ("adv4", 4)];
 const MUTEX: &str = "torture-mutex";
 const LEASE: Duration = Duration::from_secs(2);
 const REAP_EVERY: Duration = Duration::from_millis(250);
-/// An acquire that waits this long is a hang: holds last at most 40 ms, and
+/// The advisory sessions' heartbeat: short, so that a holder whose backend
+/// ends is told within the run (the server's `idle_session_timeout` is then
+/// its floor of 1 s, four heartbeats).
+const HEARTBEAT: Duration = Duration::from_millis(250);
+/// How long past two heartbeats a holder may learn that its backend ended.
+/// Two heartbeats is the library's bound: a session that answered just
+/// before its backend ended skips the next tick (it answered within the
+/// heartbeat) and pings at the one after. The slack is scheduling: the tick,
+/// the failed ping and the holder's wake-up each need a thread of a worker
+/// process, on 2 cores shared by 3 to 4 workers (2 runtime threads each),
+/// about 40 backends, the driver, a crash recovery and whatever else runs
+/// on the machine. Six runs measured at most 216 to 422 ms from a backend's
+/// end to its holder's notice (the report prints the largest), under two
+/// heartbeats; the bound, 1 s, is also when the server would end a silent
+/// session.
+const TOLD_SLACK: Duration = Duration::from_millis(500);
+/// How long after a worker's SIGKILL its advisory slots must be free: its
+/// sessions' sockets close with the process, and each backend ends as soon
+/// as it reads the end of the stream (the slack is scheduling).
+const KILL_FREES_WITHIN: Duration = Duration::from_secs(1);
+/// An acquire that waits this long is a hang: holds last at most 1.5 s, and
 /// a killed holder's slot is free again after about LEASE + REAP_EVERY.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(15);
 const WORKERS: usize = 3;
 const SEMAPHORE_TASKS: usize = 8;
+const ADVISORY_TASKS: usize = 6;
 const MUTEX_TASKS: usize = 2;
 
 // ---------------------------------------------------------------- workers --
@@ -58,6 +98,16 @@ const MUTEX_TASKS: usize = 2;
 /// - `T <semaphore>`: an acquire timed out; `C`: an acquire cancelled on purpose;
 /// - `X <error>`: a database error (expected while the chaos runs);
 /// - `M`: a mutex-protected increment committed.
+///
+/// The advisory tasks log the same letters in lower case, a hold named by
+/// `<id>` = `<task>.<n>` within its worker:
+/// - `a <id> <semaphore> <slot> <backend pid> <t> <locked>`: acquired (t as
+///   above; `locked`: the permit's `acquired_at`, the claim statement's
+///   clock, this host's);
+/// - `e <id> <t>`, `l <id> <t> <reason>`, `t <semaphore>`, `c`, `x <error>`;
+/// - `r <id> <outcome>`: `ok`, `lost <reason>`, `error <error>`, or
+///   `dropped` / `dropped-lost` when the task dropped the permit instead of
+///   releasing it (`-lost`: `is_lost()` said so just before).
 #[test]
 fn torture_worker_entry_point() {
     let (Ok(url), Ok(log), Ok(label), Ok(stop)) = (
@@ -112,11 +162,35 @@ async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
         };
         semaphores.push(sem);
     }
+    let mut advisory = Vec::new();
+    for (name, capacity) in ADVISORY {
+        let sem = loop {
+            match AdvisorySemaphore::builder(name, capacity)
+                .heartbeat(HEARTBEAT)
+                .connections(3)
+                .holder(&label)
+                .fallback_interval(Duration::from_millis(500))
+                .build(&pool)
+                .await
+            {
+                Ok(sem) => break sem,
+                Err(error) => {
+                    log.line(format!("x build: {}", one_line(&error)));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        advisory.push(sem);
+    }
     let stopping = Arc::new(AtomicBool::new(false));
     let mut tasks = tokio::task::JoinSet::new();
     for task in 0..SEMAPHORE_TASKS {
         let (semaphores, log, stopping) = (semaphores.clone(), log.clone(), stopping.clone());
         tasks.spawn(semaphore_task(semaphores, log, stopping, task as u64));
+    }
+    for task in 0..ADVISORY_TASKS {
+        let (advisory, log, stopping) = (advisory.clone(), log.clone(), stopping.clone());
+        tasks.spawn(advisory_task(advisory, log, stopping, 200 + task as u64));
     }
     for task in 0..MUTEX_TASKS {
         let (pool, log, stopping) = (pool.clone(), log.clone(), stopping.clone());
@@ -127,6 +201,11 @@ async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
     }
     stopping.store(true, Ordering::SeqCst);
     while tasks.join_next().await.is_some() {}
+    // A worker that stops lives to flush its advisory audit log: with the
+    // last handle gone, the writer writes what is queued (at most one
+    // flush interval, 500 ms, after a permit ended) and stops.
+    drop(advisory);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
 }
 
 async fn semaphore_task(
@@ -191,6 +270,85 @@ async fn semaphore_task(
             }
             reason = permit.lost() => {
                 log.line(format!("L {id} {} {reason:?}", now_us()));
+                drop(permit);
+            }
+        }
+    }
+}
+
+async fn advisory_task(
+    semaphores: Vec<AdvisorySemaphore>,
+    log: Log,
+    stopping: Arc<AtomicBool>,
+    salt: u64,
+) {
+    let mut rng = Rng::seeded(salt);
+    let mut held = 0u64;
+    while !stopping.load(Ordering::SeqCst) {
+        let sem = &semaphores[rng.below(semaphores.len() as u64) as usize];
+        let acquired = if rng.below(5) == 0 {
+            // Cancel the acquire at a random point.
+            let patience = Duration::from_micros(rng.below(30_000));
+            tokio::select! {
+                result = sem.acquire_timeout(ACQUIRE_TIMEOUT) => result,
+                () = tokio::time::sleep(patience) => {
+                    log.line("c".to_owned());
+                    continue;
+                }
+            }
+        } else {
+            sem.acquire_timeout(ACQUIRE_TIMEOUT).await
+        };
+        let permit = match acquired {
+            Ok(permit) => permit,
+            Err(Error::Timeout { .. }) => {
+                log.line(format!("t {}", sem.name()));
+                continue;
+            }
+            Err(error) => {
+                log.line(format!("x acquire: {}", one_line(&error)));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        held += 1;
+        let id = format!("{salt}.{held}");
+        log.line(format!(
+            "a {id} {} {} {} {} {}",
+            sem.name(),
+            permit.slot(),
+            permit.backend_pid(),
+            now_us(),
+            permit.acquired_at().timestamp_micros()
+        ));
+        // Mostly short holds; now and then a long one, many heartbeats long,
+        // for the chaos to cut (a terminated backend, the server's crash).
+        let long = if sem.capacity() == 1 { 30 } else { 8 };
+        let hold = if rng.below(long) == 0 {
+            Duration::from_millis(300 + rng.below(1200))
+        } else {
+            Duration::from_micros(rng.below(40_000))
+        };
+        let lost = permit.lost();
+        tokio::select! {
+            () = tokio::time::sleep(hold) => {
+                log.line(format!("e {id} {}", now_us()));
+                let outcome = if rng.below(10) == 0 {
+                    // Dropped, not released: released in the background.
+                    let was_lost = permit.is_lost();
+                    drop(permit);
+                    if was_lost { "dropped-lost" } else { "dropped" }.to_owned()
+                } else {
+                    match permit.release().await {
+                        Ok(()) => "ok".to_owned(),
+                        Err(Error::PermitLost { reason, .. }) => format!("lost {reason:?}"),
+                        Err(error) => format!("error {}", one_line(&error)),
+                    }
+                };
+                log.line(format!("r {id} {outcome}"));
+            }
+            reason = lost => {
+                log.line(format!("l {id} {} {reason:?}", now_us()));
                 drop(permit);
             }
         }
@@ -277,6 +435,8 @@ struct Chaos {
     running: Vec<Running>,
     /// label -> when it was SIGKILLed (driver's clock, µs).
     killed: HashMap<String, i64>,
+    /// The driver's own log (`chaos.events`, see [`Events`]).
+    events: Log,
 }
 
 impl Chaos {
@@ -301,14 +461,21 @@ impl Chaos {
         Ok(())
     }
 
-    fn kill_one(&mut self, rng: &mut Rng) -> std::io::Result<()> {
+    /// SIGKILLs a random worker and starts another; returns the victim's
+    /// label and when it was killed.
+    fn kill_one(&mut self, rng: &mut Rng) -> std::io::Result<(String, i64)> {
         let mut victim = self
             .running
             .swap_remove(rng.below(self.running.len() as u64) as usize);
+        // Stamped before the signal: the process may die at once, and its
+        // slots are free only after it has.
+        let at = now_us();
         victim.child.kill()?; // SIGKILL
-        self.killed.insert(victim.label.clone(), now_us());
+        self.killed.insert(victim.label.clone(), at);
+        self.events.line(format!("K {} {at}", victim.label));
         let _ = victim.child.wait();
-        self.spawn()
+        self.spawn()?;
+        Ok((victim.label, at))
     }
 }
 
@@ -317,24 +484,92 @@ struct Counts {
     kills: u64,
     terminations: u64,
     listen_terminations: u64,
+    advisory_terminations: u64,
     restarts: u64,
 }
 
+/// Which backend [`terminate_one`] picks.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    /// Any backend of the test database but the driver's.
+    Any,
+    /// A LISTEN connection.
+    Listen,
+    /// An advisory session that holds a slot.
+    AdvisoryHolder,
+}
+
 /// Terminates one random backend of the test database that is not the
-/// driver's; `listen` picks a LISTEN connection.
-async fn terminate_one(pool: &PgPool, database: &str, listen: bool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT coalesce(bool_or(pg_terminate_backend(pid)), false) FROM ( \
-             SELECT pid FROM pg_stat_activity \
+/// driver's, of the kind `victim`; returns its pid, the server's clock just
+/// before `pg_terminate_backend` (the backend, and any advisory lock it
+/// holds, ends after that), and its application name.
+async fn terminate_one(
+    pool: &PgPool,
+    database: &str,
+    victim: Victim,
+) -> Result<Option<(i32, DateTime<Utc>, String)>, sqlx::Error> {
+    let kind = match victim {
+        Victim::Any => "any",
+        Victim::Listen => "listen",
+        Victim::AdvisoryHolder => "advisory",
+    };
+    // The target list is evaluated in order: the clock is read before the signal.
+    let row: Option<(i32, DateTime<Utc>, String, bool)> = sqlx::query_as(
+        "SELECT pid, clock_timestamp(), application_name, pg_terminate_backend(pid) FROM ( \
+             SELECT pid, application_name FROM pg_stat_activity \
               WHERE datname = $1 AND pid <> pg_backend_pid() \
                 AND application_name <> 'torture-driver' \
-                AND ($2 = false OR query LIKE 'LISTEN%') \
+                AND ($2 = 'any' \
+                     OR ($2 = 'listen' AND query LIKE 'LISTEN%') \
+                     OR ($2 = 'advisory' AND pid IN (SELECT h.pid FROM pgsemaphore.advisory_holders h))) \
               ORDER BY random() LIMIT 1) victim",
     )
     .bind(database)
-    .bind(listen)
-    .fetch_one(pool)
-    .await
+    .bind(kind)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row
+        .filter(|(.., terminated)| *terminated)
+        .map(|(pid, at, application, _)| (pid, at, application)))
+}
+
+/// After `label` was SIGKILLed at `killed`: how long until none of the
+/// backends its log names (`a` lines) holds an advisory slot; `None` if
+/// some still did after 5 s.
+async fn advisory_slots_freed(
+    pool: &PgPool,
+    dir: &Path,
+    label: &str,
+    killed: i64,
+) -> Result<Option<i64>, sqlx::Error> {
+    let text = std::fs::read_to_string(dir.join(format!("{label}.log"))).unwrap_or_default();
+    let pids: Vec<i32> = text
+        .lines()
+        .filter(|line| line.starts_with("a "))
+        .filter_map(|line| line.split(' ').nth(4)?.parse().ok())
+        .collect::<HashSet<i32>>()
+        .into_iter()
+        .collect();
+    let killed_at = DateTime::<Utc>::from_timestamp_micros(killed).unwrap_or_default();
+    loop {
+        // A pid reused by a backend started after the kill is not the worker's.
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pgsemaphore.advisory_holders \
+              WHERE pid = ANY($1) AND (backend_start IS NULL OR backend_start < $2)",
+        )
+        .bind(&pids)
+        .bind(killed_at)
+        .fetch_one(pool)
+        .await?;
+        let after = now_us() - killed;
+        if held == 0 {
+            return Ok(Some(after));
+        }
+        if after > 5_000_000 {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,6 +597,11 @@ async fn torture() -> TestResult {
             .build(&driver)
             .await?;
     }
+    for (name, capacity) in ADVISORY {
+        AdvisorySemaphore::builder(name, capacity)
+            .build(&driver)
+            .await?;
+    }
     let reaper = Reaper::spawn(&driver, REAP_EVERY)?;
 
     let server = support::server::server();
@@ -374,6 +614,7 @@ async fn torture() -> TestResult {
     let dir =
         std::env::temp_dir().join(format!("pgsem-torture-{}-{}", std::process::id(), now_us()));
     std::fs::create_dir_all(&dir)?;
+    println!("torture: logs in {}", dir.display());
     let mut chaos = Chaos {
         url: support::server::url_for(&db.name),
         stop: dir.join("stop"),
@@ -381,6 +622,7 @@ async fn torture() -> TestResult {
         spawned: 0,
         running: Vec::new(),
         killed: HashMap::new(),
+        events: Log::open(&dir.join("chaos.events"))?,
     };
     for _ in 0..WORKERS {
         chaos.spawn()?;
@@ -395,19 +637,32 @@ async fn torture() -> TestResult {
     let mut sentinel = None;
     let mut next_kill = started + Duration::from_secs(3);
     let mut next_terminate = started + Duration::from_millis(700);
+    let mut terminate_round = 0u64;
     let restart_at = started + chaos_for / 2;
     while started.elapsed() < chaos_for {
         let now = tokio::time::Instant::now();
         if now >= next_kill {
-            chaos.kill_one(&mut rng)?;
+            let (label, at) = chaos.kill_one(&mut rng)?;
             counts.kills += 1;
+            let freed = advisory_slots_freed(&driver, &dir, &label, at).await?;
+            chaos.events.line(format!(
+                "F {label} {}",
+                freed.map_or("never".to_owned(), |us| us.to_string())
+            ));
             next_kill = now + Duration::from_millis(2500 + rng.below(2000));
         }
         if now >= next_terminate {
-            let listen = counts.terminations % 3 == 0;
-            if let Ok(true) = terminate_one(&driver, &db.name, listen).await {
+            let victim = [Victim::Listen, Victim::AdvisoryHolder, Victim::Any]
+                [(terminate_round % 3) as usize];
+            terminate_round += 1;
+            if let Ok(Some((pid, at, application))) = terminate_one(&driver, &db.name, victim).await
+            {
+                chaos
+                    .events
+                    .line(format!("P {pid} {} {victim:?} {application}", us(at)));
                 counts.terminations += 1;
-                counts.listen_terminations += u64::from(listen);
+                counts.listen_terminations += u64::from(matches!(victim, Victim::Listen));
+                counts.advisory_terminations += u64::from(matches!(victim, Victim::AdvisoryHolder));
             }
             next_terminate = now + Duration::from_millis(300 + rng.below(700));
         }
@@ -437,7 +692,9 @@ async fn torture() -> TestResult {
                 support::server::server().crash_and_restart(LEASE + Duration::from_millis(500))
             })
             .await??;
-            restart_window = Some((from, now_us()));
+            let to = now_us();
+            chaos.events.line(format!("S {from} {to}"));
+            restart_window = Some((from, to));
             counts.restarts += 1;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -493,8 +750,32 @@ async fn torture() -> TestResult {
         chaos_ended_us,
     )
     .await?;
+    let events = read_events(&dir)?;
+    let advisory_report = check_advisory(&driver, &logs, &events, &dir, chaos_ended_us).await?;
 
     // Full capacity after the chaos: every slot can be held at once, by one process.
+    for (name, capacity) in ADVISORY {
+        let sem = AdvisorySemaphore::builder(name, capacity)
+            .holder("torture-driver")
+            .build(&db.pool)
+            .await?;
+        assert_eq!(
+            sem.available_permits().await?,
+            capacity,
+            "{name}: advisory slots still held after the chaos"
+        );
+        let mut held = Vec::new();
+        for _ in 0..capacity {
+            held.push(sem.try_acquire().await?);
+        }
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        for permit in held {
+            permit.release().await?;
+        }
+    }
     for (name, capacity) in SEMAPHORES {
         let sem = Semaphore::builder(name, capacity)
             .lease(LEASE)
@@ -520,20 +801,27 @@ async fn torture() -> TestResult {
 
     println!(
         "torture: {:.0?} of chaos on {}: {} worker processes spawned, {} SIGKILLed, \
-         {} backends terminated ({} of them LISTEN connections), {} server crash-restart(s)",
+         {} backends terminated ({} of them LISTEN connections, {} advisory sessions holding slots), \
+         {} server crash-restart(s)",
         chaos_for,
         server.description,
         chaos.spawned,
         counts.kills,
         counts.terminations,
         counts.listen_terminations,
+        counts.advisory_terminations,
         counts.restarts,
     );
     println!("{report}");
+    println!("{advisory_report}");
     assert!(counts.kills >= 3, "the chaos must kill workers: {counts:?}");
     assert!(
         counts.listen_terminations >= 1,
         "the chaos must kill LISTEN connections: {counts:?}"
+    );
+    assert!(
+        counts.advisory_terminations >= 1,
+        "the chaos must kill advisory sessions holding slots: {counts:?}"
     );
     if server.can_restart() {
         assert_eq!(counts.restarts, 1);
@@ -568,6 +856,78 @@ struct Logs {
     cancellations: u64,
     errors: u64,
     mutex_commits: u64,
+    /// (worker, id) -> an advisory hold, as its worker logged it.
+    holds: HashMap<(String, String), Hold>,
+    advisory_timeouts: Vec<String>,
+    /// worker -> advisory acquires it cancelled on purpose.
+    advisory_cancellations: HashMap<String, u64>,
+    advisory_errors: u64,
+}
+
+/// One advisory hold, as its worker logged it (times in µs, this host's clock).
+#[derive(Debug, Default)]
+struct Hold {
+    semaphore: String,
+    slot: u32,
+    pid: i32,
+    /// When its claim statement had taken the lock (the permit's `acquired_at`).
+    locked: i64,
+    /// When the worker had the permit.
+    acquired: i64,
+    /// When it stopped work to release (`e`).
+    ended: Option<i64>,
+    /// When it was told the permit was lost, and why (`l`).
+    told: Option<(i64, String)>,
+    /// What its release said (`r`).
+    outcome: Option<String>,
+}
+
+impl Hold {
+    /// When the worker stopped work on its own: done, or told.
+    fn own_end(&self) -> Option<i64> {
+        self.ended.or(self.told.as_ref().map(|(at, _)| *at))
+    }
+}
+
+/// What the driver did, from its log `chaos.events`, one line per event:
+/// - `K <worker> <t>`: SIGKILLed the worker (t just before the signal);
+/// - `F <worker> <µs>|never`: how long after that kill none of the backends
+///   the worker's log names held an advisory slot;
+/// - `P <pid> <t> <victim> <application>`: terminated the backend (t: the
+///   server's clock just before `pg_terminate_backend`);
+/// - `S <from> <to>`: crashed the server (from: just before `pg_ctl stop -m
+///   immediate`), which accepted connections again at `to`.
+#[derive(Debug, Default)]
+struct Events {
+    killed: HashMap<String, i64>,
+    freed_after_kill: Vec<(String, Option<i64>)>,
+    /// pid -> when it was terminated (a pid can be reused).
+    terminated: HashMap<i32, Vec<i64>>,
+    crash: Option<(i64, i64)>,
+}
+
+fn read_events(dir: &Path) -> std::io::Result<Events> {
+    let mut events = Events::default();
+    for line in std::fs::read_to_string(dir.join("chaos.events"))?.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let int = |i: usize| fields.get(i).and_then(|f| f.parse::<i64>().ok());
+        match (fields[0], fields.get(1)) {
+            ("K", Some(worker)) => {
+                if let Some(at) = int(2) {
+                    events.killed.insert((*worker).to_owned(), at);
+                }
+            }
+            ("F", Some(worker)) => events.freed_after_kill.push(((*worker).to_owned(), int(2))),
+            ("P", _) => {
+                if let (Some(pid), Some(at)) = (int(1), int(2)) {
+                    events.terminated.entry(pid as i32).or_default().push(at);
+                }
+            }
+            ("S", _) => events.crash = int(1).zip(int(2)),
+            _ => {}
+        }
+    }
+    Ok(events)
 }
 
 fn read_logs(dir: &Path) -> std::io::Result<Logs> {
@@ -616,6 +976,43 @@ fn read_logs(dir: &Path) -> std::io::Result<Logs> {
                 "C" => logs.cancellations += 1,
                 "X" => logs.errors += 1,
                 "M" => logs.mutex_commits += 1,
+                "a" => {
+                    if let (Some(id), Some(sem), Some(slot), Some(pid), Some(at), Some(locked)) =
+                        (fields.get(1), fields.get(2), int(3), int(4), int(5), int(6))
+                    {
+                        let hold = Hold {
+                            semaphore: (*sem).to_owned(),
+                            slot: slot as u32,
+                            pid: pid as i32,
+                            locked,
+                            acquired: at,
+                            ..Hold::default()
+                        };
+                        logs.holds.insert((worker.clone(), (*id).to_owned()), hold);
+                    }
+                }
+                "e" | "l" | "r" => {
+                    let Some(hold) = fields
+                        .get(1)
+                        .and_then(|id| logs.holds.get_mut(&(worker.clone(), (*id).to_owned())))
+                    else {
+                        continue;
+                    };
+                    match (fields[0], int(2)) {
+                        ("e", Some(at)) => hold.ended = Some(at),
+                        ("l", Some(at)) => hold.told = Some((at, fields[3..].join(" "))),
+                        ("r", _) => hold.outcome = Some(fields[2..].join(" ")),
+                        _ => {}
+                    }
+                }
+                "t" => logs.advisory_timeouts.push(format!("{worker}: {line}")),
+                "c" => {
+                    *logs
+                        .advisory_cancellations
+                        .entry(worker.clone())
+                        .or_default() += 1
+                }
+                "x" => logs.advisory_errors += 1,
                 _ => {} // a line cut by SIGKILL
             }
         }
@@ -891,5 +1288,501 @@ async fn check(
         bound / 1000,
         LEASE.as_millis(),
         REAP_EVERY.as_millis(),
+    ))
+}
+
+#[derive(sqlx::FromRow)]
+struct AuditRow {
+    semaphore: String,
+    slots: Vec<i32>,
+    holder: String,
+    acquired_at: DateTime<Utc>,
+    ended_at: DateTime<Utc>,
+    outcome: String,
+}
+
+/// What cut an advisory hold short: its backend ended before its holder
+/// stopped work on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    Terminated,
+    Crash,
+}
+
+/// One advisory hold as the checker sees it.
+struct Span<'a> {
+    worker: &'a str,
+    id: &'a str,
+    hold: &'a Hold,
+    /// Whether its worker logged it (else it is known from the audit log only).
+    logged: bool,
+    /// When its worker was SIGKILLed, if it was after the lock was taken.
+    kill: Option<i64>,
+    /// The earliest end of its backend after the lock was taken, if any.
+    cut: Option<(i64, Cut)>,
+    /// `[start, end)`: from the lock to the earliest of the holder's own end
+    /// (done or told), its backend's end, its worker's death.
+    start: i64,
+    end: i64,
+}
+
+impl Span<'_> {
+    /// Whether its backend ended while its holder still worked.
+    fn cut_short(&self) -> Option<(i64, Cut)> {
+        self.cut.filter(|(at, _)| {
+            self.hold.own_end().is_none_or(|end| *at < end) && self.kill.is_none_or(|k| *at < k)
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{}/{} on {} slot {} (backend {}): locked {}, had it {}, done {:?}, told {:?}, \
+             release {:?}, backend ended {:?}, worker killed {:?}",
+            self.worker,
+            self.id,
+            self.hold.semaphore,
+            self.hold.slot,
+            self.hold.pid,
+            self.hold.locked,
+            self.hold.acquired,
+            self.hold.ended,
+            self.hold.told,
+            self.hold.outcome,
+            self.cut,
+            self.kill,
+        )
+    }
+}
+
+/// The advisory semaphores' checks, over the workers' logs, the driver's
+/// events and the audit log `pgsemaphore.advisory_claims`.
+///
+/// A hold lasts from its lock (the claim statement's clock) to the earliest
+/// of: its end of work, its lost notice, the termination of its backend,
+/// the server's crash, its worker's SIGKILL. An advisory slot is freed the
+/// moment its backend ends, while its holder only learns of it at its
+/// session's next heartbeat: a hold cut short that way ends, for the hard
+/// limit, when its backend ended, and its holder's work may overlap the next
+/// holder's until it is told. That window, and only it, is the documented
+/// one: the checker counts and prints the holds cut short and how many
+/// overlapped their slot's next holder, and asserts that each holder was
+/// told within two heartbeats plus [`TOLD_SLACK`]. An overlap of the
+/// holds as defined here is outside the window: it fails.
+async fn check_advisory(
+    pool: &PgPool,
+    logs: &Logs,
+    events: &Events,
+    dir: &Path,
+    chaos_ended: i64,
+) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
+    let capacity: HashMap<&str, u32> = ADVISORY.into_iter().collect();
+    let where_ = format!("(logs in {})", dir.display());
+    let rows: Vec<AuditRow> = sqlx::query_as(
+        "SELECT semaphore, slots, holder, acquired_at, ended_at, outcome \
+         FROM pgsemaphore.advisory_claims",
+    )
+    .fetch_all(pool)
+    .await?;
+    // Holds only the audit log knows: an acquire cancelled after its claim
+    // had taken a slot (the permit was dropped in the background, never
+    // seen by the worker). They join the hard limit as [acquired_at,
+    // ended_at), less than they held (the background release ends later).
+    let logged: HashSet<(&str, &str, i64)> = logs
+        .holds
+        .iter()
+        .map(|((worker, _), hold)| (worker.as_str(), hold.semaphore.as_str(), hold.locked))
+        .collect();
+    let audit_only: Vec<((String, String), Hold)> = rows
+        .iter()
+        .filter(|row| {
+            !logged.contains(&(
+                row.holder.as_str(),
+                row.semaphore.as_str(),
+                us(row.acquired_at),
+            ))
+        })
+        .enumerate()
+        .map(|(n, row)| {
+            let hold = Hold {
+                semaphore: row.semaphore.clone(),
+                slot: row.slots.first().map_or(u32::MAX, |s| *s as u32),
+                locked: us(row.acquired_at),
+                acquired: us(row.acquired_at),
+                ended: Some(us(row.ended_at)),
+                outcome: Some(format!("audit only: {}", row.outcome)),
+                ..Hold::default()
+            };
+            ((row.holder.clone(), format!("audit-only-{n}")), hold)
+        })
+        .collect();
+    let mut spans: Vec<Span<'_>> = Vec::new();
+    let mut outlived_signal = 0u64;
+    let all = logs
+        .holds
+        .iter()
+        .map(|hold| (hold, true))
+        .chain(audit_only.iter().map(|(key, hold)| ((key, hold), false)));
+    for (((worker, id), hold), logged) in all {
+        let cap = capacity.get(hold.semaphore.as_str()).copied().unwrap_or(0);
+        assert!(
+            hold.slot < cap,
+            "{worker}/{id}: slot {} of {} (capacity {cap})",
+            hold.slot,
+            hold.semaphore
+        );
+        let start = hold.locked;
+        let terminated = events
+            .terminated
+            .get(&hold.pid)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|at| *at > start)
+            .min()
+            .map(|at| (at, Cut::Terminated));
+        let crashed = events
+            .crash
+            .map(|(from, _)| (from, Cut::Crash))
+            .filter(|(from, _)| *from > start);
+        let cut = terminated
+            .into_iter()
+            .chain(crashed)
+            .min_by_key(|(at, _)| *at)
+            // A release that said ok was run by the backend: it was alive
+            // then, whatever signal was on its way (pg_ctl takes a moment to
+            // start killing backends).
+            .filter(|(at, _)| {
+                hold.outcome.as_deref() != Some("ok") || hold.own_end().is_some_and(|e| e < *at)
+            });
+        outlived_signal += u64::from(
+            hold.outcome.as_deref() == Some("ok")
+                && terminated
+                    .into_iter()
+                    .chain(crashed)
+                    .any(|(at, _)| hold.own_end().is_some_and(|e| at < e)),
+        );
+        let kill = events.killed.get(worker).copied().filter(|at| *at > start);
+        let end = [hold.own_end(), cut.map(|(at, _)| at), kill]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or_else(|| {
+                panic!("{worker}/{id}: an advisory hold never ended, and {worker} was not killed")
+            });
+        spans.push(Span {
+            worker,
+            id,
+            hold,
+            logged,
+            kill,
+            cut,
+            start,
+            end,
+        });
+    }
+
+    // 1. The hard limit: never more than capacity holders, never two of a slot.
+    let mut max_held: BTreeMap<&str, usize> = BTreeMap::new();
+    for (name, cap) in ADVISORY {
+        let mine: Vec<&Span<'_>> = spans.iter().filter(|s| s.hold.semaphore == name).collect();
+        let mut by_slot: BTreeMap<u32, Vec<&Span<'_>>> = BTreeMap::new();
+        for span in &mine {
+            by_slot.entry(span.hold.slot).or_default().push(span);
+        }
+        for (slot, mut held) in by_slot {
+            held.sort_by_key(|s| s.start);
+            for pair in held.windows(2) {
+                assert!(
+                    pair[1].start >= pair[0].end,
+                    "{name}: slot {slot} held twice at once, for {} µs:\n  {}\n  {}\n{where_}",
+                    pair[0].end - pair[1].start,
+                    pair[0].describe(),
+                    pair[1].describe(),
+                );
+            }
+        }
+        let max = max_overlap(mine.iter().map(|s| (s.start, s.end)));
+        assert!(
+            max <= cap as usize,
+            "{name}: {max} holders at once, capacity {cap} {where_}"
+        );
+        max_held.insert(name, max);
+    }
+
+    // 2. A holder whose backend ended (terminated, or the server crashed)
+    //    was told within two heartbeats plus the slack, or its work ended
+    //    first (its release then said so), or its worker died first.
+    let bound = (HEARTBEAT * 2 + TOLD_SLACK).as_micros() as i64;
+    let mut next_on_slot: HashMap<(&str, u32, i64), i64> = HashMap::new();
+    {
+        let mut by_slot: HashMap<(&str, u32), Vec<i64>> = HashMap::new();
+        for span in &spans {
+            by_slot
+                .entry((span.hold.semaphore.as_str(), span.hold.slot))
+                .or_default()
+                .push(span.start);
+        }
+        for ((sem, slot), mut starts) in by_slot {
+            starts.sort_unstable();
+            for pair in starts.windows(2) {
+                next_on_slot.insert((sem, slot, pair[0]), pair[1]);
+            }
+        }
+    }
+    let (mut cut_by_termination, mut cut_by_crash) = (0u64, 0u64);
+    let (mut told_by_notice, mut finished_first, mut died_first) = (0u64, 0u64, 0u64);
+    let (mut overlapped_next, mut max_overlap_next, mut max_told) = (0u64, 0i64, 0i64);
+    for span in spans.iter().filter(|s| s.logged) {
+        let Some((cut, why)) = span.cut_short() else {
+            continue;
+        };
+        match why {
+            Cut::Terminated => cut_by_termination += 1,
+            Cut::Crash => cut_by_crash += 1,
+        }
+        let deadline = cut + bound;
+        // Until when the holder worked on.
+        let worked_until = match (span.hold.own_end(), span.kill) {
+            (Some(end), kill) if kill.is_none_or(|kill| end <= kill) => {
+                assert!(
+                    end <= deadline,
+                    "a holder worked on (not told) {} ms after its backend ended ({why:?}), bound {} ms:\n  {}\n{where_}",
+                    (end - cut) / 1000,
+                    bound / 1000,
+                    span.describe()
+                );
+                max_told = max_told.max(end - cut);
+                if span.hold.told.is_some() {
+                    told_by_notice += 1;
+                } else {
+                    finished_first += 1;
+                }
+                end
+            }
+            (_, Some(kill)) => {
+                assert!(
+                    kill <= deadline,
+                    "a holder was not told within {} ms of its backend's end ({why:?}), and worked on until killed:\n  {}\n{where_}",
+                    bound / 1000,
+                    span.describe()
+                );
+                died_first += 1;
+                kill
+            }
+            (_, None) => unreachable!("a hold without an end was refused above"),
+        };
+        if let Some(next) =
+            next_on_slot.get(&(span.hold.semaphore.as_str(), span.hold.slot, span.start))
+            && *next < worked_until
+        {
+            overlapped_next += 1;
+            max_overlap_next = max_overlap_next.max(worked_until - next);
+        }
+    }
+    // A lost notice with no termination or crash behind it: the session
+    // lost itself (a ping or a statement unanswered in time) or the server
+    // ended it (idle_session_timeout). Counted, and held to the hard limit above.
+    let lost_notices = spans.iter().filter(|s| s.hold.told.is_some()).count();
+    let open_at_kill = spans
+        .iter()
+        .filter(|s| s.kill.is_some_and(|k| s.end == k))
+        .count();
+    let unexplained_notices = spans
+        .iter()
+        .filter(|s| s.hold.told.is_some() && s.cut_short().is_none())
+        .count();
+
+    // 3. A SIGKILLed worker's advisory slots were free again at once.
+    let kill_bound = KILL_FREES_WITHIN.as_micros() as i64;
+    let mut max_freed = 0i64;
+    for (worker, freed) in &events.freed_after_kill {
+        let freed = freed.unwrap_or_else(|| {
+            panic!("{worker}'s advisory slots were still held 5 s after its SIGKILL {where_}")
+        });
+        assert!(
+            freed <= kill_bound,
+            "{worker}'s advisory slots were freed {} ms after its SIGKILL, bound {} ms {where_}",
+            freed / 1000,
+            kill_bound / 1000
+        );
+        max_freed = max_freed.max(freed);
+    }
+
+    // 4. Nothing hung, and every advisory semaphore served after the chaos.
+    assert!(
+        logs.advisory_timeouts.is_empty(),
+        "advisory acquires timed out (a hang): {:?} {where_}",
+        logs.advisory_timeouts
+    );
+    for (name, _) in ADVISORY {
+        assert!(
+            spans
+                .iter()
+                .any(|s| s.logged && s.hold.semaphore == name && s.hold.acquired > chaos_ended),
+            "{name} served no hold after the chaos stopped"
+        );
+    }
+
+    // 5. The audit log: each row is a hold its worker logged, with the
+    //    outcome the worker saw; a worker that stopped normally lived to
+    //    flush, so each of its holds has its row, except those the crash
+    //    took (a row is written up to 500 ms after the permit ended, with a
+    //    fast commit the crash may lose for about 600 ms more: 2 s allowed).
+    //    A SIGKILLed worker's queued rows are lost: the documented promise.
+    let by_lock: HashMap<(&str, &str, i64), &Span<'_>> = spans
+        .iter()
+        .filter(|s| s.logged)
+        .map(|s| ((s.worker, s.hold.semaphore.as_str(), s.hold.locked), s))
+        .collect();
+    let workers: HashSet<&str> = logs
+        .holds
+        .keys()
+        .map(|(w, _)| w.as_str())
+        .chain(logs.advisory_cancellations.keys().map(String::as_str))
+        .collect();
+    let mut rows_of: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut unmatched: HashMap<&str, u64> = HashMap::new();
+    let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
+    for row in &rows {
+        *outcomes.entry(row.outcome.as_str()).or_default() += 1;
+        assert!(
+            workers.contains(row.holder.as_str()),
+            "an audit row of an unknown holder: {} {} {:?} {}",
+            row.holder,
+            row.semaphore,
+            row.slots,
+            row.acquired_at
+        );
+        assert!(
+            row.ended_at >= row.acquired_at,
+            "an audit row ends before it starts"
+        );
+        let Some(span) = by_lock.get(&(
+            row.holder.as_str(),
+            row.semaphore.as_str(),
+            us(row.acquired_at),
+        )) else {
+            // Audit only (above): what a cancelled acquire's claim left.
+            assert!(
+                matches!(row.outcome.as_str(), "dropped" | "lost")
+                    && row.slots.len() == 1
+                    && capacity
+                        .get(row.semaphore.as_str())
+                        .is_some_and(|cap| (row.slots[0] as u32) < *cap),
+                "an audit row matches no logged acquire: {} {} {:?} {} {} {where_}",
+                row.holder,
+                row.semaphore,
+                row.slots,
+                row.acquired_at,
+                row.outcome
+            );
+            *unmatched.entry(row.holder.as_str()).or_default() += 1;
+            continue;
+        };
+        assert_eq!(
+            row.slots,
+            vec![span.hold.slot as i32],
+            "audit row of {}/{}",
+            span.worker,
+            span.id
+        );
+        *rows_of.entry((span.worker, span.id)).or_default() += 1;
+        let expected: &[&str] = match (&span.hold.told, span.hold.outcome.as_deref()) {
+            (Some(_), _) => &["lost"],
+            (None, Some("ok")) => &["released"],
+            (None, Some("dropped-lost")) => &["lost"],
+            (None, Some("dropped")) => &["dropped", "lost"],
+            (None, Some(told)) if told.starts_with("lost") => &["lost"],
+            (None, Some(told)) if told.starts_with("error") => &["released"],
+            (None, Some(told)) => panic!("{}/{}: unexpected outcome {told}", span.worker, span.id),
+            // Killed after its row was queued, before it logged the outcome.
+            (None, None) => &["released", "lost", "dropped"],
+        };
+        assert!(
+            expected.contains(&row.outcome.as_str()),
+            "{}/{}: the audit log says {}, the worker saw {:?} {where_}",
+            span.worker,
+            span.id,
+            row.outcome,
+            span.hold
+                .told
+                .as_ref()
+                .map(|(_, r)| r)
+                .or(span.hold.outcome.as_ref())
+        );
+    }
+    for (worker, count) in &unmatched {
+        let cancelled = logs
+            .advisory_cancellations
+            .get(*worker)
+            .copied()
+            .unwrap_or(0);
+        assert!(
+            *count <= cancelled,
+            "{worker}: {count} audit rows match no logged acquire, more than its {cancelled} cancelled acquires"
+        );
+    }
+    let duplicates = rows_of.values().filter(|n| **n > 1).count();
+    let (mut missing_killed, mut missing_crash) = (0u64, 0u64);
+    for span in spans.iter().filter(|s| s.logged) {
+        if rows_of.contains_key(&(span.worker, span.id)) {
+            continue;
+        }
+        if events.killed.contains_key(span.worker) {
+            missing_killed += 1;
+            continue;
+        }
+        let ended = span.hold.own_end().unwrap_or(span.end);
+        if events
+            .crash
+            .is_some_and(|(from, _)| ended <= from && ended > from - 2_000_000)
+        {
+            missing_crash += 1;
+            continue;
+        }
+        panic!(
+            "a hold of a worker that stopped normally has no audit row:\n  {}\n{where_}",
+            span.describe()
+        );
+    }
+
+    let calm = spans
+        .iter()
+        .filter(|s| s.logged && s.hold.acquired > chaos_ended)
+        .count();
+    let cancellations: u64 = logs.advisory_cancellations.values().sum();
+    let terminations: usize = events.terminated.values().map(Vec::len).sum();
+    Ok(format!(
+        "torture (advisory, heartbeat {} ms): {} holds ({} after the chaos), {} acquires cancelled on purpose, \
+         {} database errors seen by workers; {} backends terminated by the driver; max concurrent holders {max_held:?}.\n\
+         torture (advisory): {} lost notices ({} with no termination or crash behind them); \
+         {} holds cut short (backend ended while its holder worked: {} terminated, {} by the crash): \
+         {told_by_notice} told by a notice, {finished_first} finished first, {died_first} killed first \
+         ({outlived_signal} more released ok after the signal: their backend was still alive); \
+         told at most {} ms after the backend ended (bound {} ms); {overlapped_next} overlapped their slot's \
+         next holder, by at most {} ms.\n\
+         torture (advisory): SIGKILLed workers' slots free after at most {} ms (bound {} ms, {} kills, \
+         {open_at_kill} holds open at a kill); \
+         audit log: {} rows {outcomes:?}, {} of acquires cancelled after their claim, {duplicates} holds with \
+         more than one row; holds without a row: {missing_killed} of killed workers, {missing_crash} lost with the crash.",
+        HEARTBEAT.as_millis(),
+        spans.iter().filter(|s| s.logged).count(),
+        calm,
+        cancellations,
+        logs.advisory_errors,
+        terminations,
+        lost_notices,
+        unexplained_notices,
+        cut_by_termination + cut_by_crash,
+        cut_by_termination,
+        cut_by_crash,
+        max_told / 1000,
+        bound / 1000,
+        max_overlap_next / 1000,
+        max_freed / 1000,
+        kill_bound / 1000,
+        events.freed_after_kill.len(),
+        rows.len(),
+        unmatched.values().sum::<u64>(),
     ))
 }
