@@ -174,12 +174,12 @@ CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text) RETURNS boolean
     AS $$
 -- A capacity drop of p_semaphore may be over (advisory_claim found every
 -- slot at or above the capacity free): if pg_locks shows no lock, of any
--- session, on a key between the capacity and the peak, claims stop
--- counting them (none is ever taken again). Decides from pg_locks itself,
--- under the semaphore's row lock (serialised with configure_advisory),
--- never from what its caller says: any role may call it, and calling it
--- early changes nothing. Returns whether the drop is over. With the
--- owner's rights: the application may not write the table.
+-- session of this database, on a key between the capacity and the peak,
+-- claims stop counting them (none is ever taken again). Decides from
+-- pg_locks itself, under the semaphore's row lock (serialised with
+-- configure_advisory), never from what its caller says: any role may call
+-- it, and calling it early changes nothing. Returns whether the drop is
+-- over. With the owner's rights: the application may not write the table.
 DECLARE
     v_capacity integer;
     v_peak     integer;
@@ -195,6 +195,8 @@ BEGIN
     END IF;
     IF EXISTS (SELECT 1 FROM pg_locks l
                 WHERE l.locktype = 'advisory' AND l.objsubid = 1
+                  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                                     WHERE d.datname = pg_catalog.current_database())
                   AND ((l.classid::bigint << 32) | l.objid::bigint)
                       BETWEEN v_base + v_capacity AND v_base + v_peak - 1) THEN
         RETURN false;
@@ -2065,7 +2067,7 @@ $$;
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 3, 2 $$;
+    AS $$ SELECT 4, 2 $$;
 
 
 --
@@ -2409,7 +2411,9 @@ CREATE VIEW pgsemaphore.advisory_holders AS
      JOIN ( SELECT l.pid,
             (((l.classid)::bigint << 32) | (l.objid)::bigint) AS key
            FROM pg_locks l
-          WHERE ((l.locktype = 'advisory'::text) AND (l.objsubid = 1) AND l.granted AND (l.mode = 'ExclusiveLock'::text))) k ON (((k.key >= a.key_base) AND (k.key < (a.key_base + a.peak_capacity)))))
+          WHERE ((l.locktype = 'advisory'::text) AND (l.objsubid = 1) AND l.granted AND (l.mode = 'ExclusiveLock'::text) AND (l.database = ( SELECT d.oid
+                   FROM pg_database d
+                  WHERE (d.datname = current_database()))))) k ON (((k.key >= a.key_base) AND (k.key < (a.key_base + a.peak_capacity)))))
      LEFT JOIN pg_stat_activity p ON ((p.pid = k.pid)));
 
 

@@ -370,6 +370,48 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
     Ok(())
 }
 
+/// An advisory lock belongs to one database: a semaphore of the same name
+/// (so the same keys) in another database of the cluster shares no slot
+/// with this one, and neither lists the other's holders, counts them as
+/// held, or keeps a capacity drop in force because of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_of_the_same_name_in_another_database_is_another_semaphore() -> TestResult {
+    let (here, there) = (support::migrated_db().await, support::migrated_db().await);
+    let ours = advisory(&here.pool, "same-name", 2).await?;
+    let theirs = advisory(&there.pool, "same-name", 2).await?;
+    let held = [ours.try_acquire().await?, ours.try_acquire().await?];
+    assert_eq!(ours.available_permits().await?, 0);
+    assert_eq!(
+        theirs.available_permits().await?,
+        2,
+        "counted another database's holders"
+    );
+    let list = pg_semaphore::advisory_semaphores(&there.pool).await?;
+    assert!(
+        list[0].holders.is_empty(),
+        "listed another database's holders: {list:?}"
+    );
+    let [a, b] = [theirs.try_acquire().await?, theirs.try_acquire().await?];
+    a.release().await?;
+    b.release().await?;
+
+    // A drop from 2 to 1 there ends although slot 1 of the same keys is
+    // held here.
+    pg_semaphore::set_capacity(&there.pool, "same-name", 1).await?;
+    let c = theirs.try_acquire().await?;
+    c.release().await?;
+    let peak: i32 = sqlx::query_scalar(
+        "SELECT peak_capacity FROM pgsemaphore.advisory_semaphores WHERE name = 'same-name'",
+    )
+    .fetch_one(&there.pool)
+    .await?;
+    assert_eq!(peak, 1, "the drop is over");
+    for permit in held {
+        permit.release().await?;
+    }
+    Ok(())
+}
+
 /// Claims and releases write no row: the statistics of every table of the
 /// schema (but the audit log's, which is off here) do not move during a
 /// run, once the sessions that ran it have ended and reported them.

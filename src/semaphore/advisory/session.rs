@@ -170,6 +170,11 @@ impl Session {
     /// Loses the session: every permit on it is told, and the connection is
     /// dropped (closing it: the server frees what it held, if it still can).
     fn lose(&self, state: &mut Option<State>, why: &str) {
+        // The notice goes out before the connection closes: when the session
+        // gives itself up (a ping that did not answer in time, on a server
+        // that is still there), its slots are freed only after its holders
+        // were told.
+        self.lost.send_replace(Some(LostReason::ConnectionLost));
         if let Some(lost) = state.take() {
             tracing::warn!(
                 pid = self.pid,
@@ -177,8 +182,8 @@ impl Session {
                 held = lost.held.values().map(Vec::len).sum::<usize>(),
                 "advisory semaphore session lost: its permits are lost"
             );
+            drop(lost);
         }
-        self.lost.send_replace(Some(LostReason::ConnectionLost));
     }
 
     /// Claims on this session: one statement. Not cancel-safe on its own
