@@ -82,7 +82,8 @@ fn waiting_keys(base: i64) -> i64 {
 /// | a long transaction in the database (`pg_dump`, a report) | no effect | each claim slows, without bound |
 /// | holder crashes | slot free at once (its connection closes) | slot free when its lease ends |
 /// | holder's link cut | holder told within ~2 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
-/// | database restart or failover | every permit lost, every holder told | permits survive (durable rows) |
+/// | an operator's `pg_terminate_backend` of its session | slot free at once, holder told within ~2 heartbeats: its work may overlap the next holder's until then | no effect |
+/// | database restart or failover | every permit lost, every holder told within ~2 heartbeats (the same overlap) | permits survive (durable rows) |
 /// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per pool, held while permits are | none held between round trips |
 /// | behind PgBouncer (transaction pooling) | needs a direct URL for its connections ([`connect_options`](AdvisorySemaphoreBuilder::connect_options)) | works through it |
 /// | audit log | one row per finished permit, written in batches after it ends (`pgsemaphore.advisory_claims`); live holders in `pg_locks` ([`advisory_semaphores`](crate::advisory_semaphores)) | every claim, live or ended, in `pgsemaphore.slots` |
