@@ -171,7 +171,8 @@ impl AdvisorySemaphoreBuilder {
     /// How often each dedicated connection proves it is alive (default
     /// [`DEFAULT_HEARTBEAT`], 1 s). A permit is told it is lost within about
     /// two heartbeats of its link going silent; the server ends a silent
-    /// session, freeing its slots, after three. Set on the first advisory
+    /// session, freeing its slots, after three (at least a second: the
+    /// floor the dead-man switch keeps). Set on the first advisory
     /// semaphore built on a pool (the pool's connections are shared).
     pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
         self.heartbeat = heartbeat;
