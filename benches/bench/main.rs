@@ -24,7 +24,8 @@
 //! 2. **mutex**: lock + unlock, against a raw `pg_advisory_xact_lock` loop
 //!    and sqlx's `PgAdvisoryLock`;
 //! 3. **wakeup**: time from a release to the waiter's `acquire()` returning,
-//!    against a `SELECT 1` round trip and the polling fallback;
+//!    for the lease semaphore and the advisory semaphore, against a
+//!    `SELECT 1` round trip and the polling fallback;
 //! 4. **waiters**: 1,000 tasks waiting on one permit: connections, memory,
 //!    order served, time to drain;
 //! 5. **growth**: a million cycles, the slot table's size without and with

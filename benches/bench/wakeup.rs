@@ -3,11 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{Error, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, Semaphore};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::load::pool;
+use crate::load::{pool, unique};
 use crate::report::{
     Cell, Target, fmt_dur, fmt_int, fmt_opt, fmt_p50_spread, fmt_ratio, markdown_table, micros,
     percentile,
@@ -18,6 +18,8 @@ use crate::{Ctx, Res, Server, Settings, Workload};
 pub const WAKE_SETTLE: Duration = Duration::from_millis(30);
 
 pub const WAKE_OURS: &str = "ours: release → waiting acquire() returns (LISTEN/NOTIFY)";
+pub const WAKE_ADVISORY: &str =
+    "AdvisorySemaphore: release → waiting acquire() returns (LISTEN/NOTIFY)";
 pub const WAKE_SELECT_HELD: &str = "SELECT 1 round trip (held connection)";
 pub const WAKE_SELECT_POOL: &str = "SELECT 1 through the pool (checkout + ping + query)";
 pub const WAKE_SELECT_IDLE: &str = "SELECT 1 round trip after 30 ms idle (held connection)";
@@ -50,6 +52,20 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
                 fmt_opt(idle_base),
                 fmt_opt(cells[0].p50()),
                 fmt_ratio(ours.ratio("p50_vs_select1_p50")),
+            ),
+        ));
+        let advisory = cells.iter().find(|c| c.implementation == WAKE_ADVISORY);
+        let ratio = advisory.and_then(|c| c.ratio("p50_vs_idle_select1_p50"));
+        ctx.report.targets.push(Target::at_most(
+            Workload::Wakeup,
+            format!("{label}: AdvisorySemaphore p50 ≤ 3x SELECT 1 p50 (after the same idle pause)"),
+            ratio,
+            3.0,
+            format!(
+                "{} ({} vs {})",
+                fmt_ratio(ratio),
+                fmt_opt(advisory.and_then(Cell::p50)),
+                fmt_opt(idle_base),
             ),
         ));
         // No polling floor: wake-ups must come well before the shortest poll tested.
@@ -105,11 +121,14 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
          are measured {} times, interleaved: p50 is the median of the runs' p50s (min–max), \
          p99 and max over all runs; the polling and raw NOTIFY rows are measured once. \
          Polling rows: both handles built with transaction_pooling(true), fresh pools. \
+         The AdvisorySemaphore row: the same, with a capacity-1 advisory semaphore (measured \
+         {} times, interleaved with ours). \
          \"of which release() p50\": t0 until the holder's release() returned. \"idle SELECT 1\": \
          the same round trip after the wake-up's idle pause, the like-for-like baseline the \
          target uses (a wake-up runs on paths that have been idle). The raw NOTIFY row is for \
          profiling only.\n",
         WAKE_SETTLE.as_millis(),
+        s.reps,
         s.reps
     ));
     ctx.report.print(&markdown_table(
@@ -136,6 +155,7 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
 async fn wakeup_on(server: &Server, s: &Settings) -> Res<Vec<Cell>> {
     let mut selects: [Vec<Cell>; 3] = Default::default();
     let mut ours = Vec::new();
+    let mut advisory = Vec::new();
     for _ in 0..s.reps {
         for (i, cell) in select_cells(server, s).await?.into_iter().enumerate() {
             selects[i].push(cell);
@@ -150,10 +170,12 @@ async fn wakeup_on(server: &Server, s: &Settings) -> Res<Vec<Cell>> {
             )
             .await?,
         );
+        advisory.push(advisory_wake_cell(server, s.wake_warmup, s.wake_reps).await?);
     }
     let [held, pooled, idle] = selects.map(|reps| Cell::from_reps(reps, &[]));
     let ours = Cell::from_reps(ours, &[]);
-    for cell in [&held, &pooled, &idle, &ours] {
+    let advisory = Cell::from_reps(advisory, &[]);
+    for cell in [&held, &pooled, &idle, &ours, &advisory] {
         eprintln!("{}", cell.progress());
     }
 
@@ -177,6 +199,7 @@ async fn wakeup_on(server: &Server, s: &Settings) -> Res<Vec<Cell>> {
     cells.extend(polling);
     cells.push(idle);
     cells.push(notify);
+    cells.push(advisory);
     for cell in &mut cells {
         let ratio = match (cell.p50(), base) {
             (Some(p50), Some(base)) if !base.is_zero() => {
@@ -320,6 +343,61 @@ pub async fn wake_cell(
         .insert("release_p50_us".into(), json!(release_p50.map(micros)));
     cell.extra
         .insert("release_p99_us".into(), json!(release_p99.map(micros)));
+    eprintln!("{}", cell.progress());
+    Ok(cell)
+}
+
+/// `reps` timed wake-ups of a capacity-1 [`AdvisorySemaphore`] (after
+/// `warmup` untimed ones): the holder and the waiter each on a pool of its
+/// own, so each has its own sessions and `LISTEN` connection, as two
+/// processes would.
+async fn advisory_wake_cell(server: &Server, warmup: usize, reps: usize) -> Res<Cell> {
+    let name = unique("bench-wake-adv");
+    let holder_pool = pool(&server.opts, 2).await?;
+    let waiter_pool = pool(&server.opts, 2).await?;
+    let holder = AdvisorySemaphore::builder(name.clone(), 1)
+        .build(&holder_pool)
+        .await?;
+    let waiter = AdvisorySemaphore::builder(name, 1)
+        .build(&waiter_pool)
+        .await?;
+    let patience = Duration::from_secs(10);
+    let mut samples = Vec::with_capacity(reps);
+    let mut releases = Vec::with_capacity(reps);
+    for i in 0..warmup + reps {
+        let permit = holder.try_acquire().await?;
+        let waiter = waiter.clone();
+        let task = tokio::spawn(async move {
+            let permit = waiter.acquire().await?;
+            let woke = Instant::now();
+            permit.release().await?;
+            Ok::<_, Error>(woke)
+        });
+        tokio::time::sleep(WAKE_SETTLE).await;
+        let t0 = Instant::now();
+        permit.release().await?;
+        let released = t0.elapsed();
+        let woke = tokio::time::timeout(patience, task)
+            .await
+            .map_err(|_| format!("the advisory waiter was not woken within {patience:?}"))???;
+        let latency = woke
+            .checked_duration_since(t0)
+            .ok_or("the advisory waiter acquired before the holder released")?;
+        if i >= warmup {
+            samples.push(latency);
+            releases.push(released);
+        }
+    }
+    drop((holder, waiter));
+    holder_pool.close().await;
+    waiter_pool.close().await;
+    let config = json!({ "server": server.label, "settle_ms": WAKE_SETTLE.as_millis() as u64 });
+    let mut cell = Cell::from_samples(Workload::Wakeup, WAKE_ADVISORY, config, samples);
+    releases.sort_unstable();
+    cell.extra.insert(
+        "release_p50_us".into(),
+        json!(percentile(&releases, 50.0).map(micros)),
+    );
     eprintln!("{}", cell.progress());
     Ok(cell)
 }
