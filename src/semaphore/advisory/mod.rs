@@ -81,7 +81,7 @@ fn waiting_keys(base: i64) -> i64 {
 /// | a claim + release writes | nothing | a row, then makes it dead |
 /// | a long transaction in the database (`pg_dump`, a report) | no effect | each claim slows, without bound |
 /// | holder crashes | slot free at once (its connection closes) | slot free when its lease ends |
-/// | holder's link cut | holder told within ~2 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
+/// | holder's link cut | holder told within 2.5 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
 /// | an operator's `pg_terminate_backend` of its session | slot free at once, holder told within ~2 heartbeats: its work may overlap the next holder's until then | no effect |
 /// | database restart or failover | every permit lost, every holder told within ~2 heartbeats (the same overlap) | permits survive (durable rows) |
 /// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per pool, held while permits are | none held between round trips |
@@ -169,8 +169,8 @@ impl AdvisorySemaphoreBuilder {
     }
 
     /// How often each dedicated connection proves it is alive (default
-    /// [`DEFAULT_HEARTBEAT`], 1 s). A permit is told it is lost within about
-    /// two heartbeats of its link going silent; the server ends a silent
+    /// [`DEFAULT_HEARTBEAT`], 1 s). A permit is told it is lost within two
+    /// and a half heartbeats of its link going silent; the server ends a silent
     /// session, freeing its slots, after three (at least a second: the
     /// floor the dead-man switch keeps). Set on the first advisory
     /// semaphore built on a pool (the pool's connections are shared).

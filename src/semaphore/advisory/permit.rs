@@ -127,7 +127,7 @@ impl AdvisoryPermit {
     /// Resolves when the permit is lost ([`LostReason::ConnectionLost`]):
     /// its session's connection died (a database restart or failover, the
     /// backend terminated) or stopped answering within a heartbeat (a
-    /// partition), told within about two heartbeats, before the server
+    /// partition), told within two and a half heartbeats, before the server
     /// frees the slots (three). Never resolves otherwise. The future is
     /// `'static`: hand it to the task doing the protected work.
     ///

@@ -9,17 +9,25 @@
 //! second claim on the same session must not take a slot it holds again, so
 //! each claim sends that list), and it is the permits' lease:
 //!
-//! - **the holder learns of a dead link**: a task pings the session every
-//!   heartbeat in which no statement ran, and every statement is bounded; a
-//!   ping or a statement that fails, or does not answer within a heartbeat
-//!   (three for a statement), loses the session, and every permit on it is
-//!   told ([`LostReason::ConnectionLost`]) within about two heartbeats;
+//! - **the holder learns of a dead link**: a task pings the session at
+//!   every heartbeat unless something answered on it within the last half
+//!   heartbeat, and every statement is bounded; a ping that fails or does
+//!   not answer within a heartbeat, or a statement within two, loses the
+//!   session, and every permit on it is told ([`LostReason::ConnectionLost`]).
+//!   From the last answer before the link went silent, that takes at most
+//!   two and a half heartbeats (a tick that came less than half a
+//!   heartbeat after the answer skips its ping, the next one pings, the
+//!   ping times out a heartbeat later), or two for a statement in flight;
 //! - **the server frees a cut-off session**: the session sets
-//!   `idle_session_timeout` to three heartbeats (and the server's TCP
-//!   keepalives): pings keep a live one busy, so only a session whose
-//!   client went silent is ended, and its locks freed, a heartbeat after
-//!   its holder was told. A killed process's session ends at once (its
-//!   socket closes).
+//!   `idle_session_timeout` to three heartbeats, at least a second (and the
+//!   server's TCP keepalives): pings keep a live one busy, so only a session
+//!   whose client went silent is ended, and its locks freed, three
+//!   heartbeats after its last statement, which is after its holders were
+//!   told. (Skipping the ping whenever anything answered within a whole
+//!   heartbeat, as this did before, let an idle session ping only every
+//!   other tick, and a link cut just after a ping was noticed three
+//!   heartbeats later: as late as the server freed its slots.) A killed
+//!   process's session ends at once (its socket closes).
 //!
 //! [`Sessions`] is the set a pool's advisory semaphores share: a claim goes
 //! to an idle session that holds no permit (so that its release does not
@@ -196,7 +204,7 @@ impl Session {
         let Some(state) = guard.as_mut() else {
             return Err(lost_session());
         };
-        let bound = self.heartbeat * 3;
+        let bound = self.statement_bound();
         let mine: Vec<i32> = state
             .held
             .get(semaphore)
@@ -308,7 +316,7 @@ impl Session {
                 state.held.remove(semaphore);
             }
         }
-        let bound = self.heartbeat * 3;
+        let bound = self.statement_bound();
         let query = match slots {
             [slot] => sqlx::query_scalar::<_, i32>(RELEASE_ONE)
                 .bind(semaphore)
@@ -355,7 +363,7 @@ impl Session {
     pub(crate) async fn announce(&self, first: i64) -> bool {
         let _in_flight = InFlight::new(&self.in_flight);
         let mut guard = self.state.lock().await;
-        let bound = self.heartbeat * 3;
+        let bound = self.statement_bound();
         let mut missing: Vec<i64> = (first..first + 16).collect();
         for _ in 0..ANNOUNCE_TRIES {
             let Some(state) = guard.as_mut() else {
@@ -396,13 +404,20 @@ impl Session {
             .filter(|k| !missing.contains(k))
             .collect();
         if let Some(state) = guard.as_mut() {
-            let _ = tokio::time::timeout(
+            let given_back = tokio::time::timeout(
                 bound,
                 sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM unnest($1::bigint[]) AS k")
                     .bind(&taken)
                     .execute(&mut state.conn),
             )
             .await;
+            match given_back {
+                Ok(Ok(_)) => state.answered = Instant::now(),
+                Ok(Err(error)) if !db::unreachable(&error) => {}
+                // A statement cut off midway leaves the connection unusable.
+                Ok(Err(error)) => self.lose(&mut guard, &error.to_string()),
+                Err(_) => self.lose(&mut guard, "giving back waiting keys did not answer"),
+            }
         }
         false
     }
@@ -415,7 +430,7 @@ impl Session {
             return;
         };
         let done = tokio::time::timeout(
-            self.heartbeat * 3,
+            self.statement_bound(),
             sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM generate_series($1::bigint, $1 + 15) AS k")
                 .bind(first)
                 .execute(&mut state.conn),
@@ -429,9 +444,17 @@ impl Session {
         }
     }
 
-    /// One heartbeat: if no statement answered within the last heartbeat,
-    /// ping (bounded by a heartbeat). Skipped while a statement runs (it is
-    /// bounded itself). `false` once the session is lost.
+    /// How long a statement on the session may take before the session is
+    /// given up: two heartbeats, so that the holder is told before the
+    /// server, three heartbeats after the last statement it saw, frees the
+    /// slots.
+    fn statement_bound(&self) -> Duration {
+        self.heartbeat * 2
+    }
+
+    /// One heartbeat: unless something answered within the last half
+    /// heartbeat, ping (bounded by a heartbeat). Skipped while a statement
+    /// runs (it is bounded itself). `false` once the session is lost.
     async fn beat(&self) -> bool {
         let Ok(mut guard) = self.state.try_lock() else {
             return true;
@@ -439,7 +462,7 @@ impl Session {
         let Some(state) = guard.as_mut() else {
             return false;
         };
-        if state.answered.elapsed() < self.heartbeat {
+        if state.answered.elapsed() < self.heartbeat / 2 {
             return true;
         }
         match tokio::time::timeout(self.heartbeat, state.conn.ping()).await {
