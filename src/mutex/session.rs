@@ -31,11 +31,17 @@ use crate::error::{Error, LostReason, Result};
 use super::cancel::{run_or_cancel, token};
 use super::{Mode, Mutex, Wait, run_on};
 
+/// How long the server lets a dedicated session with this heartbeat stay
+/// silent before it ends it (see [`dead_man_sql`]).
+pub(crate) fn dead_man_after(heartbeat: Duration) -> Duration {
+    (heartbeat * 3).max(Duration::from_secs(1))
+}
+
 /// The server-side dead-man switch of a dedicated session, for a heartbeat
 /// of `heartbeat`: the session ends after three silent heartbeats (at least
 /// a second), and the server's keepalives probe a silent peer at that pace.
 pub(crate) fn dead_man_sql(heartbeat: Duration) -> String {
-    let idle_ms = (heartbeat * 3).max(Duration::from_secs(1)).as_millis();
+    let idle_ms = dead_man_after(heartbeat).as_millis();
     let keepalive_s = (idle_ms / 1000).max(1);
     format!(
         "SET idle_session_timeout = '{idle_ms}ms'; \

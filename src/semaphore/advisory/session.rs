@@ -12,12 +12,15 @@
 //! - **the holder learns of a dead link**: a task pings the session at
 //!   every heartbeat unless something answered on it within the last half
 //!   heartbeat, and every statement is bounded; a ping that fails or does
-//!   not answer within a heartbeat, or a statement within two, loses the
-//!   session, and every permit on it is told ([`LostReason::ConnectionLost`]).
-//!   From the last answer before the link went silent, that takes at most
-//!   two and a half heartbeats (a tick that came less than half a
+//!   not answer within a heartbeat, or a statement that has not answered
+//!   half a heartbeat before the server's dead-man switch (below) could
+//!   fire, counted from the session's last answer, loses the session, and every permit on it is told ([`LostReason::ConnectionLost`]).
+//!   From the last answer before the link went silent, a ping notices it
+//!   within two and a half heartbeats (a tick that came less than half a
 //!   heartbeat after the answer skips its ping, the next one pings, the
-//!   ping times out a heartbeat later), or two for a statement in flight;
+//!   ping times out a heartbeat later), a statement in flight within the
+//!   same time (or, below a heartbeat of a third of a second, within the
+//!   server's one-second floor less half a heartbeat);
 //! - **the server frees a cut-off session**: the session sets
 //!   `idle_session_timeout` to three heartbeats, at least a second (and the
 //!   server's TCP keepalives): pings keep a live one busy, so only a session
@@ -47,7 +50,7 @@ use tokio::time::Instant;
 
 use crate::db;
 use crate::error::{Error, LostReason, Result};
-use crate::mutex::session::dead_man_sql;
+use crate::mutex::session::{dead_man_after, dead_man_sql};
 
 /// Takes slots; `p_mine`: what this session holds of the semaphore already.
 /// Every kind of claim (several permits, a session that holds slots of the
@@ -204,7 +207,7 @@ impl Session {
         let Some(state) = guard.as_mut() else {
             return Err(lost_session());
         };
-        let bound = self.statement_bound();
+        let bound = self.statement_bound(state);
         let mine: Vec<i32> = state
             .held
             .get(semaphore)
@@ -316,7 +319,7 @@ impl Session {
                 state.held.remove(semaphore);
             }
         }
-        let bound = self.statement_bound();
+        let bound = self.statement_bound(state);
         let query = match slots {
             [slot] => sqlx::query_scalar::<_, i32>(RELEASE_ONE)
                 .bind(semaphore)
@@ -363,14 +366,13 @@ impl Session {
     pub(crate) async fn announce(&self, first: i64) -> bool {
         let _in_flight = InFlight::new(&self.in_flight);
         let mut guard = self.state.lock().await;
-        let bound = self.statement_bound();
         let mut missing: Vec<i64> = (first..first + 16).collect();
         for _ in 0..ANNOUNCE_TRIES {
             let Some(state) = guard.as_mut() else {
                 return false;
             };
             let got = tokio::time::timeout(
-                bound,
+                self.statement_bound(state),
                 sqlx::query_scalar::<_, Vec<i64>>(
                     "SELECT coalesce(array_agg(k) FILTER (WHERE pg_try_advisory_lock_shared(k)), '{}') \
                      FROM unnest($1::bigint[]) AS k",
@@ -405,7 +407,7 @@ impl Session {
             .collect();
         if let Some(state) = guard.as_mut() {
             let given_back = tokio::time::timeout(
-                bound,
+                self.statement_bound(state),
                 sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM unnest($1::bigint[]) AS k")
                     .bind(&taken)
                     .execute(&mut state.conn),
@@ -430,7 +432,7 @@ impl Session {
             return;
         };
         let done = tokio::time::timeout(
-            self.statement_bound(),
+            self.statement_bound(state),
             sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM generate_series($1::bigint, $1 + 15) AS k")
                 .bind(first)
                 .execute(&mut state.conn),
@@ -444,12 +446,20 @@ impl Session {
         }
     }
 
-    /// How long a statement on the session may take before the session is
-    /// given up: two heartbeats, so that the holder is told before the
-    /// server, three heartbeats after the last statement it saw, frees the
-    /// slots.
-    fn statement_bound(&self) -> Duration {
-        self.heartbeat * 2
+    /// How long a statement sent now may take before the session is given
+    /// up: until half a heartbeat before the server's dead-man switch could
+    /// fire, counted from the session's last answer (at least half a
+    /// heartbeat). The server frees a silent session's slots
+    /// [`dead_man_after`] (three heartbeats, at least a second) after the
+    /// last statement it saw, which ended before that answer arrived: if the
+    /// statement never reached it, the holder is told first. A bound counted
+    /// from the statement's start would not do: a statement sent a
+    /// heartbeat after the last ping and lost on the way would be given up
+    /// after the server freed the slots.
+    fn statement_bound(&self, state: &State) -> Duration {
+        (dead_man_after(self.heartbeat) - self.heartbeat / 2)
+            .saturating_sub(state.answered.elapsed())
+            .max(self.heartbeat / 2)
     }
 
     /// One heartbeat: unless something answered within the last half
