@@ -301,32 +301,23 @@ pub async fn wake_cell(
     let holder = build(holder_pool.clone()).await?;
     let waiter = build(waiter_pool.clone()).await?;
     let patience = fallback.unwrap_or(Duration::ZERO) * 3 + Duration::from_secs(10);
-    let mut samples = Vec::with_capacity(reps);
-    let mut releases = Vec::with_capacity(reps);
-    for i in 0..warmup + reps {
-        let permit = holder.try_acquire().await?;
-        let waiter = waiter.clone();
-        let task = tokio::spawn(async move {
-            let permit = waiter.acquire().await?;
-            let woke = Instant::now();
-            permit.release().await?;
-            Ok::<_, Error>(woke)
-        });
-        tokio::time::sleep(WAKE_SETTLE).await;
-        let t0 = Instant::now();
-        permit.release().await?;
-        let released = t0.elapsed();
-        let woke = tokio::time::timeout(patience, task)
-            .await
-            .map_err(|_| format!("the waiter was not woken within {patience:?}"))???;
-        let latency = woke
-            .checked_duration_since(t0)
-            .ok_or("the waiter acquired before the holder released")?;
-        if i >= warmup {
-            samples.push(latency);
-            releases.push(released);
-        }
-    }
+    let (samples, mut releases) = time_wakeups(
+        warmup,
+        reps,
+        patience,
+        || holder.try_acquire(),
+        |permit| permit.release(),
+        || {
+            let waiter = waiter.clone();
+            async move {
+                let permit = waiter.acquire().await?;
+                let woke = Instant::now();
+                permit.release().await?;
+                Ok(woke)
+            }
+        },
+    )
+    .await?;
     drop((holder, waiter));
     holder_pool.close().await;
     waiter_pool.close().await;
@@ -347,6 +338,47 @@ pub async fn wake_cell(
     Ok(cell)
 }
 
+/// The timed loop of a wake-up cell, for either semaphore: `warmup + reps`
+/// times, the holder takes the permit (`hold`), a spawned waiter (`wait`:
+/// acquire, stamp the instant it woke, release) settles into waiting for
+/// [`WAKE_SETTLE`], then the holder releases (`release`) at t0. Returns the
+/// timed latencies (woke − t0) and the holder's release times.
+async fn time_wakeups<P, H, R, W>(
+    warmup: usize,
+    reps: usize,
+    patience: Duration,
+    hold: impl Fn() -> H,
+    release: impl Fn(P) -> R,
+    wait: impl Fn() -> W,
+) -> Res<(Vec<Duration>, Vec<Duration>)>
+where
+    H: Future<Output = Result<P, Error>>,
+    R: Future<Output = Result<(), Error>>,
+    W: Future<Output = Result<Instant, Error>> + Send + 'static,
+{
+    let mut samples = Vec::with_capacity(reps);
+    let mut releases = Vec::with_capacity(reps);
+    for i in 0..warmup + reps {
+        let permit = hold().await?;
+        let task = tokio::spawn(wait());
+        tokio::time::sleep(WAKE_SETTLE).await;
+        let t0 = Instant::now();
+        release(permit).await?;
+        let released = t0.elapsed();
+        let woke = tokio::time::timeout(patience, task)
+            .await
+            .map_err(|_| format!("the waiter was not woken within {patience:?}"))???;
+        let latency = woke
+            .checked_duration_since(t0)
+            .ok_or("the waiter acquired before the holder released")?;
+        if i >= warmup {
+            samples.push(latency);
+            releases.push(released);
+        }
+    }
+    Ok((samples, releases))
+}
+
 /// `reps` timed wake-ups of a capacity-1 [`AdvisorySemaphore`] (after
 /// `warmup` untimed ones): the holder and the waiter each on a pool of its
 /// own, so each has its own sessions and `LISTEN` connection, as two
@@ -361,33 +393,23 @@ async fn advisory_wake_cell(server: &Server, warmup: usize, reps: usize) -> Res<
     let waiter = AdvisorySemaphore::builder(name, 1)
         .build(&waiter_pool)
         .await?;
-    let patience = Duration::from_secs(10);
-    let mut samples = Vec::with_capacity(reps);
-    let mut releases = Vec::with_capacity(reps);
-    for i in 0..warmup + reps {
-        let permit = holder.try_acquire().await?;
-        let waiter = waiter.clone();
-        let task = tokio::spawn(async move {
-            let permit = waiter.acquire().await?;
-            let woke = Instant::now();
-            permit.release().await?;
-            Ok::<_, Error>(woke)
-        });
-        tokio::time::sleep(WAKE_SETTLE).await;
-        let t0 = Instant::now();
-        permit.release().await?;
-        let released = t0.elapsed();
-        let woke = tokio::time::timeout(patience, task)
-            .await
-            .map_err(|_| format!("the advisory waiter was not woken within {patience:?}"))???;
-        let latency = woke
-            .checked_duration_since(t0)
-            .ok_or("the advisory waiter acquired before the holder released")?;
-        if i >= warmup {
-            samples.push(latency);
-            releases.push(released);
-        }
-    }
+    let (samples, mut releases) = time_wakeups(
+        warmup,
+        reps,
+        Duration::from_secs(10),
+        || holder.try_acquire(),
+        |permit| permit.release(),
+        || {
+            let waiter = waiter.clone();
+            async move {
+                let permit = waiter.acquire().await?;
+                let woke = Instant::now();
+                permit.release().await?;
+                Ok(woke)
+            }
+        },
+    )
+    .await?;
     drop((holder, waiter));
     holder_pool.close().await;
     waiter_pool.close().await;
