@@ -208,6 +208,47 @@ async fn worker(url: String, log: PathBuf, label: String, stop: PathBuf) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
 }
 
+/// One acquire of a worker task, cancelled at a random point one time in
+/// five. A cancel, a timeout or an error is logged (with `marks`: the
+/// letters of those three events for this kind of semaphore, see the log
+/// format above) and gives `None`; after an error, the task pauses 20 ms.
+async fn acquire_or_log<P, F>(
+    acquire: impl Fn() -> F,
+    rng: &mut Rng,
+    log: &Log,
+    name: &str,
+    [cancelled, timed_out, failed]: [&str; 3],
+) -> Option<P>
+where
+    F: std::future::Future<Output = Result<P, Error>>,
+{
+    let acquired = if rng.below(5) == 0 {
+        // Cancel the acquire at a random point.
+        let patience = Duration::from_micros(rng.below(30_000));
+        tokio::select! {
+            result = acquire() => result,
+            () = tokio::time::sleep(patience) => {
+                log.line(cancelled.to_owned());
+                return None;
+            }
+        }
+    } else {
+        acquire().await
+    };
+    match acquired {
+        Ok(permit) => Some(permit),
+        Err(Error::Timeout { .. }) => {
+            log.line(format!("{timed_out} {name}"));
+            None
+        }
+        Err(error) => {
+            log.line(format!("{failed} acquire: {}", one_line(&error)));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            None
+        }
+    }
+}
+
 async fn semaphore_task(
     semaphores: Vec<Semaphore>,
     log: Log,
@@ -218,30 +259,11 @@ async fn semaphore_task(
     while !stopping.load(Ordering::SeqCst) {
         // The small semaphores are the contended ones: pick them more often.
         let sem = &semaphores[[0, 0, 1, 1, 2][rng.below(5) as usize]];
-        let acquired = if rng.below(5) == 0 {
-            // Cancel the acquire at a random point.
-            let patience = Duration::from_micros(rng.below(30_000));
-            tokio::select! {
-                result = sem.acquire_timeout(ACQUIRE_TIMEOUT) => result,
-                () = tokio::time::sleep(patience) => {
-                    log.line("C".to_owned());
-                    continue;
-                }
-            }
-        } else {
-            sem.acquire_timeout(ACQUIRE_TIMEOUT).await
-        };
-        let permit = match acquired {
-            Ok(permit) => permit,
-            Err(Error::Timeout { .. }) => {
-                log.line(format!("T {}", sem.name()));
-                continue;
-            }
-            Err(error) => {
-                log.line(format!("X acquire: {}", one_line(&error)));
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
+        let acquire = || sem.acquire_timeout(ACQUIRE_TIMEOUT);
+        let Some(permit) =
+            acquire_or_log(acquire, &mut rng, &log, sem.name(), ["C", "T", "X"]).await
+        else {
+            continue;
         };
         let id = permit.id();
         log.line(format!(
@@ -286,30 +308,11 @@ async fn advisory_task(
     let mut held = 0u64;
     while !stopping.load(Ordering::SeqCst) {
         let sem = &semaphores[rng.below(semaphores.len() as u64) as usize];
-        let acquired = if rng.below(5) == 0 {
-            // Cancel the acquire at a random point.
-            let patience = Duration::from_micros(rng.below(30_000));
-            tokio::select! {
-                result = sem.acquire_timeout(ACQUIRE_TIMEOUT) => result,
-                () = tokio::time::sleep(patience) => {
-                    log.line("c".to_owned());
-                    continue;
-                }
-            }
-        } else {
-            sem.acquire_timeout(ACQUIRE_TIMEOUT).await
-        };
-        let permit = match acquired {
-            Ok(permit) => permit,
-            Err(Error::Timeout { .. }) => {
-                log.line(format!("t {}", sem.name()));
-                continue;
-            }
-            Err(error) => {
-                log.line(format!("x acquire: {}", one_line(&error)));
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
+        let acquire = || sem.acquire_timeout(ACQUIRE_TIMEOUT);
+        let Some(permit) =
+            acquire_or_log(acquire, &mut rng, &log, sem.name(), ["c", "t", "x"]).await
+        else {
+            continue;
         };
         held += 1;
         let id = format!("{salt}.{held}");
