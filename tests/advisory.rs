@@ -567,6 +567,74 @@ async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
     Ok(())
 }
 
+/// A statement lost on its way is given up, and the session's holders told,
+/// before the server's dead-man switch frees their slots. The release of a
+/// second permit goes out a little after the session's last answer, into a
+/// link that forwards nothing; the server's switch fires three heartbeats
+/// after the last statement it saw. (A statement bounded by three heartbeats
+/// from its own start, as before, was given up that long after the server
+/// had freed the slots: this test then fails by about the 200 ms between the
+/// last answer and the release.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_lost_on_the_way_is_given_up_before_the_slots_are_freed() -> TestResult {
+    let db = support::migrated_db().await;
+    let proxy = support::proxy::Proxy::start(&db).await;
+    let cut_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(proxy.options())
+        .await?;
+    let heartbeat = Duration::from_millis(500);
+    // One session, so that both permits and the release share it.
+    let holder = AdvisorySemaphore::builder("lost-on-the-way", 2)
+        .heartbeat(heartbeat)
+        .connections(1)
+        .audit(false)
+        .build(&cut_pool)
+        .await?;
+    let sem = advisory(&db.pool, "lost-on-the-way", 2).await?;
+    let first = holder.try_acquire().await?;
+    let lost = first.lost();
+    tokio::time::sleep(heartbeat * 2).await;
+    assert!(!first.is_lost());
+    // The session's last answer; no ping follows within half a heartbeat.
+    let second = holder.try_acquire().await?;
+    tokio::time::sleep(heartbeat * 2 / 5).await;
+
+    proxy.blackhole();
+    let cut_off = Instant::now();
+    let release = tokio::spawn(second.release());
+    let told = tokio::spawn(async move {
+        let reason = lost.await;
+        (reason, Instant::now())
+    });
+    let freed = loop {
+        match sem.try_acquire().await {
+            Ok(next) => break (next, Instant::now()),
+            Err(Error::NoSlotsAvailable { .. }) if cut_off.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => return Err(format!("the slots were not freed: {error}").into()),
+        }
+    };
+    let (reason, told_at) = tokio::time::timeout(Duration::from_secs(5), told).await??;
+    assert_eq!(reason, LostReason::ConnectionLost);
+    let told_after = told_at - cut_off;
+    let freed_after = freed.1 - cut_off;
+    assert!(
+        told_at < freed.1,
+        "the slots were freed ({freed_after:?} after the release went out) before their holder \
+         was told ({told_after:?})"
+    );
+    match tokio::time::timeout(Duration::from_secs(5), release).await?? {
+        Err(Error::PermitLost { .. }) => {}
+        other => return Err(format!("the lost release answered {other:?}").into()),
+    }
+    freed.0.release().await?;
+    proxy.restore();
+    Ok(())
+}
+
 /// A database restart loses every permit, and every holder is told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_holder_is_told_when_the_sessions_die() -> TestResult {
