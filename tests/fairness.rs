@@ -5,10 +5,16 @@
 //! keys. The SQL tests drive `pgsemaphore.enqueue` and `claim` directly and
 //! let the database say who is served: each grant frees the one slot and
 //! offers it to every queued ticket in arrival order until one is claimed
-//! (every other one must be refused as `behind`).
+//! (every other one must be refused as `behind`). The crate test queues
+//! real waiting acquires and records the order in which they get the
+//! permit.
 
 mod support;
 
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pg_semaphore::{Error, MAX_FAIRNESS_KEY_LEN, QueueOrder, Semaphore};
 use sqlx::PgPool;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
@@ -293,5 +299,128 @@ async fn priority_comes_before_keys() -> TestResult {
     queue.push(enqueue(&db.pool, "ranked", "b0", Some("B")).await?);
     let (served, _) = serve(&db.pool, "ranked", held, &mut queue, usize::MAX).await?;
     assert_eq!(served, ["a0", "b0", "a1", "low"]);
+    Ok(())
+}
+
+/// Through the crate: 1,000 waiting `acquire()`s of key A queue behind a
+/// held permit, then one of key B, all in one process (so the local order
+/// of waiters must follow the database's turns, or B would never be the
+/// one that claims); B gets the permit within the next 2 grants, and every
+/// waiter is served. Each task records the order it got the permit in
+/// while it holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_acquires_of_a_key_with_one_waiter_are_served_within_two_grants() -> TestResult {
+    const A_WAITERS: usize = 1000;
+    let patience = Duration::from_secs(120);
+    let db = support::migrated_db().await;
+    let pool = support::another_pool(&db, 10).await;
+    let sem = Semaphore::builder("crate-tenants", 1)
+        .queue(QueueOrder::OldestFirst)
+        .build(&pool)
+        .await?;
+    let held = sem.claim().holder("first").try_acquire().await?;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = tokio::task::JoinSet::new();
+    let spawn =
+        |tasks: &mut tokio::task::JoinSet<Result<(), Error>>, holder: String, key: &'static str| {
+            let (sem, order) = (sem.clone(), order.clone());
+            tasks.spawn(async move {
+                let permit = sem
+                    .claim()
+                    .holder(holder.clone())
+                    .fairness_key(key)
+                    .acquire_timeout(patience)
+                    .await?;
+                // Capacity 1: only the holder of the permit writes here.
+                order.lock().unwrap().push(holder);
+                permit.release().await?;
+                Ok::<_, Error>(())
+            });
+        };
+    for i in 0..A_WAITERS {
+        spawn(&mut tasks, format!("a{i}"), "A");
+    }
+    assert!(
+        support::eventually(patience, || async {
+            sem.queue_len().await.ok() == Some(A_WAITERS as u32)
+        })
+        .await,
+        "key A's waiters did not all queue"
+    );
+    spawn(&mut tasks, "b".to_owned(), "B");
+    assert!(
+        support::eventually(patience, || async {
+            sem.queue_len().await.ok() == Some(A_WAITERS as u32 + 1)
+        })
+        .await,
+        "key B's waiter did not queue"
+    );
+    let started = std::time::Instant::now();
+    held.release().await?;
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    let order = order.lock().unwrap().clone();
+    println!(
+        "{} grants in {:.1} s; B was grant {}",
+        order.len(),
+        started.elapsed().as_secs_f64(),
+        order.iter().position(|h| h == "b").map_or(0, |at| at + 1)
+    );
+    assert_eq!(order.len(), A_WAITERS + 1, "every waiter was served");
+    let b = order.iter().position(|h| h == "b");
+    assert!(
+        b.is_some_and(|at| at < 2),
+        "B was not served within the next 2 grants: {:?}",
+        &order[..order.len().min(5)]
+    );
+    assert_eq!(sem.queue_len().await?, 0);
+    Ok(())
+}
+
+/// The crate checks a fairness key before anything is sent, on every kind
+/// of claim; a handle without a queue ignores a good one.
+#[tokio::test]
+async fn a_fairness_key_is_one_to_max_characters_without_nul() -> TestResult {
+    let db = support::migrated_db().await;
+    let queued = Semaphore::builder("keys", 1)
+        .queue(QueueOrder::OldestFirst)
+        .build(&db.pool)
+        .await?;
+    let long = "k".repeat(MAX_FAIRNESS_KEY_LEN + 1);
+    for bad in ["", long.as_str(), "a\0b"] {
+        for result in [
+            queued.claim().fairness_key(bad).try_acquire().await,
+            queued
+                .claim()
+                .fairness_key(bad)
+                .acquire_timeout(Duration::from_secs(5))
+                .await,
+        ] {
+            match result {
+                Err(Error::InvalidArgument { argument, .. }) => {
+                    assert_eq!(argument, "fairness_key")
+                }
+                other => panic!("expected InvalidArgument for {bad:?}, got {other:?}"),
+            }
+        }
+    }
+    assert_eq!(queued.available_permits().await?, 1, "nothing was claimed");
+    let longest = "k".repeat(MAX_FAIRNESS_KEY_LEN);
+    queued
+        .claim()
+        .fairness_key(longest.as_str())
+        .acquire()
+        .await?
+        .release()
+        .await?;
+    let plain = Semaphore::builder("keys", 1).build(&db.pool).await?;
+    plain
+        .claim()
+        .fairness_key("tenant-7")
+        .try_acquire()
+        .await?
+        .release()
+        .await?;
     Ok(())
 }
