@@ -479,7 +479,11 @@ CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease inter
 --                  is deleted when it does, and it is renewed by
 --                  p_waiter_lease (1 s..60 s, required with a ticket) when
 --                  it does not. The queue's order is the semaphore's
---                  (queue_lifo).
+--                  (queue_lifo): FIFO serves high priority first, then the
+--                  smallest turn, then the smallest id (waiters of
+--                  different fairness keys take turns: see
+--                  pgsemaphore.enqueue); LIFO serves high priority first,
+--                  then the largest id, and ignores turns.
 -- Every bad argument raises SQLSTATE 22023 naming it in COLUMN.
 --
 -- Returns one row. o_status:
@@ -507,7 +511,10 @@ CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease inter
 -- forbids two live rows on one slot. Claims on one semaphore serialise on
 -- its row (FOR NO KEY UPDATE), never a table lock. Under READ COMMITTED
 -- every statement of a VOLATILE function takes a fresh snapshot, so each
--- sees every claim committed before the row lock was granted.
+-- sees every claim committed before the row lock was granted. Queue: a
+-- ticket claims only when no live waiter is ahead of it in the semaphore's
+-- order (step 3), and a waiter's place (priority, turn, id) never changes
+-- once queued.
 -- Meets: other claims (serialised on the semaphore row); releases in flight
 -- (their row is still live in our snapshot: counted, the slot looks taken;
 -- a waiter that registers after this refusal is covered by the wake-up
@@ -516,7 +523,12 @@ CREATE FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_lease inter
 -- sides: a row is reaped once); a capacity or order change
 -- (pgsemaphore.configure locks the same row); enqueue, queue renewals and
 -- clear_queue (the waiter rows; enqueue and clear_queue also lock the
--- semaphore row, so the queue check under the lock sees every waiter);
+-- semaphore row, so the queue check under the lock sees every waiter); a
+-- waiter of another fairness key enqueueing while the head claims (it
+-- locks the same row: it queues before this claim's check or after its
+-- commit, and unless its priority is higher, either way behind the head,
+-- whose turn is the smallest queued at its priority and whose id is
+-- smaller: see pgsemaphore.enqueue);
 -- release_by_token of this claim's token (it share-locks the semaphore row
 -- before writing its tombstone: either it waits for this claim to commit
 -- and ends it, or this claim waits for its tombstone and refuses, step 2);
@@ -538,6 +550,7 @@ DECLARE
     v_reserve  integer;
     v_ahead    timestamptz;
     v_dropped  integer := 0;
+    v_turn     bigint;
 BEGIN
     -- 0. The arguments. (Inline IFs: a call to a checking function costs
     -- more than the test, on every claim.)
@@ -647,8 +660,12 @@ BEGIN
 
     -- 3. The queue: drop waiters whose process stopped renewing them (and
     -- wake those behind them), renew the caller's ticket, and make sure
-    -- nobody is ahead of this claim. enqueue sets queue_used under this
-    -- lock, so a false here means no waiter row exists.
+    -- nobody is ahead of this claim: in a FIFO queue nobody of higher
+    -- priority, or of this priority with a smaller (turn, id); in a LIFO
+    -- queue nobody of higher priority, or of this priority with a larger
+    -- id. Without fairness keys turns ascend with ids within a priority, so
+    -- FIFO is arrival order. enqueue sets queue_used under this lock, so a
+    -- false here means no waiter row exists.
     v_now := clock_timestamp();
     IF v_queue THEN
         DELETE FROM pgsemaphore.waiters w
@@ -664,7 +681,8 @@ BEGIN
            SET expires_at = greatest(w.expires_at, v_now + p_waiter_lease)
          WHERE w.id = p_ticket AND w.semaphore = p_semaphore
            AND w.token_hash = sha256(p_ticket_token)
-           AND w.priority = p_priority AND w.permits = p_permits;
+           AND w.priority = p_priority AND w.permits = p_permits
+        RETURNING w.turn INTO v_turn;
         IF NOT FOUND THEN
             o_status := 'no_ticket';
             RETURN NEXT;
@@ -678,7 +696,7 @@ BEGIN
            AND w.priority >= p_priority
            AND (p_ticket IS NULL
                 OR w.priority > p_priority
-                OR (NOT v_lifo AND w.id < p_ticket)
+                OR (NOT v_lifo AND (w.turn, w.id) < (v_turn, p_ticket))
                 OR (v_lifo AND w.id > p_ticket));
         IF v_ahead IS NOT NULL THEN
             o_status := 'behind';
@@ -957,33 +975,61 @@ $$;
 
 
 --
--- Name: enqueue(text, integer, smallint, text, integer, interval, bytea); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: enqueue(text, integer, smallint, text, integer, interval, bytea, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea) RETURNS TABLE(o_ticket bigint, o_wake boolean)
+CREATE FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea, p_fair_key text DEFAULT NULL::text) RETURNS TABLE(o_ticket bigint, o_wake boolean, o_turn bigint)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     SET lock_timeout TO '2s'
     AS $$
--- Joins the queue: returns the waiter's id (its ticket, its place), or NULL
--- when p_limit live waiters are queued already, and whether it removed dead
--- waiters (the caller then runs pgsemaphore.wake after this commits).
+-- Joins the queue: returns the waiter's id (its ticket) and its turn (its
+-- place: see below), or NULLs when p_limit live waiters are queued
+-- already, and whether it removed dead waiters (the caller then runs
+-- pgsemaphore.wake after this commits).
 --   p_semaphore an existing semaphore (else P0002); p_permits 1..100000;
 --   p_priority 0 or 1; p_holder 1..1000 characters; p_limit NULL (no limit)
 --   or 0..2147483647; p_waiter_lease 1 s..60 s (the row is ignored, and
 --   deleted by the next claim, enqueue or reap, unless renewed within it:
 --   pgsemaphore.keep_waiting, or a claim with the ticket); p_token 16..64
---   bytes (only its holder may claim with, renew or leave the ticket)
+--   bytes (only its holder may claim with, renew or leave the ticket);
+--   p_fair_key NULL (the shared default key) or 1..200 characters: the
+--   waiter's fairness key (a tenant, say)
+-- Every bad argument raises SQLSTATE 22023 naming it in COLUMN.
 -- Serialised with claims on the semaphore's row (waited for at most
 -- lock_timeout, 2 s, then 55P03), so the limit is exact. A waiter row is a
 -- hint, not a claim: its commit does not wait for a WAL flush (a crash loses
 -- at most a place in the queue, which the waiter notices as 'no_ticket' and
 -- takes again).
+--
+-- Invariant (the fairness rule): the new waiter's turn is the larger of
+-- the smallest turn queued at its priority (0 if none: the head's turn in a
+-- FIFO queue) and one more than the largest turn of its key at its
+-- priority (0 if none); a turn never changes, and a FIFO queue serves
+-- (priority, turn, id) in ascending order (pgsemaphore.claim, step 3). So:
+-- a new waiter never goes ahead of the head of its priority (its turn is
+-- at least the head's, its id larger); a key's waiters keep their arrival
+-- order (their turns ascend); and a key with nobody queued waits behind at
+-- most one waiter of each other key (at most one of each key has the
+-- smallest turn): with waiters of one other key queued, it is served
+-- within the next two grants. Without fairness keys, turns ascend with
+-- ids: arrival order.
+-- Meets: claims and other enqueues (serialised on the semaphore row, FOR NO
+-- KEY UPDATE: each reads the queue as every earlier one committed it, so
+-- two waiters of one key never share a turn, and a head claiming meanwhile
+-- either claims first, and has left the queue when this reads the turns,
+-- or claims after this waiter queued behind it); clear_queue (the same row); keep_waiting (row locks on waiter
+-- rows: deleting an expired row it renews waits for it and keeps the row
+-- if renewed); leave_queue and the reaper (they delete waiters without the
+-- semaphore's row: a turn read while one is uncommitted counts the leaving
+-- waiter, as if this waiter had queued just before it left).
 DECLARE
     v_now     timestamptz;
     v_count   integer;
     v_dropped integer;
+    v_floor   bigint;
+    v_last    bigint;
 BEGIN
     PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
     IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
@@ -998,6 +1044,11 @@ BEGIN
     END IF;
     PERFORM pgsemaphore.checked_interval(p_waiter_lease, 'p_waiter_lease', interval '1 s', interval '60 s');
     PERFORM pgsemaphore.checked_token(p_token);
+    IF char_length(p_fair_key) NOT BETWEEN 1 AND 200 THEN
+        PERFORM pgsemaphore.refuse('p_fair_key',
+            format('NULL (the shared default key) or 1 to 200 characters, got %s characters',
+                   char_length(p_fair_key)));
+    END IF;
     PERFORM pgsemaphore.fast_commit();
     PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
     IF NOT FOUND THEN
@@ -1016,8 +1067,29 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    INSERT INTO pgsemaphore.waiters (semaphore, permits, priority, holder, enqueued_at, expires_at, token_hash)
-    VALUES (p_semaphore, p_permits, p_priority, p_holder, v_now, v_now + p_waiter_lease, sha256(p_token))
+    -- The turn (the fairness rule above). Two statements, each one probe of
+    -- an index: the smallest turn queued at this priority
+    -- (waiters_queue_idx), and this key's largest (waiters_fair_key_idx;
+    -- one branch per kind of key, so that each is a plain index condition).
+    SELECT w.turn INTO v_floor
+      FROM pgsemaphore.waiters w
+     WHERE w.semaphore = p_semaphore AND w.priority = p_priority
+     ORDER BY w.turn
+     LIMIT 1;
+    IF p_fair_key IS NULL THEN
+        SELECT max(w.turn) INTO v_last
+          FROM pgsemaphore.waiters w
+         WHERE w.semaphore = p_semaphore AND w.priority = p_priority AND w.fair_key IS NULL;
+    ELSE
+        SELECT max(w.turn) INTO v_last
+          FROM pgsemaphore.waiters w
+         WHERE w.semaphore = p_semaphore AND w.priority = p_priority AND w.fair_key = p_fair_key;
+    END IF;
+    o_turn := greatest(coalesce(v_floor, 0), coalesce(v_last + 1, 0));
+    INSERT INTO pgsemaphore.waiters
+           (semaphore, permits, priority, holder, enqueued_at, expires_at, token_hash, fair_key, turn)
+    VALUES (p_semaphore, p_permits, p_priority, p_holder, v_now, v_now + p_waiter_lease,
+            sha256(p_token), p_fair_key, o_turn)
     RETURNING id INTO o_ticket;
     UPDATE pgsemaphore.semaphores s SET queue_used = true WHERE s.name = p_semaphore AND NOT s.queue_used;
     RETURN NEXT;
@@ -2067,7 +2139,7 @@ $$;
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 4, 2 $$;
+    AS $$ SELECT 5, 2 $$;
 
 
 --
@@ -2536,6 +2608,9 @@ CREATE TABLE pgsemaphore.waiters (
     enqueued_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     expires_at timestamp with time zone NOT NULL,
     token_hash bytea,
+    fair_key text,
+    turn bigint DEFAULT 0 NOT NULL,
+    CONSTRAINT waiters_fair_key_length CHECK (((fair_key IS NULL) OR ((char_length(fair_key) >= 1) AND (char_length(fair_key) <= 200)))),
     CONSTRAINT waiters_holder_length CHECK (((char_length(holder) >= 1) AND (char_length(holder) <= 1000))),
     CONSTRAINT waiters_permits_positive CHECK ((permits >= 1)),
     CONSTRAINT waiters_priority_range CHECK ((priority = ANY (ARRAY[0, 1])))
@@ -2647,10 +2722,17 @@ CREATE UNIQUE INDEX slots_live_slot_key ON pgsemaphore.slots USING btree (semaph
 
 
 --
+-- Name: waiters_fair_key_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
+--
+
+CREATE INDEX waiters_fair_key_idx ON pgsemaphore.waiters USING btree (semaphore, priority, fair_key, turn);
+
+
+--
 -- Name: waiters_queue_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
 --
 
-CREATE INDEX waiters_queue_idx ON pgsemaphore.waiters USING btree (semaphore, priority, id);
+CREATE INDEX waiters_queue_idx ON pgsemaphore.waiters USING btree (semaphore, priority, turn, id);
 
 
 --
@@ -2804,10 +2886,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.durable_commit() FROM PUBLIC;
 
 
 --
--- Name: FUNCTION enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea, p_fair_key text); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_priority smallint, p_holder text, p_limit integer, p_waiter_lease interval, p_token bytea, p_fair_key text) FROM PUBLIC;
 
 
 --

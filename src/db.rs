@@ -201,6 +201,7 @@ fn argument_name(column: &str) -> &'static str {
         "p_ids" => "ids",
         "p_ticket" | "p_tickets" => "ticket",
         "p_waiter_lease" => "waiter_lease",
+        "p_fair_key" => "fairness_key",
         "p_limit" => "limit",
         "p_limiter" => "limiter",
         "p_key" => "key",
@@ -438,6 +439,7 @@ mod tests {
         assert_eq!(argument_name("p_permits"), "permits");
         assert_eq!(argument_name("p_token"), "token");
         assert_eq!(argument_name("p_semaphore"), "name");
+        assert_eq!(argument_name("p_fair_key"), "fairness_key");
         assert_eq!(argument_name("p_something_new"), "argument");
     }
 

@@ -40,7 +40,8 @@
 //!   [`Priority::Low`] claims succeed only while more than that many are free.
 //! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])
 //!   across every process, with an optional
-//!   [`queue_limit`](SemaphoreBuilder::queue_limit) ([`Error::QueueFull`]).
+//!   [`queue_limit`](SemaphoreBuilder::queue_limit) ([`Error::QueueFull`]);
+//!   waiters of different [fairness keys](Claim::fairness_key) take turns.
 //! - [`Semaphore::wait_idle`] waits until nobody holds a permit (a
 //!   distributed WaitGroup).
 //!
@@ -257,8 +258,8 @@ pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
     DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY,
-    MAX_HOLDER_LEN, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, Permit, Priority, QueueOrder, Semaphore,
-    SemaphoreBuilder,
+    MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, Permit, Priority,
+    QueueOrder, Semaphore, SemaphoreBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;

@@ -38,7 +38,7 @@ pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 /// The schema version this version of the crate builds and uses: what
 /// `pgsemaphore.schema_version()` returns once every file of `migrations/`
 /// is applied (one version per file).
-pub const SCHEMA_VERSION: i32 = 4;
+pub const SCHEMA_VERSION: i32 = 5;
 
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
@@ -830,7 +830,8 @@ mod tests {
                 "20261122000001_pgsemaphore.sql",
                 "20261124000001_pgsemaphore_validated_api.sql",
                 "20261125000001_pgsemaphore_advisory.sql",
-                "20261126000001_pgsemaphore_advisory_this_database.sql"
+                "20261126000001_pgsemaphore_advisory_this_database.sql",
+                "20261127000001_pgsemaphore_fair_keys.sql"
             ],
             "pending files are named as in migrations/"
         );
@@ -838,7 +839,8 @@ mod tests {
             pending_files(2),
             [
                 "20261125000001_pgsemaphore_advisory.sql",
-                "20261126000001_pgsemaphore_advisory_this_database.sql"
+                "20261126000001_pgsemaphore_advisory_this_database.sql",
+                "20261127000001_pgsemaphore_fair_keys.sql"
             ]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());

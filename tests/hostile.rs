@@ -378,6 +378,8 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
         ("SELECT * FROM pgsemaphore.enqueue('args', 1, 1::smallint, 'h', NULL, '100 years', $1)".into(), "p_waiter_lease"),
         ("SELECT * FROM pgsemaphore.enqueue('args', 1, 1::smallint, 'h', NULL, '0 s', $1)".into(), "p_waiter_lease"),
         ("SELECT * FROM pgsemaphore.enqueue('args', 1, 1::smallint, 'h', NULL, NULL, $1)".into(), "p_waiter_lease"),
+        ("SELECT * FROM pgsemaphore.enqueue('args', 1, 1::smallint, 'h', NULL, '10 s', $1, '')".into(), "p_fair_key"),
+        (format!("SELECT * FROM pgsemaphore.enqueue('args', 1, 1::smallint, 'h', NULL, '10 s', $1, '{long}')"), "p_fair_key"),
         ("SELECT pgsemaphore.leave_queue(NULL, $1)".into(), "p_ticket"),
         ("SELECT pgsemaphore.keep_waiting('args', '100 years', '{}', $1, true, 1)".into(), "p_lease"),
         ("SELECT pgsemaphore.keep_waiting('args', NULL, '{}', $1, true, 1)".into(), "p_lease"),
@@ -449,6 +451,67 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
         (0, 0, 0),
         "a refused call wrote something"
     );
+    Ok(())
+}
+
+/// A fairness key is NULL (the shared default key, also what a call of
+/// version 2's shape, without the argument, gets) or 1 to 200 characters:
+/// the empty string and 201 characters are refused with 22023 naming
+/// p_fair_key, and write nothing.
+#[tokio::test]
+async fn a_fairness_key_is_null_or_one_to_200_characters() -> TestResult {
+    let db = support::migrated_db().await;
+    open(&db.pool, "keys", 1).await?;
+    let enqueue = "SELECT o_ticket FROM pgsemaphore.enqueue('keys', 1, 1::smallint, 'h', NULL, \
+                   '10 s', $1, p_fair_key => $2)";
+    let old_shape =
+        "SELECT o_ticket FROM pgsemaphore.enqueue('keys', 1, 1::smallint, 'h', NULL, '10 s', $1)";
+    let longest = "k".repeat(200);
+    for key in [None, Some("tenant-7"), Some(longest.as_str())] {
+        let (ticket,): (Option<i64>,) = sqlx::query_as(enqueue)
+            .bind(token("keyed"))
+            .bind(key)
+            .fetch_one(&db.pool)
+            .await?;
+        assert!(ticket.is_some(), "{key:?} refused");
+    }
+    let (ticket,): (Option<i64>,) = sqlx::query_as(old_shape)
+        .bind(token("unkeyed"))
+        .fetch_one(&db.pool)
+        .await?;
+    assert!(ticket.is_some());
+    let keys: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT fair_key FROM pgsemaphore.waiters ORDER BY id")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(
+        keys,
+        [
+            None,
+            Some("tenant-7".to_owned()),
+            Some(longest.clone()),
+            None
+        ]
+    );
+
+    let too_long = "k".repeat(201);
+    for key in ["", too_long.as_str()] {
+        let result = sqlx::query(enqueue)
+            .bind(token("keyed"))
+            .bind(key)
+            .execute(&db.pool)
+            .await;
+        assert_eq!(
+            refused(result),
+            ("22023".to_owned(), Some("p_fair_key".to_owned())),
+            "{} characters",
+            key.len()
+        );
+    }
+    let (waiters,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgsemaphore.waiters")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(waiters, 4, "a refused call queued someone");
     Ok(())
 }
 

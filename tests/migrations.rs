@@ -72,8 +72,8 @@ async fn migrating_twice_is_a_no_op() -> TestResult {
     works(&db.pool).await?;
     // The schema says which version it is: the one this crate builds.
     // Version 2 changed signatures that version 1's code calls: it, and
-    // every version since (3 only added), is compatible with code for
-    // version 2 on.
+    // every version since (3 and 4 only added, 5 added an argument with a
+    // default), is compatible with code for version 2 on.
     assert_eq!(schema_version(&db.pool).await, (SCHEMA_VERSION, 2));
 
     // Nothing outside our schema: no `public._sqlx_migrations` was created.
@@ -750,4 +750,108 @@ async fn a_foreign_pgsemaphore_schema_is_left_alone() -> TestResult {
     );
     assert_eq!(snapshot(&db.pool).await, before, "nothing written");
     Ok(())
+}
+
+/// Version 5 (fairness keys) upgrades a live queue: the waiters queued
+/// before it keep their order (their turns follow their ids, per semaphore
+/// and priority), the new `enqueue` keeps the grants of the signature it
+/// replaces, and a call of the old shape (seven arguments, positional),
+/// from a role granted only the old signature, still works and queues
+/// behind them.
+#[tokio::test]
+async fn version_5_keeps_a_live_queues_order_and_the_enqueue_grant() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["app"]).await?;
+    let result = async {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
+            .map(|entry| entry.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
+        files.sort();
+        let (before, upgrade) = files.split_at(4);
+        assert!(
+            upgrade[0].ends_with("20261127000001_pgsemaphore_fair_keys.sql"),
+            "{upgrade:?}"
+        );
+        for file in before {
+            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
+                .execute(&db.pool)
+                .await?;
+        }
+        assert_eq!(schema_version(&db.pool).await, (4, 2));
+        let app = roles.name("app");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
+               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
+               GRANT EXECUTE ON FUNCTION
+                   pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea)
+                 TO "{app}";"#
+        )))
+        .execute(&db.pool)
+        .await?;
+        sqlx::query("SELECT * FROM pgsemaphore.open('upgraded', 1, '90 s')")
+            .execute(&db.pool)
+            .await?;
+        let old_shape = "SELECT o_ticket FROM pgsemaphore.enqueue('upgraded', 1, $1, $2, NULL, \
+                         '60 s', $3)";
+        // Queued at version 4: high, low, high, high.
+        for (holder, priority) in [("w0", 1i16), ("w1", 0), ("w2", 1), ("w3", 1)] {
+            let mut token = holder.as_bytes().to_vec();
+            token.resize(16, b'.');
+            sqlx::query(old_shape)
+                .bind(priority)
+                .bind(holder)
+                .bind(token)
+                .execute(&db.pool)
+                .await?;
+        }
+
+        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&upgrade[0])?))
+            .execute(&db.pool)
+            .await?;
+        assert_eq!(schema_version(&db.pool).await, (5, 2));
+        let turns: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT holder, turn FROM pgsemaphore.waiters ORDER BY priority DESC, turn, id",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        let expected = [("w0", 0), ("w2", 1), ("w3", 2), ("w1", 0)];
+        assert_eq!(
+            turns,
+            expected.map(|(h, t)| (h.to_owned(), t)),
+            "the served order is the arrival order, high priority first"
+        );
+        let (new_granted, old_gone): (bool, bool) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT has_function_privilege('{app}',
+                        'pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea, text)',
+                        'EXECUTE'),
+                    to_regprocedure('pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea)') IS NULL"
+        )))
+        .fetch_one(&db.pool)
+        .await?;
+        assert!(new_granted, "the old signature's grant was not carried over");
+        assert!(old_gone, "the old signature would make old calls ambiguous");
+
+        // Code built for version 4, under the application role.
+        let app_pool = roles.pool(&db, "app").await?;
+        let (ticket,): (Option<i64>,) = sqlx::query_as(old_shape)
+            .bind(1i16)
+            .bind("w4")
+            .bind(b"w4-after-upgrade".to_vec())
+            .fetch_one(&app_pool)
+            .await?;
+        app_pool.close().await;
+        let (last, turn): (String, i64) = sqlx::query_as(
+            "SELECT holder, turn FROM pgsemaphore.waiters WHERE priority = 1
+              ORDER BY turn DESC, id DESC LIMIT 1",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        assert!(ticket.is_some());
+        assert_eq!((last.as_str(), turn), ("w4", 3), "queued behind the upgraded waiters");
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
 }

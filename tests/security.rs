@@ -1091,6 +1091,7 @@ async fn privileges_arguments_out_of_range_are_refused() -> TestResult {
             ("SELECT * FROM pgsemaphore.release(ARRAY[NULL::bigint], $1)", "p_ids"),
             ("SELECT * FROM pgsemaphore.renew(ARRAY[1], $1, '-1 s')", "p_lease"),
             ("SELECT * FROM pgsemaphore.enqueue('ranged', 1, 1::smallint, 'h', NULL, '1 year', $1)", "p_waiter_lease"),
+            ("SELECT * FROM pgsemaphore.enqueue('ranged', 1, 1::smallint, 'h', NULL, '10 s', $1, '')", "p_fair_key"),
             ("SELECT * FROM pgsemaphore.claim('ranged', 'h', NULL, NULL, NULL)", "p_token"),
         ] {
             let result = sqlx::query(sql).bind(token("ranged")).execute(&app).await;

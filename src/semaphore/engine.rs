@@ -124,7 +124,9 @@ impl Priority {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum QueueOrder {
-    /// First come, first served (FIFO; the default).
+    /// First come, first served (FIFO; the default). Waiters of different
+    /// [fairness keys](crate::Claim::fairness_key) take turns; without keys,
+    /// this is arrival order.
     #[default]
     OldestFirst,
     /// Last come, first served (LIFO): under overload the freshest requests,
@@ -145,9 +147,16 @@ impl QueueOrder {
         }
     }
 
-    /// A ticket's place in the local order: smallest first.
-    pub(crate) fn place(self, ticket: i64) -> i64 {
-        if self.is_lifo() { -ticket } else { ticket }
+    /// A queued waiter's place in the local order, smallest first, as the
+    /// database serves them: FIFO by (turn, ticket), the turn being the
+    /// waiter's place in the rotation of fairness keys; LIFO by the newest
+    /// ticket, ignoring turns.
+    pub(crate) fn place(self, turn: i64, ticket: i64) -> (i64, i64) {
+        if self.is_lifo() {
+            (0, -ticket)
+        } else {
+            (turn, ticket)
+        }
     }
 }
 
@@ -228,6 +237,9 @@ pub(crate) struct Attempt {
     pub(crate) lease: Option<PgInterval>,
     pub(crate) permits: u32,
     pub(crate) priority: Priority,
+    /// The waiter's fairness key in the fair queue (`None`: the shared
+    /// default key).
+    pub(crate) fairness_key: Option<String>,
     /// Whether a wait retries through a database outage (the default) or
     /// ends with the error (the tower layer's waits: an outage is a 503).
     pub(crate) ride_out_outages: bool,
@@ -712,6 +724,7 @@ mod tests {
             lease: None,
             permits: 1,
             priority,
+            fairness_key: None,
             ride_out_outages: true,
         };
         assert_eq!(attempt(Priority::High).usable(10, 3), 10);
@@ -721,8 +734,15 @@ mod tests {
 
     #[test]
     fn queue_places_follow_the_order() {
-        assert!(QueueOrder::OldestFirst.place(1) < QueueOrder::OldestFirst.place(2));
-        assert!(QueueOrder::NewestFirst.place(2) < QueueOrder::NewestFirst.place(1));
+        let fifo = QueueOrder::OldestFirst;
+        assert!(fifo.place(0, 1) < fifo.place(0, 2));
+        assert!(
+            fifo.place(0, 1001) < fifo.place(1, 2),
+            "an earlier turn first, whatever its ticket"
+        );
+        let lifo = QueueOrder::NewestFirst;
+        assert!(lifo.place(0, 2) < lifo.place(0, 1));
+        assert!(lifo.place(5, 2) < lifo.place(0, 1), "LIFO ignores turns");
     }
 
     #[test]

@@ -1,14 +1,25 @@
-//! The fair queue: waiters of a semaphore served in arrival order across
-//! every process (.NET's `ConcurrencyLimiter` with `QueueLimit` and
-//! `QueueProcessingOrder`).
+//! The fair queue: waiters of a semaphore served in order across every
+//! process (.NET's `ConcurrencyLimiter` with `QueueLimit` and
+//! `QueueProcessingOrder`), fairness keys taking turns.
 //!
 //! A queued acquire that finds no room inserts a row in `pgsemaphore.waiters`
-//! (its *ticket*: the row's id is its place), and from then on only the head
-//! of the queue may claim (`pgsemaphore.claim` checks it under the
+//! (its *ticket*: the row's id, and its *turn*), and from then on only the
+//! head of the queue may claim (`pgsemaphore.claim` checks it under the
 //! semaphore's row lock); every other claim on the semaphore, queued or not,
-//! is refused while a waiter is ahead of it. The head is the oldest waiter
-//! (or the newest, for [`QueueOrder::NewestFirst`](super::QueueOrder)); high-priority
-//! waiters come before low-priority ones.
+//! is refused while a waiter is ahead of it. High-priority waiters come
+//! before low-priority ones; then a FIFO queue serves the smallest turn,
+//! then the oldest ticket, and a LIFO one
+//! ([`QueueOrder::NewestFirst`](super::QueueOrder)) the newest ticket.
+//!
+//! Turns make waiters of different fairness keys
+//! ([`Claim::fairness_key`](super::Claim::fairness_key)) take turns: a
+//! waiter's turn, fixed by `pgsemaphore.enqueue`, is one more than its
+//! key's last queued turn, but never below the head's, so a key with one
+//! waiter is served within one turn of the rotation however many waiters
+//! another key has. Without keys, turns follow arrival order. This
+//! process's waiters take their local places in the same order
+//! ([`QueueOrder::place`](super::QueueOrder)), so the one that claims on a
+//! wake-up is the one the database would serve first.
 //!
 //! Leaving: a served waiter's row is deleted by its claim; a cancelled one
 //! deletes its row (in a spawned task) and wakes the semaphore's waiters so
@@ -26,12 +37,13 @@ use crate::error::{Error, Result};
 use super::engine::{self, Attempt, Core, QueueOptions};
 use super::wake::wait_lease;
 
-/// Joins the queue: a ticket (NULL when the queue is full), and whether dead
-/// waiters were removed.
-const ENQUEUE: &str = "SELECT o_ticket, o_wake \
+/// Joins the queue: a ticket and its turn (NULLs when the queue is full),
+/// and whether dead waiters were removed.
+const ENQUEUE: &str = "SELECT o_ticket, o_turn, o_wake \
                        FROM pgsemaphore.enqueue(p_semaphore => $1, p_permits => $2, \
                                                 p_priority => $3, p_holder => $4, p_limit => $5, \
-                                                p_waiter_lease => $6, p_token => $7)";
+                                                p_waiter_lease => $6, p_token => $7, \
+                                                p_fair_key => $8)";
 
 /// Leaves the queue and wakes the semaphore's waiters, so the next head looks.
 const LEAVE: &str = "SELECT pgsemaphore.leave_queue(p_ticket => $1, p_token => $2)";
@@ -53,15 +65,16 @@ pub(crate) async fn enqueue(
         let limit = options.limit.map(|l| l.min(i32::MAX as u32) as i32);
         let query = core
             .db
-            .query_as::<(Option<i64>, bool)>(ENQUEUE)
+            .query_as::<(Option<i64>, Option<i64>, bool)>(ENQUEUE)
             .bind(core.name.clone())
             .bind(attempt.permits as i32)
             .bind(attempt.priority.sql())
             .bind(attempt.holder.clone())
             .bind(limit)
             .bind(wait_lease())
-            .bind(token.bytes());
-        let (ticket, wake) = core
+            .bind(token.bytes())
+            .bind(attempt.fairness_key.clone());
+        let (ticket, turn, wake) = core
             .db
             .fetch_one(query)
             .await
@@ -71,10 +84,12 @@ pub(crate) async fn enqueue(
         }
         match ticket {
             Some(id) => {
-                tracing::debug!(semaphore = %core.name, ticket = id, "queued");
+                let turn = turn.unwrap_or_default();
+                tracing::debug!(semaphore = %core.name, ticket = id, turn, "queued");
                 Ok(Ticket {
                     core,
                     id,
+                    turn,
                     token,
                     armed: true,
                 })
@@ -103,6 +118,8 @@ pub(crate) async fn queue_len(core: &Core) -> Result<u32> {
 pub(crate) struct Ticket {
     core: Arc<Core>,
     id: i64,
+    /// Its place in the rotation of fairness keys (see the module doc).
+    turn: i64,
     token: Token,
     armed: bool,
 }
@@ -110,6 +127,10 @@ pub(crate) struct Ticket {
 impl Ticket {
     pub(crate) fn id(&self) -> i64 {
         self.id
+    }
+
+    pub(crate) fn turn(&self) -> i64 {
+        self.turn
     }
 
     /// What a claim through the queue proves its place with.

@@ -55,7 +55,7 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
     wakeups.start(!core.db.is_pooled());
     let mut watch = wakeups.watch(&core.name, core.fallback);
     let rank = attempt.priority.rank();
-    watch.take_place((rank, 1, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
+    watch.take_place((rank, 1, 0, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
     let mut ticket: Option<Ticket> = None;
     let mut lease_ends: Option<Instant> = None;
     let mut outage = Outage::new(attempt.ride_out_outages);
@@ -119,10 +119,8 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
                 let Some(queued) = outage.ride_out(core, queued).await? else {
                     continue;
                 };
-                watch.take_place(
-                    (rank, 0, options.order.place(queued.id())),
-                    Some(queued.id()),
-                );
+                let (turn, order) = options.order.place(queued.turn(), queued.id());
+                watch.take_place((rank, 0, turn, order), Some(queued.id()));
                 ticket = Some(queued);
                 // It may be at the head already: look again at once.
                 continue;

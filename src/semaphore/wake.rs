@@ -15,8 +15,8 @@
 //!   release's check inside its own transaction, under a per-semaphore
 //!   advisory lock that a registration waits for).
 //! - **One claimer per process.** Every waiting acquire takes a place in the
-//!   semaphore's local order (priority first, then queued waiters by their
-//!   queue place, then arrival); on each wake-up only the first place claims.
+//!   semaphore's local order (priority first, then queued waiters in the
+//!   queue's order, then arrival); on each wake-up only the first place claims.
 //!   It passes the turn on when it is served and slots are left (or a
 //!   wake-up arrived while it claimed), and when it leaves. So a release
 //!   costs one claim per process, and a large request at the front is never
@@ -348,10 +348,12 @@ impl Entries {
 }
 
 /// A place in the local order of waiting acquires, smallest first:
-/// (priority rank, 0 if queued in the database else 1, order). As in the
+/// (priority rank, 0 if queued in the database else 1, then the queue's
+/// order: turn and ticket as [`QueueOrder::place`](super::QueueOrder) gives
+/// them, or 0 and arrival for a waiter outside the queue). As in the
 /// database, a waiter outside the queue only yields to queued waiters of at
 /// least its own priority.
-pub(crate) type Place = (u8, u8, i64);
+pub(crate) type Place = (u8, u8, i64, i64);
 
 /// A registered watch on one semaphore. Dropping it gives up its place
 /// (waking the next one if it was first) and unregisters.
@@ -577,6 +579,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::QueueOrder;
     use super::*;
 
     #[tokio::test]
@@ -584,8 +587,8 @@ mod tests {
         let entries = Arc::new(Entries::default());
         let mut heavy = entries.watch("s", Duration::from_secs(1));
         let mut light = entries.watch("s", Duration::from_secs(1));
-        heavy.take_place((0, 1, 1), None);
-        light.take_place((0, 1, 2), None);
+        heavy.take_place((0, 1, 0, 1), None);
+        light.take_place((0, 1, 0, 2), None);
         assert!(heavy.is_first() && !light.is_first());
 
         light.seen();
@@ -600,15 +603,39 @@ mod tests {
         let mut low_queued = entries.watch("s", Duration::from_secs(1));
         let mut high_plain = entries.watch("s", Duration::from_secs(1));
         let mut high_queued = entries.watch("s", Duration::from_secs(1));
-        low_queued.take_place((1, 0, 1), Some(1));
-        high_plain.take_place((0, 1, 2), None);
+        low_queued.take_place((1, 0, 0, 1), Some(1));
+        high_plain.take_place((0, 1, 0, 2), None);
         assert!(high_plain.is_first());
-        high_queued.take_place((0, 0, 5), Some(5));
+        high_queued.take_place((0, 0, 0, 5), Some(5));
         assert!(high_queued.is_first());
         drop(high_queued);
         assert!(high_plain.is_first());
         drop(high_plain);
         assert!(low_queued.is_first());
+    }
+
+    #[tokio::test]
+    async fn queued_places_follow_the_database_order_of_turns() {
+        let entries = Arc::new(Entries::default());
+        // Key A queued tickets 1 and 2 (turns 0 and 1), then key B ticket 3,
+        // at the head's turn: the database serves 1, 3, 2, and so must the
+        // local order, or ticket 2 would claim (and be refused) while 3,
+        // the next head, never claims.
+        let mut a_head = entries.watch("s", Duration::from_secs(1));
+        let mut a_next = entries.watch("s", Duration::from_secs(1));
+        let mut b = entries.watch("s", Duration::from_secs(1));
+        let place = |turn, ticket| {
+            let (turn, order) = QueueOrder::OldestFirst.place(turn, ticket);
+            (0, 0, turn, order)
+        };
+        a_head.take_place(place(0, 1), Some(1));
+        a_next.take_place(place(1, 2), Some(2));
+        b.take_place(place(0, 3), Some(3));
+        assert!(a_head.is_first());
+        a_head.leave(true);
+        assert!(b.is_first(), "the other key's waiter is next");
+        b.leave(true);
+        assert!(a_next.is_first());
     }
 
     #[tokio::test]

@@ -608,7 +608,7 @@ async fn wait(core: &Arc<AdvisoryCore>, n: u32) -> Result<AdvisoryPermit> {
     let started = Instant::now();
     core.wakeups.start(true);
     let mut watch = core.wakeups.watch(&core.name, core.fallback);
-    watch.take_place((0, 1, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
+    watch.take_place((0, 1, 0, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
     let mut announcement: Option<Arc<Announcement>> = None;
     let mut pause: Option<Duration> = None;
     loop {
