@@ -218,23 +218,6 @@ pub enum Error {
         supported: i32,
     },
 
-    /// The database holds a development schema from before pg-semaphore's
-    /// first release (migrations 20261121000001 to 20261121000005, since
-    /// squashed into one baseline): it cannot be upgraded; drop it and
-    /// migrate again. Nothing was written.
-    #[error(
-        "this database has a pre-release development schema of pg-semaphore (applied migrations \
-         {}, from before the schema was squashed into one baseline) that cannot be upgraded: \
-         recreate it with `DROP SCHEMA pgsemaphore CASCADE` (this deletes its semaphores, claims \
-         and rate-limit state) and migrate again (`pg_semaphore::migrate(&pool)`, or \
-         `pg_semaphore::refinery_migrate(&mut client)` with refinery)",
-        join(versions)
-    )]
-    PreReleaseSchema {
-        /// The pre-release migrations recorded in the history.
-        versions: Vec<i64>,
-    },
-
     /// A schema named `pgsemaphore` exists with objects in it, but not
     /// pg-semaphore's (it has no `pgsemaphore.schema_version()`): the crate
     /// needs that name. Nothing was written.
@@ -323,14 +306,6 @@ fn outdated(found: i32, required: i32, history: MigrationHistory, pending: &[Str
              `pg_semaphore::refinery_migrate(&mut client)`, not with sqlx"
         ),
     }
-}
-
-fn join(versions: &[i64]) -> String {
-    versions
-        .iter()
-        .map(i64::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// What a wait that timed out ([`Error::Timeout`]) was waiting for.
