@@ -127,8 +127,8 @@
 //! [`semaphores`] lists every lease semaphore with its live holders and
 //! [`advisory_semaphores`] every advisory one with the sessions that hold
 //! its slots, [`force_release`] frees a stuck claim, [`set_capacity`]
-//! resizes a semaphore, [`reap`] and [`prune`] clean up, [`AuditLog`] reads
-//! history.
+//! resizes a semaphore, [`reap`] and [`prune_claims`] clean up,
+//! [`AuditLog`] reads history.
 //! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
 //!
@@ -139,12 +139,12 @@
 //! application's functions and no write privilege on any table; an operator
 //! role gets the operator's functions ([`set_capacity`], [`configure`],
 //! [`set_queue_order`], [`clear_queue`], [`force_release`], [`reap`],
-//! [`prune`]). The README lists the exact grants, and what the application
-//! role can and cannot do with them: the SQL functions are the security
-//! boundary, not this crate. They check every argument (a refused one is
-//! [`Error::InvalidArgument`], naming it), never lock or change a claim
-//! whose token the caller does not hold, and bound how long a transaction
-//! left open can hold a semaphore's row ([`Error::Stalled`]).
+//! [`prune_claims`]). The README lists the exact grants, and what the
+//! application role can and cannot do with them: the SQL functions are the
+//! security boundary, not this crate. They check every argument (a refused
+//! one is [`Error::InvalidArgument`], naming it), never lock or change a
+//! claim whose token the caller does not hold, and bound how long a
+//! transaction left open can hold a semaphore's row ([`Error::Stalled`]).
 //!
 //! # Migrations
 //!
@@ -253,7 +253,7 @@ pub use rate_limit::{
     Decision, FixedWindow, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
     TokenBucket, TokenBucketBuilder, WindowBuilder, prune_rate_limits,
 };
-pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune, reap};
+pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
     DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY,

@@ -1,5 +1,5 @@
 //! The reaper: frees slots whose lease ended ([`reap`]), deletes finished
-//! claims past a retention ([`prune`], driven by the history index so that
+//! claims past a retention ([`prune_claims`], driven by the history index so that
 //! it reads next to nothing when nothing is old enough), and runs both (and
 //! rate-limit pruning) in a background task ([`Reaper`]) that stops with its
 //! handle. Claims reap their own semaphore anyway, and waiters look again
@@ -77,7 +77,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use std::time::Duration;
 /// // Keep a week of history.
-/// let deleted = pg_semaphore::prune(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
+/// let deleted = pg_semaphore::prune_claims(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -91,7 +91,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 ///
 /// Each batch commits on its own: cancelling keeps the batches already
 /// deleted and deletes nothing more.
-pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
+pub async fn prune_claims(pool: &PgPool, older_than: Duration) -> Result<u64> {
     let interval = validate::interval("older_than", older_than, Duration::ZERO..=MAX_RETENTION)?;
     let mut total = 0u64;
     loop {
@@ -110,8 +110,8 @@ pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
     Ok(total)
 }
 
-/// A background task that calls [`reap`] every interval, and [`prune`] too
-/// when a retention is set.
+/// A background task that calls [`reap`] every interval, and
+/// [`prune_claims`] too when a retention is set.
 ///
 /// It stops when the handle is dropped (the task is aborted) or, gracefully,
 /// on [`shutdown`](Reaper::shutdown). Errors are logged with `tracing` and the
@@ -155,7 +155,7 @@ impl ReaperBuilder {
     }
 
     /// Also delete finished claims that ended more than `retention` ago, each
-    /// round (see [`prune`]), then `VACUUM` the slot table so the space is
+    /// round (see [`prune_claims`]), then `VACUUM` the slot table so the space is
     /// reused at once (when this role owns the table; otherwise autovacuum
     /// does it later). Default: keep the audit log forever.
     pub fn retention(mut self, retention: Duration) -> Self {
@@ -281,7 +281,7 @@ impl Reaper {
                         tracing::warn!(%error, "pg-semaphore reaper failed; retrying next interval");
                     }
                     if let Some(retention) = retention {
-                        match prune(&pool, retention).await {
+                        match prune_claims(&pool, retention).await {
                             Ok(0) => {}
                             Ok(_) => {
                                 // Outside a transaction: VACUUM cannot run in one.

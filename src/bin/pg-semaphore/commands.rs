@@ -156,7 +156,7 @@ pub(crate) async fn clear_queue(pool: &PgPool, name: &str) -> Result<String, Fai
 }
 
 pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String, Failure> {
-    let deleted = pg_semaphore::prune(pool, older_than).await?;
+    let deleted = pg_semaphore::prune_claims(pool, older_than).await?;
     Ok(format!(
         "deleted {deleted} finished claim{} that ended more than {} ago\n",
         plural(deleted),
