@@ -11,8 +11,8 @@ use sqlx::PgPool;
 
 use crate::audit::Holder;
 use crate::db::Db;
-use crate::error::{Error, Result};
-use crate::semaphore::{MAX_CAPACITY, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, QueueOrder};
+use crate::error::{Error, Result, semaphore_not_found};
+use crate::semaphore::QueueOrder;
 use crate::validate;
 
 /// Every semaphore with its live claims, read in one statement (one
@@ -124,6 +124,8 @@ pub struct AdvisorySemaphoreInfo {
     pub as_of: DateTime<Utc>,
 }
 
+/// Adds `held`, and each holder's age and lease left at `as_of`: the
+/// database clock, the one leases are measured on.
 /// A held slot of an advisory semaphore: the session whose advisory lock
 /// it is, as `pg_locks` and `pg_stat_activity` show it.
 ///
@@ -420,16 +422,17 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a capacity of 0 or above [`MAX_CAPACITY`]
-/// or a bad name (nothing is written); [`Error::SemaphoreNotFound`] when no
-/// semaphore has this name; [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::InvalidArgument`] for a capacity of 0 or above
+/// [`MAX_CAPACITY`](crate::MAX_CAPACITY) or a bad name (nothing is
+/// written); [`Error::SemaphoreNotFound`] when no semaphore has this name;
+/// [`Error::MigrationsMissing`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
 /// One statement: cancelling either applies the change or not.
 pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u32> {
-    validate::text("name", name, MAX_NAME_LEN)?;
-    check_capacity(capacity)?;
+    validate::name(name)?;
+    validate::capacity(capacity)?;
     let previous = match run_configure(pool, name, Some(capacity), None, None, false).await {
         Ok(previous) => previous.unwrap_or(capacity),
         // Not a lease semaphore: an advisory one, perhaps.
@@ -442,7 +445,7 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
             let (previous,) = db
                 .fetch_one(query)
                 .await
-                .map_err(|error| not_found_or(error, name))?;
+                .map_err(|error| semaphore_not_found(error, name))?;
             previous.max(0) as u32
         }
         Err(error) => return Err(error),
@@ -487,9 +490,9 @@ pub async fn configure(
     capacity: u32,
     lease: Duration,
 ) -> Result<Option<u32>> {
-    validate::text("name", name, MAX_NAME_LEN)?;
-    check_capacity(capacity)?;
-    validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?;
+    validate::name(name)?;
+    validate::capacity(capacity)?;
+    validate::lease(lease)?;
     let previous = run_configure(pool, name, Some(capacity), Some(lease), None, true).await?;
     tracing::info!(
         semaphore = name,
@@ -524,7 +527,7 @@ pub async fn configure(
 ///
 /// One statement: cancelling either applies the change or not.
 pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Result<()> {
-    validate::text("name", name, MAX_NAME_LEN)?;
+    validate::name(name)?;
     run_configure(pool, name, None, None, Some(order), false).await?;
     tracing::info!(semaphore = name, ?order, "semaphore queue order set");
     Ok(())
@@ -553,25 +556,15 @@ pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Re
 ///
 /// One statement: cancelling either clears the queue or not.
 pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
-    validate::text("name", name, MAX_NAME_LEN)?;
+    validate::name(name)?;
     let db = db(pool);
     let query = db.query_as::<(i64,)>(CLEAR_QUEUE).bind(name.to_owned());
     let (removed,) = db
         .fetch_one(query)
         .await
-        .map_err(|error| not_found_or(error, name))?;
+        .map_err(|error| semaphore_not_found(error, name))?;
     tracing::info!(semaphore = name, removed, "semaphore queue cleared");
     Ok(removed.max(0) as u64)
-}
-
-fn check_capacity(capacity: u32) -> Result<()> {
-    if capacity == 0 || capacity > MAX_CAPACITY {
-        return Err(Error::invalid(
-            "capacity",
-            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
-        ));
-    }
-    Ok(())
 }
 
 async fn run_configure(
@@ -583,7 +576,7 @@ async fn run_configure(
     create: bool,
 ) -> Result<Option<u32>> {
     let lease = match lease {
-        Some(lease) => Some(validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?),
+        Some(lease) => Some(validate::lease(lease)?),
         None => None,
     };
     let db = db(pool);
@@ -597,20 +590,6 @@ async fn run_configure(
     let (previous,) = db
         .fetch_one(query)
         .await
-        .map_err(|error| not_found_or(error, name))?;
+        .map_err(|error| semaphore_not_found(error, name))?;
     Ok(previous.map(|p| p.max(0) as u32))
-}
-
-/// P0002 (no_data_found): the operator functions' "no such semaphore".
-fn not_found_or(error: Error, name: &str) -> Error {
-    match error {
-        Error::Database(error)
-            if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("P0002") =>
-        {
-            Error::SemaphoreNotFound {
-                semaphore: name.to_owned(),
-            }
-        }
-        error => error,
-    }
 }

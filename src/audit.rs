@@ -8,8 +8,8 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use sqlx::PgPool;
 
-use crate::db::{Db, ours};
-use crate::error::{Error, Result};
+use crate::db::Db;
+use crate::error::{Error, Result, ours};
 
 /// Live holders of one semaphore, oldest first.
 const HOLDERS: &str = "\

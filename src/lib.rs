@@ -215,11 +215,15 @@
 mod admin;
 mod audit;
 mod db;
+mod dead_man;
+mod detached;
 mod error;
+mod fail_open;
 mod horizon;
 mod metrics;
 mod migrate;
 mod mutex;
+mod per_pool;
 mod rate_limit;
 mod reaper;
 #[cfg(feature = "refinery")]
@@ -227,6 +231,7 @@ mod refinery;
 mod semaphore;
 #[cfg(feature = "serde")]
 mod serialize;
+mod token;
 #[cfg(feature = "tower")]
 mod tower;
 mod validate;
@@ -245,23 +250,27 @@ pub use audit::{
     AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,
     Summary,
 };
+pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
 pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
-pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
+pub use mutex::{Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
-    TokenBucket, TokenBucketBuilder, WindowBuilder, prune_rate_limits,
+    Decision, FixedWindow, SlidingWindow, TokenBucket, TokenBucketBuilder, WindowBuilder,
+    prune_rate_limits,
 };
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
-    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY,
-    MAX_HOLDER_LEN, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, Permit, Priority, QueueOrder, Semaphore,
-    SemaphoreBuilder,
+    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, Permit, Priority,
+    QueueOrder, Semaphore, SemaphoreBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
+pub use validate::{
+    MAX_CAPACITY, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN, MAX_RATE, MAX_WINDOW,
+    MIN_LEASE, MIN_WINDOW,
+};
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
 #[doc = include_str!("../README.md")]

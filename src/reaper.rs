@@ -15,7 +15,9 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
 use crate::db::Db;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::horizon::{self, HorizonHolder};
 use crate::metrics;
 use crate::validate;
@@ -62,9 +64,6 @@ const VACUUM: &str = "VACUUM (SKIP_LOCKED) pgsemaphore.slots";
 /// Rows deleted per prune statement: short transactions, even for a backlog.
 const PRUNE_BATCH: i32 = 5_000;
 
-/// The longest retention accepted (100 years).
-const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
-
 /// Deletes finished claims (completed or timed out) that ended more than
 /// `older_than` ago, of every semaphore, and returns how many. Live claims
 /// are never touched. This bounds the audit log; a [`Reaper`] with a
@@ -92,7 +91,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 /// Each batch commits on its own: cancelling keeps the batches already
 /// deleted and deletes nothing more.
 pub async fn prune_claims(pool: &PgPool, older_than: Duration) -> Result<u64> {
-    let interval = validate::interval("older_than", older_than, Duration::ZERO..=MAX_RETENTION)?;
+    let interval = validate::age("older_than", older_than)?;
     let mut total = 0u64;
     loop {
         let db = Db::new(pool, true);
@@ -202,14 +201,12 @@ impl ReaperBuilder {
     ///
     /// Like [`tokio::spawn`], when called outside a tokio runtime.
     pub fn spawn(self, pool: &PgPool) -> Result<Reaper> {
-        if self.interval.is_zero() {
-            return Err(Error::invalid("interval", "must be greater than zero"));
-        }
+        validate::nonzero("interval", self.interval)?;
         if let Some(retention) = self.retention {
-            validate::interval("retention", retention, Duration::ZERO..=MAX_RETENTION)?;
+            validate::age("retention", retention)?;
         }
         if let Some(idle_for) = self.rate_limits {
-            validate::interval("idle_for", idle_for, Duration::ZERO..=MAX_RETENTION)?;
+            validate::age("idle_for", idle_for)?;
         }
         Ok(Reaper::start(pool.clone(), self))
     }
