@@ -104,8 +104,9 @@
 //! Finished claims stay in the slot table with `completed_at` or
 //! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
 //! outcomes and hold times, a summary with p50/p95 hold time, and a
-//! [`Report`] to draw (occupancy against capacity, each slot's use, hold
-//! times), aggregated by the database when the window is busy.
+//! [`Report`] (occupancy against capacity, each slot's use, hold times),
+//! aggregated by the database at the resolution the caller asks for
+//! ([`ReportShape`]) when the window is busy.
 //!
 //! # Which primitive when
 //!
@@ -247,8 +248,8 @@ pub use admin::{
     clear_queue, configure, force_release, semaphores, set_capacity, set_queue_order,
 };
 pub use audit::{
-    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,
-    Summary,
+    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, ReportShape,
+    SlotBucket, Summary,
 };
 pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};

@@ -104,6 +104,25 @@ pub(crate) fn age(argument: &'static str, age: Duration) -> Result<PgInterval> {
     interval(argument, age, Duration::ZERO..=MAX_AGE)
 }
 
+/// A [`ReportShape`](crate::ReportShape): 1 to 10,000 time buckets, 1 to
+/// 1,000 hold-time bins (a report holds about lanes x buckets cells), at
+/// least one lane.
+pub(crate) fn report_shape(buckets: u32, hold_time_bins: u32, max_lanes: u32) -> Result<()> {
+    for (argument, value, max) in [
+        ("buckets", buckets, 10_000),
+        ("hold_time_bins", hold_time_bins, 1_000),
+        ("max_lanes", max_lanes, u32::MAX),
+    ] {
+        if value == 0 || value > max {
+            return Err(Error::invalid(
+                argument,
+                format!("{value} is out of range: 1 to {max}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A count that must be at least 1 (permits, a limit, a burst, connections).
 pub(crate) fn positive(argument: &'static str, count: u64) -> Result<()> {
     if count == 0 {

@@ -85,7 +85,9 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
 pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
-    let report = AuditLog::new(pool).report(&args.name, window).await?;
+    let report = AuditLog::new(pool)
+        .report_shaped(&args.name, window, render::report::SHAPE)
+        .await?;
     let page = render::report::html(&report);
     if args.html.as_os_str() == "-" {
         return Ok(page);
