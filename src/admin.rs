@@ -126,6 +126,66 @@ pub struct AdvisorySemaphoreInfo {
 
 /// Adds `held`, and each holder's age and lease left at `as_of`: the
 /// database clock, the one leases are measured on.
+#[cfg(feature = "serde")]
+impl serde::Serialize for SemaphoreInfo {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+
+        use crate::serialize::delta_seconds;
+        #[derive(serde::Serialize)]
+        struct SeenHolder<'a> {
+            #[serde(flatten)]
+            holder: &'a Holder,
+            age_seconds: Option<f64>,
+            lease_left_seconds: Option<f64>,
+        }
+        let holders: Vec<SeenHolder<'_>> = self
+            .holders
+            .iter()
+            .map(|holder| SeenHolder {
+                holder,
+                age_seconds: delta_seconds(self.as_of - holder.created_at),
+                lease_left_seconds: delta_seconds(holder.expires_at - self.as_of),
+            })
+            .collect();
+        let mut s = serializer.serialize_struct("SemaphoreInfo", 8)?;
+        s.serialize_field("name", &self.name)?;
+        s.serialize_field("capacity", &self.capacity)?;
+        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("default_lease_seconds", &self.default_lease.as_secs_f64())?;
+        s.serialize_field("created_at", &self.created_at)?;
+        s.serialize_field("updated_at", &self.updated_at)?;
+        s.serialize_field("as_of", &self.as_of)?;
+        s.serialize_field("holders", &holders)?;
+        s.end()
+    }
+}
+
+/// Adds `"kind": "advisory"` (a [`SemaphoreInfo`] has no `kind`, so the
+/// two can share a list) and `held`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for AdvisorySemaphoreInfo {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let mut s = serializer.serialize_struct("AdvisorySemaphoreInfo", 8)?;
+        s.serialize_field("kind", "advisory")?;
+        s.serialize_field("name", &self.name)?;
+        s.serialize_field("capacity", &self.capacity)?;
+        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("created_at", &self.created_at)?;
+        s.serialize_field("updated_at", &self.updated_at)?;
+        s.serialize_field("as_of", &self.as_of)?;
+        s.serialize_field("holders", &self.holders)?;
+        s.end()
+    }
+}
+
 /// A held slot of an advisory semaphore: the session whose advisory lock
 /// it is, as `pg_locks` and `pg_stat_activity` show it.
 ///
@@ -592,4 +652,114 @@ async fn run_configure(
         .await
         .map_err(|error| semaphore_not_found(error, name))?;
     Ok(previous.map(|p| p.max(0) as u32))
+}
+
+#[cfg(all(test, feature = "serde"))]
+mod serialize_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_semaphore_s_holders_carry_their_age_and_lease_left() {
+        let info = SemaphoreInfo {
+            name: "payments".into(),
+            capacity: 3,
+            default_lease: Duration::from_secs(600),
+            created_at: at("2026-11-21T07:00:00Z"),
+            updated_at: at("2026-11-21T07:00:00Z"),
+            holders: vec![Holder {
+                id: 1,
+                slot: 0,
+                holder: "a".into(),
+                metadata: None,
+                created_at: at("2026-11-21T08:00:00Z"),
+                expires_at: at("2026-11-21T08:00:10Z"),
+            }],
+            as_of: at("2026-11-21T08:00:12.5Z"),
+        };
+        let value = serde_json::to_value(&info).unwrap();
+        assert_eq!(value["held"], 1);
+        assert_eq!(value["default_lease_seconds"], 600.0);
+        assert_eq!(value["holders"][0]["claimed_at"], "2026-11-21T08:00:00Z");
+        assert_eq!(value["holders"][0]["age_seconds"], 12.5);
+        assert_eq!(value["holders"][0]["lease_left_seconds"], -2.5);
+    }
+
+    #[test]
+    fn an_advisory_semaphore_says_its_kind_and_its_holders_sessions() {
+        let info = AdvisorySemaphoreInfo {
+            name: "exports".into(),
+            capacity: 3,
+            created_at: at("2026-11-21T07:00:00Z"),
+            updated_at: at("2026-11-21T07:30:00Z"),
+            holders: vec![
+                AdvisoryHolder {
+                    slot: 0,
+                    pid: Some(4242),
+                    application_name: Some("pg-semaphore advisory".into()),
+                    client_addr: Some("10.0.0.7".into()),
+                    backend_start: Some(at("2026-11-21T07:59:00Z")),
+                },
+                AdvisoryHolder {
+                    slot: 2,
+                    pid: Some(4243),
+                    application_name: Some("pg-semaphore advisory".into()),
+                    client_addr: None,
+                    backend_start: None,
+                },
+            ],
+            as_of: at("2026-11-21T08:00:00Z"),
+        };
+        assert_eq!(
+            serde_json::to_value(&info).unwrap(),
+            json!({
+                "kind": "advisory",
+                "name": "exports",
+                "capacity": 3,
+                "held": 2,
+                "created_at": "2026-11-21T07:00:00Z",
+                "updated_at": "2026-11-21T07:30:00Z",
+                "as_of": "2026-11-21T08:00:00Z",
+                "holders": [
+                    {
+                        "slot": 0,
+                        "pid": 4242,
+                        "application_name": "pg-semaphore advisory",
+                        "client_addr": "10.0.0.7",
+                        "backend_start": "2026-11-21T07:59:00Z",
+                    },
+                    {
+                        "slot": 2,
+                        "pid": 4243,
+                        "application_name": "pg-semaphore advisory",
+                        "client_addr": null,
+                        "backend_start": null,
+                    },
+                ],
+            })
+        );
+    }
+
+    #[test]
+    fn a_release_outcome_is_tagged() {
+        let released = ReleaseOutcome::AlreadyTimedOut {
+            semaphore: "s".into(),
+            at: at("2026-11-21T08:00:00Z"),
+        };
+        assert_eq!(
+            serde_json::to_value(&released).unwrap(),
+            json!({ "outcome": "already_timed_out", "semaphore": "s", "at": "2026-11-21T08:00:00Z" })
+        );
+        assert_eq!(
+            serde_json::to_value(&ReleaseOutcome::NotFound).unwrap(),
+            json!({ "outcome": "not_found" })
+        );
+    }
 }

@@ -366,6 +366,26 @@ impl Summary {
 }
 
 /// Adds `total`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Summary {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+        let mut s = serializer.serialize_struct("Summary", 7)?;
+        s.serialize_field("total", &self.total())?;
+        s.serialize_field("completed", &self.completed)?;
+        s.serialize_field("timed_out", &self.timed_out)?;
+        s.serialize_field("live", &self.live)?;
+        s.serialize_field("p50_hold_seconds", &secs(self.p50_hold))?;
+        s.serialize_field("p95_hold_seconds", &secs(self.p95_hold))?;
+        s.serialize_field("max_hold_seconds", &secs(self.max_hold))?;
+        s.end()
+    }
+}
+
 /// One semaphore's claims over a window, aggregated by the database at
 /// the resolution of a [`ReportShape`], from [`AuditLog::report`] or
 /// [`AuditLog::report_shaped`] (`pg-semaphore report` draws one).
@@ -971,5 +991,59 @@ mod tests {
             3
         );
         assert!(hold_time_bins(REPORT_HOLD_BINS, &[]).is_empty());
+    }
+}
+
+#[cfg(all(test, feature = "serde"))]
+mod serialize_tests {
+    use chrono::{DateTime, Utc};
+    use serde_json::json;
+
+    use super::*;
+
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_claim_record_has_the_cli_s_field_names() {
+        let claim = ClaimRecord {
+            id: 7,
+            slot: 2,
+            holder: "web-1".into(),
+            metadata: Some(json!({ "request": "r-1" })),
+            created_at: at("2026-11-21T08:00:00Z"),
+            expires_at: at("2026-11-21T08:01:30Z"),
+            ended_at: None,
+            outcome: Outcome::TimedOut,
+            held_for: Duration::from_millis(1500),
+        };
+        assert_eq!(
+            serde_json::to_value(&claim).unwrap(),
+            json!({
+                "id": 7,
+                "slot": 2,
+                "holder": "web-1",
+                "metadata": { "request": "r-1" },
+                "claimed_at": "2026-11-21T08:00:00Z",
+                "expires_at": "2026-11-21T08:01:30Z",
+                "ended_at": null,
+                "outcome": "timed_out",
+                "held_seconds": 1.5,
+            })
+        );
+    }
+
+    #[test]
+    fn a_summary_with_nothing_finished_has_null_hold_times() {
+        let summary = Summary {
+            live: 2,
+            ..Summary::default()
+        };
+        let value = serde_json::to_value(summary).unwrap();
+        assert_eq!(value["total"], 2);
+        assert_eq!(value["p95_hold_seconds"], serde_json::Value::Null);
     }
 }

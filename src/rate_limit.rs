@@ -739,3 +739,31 @@ pub async fn prune_rate_limits(pool: &PgPool, idle_for: Duration) -> Result<u64>
     }
     Ok(total)
 }
+
+#[cfg(all(test, feature = "serde"))]
+mod serialize_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_decision_gives_retry_after_in_seconds() {
+        let decision = Decision {
+            allowed: false,
+            remaining: 0,
+            retry_after: Duration::from_millis(250),
+            limit: 10,
+            failed_open: false,
+        };
+        assert_eq!(
+            serde_json::to_value(decision).unwrap(),
+            json!({
+                "allowed": false,
+                "remaining": 0,
+                "retry_after_seconds": 0.25,
+                "limit": 10,
+                "failed_open": false,
+            })
+        );
+    }
+}
