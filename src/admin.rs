@@ -11,8 +11,8 @@ use sqlx::PgPool;
 
 use crate::audit::Holder;
 use crate::db::Db;
-use crate::error::{Error, Result};
-use crate::semaphore::{MAX_CAPACITY, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, QueueOrder};
+use crate::error::{Error, Result, semaphore_not_found};
+use crate::semaphore::QueueOrder;
 use crate::validate;
 
 /// Every semaphore with its live claims, read in one statement (one
@@ -122,6 +122,68 @@ pub struct AdvisorySemaphoreInfo {
     /// The database clock when this was read: compare it with a holder's
     /// [`backend_start`](AdvisoryHolder::backend_start).
     pub as_of: DateTime<Utc>,
+}
+
+/// Adds `held`, and each holder's age and lease left at `as_of`: the
+/// database clock, the one leases are measured on.
+#[cfg(feature = "serde")]
+impl serde::Serialize for SemaphoreInfo {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+
+        use crate::serialize::delta_seconds;
+        #[derive(serde::Serialize)]
+        struct SeenHolder<'a> {
+            #[serde(flatten)]
+            holder: &'a Holder,
+            age_seconds: Option<f64>,
+            lease_left_seconds: Option<f64>,
+        }
+        let holders: Vec<SeenHolder<'_>> = self
+            .holders
+            .iter()
+            .map(|holder| SeenHolder {
+                holder,
+                age_seconds: delta_seconds(self.as_of - holder.created_at),
+                lease_left_seconds: delta_seconds(holder.expires_at - self.as_of),
+            })
+            .collect();
+        let mut s = serializer.serialize_struct("SemaphoreInfo", 8)?;
+        s.serialize_field("name", &self.name)?;
+        s.serialize_field("capacity", &self.capacity)?;
+        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("default_lease_seconds", &self.default_lease.as_secs_f64())?;
+        s.serialize_field("created_at", &self.created_at)?;
+        s.serialize_field("updated_at", &self.updated_at)?;
+        s.serialize_field("as_of", &self.as_of)?;
+        s.serialize_field("holders", &holders)?;
+        s.end()
+    }
+}
+
+/// Adds `"kind": "advisory"` (a [`SemaphoreInfo`] has no `kind`, so the
+/// two can share a list) and `held`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for AdvisorySemaphoreInfo {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let mut s = serializer.serialize_struct("AdvisorySemaphoreInfo", 8)?;
+        s.serialize_field("kind", "advisory")?;
+        s.serialize_field("name", &self.name)?;
+        s.serialize_field("capacity", &self.capacity)?;
+        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("created_at", &self.created_at)?;
+        s.serialize_field("updated_at", &self.updated_at)?;
+        s.serialize_field("as_of", &self.as_of)?;
+        s.serialize_field("holders", &self.holders)?;
+        s.end()
+    }
 }
 
 /// A held slot of an advisory semaphore: the session whose advisory lock
@@ -420,16 +482,17 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a capacity of 0 or above [`MAX_CAPACITY`]
-/// or a bad name (nothing is written); [`Error::SemaphoreNotFound`] when no
-/// semaphore has this name; [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::InvalidArgument`] for a capacity of 0 or above
+/// [`MAX_CAPACITY`](crate::MAX_CAPACITY) or a bad name (nothing is
+/// written); [`Error::SemaphoreNotFound`] when no semaphore has this name;
+/// [`Error::MigrationsMissing`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
 /// One statement: cancelling either applies the change or not.
 pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u32> {
-    validate::text("name", name, MAX_NAME_LEN)?;
-    check_capacity(capacity)?;
+    validate::name(name)?;
+    validate::capacity(capacity)?;
     let previous = match run_configure(pool, name, Some(capacity), None, None, false).await {
         Ok(previous) => previous.unwrap_or(capacity),
         // Not a lease semaphore: an advisory one, perhaps.
@@ -442,7 +505,7 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
             let (previous,) = db
                 .fetch_one(query)
                 .await
-                .map_err(|error| not_found_or(error, name))?;
+                .map_err(|error| semaphore_not_found(error, name))?;
             previous.max(0) as u32
         }
         Err(error) => return Err(error),
@@ -487,9 +550,9 @@ pub async fn configure(
     capacity: u32,
     lease: Duration,
 ) -> Result<Option<u32>> {
-    validate::text("name", name, MAX_NAME_LEN)?;
-    check_capacity(capacity)?;
-    validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?;
+    validate::name(name)?;
+    validate::capacity(capacity)?;
+    validate::lease(lease)?;
     let previous = run_configure(pool, name, Some(capacity), Some(lease), None, true).await?;
     tracing::info!(
         semaphore = name,
@@ -524,7 +587,7 @@ pub async fn configure(
 ///
 /// One statement: cancelling either applies the change or not.
 pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Result<()> {
-    validate::text("name", name, MAX_NAME_LEN)?;
+    validate::name(name)?;
     run_configure(pool, name, None, None, Some(order), false).await?;
     tracing::info!(semaphore = name, ?order, "semaphore queue order set");
     Ok(())
@@ -553,25 +616,15 @@ pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Re
 ///
 /// One statement: cancelling either clears the queue or not.
 pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
-    validate::text("name", name, MAX_NAME_LEN)?;
+    validate::name(name)?;
     let db = db(pool);
     let query = db.query_as::<(i64,)>(CLEAR_QUEUE).bind(name.to_owned());
     let (removed,) = db
         .fetch_one(query)
         .await
-        .map_err(|error| not_found_or(error, name))?;
+        .map_err(|error| semaphore_not_found(error, name))?;
     tracing::info!(semaphore = name, removed, "semaphore queue cleared");
     Ok(removed.max(0) as u64)
-}
-
-fn check_capacity(capacity: u32) -> Result<()> {
-    if capacity == 0 || capacity > MAX_CAPACITY {
-        return Err(Error::invalid(
-            "capacity",
-            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
-        ));
-    }
-    Ok(())
 }
 
 async fn run_configure(
@@ -583,7 +636,7 @@ async fn run_configure(
     create: bool,
 ) -> Result<Option<u32>> {
     let lease = match lease {
-        Some(lease) => Some(validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)?),
+        Some(lease) => Some(validate::lease(lease)?),
         None => None,
     };
     let db = db(pool);
@@ -597,20 +650,116 @@ async fn run_configure(
     let (previous,) = db
         .fetch_one(query)
         .await
-        .map_err(|error| not_found_or(error, name))?;
+        .map_err(|error| semaphore_not_found(error, name))?;
     Ok(previous.map(|p| p.max(0) as u32))
 }
 
-/// P0002 (no_data_found): the operator functions' "no such semaphore".
-fn not_found_or(error: Error, name: &str) -> Error {
-    match error {
-        Error::Database(error)
-            if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("P0002") =>
-        {
-            Error::SemaphoreNotFound {
-                semaphore: name.to_owned(),
-            }
-        }
-        error => error,
+#[cfg(all(test, feature = "serde"))]
+mod serialize_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_semaphore_s_holders_carry_their_age_and_lease_left() {
+        let info = SemaphoreInfo {
+            name: "payments".into(),
+            capacity: 3,
+            default_lease: Duration::from_secs(600),
+            created_at: at("2026-11-21T07:00:00Z"),
+            updated_at: at("2026-11-21T07:00:00Z"),
+            holders: vec![Holder {
+                id: 1,
+                slot: 0,
+                holder: "a".into(),
+                metadata: None,
+                created_at: at("2026-11-21T08:00:00Z"),
+                expires_at: at("2026-11-21T08:00:10Z"),
+            }],
+            as_of: at("2026-11-21T08:00:12.5Z"),
+        };
+        let value = serde_json::to_value(&info).unwrap();
+        assert_eq!(value["held"], 1);
+        assert_eq!(value["default_lease_seconds"], 600.0);
+        assert_eq!(value["holders"][0]["claimed_at"], "2026-11-21T08:00:00Z");
+        assert_eq!(value["holders"][0]["age_seconds"], 12.5);
+        assert_eq!(value["holders"][0]["lease_left_seconds"], -2.5);
+    }
+
+    #[test]
+    fn an_advisory_semaphore_says_its_kind_and_its_holders_sessions() {
+        let info = AdvisorySemaphoreInfo {
+            name: "exports".into(),
+            capacity: 3,
+            created_at: at("2026-11-21T07:00:00Z"),
+            updated_at: at("2026-11-21T07:30:00Z"),
+            holders: vec![
+                AdvisoryHolder {
+                    slot: 0,
+                    pid: Some(4242),
+                    application_name: Some("pg-semaphore advisory".into()),
+                    client_addr: Some("10.0.0.7".into()),
+                    backend_start: Some(at("2026-11-21T07:59:00Z")),
+                },
+                AdvisoryHolder {
+                    slot: 2,
+                    pid: Some(4243),
+                    application_name: Some("pg-semaphore advisory".into()),
+                    client_addr: None,
+                    backend_start: None,
+                },
+            ],
+            as_of: at("2026-11-21T08:00:00Z"),
+        };
+        assert_eq!(
+            serde_json::to_value(&info).unwrap(),
+            json!({
+                "kind": "advisory",
+                "name": "exports",
+                "capacity": 3,
+                "held": 2,
+                "created_at": "2026-11-21T07:00:00Z",
+                "updated_at": "2026-11-21T07:30:00Z",
+                "as_of": "2026-11-21T08:00:00Z",
+                "holders": [
+                    {
+                        "slot": 0,
+                        "pid": 4242,
+                        "application_name": "pg-semaphore advisory",
+                        "client_addr": "10.0.0.7",
+                        "backend_start": "2026-11-21T07:59:00Z",
+                    },
+                    {
+                        "slot": 2,
+                        "pid": 4243,
+                        "application_name": "pg-semaphore advisory",
+                        "client_addr": null,
+                        "backend_start": null,
+                    },
+                ],
+            })
+        );
+    }
+
+    #[test]
+    fn a_release_outcome_is_tagged() {
+        let released = ReleaseOutcome::AlreadyTimedOut {
+            semaphore: "s".into(),
+            at: at("2026-11-21T08:00:00Z"),
+        };
+        assert_eq!(
+            serde_json::to_value(&released).unwrap(),
+            json!({ "outcome": "already_timed_out", "semaphore": "s", "at": "2026-11-21T08:00:00Z" })
+        );
+        assert_eq!(
+            serde_json::to_value(&ReleaseOutcome::NotFound).unwrap(),
+            json!({ "outcome": "not_found" })
+        );
     }
 }

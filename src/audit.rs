@@ -1,15 +1,21 @@
 //! The audit log: every claim stays in `pgsemaphore.slots` after it ends.
 //! [`AuditLog`] reads it: live holders, a window's history, a summary with
-//! hold-time percentiles, and the data of `pg-semaphore report`'s picture.
+//! hold-time percentiles, and a [`Report`]: the window aggregated by the
+//! database at the resolution the caller asks for ([`ReportShape`]). How a
+//! report is drawn (`pg-semaphore report`'s page, and the resolution it
+//! asks for) is the binary's.
 
 use std::ops::Range;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
-use sqlx::PgPool;
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::QueryAs;
+use sqlx::{FromRow, PgPool, Postgres};
 
-use crate::db::{Db, ours};
-use crate::error::{Error, Result};
+use crate::db::Db;
+use crate::error::{Error, Result, ours};
+use crate::validate;
 
 /// Live holders of one semaphore, oldest first.
 const HOLDERS: &str = "\
@@ -138,14 +144,89 @@ SELECT CASE WHEN longest > 0 THEN least(floor(seconds * $4 / longest)::int, $4 -
  GROUP BY 1, 2
  ORDER BY 1";
 
-/// Time buckets in a report: the occupancy series and each lane's cells.
+/// A report's default time buckets: the occupancy series and each lane's cells.
 const REPORT_BUCKETS: u32 = 240;
-/// Bins of a report's hold-time histogram.
+/// A report's default bins of the hold-time histogram.
 const REPORT_HOLD_BINS: u32 = 30;
-/// The most claims a report lists one by one; above, it only aggregates.
+/// The most claims a report lists one by one by default; above, it only
+/// aggregates.
 const REPORT_MAX_CLAIMS: u64 = 5_000;
-/// The most lanes in a report's timeline; above, a lane groups several slots.
+/// The most lanes in a report's timeline by default; above, a lane groups
+/// several slots.
 const REPORT_MAX_LANES: u32 = 100;
+
+/// The resolution of a [`Report`]: how many time buckets and hold-time bins
+/// the database aggregates a window into, and how many lanes and listed
+/// claims the report may hold at most. Passed to
+/// [`AuditLog::report_shaped`]; [`AuditLog::report`] uses the default: 240
+/// time buckets, 30 hold-time bins, at most 100 lanes and 5,000 listed
+/// claims.
+///
+/// A report's size is bounded by its shape whatever the traffic: about
+/// `lanes x buckets` cells, `buckets` occupancy points, `hold_time_bins`
+/// bins, and at most `max_claims` claims.
+///
+/// ```
+/// use pg_semaphore::ReportShape;
+/// // A narrow picture: 60 columns, 10 histogram bars, no claim listed.
+/// let shape = ReportShape::new().buckets(60).hold_time_bins(10).max_claims(0);
+/// assert_ne!(shape, ReportShape::default());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportShape {
+    buckets: u32,
+    hold_time_bins: u32,
+    max_lanes: u32,
+    max_claims: u64,
+}
+
+impl ReportShape {
+    /// The default shape: 240 time buckets, 30 hold-time bins, at most 100
+    /// lanes and 5,000 listed claims.
+    pub const fn new() -> Self {
+        ReportShape {
+            buckets: REPORT_BUCKETS,
+            hold_time_bins: REPORT_HOLD_BINS,
+            max_lanes: REPORT_MAX_LANES,
+            max_claims: REPORT_MAX_CLAIMS,
+        }
+    }
+
+    /// Time buckets across the window (1 to 10,000): the points of the
+    /// occupancy series, and the cells of each lane.
+    pub const fn buckets(mut self, buckets: u32) -> Self {
+        self.buckets = buckets;
+        self
+    }
+
+    /// Bins of the hold-time histogram (1 to 1,000), from zero to the
+    /// longest hold.
+    pub const fn hold_time_bins(mut self, bins: u32) -> Self {
+        self.hold_time_bins = bins;
+        self
+    }
+
+    /// The most lanes of the timeline (at least 1): a semaphore with more
+    /// slots (capacity, or slots held in the window) groups several slots
+    /// per lane, and the report is then aggregated.
+    pub const fn max_lanes(mut self, lanes: u32) -> Self {
+        self.max_lanes = lanes;
+        self
+    }
+
+    /// The most claims listed one by one; a window with more is aggregated
+    /// (no claim listed).
+    pub const fn max_claims(mut self, claims: u64) -> Self {
+        self.max_claims = claims;
+        self
+    }
+}
+
+impl Default for ReportShape {
+    fn default() -> Self {
+        ReportShape::new()
+    }
+}
 
 /// Read-only queries over the slot table, which keeps every claim after it
 /// ends: who held what, when, and for how long.
@@ -284,14 +365,37 @@ impl Summary {
     }
 }
 
-/// A picture of one semaphore's claims over a window, from
-/// [`AuditLog::report`]: what `pg-semaphore report` draws.
+/// Adds `total`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Summary {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+        let mut s = serializer.serialize_struct("Summary", 7)?;
+        s.serialize_field("total", &self.total())?;
+        s.serialize_field("completed", &self.completed)?;
+        s.serialize_field("timed_out", &self.timed_out)?;
+        s.serialize_field("live", &self.live)?;
+        s.serialize_field("p50_hold_seconds", &secs(self.p50_hold))?;
+        s.serialize_field("p95_hold_seconds", &secs(self.p95_hold))?;
+        s.serialize_field("max_hold_seconds", &secs(self.max_hold))?;
+        s.end()
+    }
+}
+
+/// One semaphore's claims over a window, aggregated by the database at
+/// the resolution of a [`ReportShape`], from [`AuditLog::report`] or
+/// [`AuditLog::report_shaped`] (`pg-semaphore report` draws one).
 ///
-/// Its size is bounded whatever the traffic: the claims are listed one by
-/// one only when the window holds at most 5,000 and the semaphore at most
-/// 100 slots; otherwise [`aggregated`](Self::aggregated) is set, `claims`
-/// is empty, and the timeline is told by [`cells`](Self::cells) alone
-/// (computed by the database, one row per lane and time bucket). The
+/// Its size is bounded by the shape whatever the traffic: the claims are
+/// listed one by one only when the window holds at most the shape's
+/// `max_claims` and the semaphore at most its `max_lanes` slots (5,000 and
+/// 100 by default); otherwise [`aggregated`](Self::aggregated) is set,
+/// `claims` is empty, and the timeline is told by [`cells`](Self::cells)
+/// alone (computed by the database, one row per lane and time bucket). The
 /// occupancy series, the cells and the hold-time histogram are always
 /// there. Everything is read in one `REPEATABLE READ` snapshot, so the
 /// parts agree.
@@ -323,7 +427,8 @@ pub struct Report {
     /// so that only the aggregates describe them.
     pub aggregated: bool,
     /// How many slots a lane of the timeline stands for (1 unless the
-    /// semaphore has more than 100 slots).
+    /// semaphore has more slots than the shape's `max_lanes`, 100 by
+    /// default).
     pub slots_per_lane: u32,
     /// Lanes in the timeline: enough for the capacity and every slot held.
     pub lanes: u32,
@@ -536,12 +641,13 @@ impl AuditLog {
 }
 
 impl AuditLog {
-    /// Everything needed to draw `semaphore`'s claims over `window`: the
-    /// claims themselves when they are few, occupancy per time bucket
-    /// against the capacity, each slot's use per bucket, a hold-time
-    /// histogram and the summary. See [`Report`] for what is aggregated
-    /// when: the aggregation runs in the database, so a window of millions
-    /// of claims takes no more memory here than one of thousands.
+    /// `semaphore`'s claims over `window`, in the default
+    /// [`ReportShape`]: the claims themselves when they are few, occupancy
+    /// per time bucket against the capacity, each slot's use per bucket, a
+    /// hold-time histogram and the summary. See [`Report`] for what is
+    /// aggregated when: the aggregation runs in the database, so a window
+    /// of millions of claims takes no more memory here than one of
+    /// thousands.
     ///
     /// ```no_run
     /// use chrono::{Duration, Utc};
@@ -568,6 +674,44 @@ impl AuditLog {
     ///
     /// Read-only: cancel at will.
     pub async fn report(&self, semaphore: &str, window: Range<DateTime<Utc>>) -> Result<Report> {
+        self.report_shaped(semaphore, window, ReportShape::default())
+            .await
+    }
+
+    /// As [`report`](Self::report), at the resolution of `shape`: as many
+    /// time buckets and hold-time bins as it asks for, at most its lanes
+    /// and listed claims.
+    ///
+    /// ```no_run
+    /// use chrono::{Duration, Utc};
+    /// use pg_semaphore::{AuditLog, ReportShape};
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let now = Utc::now();
+    /// let shape = ReportShape::new().buckets(60);
+    /// let report = AuditLog::new(&pool)
+    ///     .report_shaped("payments-api", now - Duration::hours(1)..now, shape)
+    ///     .await?;
+    /// assert_eq!(report.occupancy.len(), 60);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`report`](Self::report), and [`Error::InvalidArgument`] for a
+    /// shape out of range (`buckets`, `hold_time_bins`, `max_lanes`).
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn report_shaped(
+        &self,
+        semaphore: &str,
+        window: Range<DateTime<Utc>>,
+        shape: ReportShape,
+    ) -> Result<Report> {
+        validate::report_shape(shape.buckets, shape.hold_time_bins, shape.max_lanes)?;
         check_window(&window)?;
         let micros = (window.end - window.start)
             .num_microseconds()
@@ -578,7 +722,7 @@ impl AuditLog {
                     "must last at least a microsecond and less than 290,000 years",
                 )
             })?;
-        let bucket_seconds = micros as f64 / 1e6 / f64::from(REPORT_BUCKETS);
+        let bucket_seconds = micros as f64 / 1e6 / f64::from(shape.buckets);
         // One snapshot for every part, so that they agree. Unnamed statements
         // in a transaction: works through PgBouncer.
         let mut tx = self
@@ -586,11 +730,7 @@ impl AuditLog {
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .await
             .map_err(ours)?;
-        let scope: Option<ScopeRow> = sqlx::query_as(REPORT_SCOPE)
-            .bind(semaphore)
-            .bind(window.start)
-            .bind(window.end)
-            .persistent(false)
+        let scope: Option<ScopeRow> = in_window(REPORT_SCOPE, semaphore, &window)
             .fetch_optional(&mut *tx)
             .await
             .map_err(ours)?;
@@ -601,61 +741,41 @@ impl AuditLog {
         };
         let capacity = scope.capacity.max(0) as u32;
         let slots = capacity.max(scope.max_slot.map_or(0, |s| s.max(0) as u32 + 1));
-        let slots_per_lane = slots.div_ceil(REPORT_MAX_LANES).max(1);
+        let slots_per_lane = slots.div_ceil(shape.max_lanes).max(1);
         let lanes = slots.div_ceil(slots_per_lane);
 
         let summary = summarize(
-            sqlx::query_as(SUMMARY)
-                .bind(semaphore)
-                .bind(window.start)
-                .bind(window.end)
-                .persistent(false)
+            in_window(SUMMARY, semaphore, &window)
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(ours)?,
         );
         // The count comes from the same snapshot as the claims: exact.
-        let aggregated = summary.total() > REPORT_MAX_CLAIMS || slots_per_lane > 1;
+        let aggregated = summary.total() > shape.max_claims || slots_per_lane > 1;
         let claims = if aggregated {
             Vec::new()
         } else {
-            let rows: Vec<HistoryRow> = sqlx::query_as(HISTORY)
-                .bind(semaphore)
-                .bind(window.start)
-                .bind(window.end)
-                .persistent(false)
+            let rows: Vec<HistoryRow> = in_window(HISTORY, semaphore, &window)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(ours)?;
             rows.into_iter().map(ClaimRecord::from).collect()
         };
-        let cells: Vec<CellRow> = sqlx::query_as(REPORT_CELLS)
-            .bind(semaphore)
-            .bind(window.start)
-            .bind(window.end)
+        let cells: Vec<CellRow> = in_window(REPORT_CELLS, semaphore, &window)
             .bind(bucket_seconds)
-            .bind(REPORT_BUCKETS as i32)
+            .bind(shape.buckets as i32)
             .bind(slots_per_lane as i32)
-            .persistent(false)
             .fetch_all(&mut *tx)
             .await
             .map_err(ours)?;
-        let peaks: Vec<(i32, i64)> = sqlx::query_as(REPORT_PEAKS)
-            .bind(semaphore)
-            .bind(window.start)
-            .bind(window.end)
+        let peaks: Vec<(i32, i64)> = in_window(REPORT_PEAKS, semaphore, &window)
             .bind(bucket_seconds)
-            .bind(REPORT_BUCKETS as i32)
-            .persistent(false)
+            .bind(shape.buckets as i32)
             .fetch_all(&mut *tx)
             .await
             .map_err(ours)?;
-        let hold_times: Vec<HoldTimeRow> = sqlx::query_as(REPORT_HOLD_TIMES)
-            .bind(semaphore)
-            .bind(window.start)
-            .bind(window.end)
-            .bind(REPORT_HOLD_BINS as i32)
-            .persistent(false)
+        let hold_times: Vec<HoldTimeRow> = in_window(REPORT_HOLD_TIMES, semaphore, &window)
+            .bind(shape.hold_time_bins as i32)
             .fetch_all(&mut *tx)
             .await
             .map_err(ours)?;
@@ -673,11 +793,29 @@ impl AuditLog {
             slots_per_lane,
             lanes,
             bucket_width: seconds(bucket_seconds),
-            occupancy: occupancy(window.start, bucket_seconds, &cells, &peaks),
+            occupancy: occupancy(window.start, bucket_seconds, shape.buckets, &cells, &peaks),
             cells: cells.into_iter().map(SlotBucket::from).collect(),
-            hold_times: hold_time_bins(&hold_times),
+            hold_times: hold_time_bins(shape.hold_time_bins, &hold_times),
         })
     }
+}
+
+/// A report's statement over `semaphore`'s claims in `window` (`$1`, `$2`,
+/// `$3`; the rest are bound by the caller), unnamed: a report's reads share
+/// one transaction, which may run through PgBouncer.
+fn in_window<'q, O>(
+    sql: &'static str,
+    semaphore: &'q str,
+    window: &Range<DateTime<Utc>>,
+) -> QueryAs<'q, Postgres, O, PgArguments>
+where
+    O: for<'r> FromRow<'r, PgRow>,
+{
+    sqlx::query_as(sql)
+        .persistent(false)
+        .bind(semaphore)
+        .bind(window.start)
+        .bind(window.end)
 }
 
 /// The occupancy series: a bucket's mean from the slot time held in it; its
@@ -686,10 +824,11 @@ impl AuditLog {
 fn occupancy(
     since: DateTime<Utc>,
     bucket_seconds: f64,
+    buckets: u32,
     cells: &[CellRow],
     peaks: &[(i32, i64)],
 ) -> Vec<OccupancyBucket> {
-    let buckets = REPORT_BUCKETS as usize;
+    let buckets = buckets as usize;
     let index = |bucket: i32| usize::try_from(bucket).ok().filter(|&b| b < buckets);
     let mut busy = vec![0.0; buckets];
     let mut peak = vec![0_i64; buckets];
@@ -713,13 +852,14 @@ fn occupancy(
         .collect()
 }
 
-/// Every bin from zero to the longest hold, empty ones included.
-fn hold_time_bins(rows: &[HoldTimeRow]) -> Vec<HoldTimeBin> {
+/// Every one of the `count` bins from zero to the longest hold, empty ones
+/// included.
+fn hold_time_bins(count: u32, rows: &[HoldTimeRow]) -> Vec<HoldTimeBin> {
     let Some(longest) = rows.first().map(|row| row.longest) else {
         return Vec::new();
     };
-    let width = longest / f64::from(REPORT_HOLD_BINS);
-    let mut bins: Vec<HoldTimeBin> = (0..REPORT_HOLD_BINS)
+    let width = longest / f64::from(count);
+    let mut bins: Vec<HoldTimeBin> = (0..count)
         .map(|i| HoldTimeBin {
             from: seconds(width * f64::from(i)),
             to: seconds(width * f64::from(i + 1)),
@@ -825,7 +965,7 @@ mod tests {
             cell(3, 2.0, 1),
             cell(3, 2.0, 1),
         ];
-        let buckets = occupancy(since, 2.0, &cells, &[(0, 2)]);
+        let buckets = occupancy(since, 2.0, REPORT_BUCKETS, &cells, &[(0, 2)]);
         assert_eq!(buckets.len(), REPORT_BUCKETS as usize);
         assert_eq!((buckets[0].mean, buckets[0].peak), (1.0, 2));
         assert_eq!((buckets[1].mean, buckets[1].peak), (0.0, 0));
@@ -841,7 +981,7 @@ mod tests {
             completed,
             timed_out,
         };
-        let bins = hold_time_bins(&[row(0, 2, 0), row(29, 0, 1)]);
+        let bins = hold_time_bins(REPORT_HOLD_BINS, &[row(0, 2, 0), row(29, 0, 1)]);
         assert_eq!(bins.len(), REPORT_HOLD_BINS as usize);
         assert_eq!(bins[0].completed, 2);
         assert_eq!(bins[29].timed_out, 1);
@@ -850,6 +990,60 @@ mod tests {
             bins.iter().map(|b| b.completed + b.timed_out).sum::<u64>(),
             3
         );
-        assert!(hold_time_bins(&[]).is_empty());
+        assert!(hold_time_bins(REPORT_HOLD_BINS, &[]).is_empty());
+    }
+}
+
+#[cfg(all(test, feature = "serde"))]
+mod serialize_tests {
+    use chrono::{DateTime, Utc};
+    use serde_json::json;
+
+    use super::*;
+
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_claim_record_has_the_cli_s_field_names() {
+        let claim = ClaimRecord {
+            id: 7,
+            slot: 2,
+            holder: "web-1".into(),
+            metadata: Some(json!({ "request": "r-1" })),
+            created_at: at("2026-11-21T08:00:00Z"),
+            expires_at: at("2026-11-21T08:01:30Z"),
+            ended_at: None,
+            outcome: Outcome::TimedOut,
+            held_for: Duration::from_millis(1500),
+        };
+        assert_eq!(
+            serde_json::to_value(&claim).unwrap(),
+            json!({
+                "id": 7,
+                "slot": 2,
+                "holder": "web-1",
+                "metadata": { "request": "r-1" },
+                "claimed_at": "2026-11-21T08:00:00Z",
+                "expires_at": "2026-11-21T08:01:30Z",
+                "ended_at": null,
+                "outcome": "timed_out",
+                "held_seconds": 1.5,
+            })
+        );
+    }
+
+    #[test]
+    fn a_summary_with_nothing_finished_has_null_hold_times() {
+        let summary = Summary {
+            live: 2,
+            ..Summary::default()
+        };
+        let value = serde_json::to_value(summary).unwrap();
+        assert_eq!(value["total"], 2);
+        assert_eq!(value["p95_hold_seconds"], serde_json::Value::Null);
     }
 }

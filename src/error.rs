@@ -1,7 +1,18 @@
 //! [`Error`], the one error type, with [`LostReason`] (why a permit or a
 //! session lock no longer holds) and [`WaitedFor`] (what a wait that timed
-//! out waited for).
+//! out waited for); and how a database error reads, in one place:
+//!
+//! - [`ours`]: an error of one of the crate's own statements, the one place
+//!   that reads "undefined table" as "migrations not applied" and a SQL
+//!   function's argument check as [`Error::InvalidArgument`]; errors of the
+//!   caller's statements never go through it;
+//! - [`unreachable`] ([`Error::is_unreachable`]): the database could not be
+//!   reached, or the connection died;
+//! - [`outcome_unknown`]: a statement may have run without its reply
+//!   reaching us;
+//! - [`semaphore_not_found`]: the crate's functions' "no such semaphore".
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -218,23 +229,6 @@ pub enum Error {
         supported: i32,
     },
 
-    /// The database holds a development schema from before pg-semaphore's
-    /// first release (migrations 20261121000001 to 20261121000005, since
-    /// squashed into one baseline): it cannot be upgraded; drop it and
-    /// migrate again. Nothing was written.
-    #[error(
-        "this database has a pre-release development schema of pg-semaphore (applied migrations \
-         {}, from before the schema was squashed into one baseline) that cannot be upgraded: \
-         recreate it with `DROP SCHEMA pgsemaphore CASCADE` (this deletes its semaphores, claims \
-         and rate-limit state) and migrate again (`pg_semaphore::migrate(&pool)`, or \
-         `pg_semaphore::refinery_migrate(&mut client)` with refinery)",
-        join(versions)
-    )]
-    PreReleaseSchema {
-        /// The pre-release migrations recorded in the history.
-        versions: Vec<i64>,
-    },
-
     /// A schema named `pgsemaphore` exists with objects in it, but not
     /// pg-semaphore's (it has no `pgsemaphore.schema_version()`): the crate
     /// needs that name. Nothing was written.
@@ -323,14 +317,6 @@ fn outdated(found: i32, required: i32, history: MigrationHistory, pending: &[Str
              `pg_semaphore::refinery_migrate(&mut client)`, not with sqlx"
         ),
     }
-}
-
-fn join(versions: &[i64]) -> String {
-    versions
-        .iter()
-        .map(i64::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// What a wait that timed out ([`Error::Timeout`]) was waiting for.
@@ -450,7 +436,7 @@ impl Error {
     /// connections) counts: both can mean a server that is only busy.
     pub fn is_unreachable(&self) -> bool {
         match self {
-            Error::Database(error) => crate::db::unreachable(error),
+            Error::Database(error) => unreachable(error),
             _ => false,
         }
     }
@@ -466,5 +452,143 @@ impl Error {
             argument,
             reason: reason.into(),
         }
+    }
+}
+
+/// Maps an error of one of the crate's own statements: an undefined schema,
+/// table or function (3F000, 42P01, 42883) means the migrations were not
+/// applied; 22023 raised by a function's argument check (`pgsemaphore.refuse`,
+/// which names the argument in the error's COLUMN field) is an
+/// [`Error::InvalidArgument`]. Statements the application runs (in a mutex
+/// guard's transaction, say) never go through here.
+pub(crate) fn ours(error: sqlx::Error) -> Error {
+    let Some(database) = error.as_database_error() else {
+        return Error::Database(error);
+    };
+    match database.code().as_deref() {
+        Some("3F000" | "42P01" | "42883") => Error::MigrationsMissing { source: error },
+        Some("22023") => {
+            let column = database
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .and_then(|e| e.column());
+            match column.map(argument_name) {
+                Some(argument) => {
+                    let message = database.message();
+                    // "invalid p_permits: 1 to 100000, got 0" -> "1 to 100000, got 0"
+                    let reason = message.split_once(": ").map_or(message, |(_, r)| r);
+                    Error::invalid(argument, reason)
+                }
+                None => Error::Database(error),
+            }
+        }
+        _ => Error::Database(error),
+    }
+}
+
+/// The crate's name for an argument of a SQL function, as
+/// [`Error::InvalidArgument`] reports it.
+fn argument_name(column: &str) -> &'static str {
+    match column {
+        "p_name" | "p_semaphore" => "name",
+        "p_capacity" => "capacity",
+        "p_lease" => "lease",
+        "p_holder" => "holder",
+        "p_metadata" => "metadata",
+        "p_token" | "p_ticket_token" => "token",
+        "p_permits" | "p_n" => "permits",
+        "p_priority" => "priority",
+        "p_reserve" => "reserved",
+        "p_ids" => "ids",
+        "p_ticket" | "p_tickets" => "ticket",
+        "p_waiter_lease" => "waiter_lease",
+        "p_fair_key" => "fairness_key",
+        "p_limit" => "limit",
+        "p_limiter" => "limiter",
+        "p_key" => "key",
+        "p_rate" => "rate",
+        "p_burst" => "burst",
+        "p_window" => "window",
+        "p_older_than" => "older_than",
+        "p_idle_for" => "idle_for",
+        "p_batch" => "batch",
+        "p_id" => "id",
+        _ => "argument",
+    }
+}
+
+/// See [`Error::is_unreachable`].
+pub(crate) fn unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolClosed => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
+        _ => false,
+    }
+}
+
+/// Whether a statement that failed with `error` may still have run on the
+/// server: the connection broke after it was sent, so its reply (and commit
+/// status) is unknown. A pool timeout never sent anything; an error answer
+/// from the server means it did not commit.
+pub(crate) fn outcome_unknown(error: &Error) -> bool {
+    match error {
+        Error::Database(sqlx::Error::Database(_) | sqlx::Error::PoolTimedOut) => false,
+        Error::Database(error) => unreachable(error),
+        _ => false,
+    }
+}
+
+/// The SQLSTATE of an error the database answered with, if it is one.
+pub(crate) fn sqlstate(error: &Error) -> Option<Cow<'_, str>> {
+    match error {
+        Error::Database(error) => error.as_database_error().and_then(|e| e.code()),
+        _ => None,
+    }
+}
+
+/// P0002 (no_data_found), which the crate's functions raise for a name no
+/// semaphore has, as [`Error::SemaphoreNotFound`]; any other error as it is.
+pub(crate) fn semaphore_not_found(error: Error, semaphore: &str) -> Error {
+    if sqlstate(&error).as_deref() == Some("P0002") {
+        return Error::SemaphoreNotFound {
+            semaphore: semaphore.to_owned(),
+        };
+    }
+    error
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_undefined_objects_of_our_statements_mean_missing_migrations() {
+        assert!(matches!(ours(sqlx::Error::RowNotFound), Error::Database(_)));
+        assert!(matches!(
+            ours(sqlx::Error::PoolTimedOut),
+            Error::Database(_)
+        ));
+    }
+
+    #[test]
+    fn sql_argument_names_map_to_the_crates() {
+        assert_eq!(argument_name("p_permits"), "permits");
+        assert_eq!(argument_name("p_token"), "token");
+        assert_eq!(argument_name("p_semaphore"), "name");
+        assert_eq!(argument_name("p_something_new"), "argument");
+    }
+
+    #[test]
+    fn a_pool_timeout_never_leaves_an_unknown_outcome() {
+        assert!(!outcome_unknown(&Error::Database(
+            sqlx::Error::PoolTimedOut
+        )));
+        assert!(outcome_unknown(&Error::Database(sqlx::Error::Io(
+            std::io::Error::from(std::io::ErrorKind::ConnectionReset)
+        ))));
     }
 }

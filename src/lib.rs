@@ -105,8 +105,9 @@
 //! Finished claims stay in the slot table with `completed_at` or
 //! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
 //! outcomes and hold times, a summary with p50/p95 hold time, and a
-//! [`Report`] to draw (occupancy against capacity, each slot's use, hold
-//! times), aggregated by the database when the window is busy.
+//! [`Report`] (occupancy against capacity, each slot's use, hold times),
+//! aggregated by the database at the resolution the caller asks for
+//! ([`ReportShape`]) when the window is busy.
 //!
 //! # Which primitive when
 //!
@@ -128,8 +129,8 @@
 //! [`semaphores`] lists every lease semaphore with its live holders and
 //! [`advisory_semaphores`] every advisory one with the sessions that hold
 //! its slots, [`force_release`] frees a stuck claim, [`set_capacity`]
-//! resizes a semaphore, [`reap`] and [`prune`] clean up, [`AuditLog`] reads
-//! history.
+//! resizes a semaphore, [`reap`] and [`prune_claims`] clean up,
+//! [`AuditLog`] reads history.
 //! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
 //!
@@ -140,12 +141,12 @@
 //! application's functions and no write privilege on any table; an operator
 //! role gets the operator's functions ([`set_capacity`], [`configure`],
 //! [`set_queue_order`], [`clear_queue`], [`force_release`], [`reap`],
-//! [`prune`]). The README lists the exact grants, and what the application
-//! role can and cannot do with them: the SQL functions are the security
-//! boundary, not this crate. They check every argument (a refused one is
-//! [`Error::InvalidArgument`], naming it), never lock or change a claim
-//! whose token the caller does not hold, and bound how long a transaction
-//! left open can hold a semaphore's row ([`Error::Stalled`]).
+//! [`prune_claims`]). The README lists the exact grants, and what the
+//! application role can and cannot do with them: the SQL functions are the
+//! security boundary, not this crate. They check every argument (a refused
+//! one is [`Error::InvalidArgument`], naming it), never lock or change a
+//! claim whose token the caller does not hold, and bound how long a
+//! transaction left open can hold a semaphore's row ([`Error::Stalled`]).
 //!
 //! # Migrations
 //!
@@ -216,11 +217,15 @@
 mod admin;
 mod audit;
 mod db;
+mod dead_man;
+mod detached;
 mod error;
+mod fail_open;
 mod horizon;
 mod metrics;
 mod migrate;
 mod mutex;
+mod per_pool;
 mod rate_limit;
 mod reaper;
 #[cfg(feature = "refinery")]
@@ -228,6 +233,7 @@ mod refinery;
 mod semaphore;
 #[cfg(feature = "serde")]
 mod serialize;
+mod token;
 #[cfg(feature = "tower")]
 mod tower;
 mod validate;
@@ -243,26 +249,30 @@ pub use admin::{
     clear_queue, configure, force_release, semaphores, set_capacity, set_queue_order,
 };
 pub use audit::{
-    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, SlotBucket,
-    Summary,
+    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, ReportShape,
+    SlotBucket, Summary,
 };
+pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
 pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
-pub use mutex::{DEFAULT_HEARTBEAT, Mutex, MutexGuard, SessionGuard};
+pub use mutex::{Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, MAX_KEY_LEN, MAX_RATE, MAX_WINDOW, MIN_WINDOW, SlidingWindow,
-    TokenBucket, TokenBucketBuilder, WindowBuilder, prune_rate_limits,
+    Decision, FixedWindow, SlidingWindow, TokenBucket, TokenBucketBuilder, WindowBuilder,
+    prune_rate_limits,
 };
-pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune, reap};
+pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
-    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, MAX_CAPACITY,
-    MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_LEASE, MAX_NAME_LEN, MIN_LEASE, Permit, Priority,
+    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, Permit, Priority,
     QueueOrder, Semaphore, SemaphoreBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
+pub use validate::{
+    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
+    MAX_RATE, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+};
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
 #[doc = include_str!("../README.md")]

@@ -43,16 +43,6 @@ pub const SCHEMA_VERSION: i32 = 5;
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
 
-/// The migrations of the development schema from before the baseline was
-/// squashed (never released): `(sqlx version, refinery name)`.
-const PRE_RELEASE: [(i64, &str); 5] = [
-    (20261121000001, "pg_semaphore_init"),
-    (20261121000002, "pgsemaphore_retention"),
-    (20261121000003, "pgsemaphore_heartbeat"),
-    (20261121000004, "pgsemaphore_rate_limits"),
-    (20261121000005, "pgsemaphore_extensions"),
-];
-
 /// A [`Migrator`] for pg-semaphore's schema, configured to keep its history in
 /// [`MIGRATIONS_TABLE`].
 ///
@@ -135,9 +125,8 @@ fn bare_migrator() -> Migrator {
 ///
 /// Each with a message that says what to do; none writes anything:
 /// [`Error::MigrationNotPermitted`], [`Error::SchemaOutdated`],
-/// [`Error::SchemaTooNew`], [`Error::PreReleaseSchema`] (a development
-/// schema from before the first release), [`Error::UnrecognizedSchema`]
-/// (a `pgsemaphore` schema that pg-semaphore did not create).
+/// [`Error::SchemaTooNew`], [`Error::UnrecognizedSchema`] (a `pgsemaphore`
+/// schema that pg-semaphore did not create).
 /// [`Error::Migrate`] when a migration fails or an applied one was modified;
 /// [`Error::Database`] when the database cannot be reached.
 ///
@@ -371,28 +360,6 @@ impl Facts {
 
     /// What to do, for `tool`, or why nothing can be done.
     pub(crate) fn plan(&self, tool: Tool) -> Result<Plan> {
-        let pre_release: Vec<i64> = self
-            .sqlx
-            .rows()
-            .iter()
-            .map(|row| row.version)
-            .filter(|version| PRE_RELEASE.iter().any(|(v, _)| v == version))
-            .chain(
-                self.refinery
-                    .rows()
-                    .iter()
-                    .filter(|row| {
-                        self.version.is_none() && PRE_RELEASE.iter().any(|(_, n)| *n == row.name)
-                    })
-                    .map(|row| row.version),
-            )
-            .collect();
-        if !pre_release.is_empty() {
-            return Err(Error::PreReleaseSchema {
-                versions: pre_release,
-            });
-        }
-
         let Some(schema_owner) = &self.schema_owner else {
             return if self.can_create_schema {
                 Ok(Plan::Run {
@@ -758,42 +725,13 @@ mod tests {
     }
 
     #[test]
-    fn pre_release_and_foreign_schemas_are_refused() {
-        let pre_release = Facts {
+    fn foreign_schemas_are_refused() {
+        let foreign = Facts {
             version: None,
             objects_owner: None,
-            sqlx: History::Rows(
-                PRE_RELEASE
-                    .iter()
-                    .map(|(version, _)| SqlxApplied {
-                        version: *version,
-                        success: true,
-                        checksum: vec![0],
-                    })
-                    .collect(),
-            ),
-            ..owner_view()
-        };
-        assert!(matches!(
-            pre_release.plan(Tool::Sqlx),
-            Err(Error::PreReleaseSchema { versions }) if versions.len() == 5
-        ));
-        let by_refinery = Facts {
-            sqlx: History::Absent,
-            refinery: History::Rows(vec![RefineryApplied {
-                version: 1,
-                name: "pg_semaphore_init".into(),
-            }]),
-            ..pre_release
-        };
-        assert!(matches!(
-            by_refinery.plan(Tool::Refinery),
-            Err(Error::PreReleaseSchema { .. })
-        ));
-        let foreign = Facts {
             sqlx: History::Absent,
             refinery: History::Absent,
-            ..by_refinery
+            ..owner_view()
         };
         assert!(matches!(
             foreign.plan(Tool::Sqlx),

@@ -9,34 +9,21 @@
 //!
 //! The three limiters share one engine (`Limiter`: the pool, the name, the
 //! policy, fail-open); [`FixedWindow`] and [`SlidingWindow`] share one
-//! builder ([`WindowBuilder`]).
+//! builder ([`WindowBuilder`]) and one definition of their methods
+//! (`window_limiter!`). Their limits and the checks on them are in
+//! `validate`.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::types::PgInterval;
 
-use crate::db::{self, Db};
+use crate::db::Db;
 use crate::error::{Error, Result};
+use crate::fail_open::{self, Unchecked};
 use crate::metrics::LimiterMetrics;
-use crate::semaphore::MAX_NAME_LEN;
-use crate::validate;
-
-/// The longest rate limiter key (per user, per IP, ...), in characters.
-pub const MAX_KEY_LEN: usize = 256;
-
-/// The highest token bucket rate, in tokens per second (far above any real
-/// limit; higher rates would overflow the refill arithmetic).
-pub const MAX_RATE: f64 = 1e9;
-
-/// The shortest window of a [`FixedWindow`] or [`SlidingWindow`].
-pub const MIN_WINDOW: Duration = Duration::from_millis(1);
-
-/// The longest window of a [`FixedWindow`] or [`SlidingWindow`] (366 days),
-/// and the longest time a [`TokenBucket`] may take to refill from empty.
-pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+use crate::validate::{self, MAX_RATE, MAX_WINDOW};
 
 /// Token bucket check: takes `$5` tokens from key `$2` of limiter `$1` if it
 /// has them (rate `$3` per second, burst `$4`).
@@ -61,9 +48,6 @@ const PRUNE: &str = "SELECT o_deleted, o_kind, o_limiter, o_key \
 
 /// Rows looked at per prune statement: short transactions, even for a big table.
 const PRUNE_BATCH: i32 = 5_000;
-
-/// The longest `idle_for` accepted by [`prune_rate_limits`] (100 years).
-const MAX_IDLE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 
 /// The answer of a rate limiter's `check`.
 ///
@@ -179,7 +163,7 @@ impl Common {
     }
 
     fn build(self, pool: &PgPool, policy: Policy) -> Result<Arc<Limiter>> {
-        validate::text("name", &self.name, MAX_NAME_LEN)?;
+        validate::name(&self.name)?;
         Ok(Arc::new(Limiter {
             db: Db::new(pool, self.pooled),
             metrics: LimiterMetrics::new(&self.name, policy.kind()),
@@ -192,11 +176,9 @@ impl Common {
 
 impl Limiter {
     async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
-        validate::text("key", key, MAX_KEY_LEN)?;
+        validate::key(key)?;
         let limit = self.policy.limit();
-        if permits == 0 {
-            return Err(Error::invalid("permits", "must be at least 1"));
-        }
+        validate::positive("permits", permits.into())?;
         if permits > limit {
             return Err(Error::invalid(
                 "permits",
@@ -218,14 +200,14 @@ impl Limiter {
                 .bind(name)
                 .bind(key)
                 .bind(i64::from(limit))
-                .bind(interval(window))
+                .bind(validate::window(window)?)
                 .bind(i64::from(permits)),
             Policy::SlidingWindow { limit, window } => db
                 .query_as(SLIDING_WINDOW)
                 .bind(name)
                 .bind(key)
                 .bind(i64::from(limit))
-                .bind(interval(window))
+                .bind(validate::window(window)?)
                 .bind(i64::from(permits)),
         };
         match db.fetch_one(query).await {
@@ -239,27 +221,18 @@ impl Limiter {
                     failed_open: false,
                 })
             }
-            Err(error) if self.fail_open && db::fails_open(&error, db.pool()).await => {
-                tracing::warn!(
-                    limiter = %self.name,
-                    %error,
-                    "rate limiter failing open: the database is unreachable, request admitted uncounted"
-                );
-                self.metrics.failed_open();
-                Ok(Decision::open(limit))
+            Err(error) => {
+                let unchecked = Unchecked::Check {
+                    limiter: &self.name,
+                    metrics: &self.metrics,
+                };
+                if fail_open::admits(self.fail_open, &error, db.pool(), unchecked).await {
+                    Ok(Decision::open(limit))
+                } else {
+                    Err(error)
+                }
             }
-            Err(error) => Err(error),
         }
-    }
-}
-
-/// A window as an SQL interval; the builders keep windows within
-/// [`MIN_WINDOW`]..=[`MAX_WINDOW`], far below `i64::MAX` microseconds.
-fn interval(window: Duration) -> PgInterval {
-    PgInterval {
-        months: 0,
-        days: 0,
-        microseconds: window.as_micros() as i64,
     }
 }
 
@@ -280,7 +253,7 @@ fn window_policy(window: Option<Duration>, limit: Option<u32>) -> Result<(u32, D
             "not set: call `.window(duration)`",
         ));
     };
-    validate::interval("window", window, MIN_WINDOW..=MAX_WINDOW)?;
+    validate::window(window)?;
     Ok((limit, window))
 }
 
@@ -338,8 +311,9 @@ macro_rules! common_limiter_methods {
         /// # Errors
         ///
         /// - [`Error::InvalidArgument`] for a key that is empty, longer than
-        ///   [`MAX_KEY_LEN`] characters or contains NUL, and for `permits` of
-        ///   0 or above the limit (it could never be granted). Nothing is sent.
+        ///   [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) characters or contains NUL,
+        ///   and for `permits` of 0 or above the limit (it could never be
+        ///   granted). Nothing is sent.
         /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
         /// - [`Error::Database`] for connection and other database errors,
         ///   unless the limiter fails open (see `fail_open` on its builder).
@@ -350,6 +324,54 @@ macro_rules! common_limiter_methods {
         /// permits are taken) or did not.
         pub async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
             self.inner.check(key, permits).await
+        }
+    };
+}
+
+/// What [`FixedWindow`] and [`SlidingWindow`] have in common, written once
+/// for both: the same settings and accessors, each its own SQL function
+/// (its [`Policy`] variant, named as the type). A macro rather than a
+/// generic type, so that each stays a type of its own with its own docs.
+macro_rules! window_limiter {
+    ($limiter:ident, $kind:literal, $per:literal) => {
+        impl $limiter {
+            #[doc = concat!("Starts configuring the ", $kind, " limiter `name`: set")]
+            /// [`permit_limit`](WindowBuilder::permit_limit) and
+            /// [`window`](WindowBuilder::window).
+            pub fn builder(name: impl Into<String>) -> WindowBuilder<$limiter> {
+                WindowBuilder::new(name.into())
+            }
+
+            #[doc = concat!("Permits per key per ", $per, ".")]
+            pub fn permit_limit(&self) -> u32 {
+                self.inner.policy.limit()
+            }
+
+            /// The window's length.
+            pub fn window(&self) -> Duration {
+                match self.inner.policy {
+                    Policy::$limiter { window, .. } => window,
+                    _ => unreachable!(concat!(
+                        "a ",
+                        stringify!($limiter),
+                        " always has a ",
+                        $kind,
+                        " policy"
+                    )),
+                }
+            }
+
+            common_limiter_methods!("permits");
+        }
+
+        impl WindowLimiter for $limiter {
+            fn policy(limit: u32, window: Duration) -> Policy {
+                Policy::$limiter { limit, window }
+            }
+
+            fn wrap(inner: Arc<Limiter>) -> Self {
+                $limiter { inner }
+            }
         }
     };
 }
@@ -423,9 +445,8 @@ impl TokenBucketBuilder {
     /// [`Error::InvalidArgument`] for a name that is empty, longer than
     /// [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) or contains NUL; a rate or a
     /// burst not set; a rate that is not a positive finite number or is above
-    /// [`MAX_RATE`]; a burst of
-    /// 0; a bucket that would take longer than [`MAX_WINDOW`] to refill from
-    /// empty.
+    /// [`MAX_RATE`](crate::MAX_RATE); a burst of 0; a bucket that would take
+    /// longer than [`MAX_WINDOW`](crate::MAX_WINDOW) to refill from empty.
     pub fn build(self, pool: &PgPool) -> Result<TokenBucket> {
         let Some(rate) = self.rate else {
             return Err(Error::invalid(
@@ -528,29 +549,7 @@ pub struct FixedWindow {
     inner: Arc<Limiter>,
 }
 
-impl FixedWindow {
-    /// Starts configuring the fixed window limiter `name`: set
-    /// [`permit_limit`](WindowBuilder::permit_limit) and
-    /// [`window`](WindowBuilder::window).
-    pub fn builder(name: impl Into<String>) -> WindowBuilder<FixedWindow> {
-        WindowBuilder::new(name.into())
-    }
-
-    /// Permits per key per window.
-    pub fn permit_limit(&self) -> u32 {
-        self.inner.policy.limit()
-    }
-
-    /// The window's length.
-    pub fn window(&self) -> Duration {
-        match self.inner.policy {
-            Policy::FixedWindow { window, .. } => window,
-            _ => unreachable!("a FixedWindow always has a fixed window policy"),
-        }
-    }
-
-    common_limiter_methods!("permits");
-}
+window_limiter!(FixedWindow, "fixed window", "window");
 
 // ---------------------------------------------------------------------------
 // Sliding window
@@ -591,29 +590,7 @@ pub struct SlidingWindow {
     inner: Arc<Limiter>,
 }
 
-impl SlidingWindow {
-    /// Starts configuring the sliding window limiter `name`: set
-    /// [`permit_limit`](WindowBuilder::permit_limit) and
-    /// [`window`](WindowBuilder::window).
-    pub fn builder(name: impl Into<String>) -> WindowBuilder<SlidingWindow> {
-        WindowBuilder::new(name.into())
-    }
-
-    /// Permits per key per window's length.
-    pub fn permit_limit(&self) -> u32 {
-        self.inner.policy.limit()
-    }
-
-    /// The window's length.
-    pub fn window(&self) -> Duration {
-        match self.inner.policy {
-            Policy::SlidingWindow { window, .. } => window,
-            _ => unreachable!("a SlidingWindow always has a sliding window policy"),
-        }
-    }
-
-    common_limiter_methods!("permits");
-}
+window_limiter!(SlidingWindow, "sliding window", "window's length");
 
 // ---------------------------------------------------------------------------
 // The windows' builder
@@ -656,26 +633,6 @@ trait WindowLimiter: Sized {
     fn wrap(inner: Arc<Limiter>) -> Self;
 }
 
-impl WindowLimiter for FixedWindow {
-    fn policy(limit: u32, window: Duration) -> Policy {
-        Policy::FixedWindow { limit, window }
-    }
-
-    fn wrap(inner: Arc<Limiter>) -> Self {
-        FixedWindow { inner }
-    }
-}
-
-impl WindowLimiter for SlidingWindow {
-    fn policy(limit: u32, window: Duration) -> Policy {
-        Policy::SlidingWindow { limit, window }
-    }
-
-    fn wrap(inner: Arc<Limiter>) -> Self {
-        SlidingWindow { inner }
-    }
-}
-
 impl<L> WindowBuilder<L> {
     fn new(name: String) -> Self {
         WindowBuilder {
@@ -692,8 +649,9 @@ impl<L> WindowBuilder<L> {
         self
     }
 
-    /// The window's length (required, [`MIN_WINDOW`] to [`MAX_WINDOW`];
-    /// measured on the database clock, to the microsecond).
+    /// The window's length (required, [`MIN_WINDOW`](crate::MIN_WINDOW) to
+    /// [`MAX_WINDOW`](crate::MAX_WINDOW); measured on the database clock, to
+    /// the microsecond).
     pub fn window(mut self, window: Duration) -> Self {
         self.window = Some(window);
         self
@@ -710,7 +668,8 @@ impl<L: WindowLimiter> WindowBuilder<L> {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a bad name, a permit limit of 0 or not
-    /// set, a window not set or outside [`MIN_WINDOW`]..=[`MAX_WINDOW`].
+    /// set, a window not set or outside
+    /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW).
     pub fn build(self, pool: &PgPool) -> Result<L> {
         let (limit, window) = window_policy(self.window, self.limit)?;
         Ok(L::wrap(self.common.build(pool, L::policy(limit, window))?))
@@ -755,7 +714,7 @@ impl<L: WindowLimiter> WindowBuilder<L> {
 /// Each batch commits on its own: cancelling keeps the batches already
 /// deleted and deletes nothing more.
 pub async fn prune_rate_limits(pool: &PgPool, idle_for: Duration) -> Result<u64> {
-    let idle_for = validate::interval("idle_for", idle_for, Duration::ZERO..=MAX_IDLE)?;
+    let idle_for = validate::age("idle_for", idle_for)?;
     // The cursor: the last row looked at; the empty strings sort before every row.
     let mut cursor = (String::new(), String::new(), String::new());
     let mut total = 0u64;
@@ -779,4 +738,32 @@ pub async fn prune_rate_limits(pool: &PgPool, idle_for: Duration) -> Result<u64>
         tracing::debug!(deleted = total, "pruned idle rate limiter keys");
     }
     Ok(total)
+}
+
+#[cfg(all(test, feature = "serde"))]
+mod serialize_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_decision_gives_retry_after_in_seconds() {
+        let decision = Decision {
+            allowed: false,
+            remaining: 0,
+            retry_after: Duration::from_millis(250),
+            limit: 10,
+            failed_open: false,
+        };
+        assert_eq!(
+            serde_json::to_value(decision).unwrap(),
+            json!({
+                "allowed": false,
+                "remaining": 0,
+                "retry_after_seconds": 0.25,
+                "limit": 10,
+                "failed_open": false,
+            })
+        );
+    }
 }

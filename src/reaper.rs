@@ -1,5 +1,5 @@
 //! The reaper: frees slots whose lease ended ([`reap`]), deletes finished
-//! claims past a retention ([`prune`], driven by the history index so that
+//! claims past a retention ([`prune_claims`], driven by the history index so that
 //! it reads next to nothing when nothing is old enough), and runs both (and
 //! rate-limit pruning) in a background task ([`Reaper`]) that stops with its
 //! handle. Claims reap their own semaphore anyway, and waiters look again
@@ -15,7 +15,9 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
 use crate::db::Db;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::horizon::{self, HorizonHolder};
 use crate::metrics;
 use crate::validate;
@@ -62,9 +64,6 @@ const VACUUM: &str = "VACUUM (SKIP_LOCKED) pgsemaphore.slots";
 /// Rows deleted per prune statement: short transactions, even for a backlog.
 const PRUNE_BATCH: i32 = 5_000;
 
-/// The longest retention accepted (100 years).
-const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
-
 /// Deletes finished claims (completed or timed out) that ended more than
 /// `older_than` ago, of every semaphore, and returns how many. Live claims
 /// are never touched. This bounds the audit log; a [`Reaper`] with a
@@ -77,7 +76,7 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use std::time::Duration;
 /// // Keep a week of history.
-/// let deleted = pg_semaphore::prune(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
+/// let deleted = pg_semaphore::prune_claims(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -91,8 +90,8 @@ const MAX_RETENTION: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 ///
 /// Each batch commits on its own: cancelling keeps the batches already
 /// deleted and deletes nothing more.
-pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
-    let interval = validate::interval("older_than", older_than, Duration::ZERO..=MAX_RETENTION)?;
+pub async fn prune_claims(pool: &PgPool, older_than: Duration) -> Result<u64> {
+    let interval = validate::age("older_than", older_than)?;
     let mut total = 0u64;
     loop {
         let db = Db::new(pool, true);
@@ -110,8 +109,8 @@ pub async fn prune(pool: &PgPool, older_than: Duration) -> Result<u64> {
     Ok(total)
 }
 
-/// A background task that calls [`reap`] every interval, and [`prune`] too
-/// when a retention is set.
+/// A background task that calls [`reap`] every interval, and
+/// [`prune_claims`] too when a retention is set.
 ///
 /// It stops when the handle is dropped (the task is aborted) or, gracefully,
 /// on [`shutdown`](Reaper::shutdown). Errors are logged with `tracing` and the
@@ -155,7 +154,7 @@ impl ReaperBuilder {
     }
 
     /// Also delete finished claims that ended more than `retention` ago, each
-    /// round (see [`prune`]), then `VACUUM` the slot table so the space is
+    /// round (see [`prune_claims`]), then `VACUUM` the slot table so the space is
     /// reused at once (when this role owns the table; otherwise autovacuum
     /// does it later). Default: keep the audit log forever.
     pub fn retention(mut self, retention: Duration) -> Self {
@@ -202,14 +201,12 @@ impl ReaperBuilder {
     ///
     /// Like [`tokio::spawn`], when called outside a tokio runtime.
     pub fn spawn(self, pool: &PgPool) -> Result<Reaper> {
-        if self.interval.is_zero() {
-            return Err(Error::invalid("interval", "must be greater than zero"));
-        }
+        validate::nonzero("interval", self.interval)?;
         if let Some(retention) = self.retention {
-            validate::interval("retention", retention, Duration::ZERO..=MAX_RETENTION)?;
+            validate::age("retention", retention)?;
         }
         if let Some(idle_for) = self.rate_limits {
-            validate::interval("idle_for", idle_for, Duration::ZERO..=MAX_RETENTION)?;
+            validate::age("idle_for", idle_for)?;
         }
         Ok(Reaper::start(pool.clone(), self))
     }
@@ -281,7 +278,7 @@ impl Reaper {
                         tracing::warn!(%error, "pg-semaphore reaper failed; retrying next interval");
                     }
                     if let Some(retention) = retention {
-                        match prune(&pool, retention).await {
+                        match prune_claims(&pool, retention).await {
                             Ok(0) => {}
                             Ok(_) => {
                                 // Outside a transaction: VACUUM cannot run in one.

@@ -12,8 +12,8 @@ use ::tower::{Layer, Service};
 use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 
-use crate::db;
 use crate::error::Error;
+use crate::fail_open::{self, Unchecked};
 use crate::semaphore::{Permit, Semaphore};
 
 /// Limits the requests in flight in the wrapped service to the capacity of a
@@ -217,11 +217,17 @@ where
                         return Ok(reject(config.status, config.retry_after.as_ref()));
                     }
                     Err(error)
-                        if config.fail_open && db::fails_open(&error, semaphore.pool()).await =>
+                        if fail_open::admits(
+                            config.fail_open,
+                            &error,
+                            semaphore.pool(),
+                            Unchecked::Request {
+                                semaphore: semaphore.name(),
+                                metrics: semaphore.metrics(),
+                            },
+                        )
+                        .await =>
                     {
-                        tracing::warn!(semaphore = semaphore.name(), %error,
-                            "cannot use the semaphore: serving the request without a limit");
-                        semaphore.metrics().failed_open();
                         None
                     }
                     Err(error) => {

@@ -1,4 +1,9 @@
-//! Checks on caller input, made before anything is sent to the database.
+//! The limits on caller input, and their checks, in one place: each limit
+//! a constant here (the public ones re-exported at the crate's root), each
+//! kind of argument checked by one function here, before anything is sent
+//! to the database. The SQL functions check the same limits again: they
+//! are the security boundary; these checks give the caller a precise error
+//! without a round trip.
 
 use std::ops::RangeInclusive;
 use std::time::Duration;
@@ -7,9 +12,145 @@ use sqlx::postgres::types::PgInterval;
 
 use crate::error::{Error, Result};
 
+/// The largest capacity a semaphore may have (a CHECK constraint enforces it too).
+pub const MAX_CAPACITY: u32 = 100_000;
+
+/// The longest semaphore name, in characters.
+pub const MAX_NAME_LEN: usize = 200;
+
+/// The longest holder label, in characters.
+pub const MAX_HOLDER_LEN: usize = 1000;
+
+/// The longest fairness key ([`Claim::fairness_key`](crate::Claim::fairness_key)), in characters.
+pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
+
+/// The shortest lease a permit may have.
+pub const MIN_LEASE: Duration = Duration::from_millis(10);
+
+/// The longest lease a permit may have (366 days).
+pub const MAX_LEASE: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
+/// The longest rate limiter key (per user, per IP, ...), in characters.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// The highest token bucket rate, in tokens per second (far above any real
+/// limit; higher rates would overflow the refill arithmetic).
+pub const MAX_RATE: f64 = 1e9;
+
+/// The shortest window of a [`FixedWindow`](crate::FixedWindow) or
+/// [`SlidingWindow`](crate::SlidingWindow).
+pub const MIN_WINDOW: Duration = Duration::from_millis(1);
+
+/// The longest window of a [`FixedWindow`](crate::FixedWindow) or
+/// [`SlidingWindow`](crate::SlidingWindow) (366 days), and the longest time
+/// a [`TokenBucket`](crate::TokenBucket) may take to refill from empty.
+pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
+/// The longest age a cleanup accepts (100 years): a retention, the
+/// `older_than` of finished claims, the `idle_for` of rate limiter keys.
+const MAX_AGE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
+
+/// A semaphore's (or a rate limiter's) name.
+pub(crate) fn name(name: &str) -> Result<()> {
+    text("name", name, MAX_NAME_LEN)
+}
+
+/// A holder label.
+pub(crate) fn holder(holder: &str) -> Result<()> {
+    text("holder", holder, MAX_HOLDER_LEN)
+}
+
+/// A fairness key: 1 to [`MAX_FAIRNESS_KEY_LEN`] characters, no NUL.
+pub(crate) fn fairness_key(key: &str) -> Result<()> {
+    text("fairness_key", key, MAX_FAIRNESS_KEY_LEN)
+}
+
+/// A rate limiter key.
+pub(crate) fn key(key: &str) -> Result<()> {
+    text("key", key, MAX_KEY_LEN)
+}
+
+/// A semaphore's capacity: 1 to [`MAX_CAPACITY`].
+pub(crate) fn capacity(capacity: u32) -> Result<()> {
+    if capacity == 0 || capacity > MAX_CAPACITY {
+        return Err(Error::invalid(
+            "capacity",
+            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
+        ));
+    }
+    Ok(())
+}
+
+/// A semaphore's reserve ([`SemaphoreBuilder::reserved`](crate::SemaphoreBuilder::reserved)):
+/// below its capacity, so that low-priority claims have a slot.
+pub(crate) fn reserve(reserved: u32, capacity: u32) -> Result<()> {
+    if reserved >= capacity {
+        return Err(Error::invalid(
+            "reserved",
+            format!(
+                "{reserved} reserved slots leave none to low-priority claims: reserve fewer than the capacity ({capacity})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A lease, [`MIN_LEASE`] to [`MAX_LEASE`], as an SQL interval.
+pub(crate) fn lease(lease: Duration) -> Result<PgInterval> {
+    interval("lease", lease, MIN_LEASE..=MAX_LEASE)
+}
+
+/// A rate limiter's window, [`MIN_WINDOW`] to [`MAX_WINDOW`], as an SQL
+/// interval.
+pub(crate) fn window(window: Duration) -> Result<PgInterval> {
+    interval("window", window, MIN_WINDOW..=MAX_WINDOW)
+}
+
+/// An age for a cleanup (a retention, an idle time), zero to 100 years, as
+/// an SQL interval.
+pub(crate) fn age(argument: &'static str, age: Duration) -> Result<PgInterval> {
+    interval(argument, age, Duration::ZERO..=MAX_AGE)
+}
+
+/// A [`ReportShape`](crate::ReportShape): 1 to 10,000 time buckets, 1 to
+/// 1,000 hold-time bins (a report holds about lanes x buckets cells), at
+/// least one lane.
+pub(crate) fn report_shape(buckets: u32, hold_time_bins: u32, max_lanes: u32) -> Result<()> {
+    for (argument, value, max) in [
+        ("buckets", buckets, 10_000),
+        ("hold_time_bins", hold_time_bins, 1_000),
+        ("max_lanes", max_lanes, u32::MAX),
+    ] {
+        if value == 0 || value > max {
+            return Err(Error::invalid(
+                argument,
+                format!("{value} is out of range: 1 to {max}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A count that must be at least 1 (permits, a limit, a burst, connections).
+pub(crate) fn positive(argument: &'static str, count: u64) -> Result<()> {
+    if count == 0 {
+        return Err(Error::invalid(argument, "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// An interval that must not be zero (a heartbeat, a fallback re-check, a
+/// reaper's round).
+pub(crate) fn nonzero(argument: &'static str, interval: Duration) -> Result<()> {
+    if interval.is_zero() {
+        return Err(Error::invalid(argument, "must be greater than zero"));
+    }
+    Ok(())
+}
+
 /// A label stored as PostgreSQL text: 1 to `max_chars` characters, no NUL
 /// (PostgreSQL text cannot store it).
-pub(crate) fn text(argument: &'static str, value: &str, max_chars: usize) -> Result<()> {
+fn text(argument: &'static str, value: &str, max_chars: usize) -> Result<()> {
     let chars = value.chars().count();
     if chars == 0 {
         return Err(Error::invalid(argument, "must not be empty"));
@@ -30,7 +171,7 @@ pub(crate) fn text(argument: &'static str, value: &str, max_chars: usize) -> Res
 }
 
 /// A duration within `range`, as an SQL interval.
-pub(crate) fn interval(
+fn interval(
     argument: &'static str,
     value: Duration,
     range: RangeInclusive<Duration>,

@@ -260,7 +260,7 @@ async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
     .execute(&db.pool)
     .await?;
 
-    let deleted = pg_semaphore::prune(&db.pool, Duration::from_secs(3600)).await?;
+    let deleted = pg_semaphore::prune_claims(&db.pool, Duration::from_secs(3600)).await?;
     assert_eq!(deleted, 12_001);
     let left: Vec<String> =
         sqlx::query_scalar("SELECT holder FROM pgsemaphore.slots ORDER BY created_at")
@@ -272,13 +272,16 @@ async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
     );
     assert_eq!(sem.holders().await?.len(), 1, "the live claim is untouched");
     assert_eq!(
-        pg_semaphore::prune(&db.pool, Duration::from_secs(3600)).await?,
+        pg_semaphore::prune_claims(&db.pool, Duration::from_secs(3600)).await?,
         0
     );
     // Zero retention: every finished claim goes, the live one stays.
-    assert_eq!(pg_semaphore::prune(&db.pool, Duration::ZERO).await?, 1);
+    assert_eq!(
+        pg_semaphore::prune_claims(&db.pool, Duration::ZERO).await?,
+        1
+    );
     assert!(matches!(
-        pg_semaphore::prune(&db.pool, Duration::MAX).await,
+        pg_semaphore::prune_claims(&db.pool, Duration::MAX).await,
         Err(Error::InvalidArgument {
             argument: "older_than",
             ..

@@ -2,7 +2,7 @@
 //! own sqlx migrations, whether applied from code or with sqlx-cli; a schema
 //! applied through the application's own history adopted as it is; the
 //! application role's start-up `migrate()` without DDL privileges; a schema
-//! migrated by a newer version; a pre-release development schema.
+//! migrated by a newer version.
 
 mod support;
 
@@ -649,85 +649,6 @@ async fn a_schema_migrated_by_a_newer_version_is_used_only_if_compatible() -> Te
     );
     assert_eq!(snapshot(&db.pool).await, before, "nothing written");
     Ok(())
-}
-
-/// A development database migrated by the pre-release migrations
-/// (20261121000001..5, since squashed into one baseline): its history is
-/// rebuilt here as sqlx wrote it, with sqlx's migrator, from files of those
-/// versions and names. `migrate()` says what it is and how to recreate it,
-/// instead of sqlx's "previously applied but missing", writing nothing; and
-/// the advice works.
-#[tokio::test]
-async fn a_pre_release_development_schema_says_how_to_recreate_it() -> TestResult {
-    let db = support::empty_db().await;
-    let old = ScratchDir::new("pre-release");
-    let files = [
-        (
-            "20261121000001_pg_semaphore_init.sql",
-            "CREATE TABLE pgsemaphore.semaphores (name text PRIMARY KEY, capacity integer NOT NULL);\n\
-             CREATE TABLE pgsemaphore.slots (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
-                 semaphore text NOT NULL REFERENCES pgsemaphore.semaphores (name));\n",
-        ),
-        (
-            "20261121000002_pgsemaphore_retention.sql",
-            "CREATE INDEX ON pgsemaphore.slots (id);\n",
-        ),
-        (
-            "20261121000003_pgsemaphore_heartbeat.sql",
-            "ALTER TABLE pgsemaphore.slots ADD COLUMN expires_at timestamptz;\n",
-        ),
-        (
-            "20261121000004_pgsemaphore_rate_limits.sql",
-            "CREATE TABLE pgsemaphore.rate_limits (name text, key text, PRIMARY KEY (name, key));\n",
-        ),
-        (
-            "20261121000005_pgsemaphore_extensions.sql",
-            "ALTER TABLE pgsemaphore.semaphores ADD COLUMN queue_used boolean NOT NULL DEFAULT false;\n",
-        ),
-    ];
-    for (name, sql) in files {
-        std::fs::write(old.0.join(name), sql)?;
-    }
-    let mut pre_release = Migrator::new(old.0.as_path()).await?;
-    pre_release.create_schema("pgsemaphore");
-    pre_release.dangerous_set_table_name(MIGRATIONS_TABLE);
-    pre_release.run(&db.pool).await?;
-
-    let before = snapshot(&db.pool).await;
-    let err = pg_semaphore::migrate(&db.pool)
-        .await
-        .expect_err("a pre-release schema");
-    println!("pre-release: {err}");
-    match &err {
-        Error::PreReleaseSchema { versions } => assert_eq!(
-            versions,
-            &[
-                20261121000001,
-                20261121000002,
-                20261121000003,
-                20261121000004,
-                20261121000005
-            ]
-        ),
-        other => panic!("expected PreReleaseSchema, got {other:?}"),
-    }
-    let message = err.to_string();
-    assert!(
-        message.contains("pre-release development schema"),
-        "{message}"
-    );
-    assert!(
-        message.contains("DROP SCHEMA pgsemaphore CASCADE"),
-        "{message}"
-    );
-    assert_eq!(snapshot(&db.pool).await, before, "nothing written");
-
-    // Following the advice.
-    sqlx::query("DROP SCHEMA pgsemaphore CASCADE")
-        .execute(&db.pool)
-        .await?;
-    pg_semaphore::migrate(&db.pool).await?;
-    works(&db.pool).await
 }
 
 /// A `pgsemaphore` schema that pg-semaphore did not create is left alone.

@@ -243,7 +243,7 @@ async fn the_operator_role_reaps_prunes_resizes_and_force_releases() -> TestResu
         tokio::time::sleep(Duration::from_millis(300)).await;
         reaper.shutdown().await;
         assert_eq!(
-            pg_semaphore::prune(&operator, Duration::ZERO).await?,
+            pg_semaphore::prune_claims(&operator, Duration::ZERO).await?,
             0,
             "the reaper pruned it all"
         );

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 
-use crate::db::CallerGone;
+use crate::detached::CallerGone;
 
 /// The first pause between cancel attempts; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);

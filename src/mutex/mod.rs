@@ -1,13 +1,19 @@
-//! The mutex: PostgreSQL advisory locks. This module holds the public face
-//! ([`Mutex`]: keys and every lock method) and the lock statements; below it:
+//! The mutex: PostgreSQL advisory locks. This module is the public face
+//! ([`Mutex`]: keys and every lock method, each a short delegation, straight
+//! down); below it:
 //!
-//! - [`xact`]: transaction-scoped locks and their [`MutexGuard`];
-//! - [`session`]: session-scoped locks on a dedicated connection, the task
-//!   that holds one, and their [`SessionGuard`];
+//! - [`xact`]: transaction-scoped locks: their lock statement, the code that
+//!   runs it, and their [`MutexGuard`];
+//! - [`session`]: session-scoped locks on a dedicated connection: their lock
+//!   and unlock statements, the task that holds one, and their
+//!   [`SessionGuard`];
+//! - [`lock`], under both: the lock a mutex names, the wait as
+//!   `lock_timeout`, and the reading of a lock statement's answer and errors;
 //! - [`cancel`]: cancelling a lock wait whose caller has gone.
 
 mod cancel;
-pub(crate) mod session;
+mod lock;
+mod session;
 mod xact;
 
 use std::fmt;
@@ -16,20 +22,13 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
-use crate::error::{Error, Result, WaitedFor};
-use crate::metrics::MutexMetrics;
+use crate::error::{Error, Result};
 
+use self::lock::{Key, Lock, Mode, Wait};
 pub use self::session::SessionGuard;
 pub use self::xact::MutexGuard;
-
-/// The default interval at which a session lock checks that its connection is alive.
-pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
-
-/// The longest `lock_timeout` PostgreSQL accepts (`INT_MAX` milliseconds);
-/// longer timeouts mean "wait without limit".
-const MAX_LOCK_TIMEOUT_MS: u128 = i32::MAX as u128;
 
 /// A mutex on a PostgreSQL advisory lock: mutual exclusion across every
 /// process that uses the same database.
@@ -69,45 +68,19 @@ const MAX_LOCK_TIMEOUT_MS: u128 = i32::MAX as u128;
 /// ```
 #[derive(Clone)]
 pub struct Mutex {
-    key: Key,
-    label: String,
-    heartbeat: Duration,
-    idle_timeout: Option<Duration>,
-    metrics: MutexMetrics,
+    lock: Lock,
 }
 
 impl fmt::Debug for Mutex {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lock = &self.lock;
         f.debug_struct("Mutex")
-            .field("name", &self.label)
-            .field("key", &self.key)
-            .field("heartbeat", &self.heartbeat)
-            .field("idle_timeout", &self.idle_timeout)
+            .field("name", &lock.label)
+            .field("key", &lock.key)
+            .field("heartbeat", &lock.heartbeat)
+            .field("idle_timeout", &lock.idle_timeout)
             .finish()
     }
-}
-
-/// PostgreSQL's two advisory key spaces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Key {
-    BigInt(i64),
-    IntPair(i32, i32),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Exclusive,
-    Shared,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wait {
-    /// `pg_try_advisory_*`: never waits.
-    Try,
-    /// Waits up to this long (PostgreSQL's `lock_timeout`).
-    Timeout(Duration),
-    /// Waits without limit.
-    Forever,
 }
 
 impl Mutex {
@@ -163,22 +136,19 @@ impl Mutex {
 
     fn keyed(key: Key, label: String) -> Self {
         Mutex {
-            key,
-            metrics: MutexMetrics::new(&label),
-            label,
-            heartbeat: DEFAULT_HEARTBEAT,
-            idle_timeout: None,
+            lock: Lock::new(key, label),
         }
     }
 
     /// How often a session lock checks that its connection is alive (default
-    /// [`DEFAULT_HEARTBEAT`]). A check that does not answer within the
-    /// interval loses the lock ([`SessionGuard::lost`]); the server ends a
-    /// session that sent nothing for three intervals (at least a second:
-    /// `idle_session_timeout`), which frees the lock when the client went
-    /// dark. Zero is raised to 10 ms.
+    /// [`DEFAULT_SESSION_HEARTBEAT`](crate::DEFAULT_SESSION_HEARTBEAT)). A
+    /// check that does not answer within the interval loses the lock
+    /// ([`SessionGuard::lost`]); the server ends a session that sent nothing
+    /// for three intervals (at least a second: `idle_session_timeout`),
+    /// which frees the lock when the client went dark. Zero is raised to
+    /// 10 ms.
     pub fn heartbeat(mut self, interval: Duration) -> Self {
-        self.heartbeat = interval.max(Duration::from_millis(10));
+        self.lock.heartbeat = interval.max(Duration::from_millis(10));
         self
     }
 
@@ -191,13 +161,13 @@ impl Mutex {
     /// TCP keepalive notices (hours, by default). Default: none. Every pause
     /// between the guard's statements must stay below it.
     pub fn idle_timeout(mut self, timeout: Duration) -> Self {
-        self.idle_timeout = Some(timeout.max(Duration::from_millis(1)));
+        self.lock.idle_timeout = Some(timeout.max(Duration::from_millis(1)));
         self
     }
 
     /// The advisory lock key, as sqlx spells it.
     pub fn key(&self) -> PgAdvisoryLockKey {
-        match self.key {
+        match self.lock.key {
             Key::BigInt(key) => PgAdvisoryLockKey::BigInt(key),
             Key::IntPair(first, second) => PgAdvisoryLockKey::IntPair(first, second),
         }
@@ -205,7 +175,7 @@ impl Mutex {
 
     /// How the mutex is named in errors and logs (`mutex "name"` or `mutex key 42`).
     pub fn name(&self) -> &str {
-        &self.label
+        &self.lock.label
     }
 
     /// Takes the lock exclusively in a new transaction, waiting without limit.
@@ -222,7 +192,7 @@ impl Mutex {
     /// statement on the server (once it was sent) and rolls back, so no lock
     /// is left held or queued.
     pub async fn lock(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(self, pool, Mode::Exclusive, Wait::Forever).await
+        xact::lock(&self.lock, pool, Mode::Exclusive, Wait::Forever).await
     }
 
     /// Takes the lock exclusively in a new transaction, waiting up to `timeout`.
@@ -241,7 +211,7 @@ impl Mutex {
     ///
     /// Cancel-safe, as [`lock`](Mutex::lock).
     pub async fn lock_timeout(&self, pool: &PgPool, timeout: Duration) -> Result<MutexGuard> {
-        xact::lock(self, pool, Mode::Exclusive, Wait::Timeout(timeout)).await
+        xact::lock(&self.lock, pool, Mode::Exclusive, Wait::Timeout(timeout)).await
     }
 
     /// Takes the lock exclusively if nobody holds it.
@@ -254,7 +224,7 @@ impl Mutex {
     ///
     /// Cancel-safe, as [`lock`](Mutex::lock).
     pub async fn try_lock(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(self, pool, Mode::Exclusive, Wait::Try).await
+        xact::lock(&self.lock, pool, Mode::Exclusive, Wait::Try).await
     }
 
     /// Takes the lock in shared (reader) mode, waiting without limit: any
@@ -268,7 +238,7 @@ impl Mutex {
     ///
     /// Cancel-safe, as [`lock`](Mutex::lock).
     pub async fn lock_shared(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(self, pool, Mode::Shared, Wait::Forever).await
+        xact::lock(&self.lock, pool, Mode::Shared, Wait::Forever).await
     }
 
     /// Takes the lock in shared mode, waiting up to `timeout`.
@@ -285,7 +255,7 @@ impl Mutex {
         pool: &PgPool,
         timeout: Duration,
     ) -> Result<MutexGuard> {
-        xact::lock(self, pool, Mode::Shared, Wait::Timeout(timeout)).await
+        xact::lock(&self.lock, pool, Mode::Shared, Wait::Timeout(timeout)).await
     }
 
     /// Takes the lock in shared mode unless an exclusive holder has it.
@@ -298,7 +268,7 @@ impl Mutex {
     ///
     /// Cancel-safe, as [`lock`](Mutex::lock).
     pub async fn try_lock_shared(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(self, pool, Mode::Shared, Wait::Try).await
+        xact::lock(&self.lock, pool, Mode::Shared, Wait::Try).await
     }
 
     /// Takes the lock exclusively inside a transaction the caller already
@@ -325,7 +295,7 @@ impl Mutex {
     /// dropped mid-wait, roll the transaction back (dropping it does), which
     /// also releases the lock if it was granted.
     pub async fn lock_in(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
-        xact::lock_in(self, tx, Wait::Forever).await
+        xact::lock_in(&self.lock, tx, Wait::Forever).await
     }
 
     /// As [`lock_in`](Mutex::lock_in), waiting up to `timeout`.
@@ -343,7 +313,7 @@ impl Mutex {
         tx: &mut Transaction<'_, Postgres>,
         timeout: Duration,
     ) -> Result<()> {
-        xact::lock_in(self, tx, Wait::Timeout(timeout)).await
+        xact::lock_in(&self.lock, tx, Wait::Timeout(timeout)).await
     }
 
     /// Takes the lock exclusively inside the caller's transaction if nobody
@@ -357,7 +327,7 @@ impl Mutex {
     ///
     /// As [`lock_in`](Mutex::lock_in).
     pub async fn try_lock_in(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
-        xact::lock_in(self, tx, Wait::Try).await
+        xact::lock_in(&self.lock, tx, Wait::Try).await
     }
 
     /// Runs `work` under the exclusive lock, in the lock's transaction:
@@ -450,7 +420,7 @@ impl Mutex {
     /// Cancel-safe, as [`lock`](Mutex::lock): a cancelled wait is cancelled
     /// on the server and the connection closed.
     pub async fn lock_session(&self, pool: &PgPool) -> Result<SessionGuard> {
-        session::lock(self, pool, Wait::Forever).await
+        session::lock(&self.lock, pool, Wait::Forever).await
     }
 
     /// As [`lock_session`](Mutex::lock_session), waiting up to `timeout`.
@@ -467,7 +437,7 @@ impl Mutex {
         pool: &PgPool,
         timeout: Duration,
     ) -> Result<SessionGuard> {
-        session::lock(self, pool, Wait::Timeout(timeout)).await
+        session::lock(&self.lock, pool, Wait::Timeout(timeout)).await
     }
 
     /// Takes a session-scoped exclusive lock if nobody holds it.
@@ -480,134 +450,7 @@ impl Mutex {
     ///
     /// Cancel-safe, as [`lock_session`](Mutex::lock_session).
     pub async fn try_lock_session(&self, pool: &PgPool) -> Result<SessionGuard> {
-        session::lock(self, pool, Wait::Try).await
-    }
-
-    /// The key as SQL arguments: `42` or `7, 1001` (integers: nothing to escape).
-    fn key_args(&self) -> String {
-        match self.key {
-            Key::BigInt(k) => format!("{k}::int8"),
-            Key::IntPair(a, b) => format!("{a}::int4, {b}::int4"),
-        }
-    }
-
-    /// The transaction-scoped lock statement, one round trip (simple query
-    /// protocol, so it also works through PgBouncer without prepared
-    /// statements). It starts with a unique token so that a wait whose
-    /// caller has gone can be found and cancelled, and sets the guard's
-    /// `idle_in_transaction_session_timeout`, if any, for the transaction.
-    ///
-    /// A waiting lock first tries the lock; only when that fails does it set
-    /// `lock_timeout` for the wait and restore the transaction's own
-    /// setting after it, all in one flat expression: the `CASE`'s `ELSE`
-    /// runs only if the try failed, and the elements of an `ARRAY[..]` are
-    /// evaluated in order (read the setting, set ours, wait), so element 1
-    /// is the transaction's setting, restored by the outer `set_config`.
-    /// Under pgbench (8 clients, spread keys) a transaction locked this way
-    /// ran at 0.85x–0.99x of one locked by a prepared
-    /// `pg_advisory_xact_lock($1)`; a subquery doing the same (an InitPlan,
-    /// planned on every call: the simple protocol plans every statement) ran
-    /// at 0.72x–0.76x. The try does
-    /// not jump the queue: a lock request that conflicts with a queued
-    /// waiter fails like one that conflicts with a holder.
-    fn xact_sql(&self, mode: Mode, wait: Wait, token: &str) -> String {
-        let args = self.key_args();
-        let (try_function, function) = match mode {
-            Mode::Exclusive => ("pg_try_advisory_xact_lock", "pg_advisory_xact_lock"),
-            Mode::Shared => (
-                "pg_try_advisory_xact_lock_shared",
-                "pg_advisory_xact_lock_shared",
-            ),
-        };
-        let idle = match self.idle_timeout {
-            Some(timeout) => format!(
-                "set_config('idle_in_transaction_session_timeout', '{}ms', true), ",
-                timeout.as_millis().clamp(1, MAX_LOCK_TIMEOUT_MS)
-            ),
-            None => String::new(),
-        };
-        match lock_timeout_ms(wait) {
-            None => format!("{token} SELECT {idle}{try_function}({args})"),
-            // One statement: the try; if it failed, read the transaction's
-            // lock_timeout, set ours, wait for the lock (the array's
-            // elements, left to right), then restore theirs (element 1).
-            Some(ms) => format!(
-                "{token} SELECT {idle}CASE WHEN {try_function}({args}) THEN NULL ELSE \
-                 set_config('lock_timeout', (ARRAY[current_setting('lock_timeout'), \
-                 set_config('lock_timeout', '{ms}ms', true), \
-                 {function}({args})::text])[1], true) END"
-            ),
-        }
-    }
-
-    /// The session-scoped lock statement; also returns the backend's pid.
-    fn session_sql(&self, wait: Wait, token: &str) -> String {
-        let args = self.key_args();
-        match lock_timeout_ms(wait) {
-            None => format!("{token} SELECT pg_backend_pid(), pg_try_advisory_lock({args})"),
-            Some(ms) => format!(
-                "{token} SET lock_timeout = '{ms}ms'; \
-                 SELECT pg_backend_pid(), pg_advisory_lock({args}); \
-                 SET lock_timeout = DEFAULT"
-            ),
-        }
-    }
-
-    /// Unlocks a session lock.
-    fn unlock_sql(&self) -> String {
-        format!("SELECT pg_advisory_unlock({})", self.key_args())
-    }
-
-    /// The error a lock statement's failure means.
-    fn lock_error(&self, error: sqlx::Error, wait: Wait) -> Error {
-        let code = error.as_database_error().and_then(|e| e.code());
-        match (code.as_deref(), wait) {
-            (Some("55P03"), Wait::Timeout(timeout)) => {
-                tracing::info!(
-                    mutex = %self.label,
-                    timeout_ms = timeout.as_millis() as u64,
-                    "mutex lock timed out"
-                );
-                self.metrics.timed_out();
-                Error::Timeout {
-                    waited_for: WaitedFor::Mutex {
-                        mutex: self.label.clone(),
-                    },
-                    timeout,
-                }
-            }
-            (Some("40P01"), _) => {
-                tracing::warn!(
-                    mutex = %self.label,
-                    "deadlock detected waiting for a mutex; its transaction was rolled back"
-                );
-                self.metrics.deadlock();
-                Error::Deadlock {
-                    mutex: self.label.clone(),
-                }
-            }
-            _ => Error::Database(error),
-        }
-    }
-
-    fn locked(&self) -> Error {
-        self.metrics.busy();
-        Error::Locked {
-            mutex: self.label.clone(),
-        }
-    }
-
-    /// One event per waiting lock granted (never per poll: a wait is one
-    /// statement), with how long it waited; the wait time goes to the metrics too.
-    fn trace_locked(&self, mode: Mode, scope: &'static str, started: std::time::Instant) {
-        self.metrics.waited(started.elapsed());
-        tracing::debug!(
-            mutex = %self.label,
-            mode = ?mode,
-            scope,
-            waited_ms = started.elapsed().as_millis() as u64,
-            "mutex locked"
-        );
+        session::lock(&self.lock, pool, Wait::Try).await
     }
 }
 
@@ -621,118 +464,16 @@ fn hash_fallback(text: &str) -> i64 {
     hash as i64
 }
 
-/// `lock_timeout` in milliseconds for a waiting lock: `None` for a try-lock,
-/// `0` (PostgreSQL's "no limit") for an unbounded or out-of-range wait.
-fn lock_timeout_ms(wait: Wait) -> Option<u128> {
-    match wait {
-        Wait::Try => None,
-        Wait::Forever => Some(0),
-        Wait::Timeout(timeout) => {
-            // Round up, and never 0 (which would mean "no limit").
-            let ms = timeout.as_nanos().div_ceil(1_000_000).max(1);
-            Some(if ms > MAX_LOCK_TIMEOUT_MS { 0 } else { ms })
-        }
-    }
-}
-
-/// The boolean of a try-lock statement (the last column of its row).
-fn try_result(rows: &[sqlx::postgres::PgRow]) -> Result<bool> {
-    let row = rows
-        .last()
-        .ok_or(Error::Database(sqlx::Error::RowNotFound))?;
-    Ok(row.try_get::<bool, _>(row.len() - 1)?)
-}
-
-/// Runs the lock statement `sql` on the caller's own connection.
-async fn run_on(conn: &mut PgConnection, sql: String) -> sqlx::Result<Vec<sqlx::postgres::PgRow>> {
-    sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(conn).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lock_timeouts_round_up_and_never_mean_forever_by_accident() {
-        assert_eq!(lock_timeout_ms(Wait::Try), None);
-        assert_eq!(lock_timeout_ms(Wait::Forever), Some(0));
-        assert_eq!(lock_timeout_ms(Wait::Timeout(Duration::ZERO)), Some(1));
-        assert_eq!(
-            lock_timeout_ms(Wait::Timeout(Duration::from_micros(1500))),
-            Some(2)
-        );
-        assert_eq!(
-            lock_timeout_ms(Wait::Timeout(Duration::from_secs(2))),
-            Some(2000)
-        );
-        assert_eq!(
-            lock_timeout_ms(Wait::Timeout(Duration::MAX)),
-            Some(0),
-            "beyond INT_MAX ms: no limit"
-        );
-    }
-
-    #[test]
-    fn keys_are_inlined_as_typed_integers() {
-        assert_eq!(Mutex::with_key(-7).key_args(), "-7::int8");
-        assert_eq!(Mutex::with_key_pair(1, -2).key_args(), "1::int4, -2::int4");
-    }
-
-    #[test]
-    fn lock_statements_restore_the_callers_lock_timeout() {
-        let mutex = Mutex::with_key(5);
-        assert_eq!(
-            mutex.xact_sql(Mode::Shared, Wait::Try, "/* t */"),
-            "/* t */ SELECT pg_try_advisory_xact_lock_shared(5::int8)"
-        );
-        let waiting = mutex.xact_sql(
-            Mode::Exclusive,
-            Wait::Timeout(Duration::from_secs(3)),
-            "/* t */",
-        );
-        assert_eq!(
-            waiting,
-            "/* t */ SELECT CASE WHEN pg_try_advisory_xact_lock(5::int8) THEN NULL ELSE \
-             set_config('lock_timeout', (ARRAY[current_setting('lock_timeout'), \
-             set_config('lock_timeout', '3000ms', true), \
-             pg_advisory_xact_lock(5::int8)::text])[1], true) END"
-        );
-        let bounded = mutex.clone().idle_timeout(Duration::from_secs(4)).xact_sql(
-            Mode::Exclusive,
-            Wait::Try,
-            "/* t */",
-        );
-        assert_eq!(
-            bounded,
-            "/* t */ SELECT set_config('idle_in_transaction_session_timeout', '4000ms', true), \
-             pg_try_advisory_xact_lock(5::int8)"
-        );
-    }
-
-    #[test]
-    fn session_statements_return_the_backend_pid() {
-        let mutex = Mutex::with_key_pair(1, 2);
-        assert_eq!(
-            mutex.session_sql(Wait::Try, "/* t */"),
-            "/* t */ SELECT pg_backend_pid(), pg_try_advisory_lock(1::int4, 2::int4)"
-        );
-        assert!(
-            mutex
-                .session_sql(Wait::Forever, "/* t */")
-                .contains("SET lock_timeout = '0ms'")
-        );
-        assert_eq!(
-            mutex.unlock_sql(),
-            "SELECT pg_advisory_unlock(1::int4, 2::int4)"
-        );
-    }
 
     #[test]
     fn names_label_errors() {
         assert_eq!(Mutex::new("jobs").name(), "mutex \"jobs\"");
         assert_eq!(Mutex::with_key(3).name(), "mutex key 3");
         assert!(
-            matches!(Mutex::with_key(3).locked(), Error::Locked { mutex } if mutex == "mutex key 3")
+            matches!(Mutex::with_key(3).lock.locked(), Error::Locked { mutex } if mutex == "mutex key 3")
         );
     }
 }

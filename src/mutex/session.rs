@@ -1,5 +1,7 @@
 //! Session-scoped locks (`pg_advisory_lock`) on a dedicated connection: the
-//! [`Session`] task that holds one, and its [`SessionGuard`].
+//! lock and unlock statements ([`statement`], [`unlock_statement`]), the
+//! [`Session`] task that runs them and holds the lock, and its
+//! [`SessionGuard`].
 //!
 //! Who learns of a dead link, and when:
 //! - the holder: the session pings its connection every heartbeat, and a
@@ -12,56 +14,56 @@
 //!   session sets `idle_session_timeout` to three heartbeats (at least a
 //!   second): pings keep a live session busy, so only a session cut off (or
 //!   a frozen process) is ended, and its lock freed. It also sets the
-//!   server's TCP keepalives and `tcp_user_timeout` for the connection.
+//!   server's TCP keepalives and `tcp_user_timeout` for the connection
+//!   ([`dead_man_sql`], shared with the advisory semaphore's sessions).
 //!   (sqlx gives no access to the client's socket options: on this side the
 //!   ping's bound does that job.)
 
 use std::fmt;
 use std::future::Future;
-use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::db::{self, CallerGone};
+use crate::dead_man::{self, dead_man_sql};
+use crate::detached::{CallerGone, caller_gone, detached};
 use crate::error::{Error, LostReason, Result};
 
 use super::cancel::{run_or_cancel, token};
-use super::{Mode, Mutex, Wait, run_on};
+use super::lock::{Lock, Mode, Wait, lock_timeout_ms, run_on};
 
-/// How long the server lets a dedicated session with this heartbeat stay
-/// silent before it ends it (see [`dead_man_sql`]).
-pub(crate) fn dead_man_after(heartbeat: Duration) -> Duration {
-    (heartbeat * 3).max(Duration::from_secs(1))
+/// The session-scoped lock statement; also returns the backend's pid. It
+/// starts with a unique token so that a wait whose caller has gone can be
+/// found and cancelled (simple query protocol: nothing to prepare).
+fn statement(mutex: &Lock, wait: Wait, token: &str) -> String {
+    let args = mutex.key_args();
+    match lock_timeout_ms(wait) {
+        None => format!("{token} SELECT pg_backend_pid(), pg_try_advisory_lock({args})"),
+        Some(ms) => format!(
+            "{token} SET lock_timeout = '{ms}ms'; \
+             SELECT pg_backend_pid(), pg_advisory_lock({args}); \
+             SET lock_timeout = DEFAULT"
+        ),
+    }
 }
 
-/// The server-side dead-man switch of a dedicated session, for a heartbeat
-/// of `heartbeat`: the session ends after three silent heartbeats (at least
-/// a second), and the server's keepalives probe a silent peer at that pace.
-pub(crate) fn dead_man_sql(heartbeat: Duration) -> String {
-    let idle_ms = dead_man_after(heartbeat).as_millis();
-    let keepalive_s = (idle_ms / 1000).max(1);
-    format!(
-        "SET idle_session_timeout = '{idle_ms}ms'; \
-         SET tcp_keepalives_idle = {keepalive_s}; \
-         SET tcp_keepalives_interval = {keepalive_s}; \
-         SET tcp_keepalives_count = 3; \
-         SET tcp_user_timeout = {idle_ms}"
-    )
+/// Unlocks a session lock.
+fn unlock_statement(mutex: &Lock) -> String {
+    format!("SELECT pg_advisory_unlock({})", mutex.key_args())
 }
 
 /// Takes a session lock on a dedicated connection, in a spawned task that
 /// then holds it (see [`Session`]).
-pub(super) async fn lock(mutex: &Mutex, pool: &PgPool, wait: Wait) -> Result<SessionGuard> {
+pub(super) async fn lock(mutex: &Lock, pool: &PgPool, wait: Wait) -> Result<SessionGuard> {
     let (mutex, pool) = (mutex.clone(), pool.clone());
     let (commands, inbox) = mpsc::channel(1);
     let (lost_tx, lost) = watch::channel(None);
-    let reply = db::detached(move |mut caller| async move {
+    let reply = detached(move |mut caller| async move {
         let conn = tokio::select! {
             conn = pool.acquire() => conn?,
-            () = caller.wait() => return Err(db::caller_gone()),
+            () = caller.wait() => return Err(caller_gone()),
         };
         let session = Session::start(mutex, &pool, conn, wait, &mut caller).await?;
         let pid = session.pid;
@@ -82,7 +84,7 @@ pub(super) async fn lock(mutex: &Mutex, pool: &PgPool, wait: Wait) -> Result<Ses
 /// The task that holds a session lock: owns the dedicated connection until
 /// the guard unlocks or drops, or the connection dies.
 struct Session {
-    mutex: Mutex,
+    mutex: Lock,
     conn: PgConnection,
     pid: i32,
 }
@@ -92,7 +94,7 @@ impl Session {
     /// someone else while it holds the lock), sets the server's dead-man
     /// switch, and takes the lock.
     async fn start(
-        mutex: Mutex,
+        mutex: Lock,
         pool: &PgPool,
         conn: PoolConnection<Postgres>,
         wait: Wait,
@@ -105,9 +107,9 @@ impl Session {
                 .await?;
             let token = token();
             let started = std::time::Instant::now();
-            let statement = run_on(&mut conn, mutex.session_sql(wait, &token));
-            let Some(result) = run_or_cancel(pool, statement, &token, caller).await else {
-                return Err(db::caller_gone());
+            let locking = run_on(&mut conn, statement(&mutex, wait, &token));
+            let Some(result) = run_or_cancel(pool, locking, &token, caller).await else {
+                return Err(caller_gone());
             };
             let rows = match result {
                 Ok(rows) => rows,
@@ -131,7 +133,7 @@ impl Session {
                     // session lock would then outlive the error. Closing the
                     // session below frees it anyway; unlock to say so.
                     if let Ok(true) =
-                        sqlx::query_scalar::<_, bool>(AssertSqlSafe(mutex.unlock_sql()))
+                        sqlx::query_scalar::<_, bool>(AssertSqlSafe(unlock_statement(&mutex)))
                             .fetch_one(&mut conn)
                             .await
                     {
@@ -178,7 +180,7 @@ impl Session {
                         drop(self.conn);
                         // Answer a later unlock with LockLost; stop when the guard drops.
                         while let Some(done) = inbox.recv().await {
-                            let _ = done.send(Err(self.mutex.lost_error()));
+                            let _ = done.send(Err(lost_lock(&self.mutex)));
                         }
                         return;
                     }
@@ -202,7 +204,7 @@ impl Session {
 
     /// Releases the lock and closes the session.
     async fn unlock(mut self, lost: &watch::Sender<Option<LostReason>>) -> Result<()> {
-        let unlock = sqlx::query_scalar::<_, bool>(AssertSqlSafe(self.mutex.unlock_sql()));
+        let unlock = sqlx::query_scalar::<_, bool>(AssertSqlSafe(unlock_statement(&self.mutex)));
         let result = match tokio::time::timeout(
             self.mutex.heartbeat * 3,
             unlock.fetch_one(&mut self.conn),
@@ -210,11 +212,11 @@ impl Session {
         .await
         {
             Ok(Ok(true)) => Ok(()),
-            Ok(Ok(false)) => Err(self.mutex.lost_error()),
+            Ok(Ok(false)) => Err(lost_lock(&self.mutex)),
             Ok(Err(_)) | Err(_) => {
                 let _ = lost.send(Some(LostReason::ConnectionLost));
                 tracing::warn!(mutex = %self.mutex.label, "session lock connection failed at unlock");
-                Err(self.mutex.lost_error())
+                Err(lost_lock(&self.mutex))
             }
         };
         let _ = self.conn.close().await;
@@ -222,12 +224,11 @@ impl Session {
     }
 }
 
-impl Mutex {
-    fn lost_error(&self) -> Error {
-        Error::LockLost {
-            mutex: self.label.clone(),
-            reason: LostReason::ConnectionLost,
-        }
+/// What an unlock answers once the session has lost its lock.
+fn lost_lock(mutex: &Lock) -> Error {
+    Error::LockLost {
+        mutex: mutex.label.clone(),
+        reason: LostReason::ConnectionLost,
     }
 }
 
@@ -243,7 +244,7 @@ fn session_row(row: Option<&PgRow>, wait: Wait) -> Result<(i32, bool)> {
 }
 
 /// A session-scoped lock on a dedicated connection; made by
-/// [`Mutex::lock_session`].
+/// [`Mutex::lock_session`](crate::Mutex::lock_session).
 ///
 /// Release it with [`unlock`](SessionGuard::unlock). **Dropping the guard
 /// closes its connection in the background** (not immediate), and the server
@@ -283,7 +284,7 @@ impl SessionGuard {
     /// Resolves when the lock is lost because its connection died (server
     /// restart, `pg_terminate_backend`, network failure) or stopped
     /// answering, detected within about two
-    /// [`heartbeat`](Mutex::heartbeat)s, with the reason
+    /// [`heartbeat`](crate::Mutex::heartbeat)s, with the reason
     /// ([`LostReason::ConnectionLost`]). Never resolves otherwise. The
     /// future is `'static`: hand it to the task doing the protected work.
     ///
@@ -298,15 +299,7 @@ impl SessionGuard {
     /// # }
     /// ```
     pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
-        let mut lost = self.lost.clone();
-        async move {
-            let reason = lost.wait_for(Option::is_some).await.map(|reason| *reason);
-            match reason {
-                Ok(reason) => reason.unwrap_or(LostReason::ConnectionLost),
-                // Released without being lost: never resolve.
-                Err(_) => std::future::pending().await,
-            }
-        }
+        dead_man::lost(self.lost.clone())
     }
 
     /// Releases the lock and closes the connection.
@@ -335,18 +328,19 @@ impl SessionGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mutex::lock::Key;
 
     #[test]
-    fn the_dead_man_switch_follows_the_heartbeat() {
-        let sql = dead_man_sql(Duration::from_secs(2));
-        assert!(sql.contains("idle_session_timeout = '6000ms'"));
-        assert!(sql.contains("tcp_keepalives_idle = 6"));
-        assert!(sql.contains("tcp_user_timeout = 6000"));
-        let fast = dead_man_sql(Duration::from_millis(10));
-        assert!(
-            fast.contains("idle_session_timeout = '1000ms'"),
-            "at least a second"
+    fn session_statements_return_the_backend_pid() {
+        let mutex = Lock::new(Key::IntPair(1, 2), "mutex key (1, 2)".into());
+        assert_eq!(
+            statement(&mutex, Wait::Try, "/* t */"),
+            "/* t */ SELECT pg_backend_pid(), pg_try_advisory_lock(1::int4, 2::int4)"
         );
-        assert!(fast.contains("tcp_keepalives_idle = 1"));
+        assert!(statement(&mutex, Wait::Forever, "/* t */").contains("SET lock_timeout = '0ms'"));
+        assert_eq!(
+            unlock_statement(&mutex),
+            "SELECT pg_advisory_unlock(1::int4, 2::int4)"
+        );
     }
 }

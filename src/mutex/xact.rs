@@ -1,6 +1,7 @@
 //! Transaction-scoped locks (`pg_advisory_xact_lock`): the lock lives in a
 //! transaction, which the [`MutexGuard`] owns (or the caller's, for
-//! `lock_in`), and ends with it.
+//! `lock_in`), and ends with it. The lock statement ([`statement`]) is here,
+//! beside the code that runs it.
 
 use std::fmt;
 use std::future::Future;
@@ -9,28 +10,77 @@ use std::pin::Pin;
 
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, SqlSafeStr, Transaction};
 
-use crate::db::{self, CallerGone};
+use crate::detached::{CallerGone, caller_gone, detached};
 use crate::error::{Error, Result};
 
 use super::cancel::{run_or_cancel, token};
-use super::{Mode, Mutex, Wait, run_on, try_result};
+use super::lock::{Lock, MAX_LOCK_TIMEOUT_MS, Mode, Wait, lock_timeout_ms, run_on, try_result};
+
+/// The transaction-scoped lock statement, one round trip (simple query
+/// protocol, so it also works through PgBouncer without prepared
+/// statements). It starts with a unique token so that a wait whose
+/// caller has gone can be found and cancelled, and sets the guard's
+/// `idle_in_transaction_session_timeout`, if any, for the transaction.
+///
+/// A waiting lock first tries the lock; only when that fails does it set
+/// `lock_timeout` for the wait and restore the transaction's own
+/// setting after it, all in one flat expression: the `CASE`'s `ELSE`
+/// runs only if the try failed, and the elements of an `ARRAY[..]` are
+/// evaluated in order (read the setting, set ours, wait), so element 1
+/// is the transaction's setting, restored by the outer `set_config`.
+/// Under pgbench (8 clients, spread keys) a transaction locked this way
+/// ran at 0.85x–0.99x of one locked by a prepared
+/// `pg_advisory_xact_lock($1)`; a subquery doing the same (an InitPlan,
+/// planned on every call: the simple protocol plans every statement) ran
+/// at 0.72x–0.76x. The try does
+/// not jump the queue: a lock request that conflicts with a queued
+/// waiter fails like one that conflicts with a holder.
+fn statement(mutex: &Lock, mode: Mode, wait: Wait, token: &str) -> String {
+    let args = mutex.key_args();
+    let (try_function, function) = match mode {
+        Mode::Exclusive => ("pg_try_advisory_xact_lock", "pg_advisory_xact_lock"),
+        Mode::Shared => (
+            "pg_try_advisory_xact_lock_shared",
+            "pg_advisory_xact_lock_shared",
+        ),
+    };
+    let idle = match mutex.idle_timeout {
+        Some(timeout) => format!(
+            "set_config('idle_in_transaction_session_timeout', '{}ms', true), ",
+            timeout.as_millis().clamp(1, MAX_LOCK_TIMEOUT_MS)
+        ),
+        None => String::new(),
+    };
+    match lock_timeout_ms(wait) {
+        None => format!("{token} SELECT {idle}{try_function}({args})"),
+        // One statement: the try; if it failed, read the transaction's
+        // lock_timeout, set ours, wait for the lock (the array's
+        // elements, left to right), then restore theirs (element 1).
+        Some(ms) => format!(
+            "{token} SELECT {idle}CASE WHEN {try_function}({args}) THEN NULL ELSE \
+             set_config('lock_timeout', (ARRAY[current_setting('lock_timeout'), \
+             set_config('lock_timeout', '{ms}ms', true), \
+             {function}({args})::text])[1], true) END"
+        ),
+    }
+}
 
 /// Takes a transaction-scoped lock in a spawned task that owns the
 /// connection, so that a caller who goes away mid-wait never leaves a lock
 /// held or queued.
 pub(super) async fn lock(
-    mutex: &Mutex,
+    mutex: &Lock,
     pool: &PgPool,
     mode: Mode,
     wait: Wait,
 ) -> Result<MutexGuard> {
     let (mutex, pool) = (mutex.clone(), pool.clone());
-    db::detached(move |mut caller| async move {
+    detached(move |mut caller| async move {
         let started = std::time::Instant::now();
         // Gone before a connection was free: nothing was sent, nothing to undo.
         let conn = tokio::select! {
             conn = pool.acquire() => conn?,
-            () = caller.wait() => return Err(db::caller_gone()),
+            () = caller.wait() => return Err(caller_gone()),
         };
         let token = token();
         let tx = match wait {
@@ -57,7 +107,7 @@ pub(super) async fn lock(
 /// cancel), the implicit transaction is rolled back and the `BEGIN` never
 /// runs, so the connection goes back to the pool clean.
 async fn wait_lock(
-    mutex: &Mutex,
+    mutex: &Lock,
     pool: &PgPool,
     conn: sqlx::pool::PoolConnection<Postgres>,
     mode: Mode,
@@ -65,20 +115,20 @@ async fn wait_lock(
     token: &str,
     caller: &mut CallerGone,
 ) -> Result<Transaction<'static, Postgres>> {
-    let sql = format!("{}; BEGIN", mutex.xact_sql(mode, wait, token));
+    let sql = format!("{}; BEGIN", statement(mutex, mode, wait, token));
     let begin = Transaction::begin(conn, Some(AssertSqlSafe(sql).into_sql_str()));
     match run_or_cancel(pool, begin, token, caller).await {
         Some(Ok(tx)) => Ok(tx),
         Some(Err(error)) => Err(mutex.lock_error(error, wait)),
         // The caller has gone; a transaction that began anyway was dropped.
-        None => Err(db::caller_gone()),
+        None => Err(caller_gone()),
     }
 }
 
 /// A try-lock: `BEGIN`, then `pg_try_advisory_xact_lock` (it never waits,
 /// so there is nothing to cancel); [`Error::Locked`] when busy.
 async fn try_lock(
-    mutex: &Mutex,
+    mutex: &Lock,
     pool: &PgPool,
     conn: sqlx::pool::PoolConnection<Postgres>,
     mode: Mode,
@@ -86,10 +136,10 @@ async fn try_lock(
     caller: &mut CallerGone,
 ) -> Result<Transaction<'static, Postgres>> {
     let mut tx = Transaction::begin(conn, None).await?;
-    let statement = run_on(&mut tx, mutex.xact_sql(mode, Wait::Try, token));
-    let rows = match run_or_cancel(pool, statement, token, caller).await {
+    let trying = run_on(&mut tx, statement(mutex, mode, Wait::Try, token));
+    let rows = match run_or_cancel(pool, trying, token, caller).await {
         Some(rows) => rows?,
-        None => return Err(db::caller_gone()),
+        None => return Err(caller_gone()),
     };
     if try_result(&rows)? {
         Ok(tx)
@@ -101,12 +151,12 @@ async fn try_lock(
 
 /// Takes the lock inside the caller's transaction.
 pub(super) async fn lock_in(
-    mutex: &Mutex,
+    mutex: &Lock,
     tx: &mut Transaction<'_, Postgres>,
     wait: Wait,
 ) -> Result<()> {
     let started = std::time::Instant::now();
-    let rows = run_on(tx, mutex.xact_sql(Mode::Exclusive, wait, &token()))
+    let rows = run_on(tx, statement(mutex, Mode::Exclusive, wait, &token()))
         .await
         .map_err(|e| mutex.lock_error(e, wait))?;
     if wait == Wait::Try && !try_result(&rows)? {
@@ -245,5 +295,45 @@ impl DerefMut for MutexGuard {
         self.tx
             .as_mut()
             .expect("the transaction lives as long as the guard")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::mutex::lock::Key;
+
+    #[test]
+    fn lock_statements_restore_the_callers_lock_timeout() {
+        let mutex = Lock::new(Key::BigInt(5), "mutex key 5".into());
+        assert_eq!(
+            statement(&mutex, Mode::Shared, Wait::Try, "/* t */"),
+            "/* t */ SELECT pg_try_advisory_xact_lock_shared(5::int8)"
+        );
+        let waiting = statement(
+            &mutex,
+            Mode::Exclusive,
+            Wait::Timeout(Duration::from_secs(3)),
+            "/* t */",
+        );
+        assert_eq!(
+            waiting,
+            "/* t */ SELECT CASE WHEN pg_try_advisory_xact_lock(5::int8) THEN NULL ELSE \
+             set_config('lock_timeout', (ARRAY[current_setting('lock_timeout'), \
+             set_config('lock_timeout', '3000ms', true), \
+             pg_advisory_xact_lock(5::int8)::text])[1], true) END"
+        );
+        let idle = Lock {
+            idle_timeout: Some(Duration::from_secs(4)),
+            ..mutex.clone()
+        };
+        let bounded = statement(&idle, Mode::Exclusive, Wait::Try, "/* t */");
+        assert_eq!(
+            bounded,
+            "/* t */ SELECT set_config('idle_in_transaction_session_timeout', '4000ms', true), \
+             pg_try_advisory_xact_lock(5::int8)"
+        );
     }
 }

@@ -17,18 +17,13 @@ use sqlx::postgres::types::PgInterval;
 use sqlx::{PgConnection, Row};
 use tokio::time::Instant;
 
-use crate::db::{self, Db, Token};
-use crate::error::{Error, LostReason, Result};
+use crate::db::Db;
+use crate::error::{self, Error, LostReason, Result};
 use crate::metrics::SemaphoreMetrics;
+use crate::token::Token;
 use crate::validate;
 
 use super::wake::Wakeups;
-
-/// The shortest lease a permit may have.
-pub const MIN_LEASE: Duration = Duration::from_millis(10);
-
-/// The longest lease a permit may have (366 days).
-pub const MAX_LEASE: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
 /// The claim, one round trip. `o_retry_in` and `o_wake`: see the function.
 /// Every function is called with named arguments: a parameter added to a
@@ -190,21 +185,20 @@ impl Heartbeat {
 
     /// Checks an explicit interval against a lease: the lease must cover two.
     pub(crate) fn check(self, lease: Duration, argument: &'static str) -> Result<()> {
-        match self {
-            Heartbeat::Every(interval) if interval.is_zero() => {
-                Err(Error::invalid("heartbeat", "must be greater than zero"))
-            }
-            Heartbeat::Every(interval) if interval.checked_mul(2).is_none_or(|two| two > lease) => {
-                Err(Error::invalid(
-                    argument,
-                    format!(
-                        "a lease of {lease:?} is shorter than twice the heartbeat interval \
-                         {interval:?}: a single late renewal would lose the permit"
-                    ),
-                ))
-            }
-            _ => Ok(()),
+        let Heartbeat::Every(interval) = self else {
+            return Ok(());
+        };
+        validate::nonzero("heartbeat", interval)?;
+        if interval.checked_mul(2).is_none_or(|two| two > lease) {
+            return Err(Error::invalid(
+                argument,
+                format!(
+                    "a lease of {lease:?} is shorter than twice the heartbeat interval \
+                     {interval:?}: a single late renewal would lose the permit"
+                ),
+            ));
         }
+        Ok(())
     }
 }
 
@@ -347,7 +341,7 @@ pub(crate) async fn claim(
     let row = match core.db.fetch_one(query).await {
         Ok(row) => row,
         Err(error) => {
-            if db::outcome_unknown(&error) {
+            if error::outcome_unknown(&error) {
                 forget_claim(core.clone(), token, attempt.lease);
             }
             return Err(refused_on(error, &core.name));
@@ -560,7 +554,7 @@ pub(crate) async fn fence(
         .persistent(!pooled)
         .fetch_all(conn)
         .await
-        .map_err(db::ours)?;
+        .map_err(error::ours)?;
     Ok(first_lost(ids, rows))
 }
 
@@ -568,19 +562,12 @@ pub(crate) async fn fence(
 /// unknown semaphore, 55P03 (lock_not_available) when the semaphore's row
 /// stayed locked past the functions' `lock_timeout`.
 pub(crate) fn refused_on(error: Error, semaphore: &str) -> Error {
-    let code = match &error {
-        Error::Database(error) => error.as_database_error().and_then(|e| e.code()),
-        _ => None,
-    };
-    match code.as_deref() {
-        Some("P0002") => Error::SemaphoreNotFound {
+    if error::sqlstate(&error).as_deref() == Some("55P03") {
+        return Error::Stalled {
             semaphore: semaphore.to_owned(),
-        },
-        Some("55P03") => Error::Stalled {
-            semaphore: semaphore.to_owned(),
-        },
-        _ => error,
+        };
     }
+    error::semaphore_not_found(error, semaphore)
 }
 
 /// A lease as the database computed it.
@@ -588,11 +575,6 @@ pub(crate) fn duration_of(interval: &PgInterval) -> Duration {
     // Leases and waits are microseconds only (no months or days are produced).
     let micros = interval.microseconds + interval.days as i64 * 86_400_000_000;
     Duration::from_micros(micros.max(0) as u64)
-}
-
-/// A lease as an interval for the database.
-pub(crate) fn lease_interval(lease: Duration) -> Result<PgInterval> {
-    validate::interval("lease", lease, MIN_LEASE..=MAX_LEASE)
 }
 
 #[cfg(test)]

@@ -20,8 +20,9 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::db::Token;
 use crate::error::LostReason;
+use crate::token::Token;
+use crate::validate;
 
 use super::engine::{self, Core, Ended};
 
@@ -186,7 +187,7 @@ async fn renew_loop(
     state: watch::Sender<LeaseState>,
 ) {
     let ids = &renewing.ids;
-    let lease_pg = match engine::lease_interval(lease) {
+    let lease_pg = match validate::lease(lease) {
         Ok(lease_pg) => lease_pg,
         // The lease came from the database, which accepted it: cannot happen.
         Err(_) => return,

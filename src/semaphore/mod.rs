@@ -26,8 +26,9 @@ use sqlx::postgres::types::PgInterval;
 use tokio::time::Instant;
 
 use crate::audit::{AuditLog, Holder, Summary};
-use crate::db::{self, Db};
+use crate::db::Db;
 use crate::error::{Error, Result, WaitedFor};
+use crate::fail_open::{self, Unchecked};
 use crate::metrics::SemaphoreMetrics;
 use crate::validate;
 
@@ -35,21 +36,9 @@ pub use self::advisory::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, DEFAULT_ADVISORY_CONNECTIONS,
 };
 use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions};
-pub use self::engine::{MAX_LEASE, MIN_LEASE, Priority, QueueOrder};
+pub use self::engine::{Priority, QueueOrder};
 pub use self::permit::Permit;
 use self::wake::Wakeups;
-
-/// The largest capacity a semaphore may have (a CHECK constraint enforces it too).
-pub const MAX_CAPACITY: u32 = 100_000;
-
-/// The longest semaphore name, in characters.
-pub const MAX_NAME_LEN: usize = 200;
-
-/// The longest holder label, in characters.
-pub const MAX_HOLDER_LEN: usize = 1000;
-
-/// The longest fairness key ([`Claim::fairness_key`]), in characters.
-pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
 
 /// The default lease: how long a permit is held before a reaper may free it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(90);
@@ -165,7 +154,8 @@ pub struct SemaphoreBuilder {
 impl SemaphoreBuilder {
     /// The default lease of a new semaphore: how long a permit is held
     /// before a reaper may free it (default [`DEFAULT_LEASE`], between
-    /// [`MIN_LEASE`] and [`MAX_LEASE`]). Measured on the database clock.
+    /// [`MIN_LEASE`](crate::MIN_LEASE) and [`MAX_LEASE`](crate::MAX_LEASE)).
+    /// Measured on the database clock.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -347,9 +337,10 @@ impl SemaphoreBuilder {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for a name that is empty, longer than
-    ///   [`MAX_NAME_LEN`] or contains NUL; a capacity of 0 or above
-    ///   [`MAX_CAPACITY`]; a lease outside [`MIN_LEASE`]..=[`MAX_LEASE`]; a
-    ///   zero fallback interval; a zero heartbeat interval or one above half
+    ///   [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) or contains NUL; a capacity
+    ///   of 0 or above [`MAX_CAPACITY`](crate::MAX_CAPACITY); a lease
+    ///   outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE);
+    ///   a zero fallback interval; a zero heartbeat interval or one above half
     ///   the lease; a reserve not below the capacity; a bad holder label.
     ///   Nothing is written.
     /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
@@ -359,24 +350,19 @@ impl SemaphoreBuilder {
     ///
     /// Opening is one statement: cancelling either creates the semaphore or not.
     pub async fn build(self, pool: &PgPool) -> Result<Semaphore> {
-        validate::text("name", &self.name, MAX_NAME_LEN)?;
-        check_capacity(self.capacity)?;
-        let lease = engine::lease_interval(self.lease)?;
-        if self.fallback.is_zero() {
-            return Err(Error::invalid(
-                "fallback_interval",
-                "must be greater than zero",
-            ));
-        }
+        validate::name(&self.name)?;
+        validate::capacity(self.capacity)?;
+        let lease = validate::lease(self.lease)?;
+        validate::nonzero("fallback_interval", self.fallback)?;
         self.heartbeat.check(self.lease, "lease")?;
         let holder = match self.holder {
             Some(holder) => {
-                validate_holder(&holder)?;
+                validate::holder(&holder)?;
                 holder
             }
             None => default_holder(),
         };
-        check_reserve(self.reserved, self.capacity)?;
+        validate::reserve(self.reserved, self.capacity)?;
         let db = Db::new(pool, self.pooled);
         let requested_order = self.queue.map(|q| q.order).unwrap_or_default();
         let query = db
@@ -417,7 +403,7 @@ impl SemaphoreBuilder {
             );
         }
         self.heartbeat.check(stored_lease, "lease")?;
-        check_reserve(self.reserved, capacity)?;
+        validate::reserve(self.reserved, capacity)?;
         Ok(Semaphore {
             core: Arc::new(Core {
                 wakeups: Wakeups::for_pool(pool),
@@ -435,28 +421,6 @@ impl SemaphoreBuilder {
             }),
         })
     }
-}
-
-fn check_capacity(capacity: u32) -> Result<()> {
-    if capacity == 0 || capacity > MAX_CAPACITY {
-        return Err(Error::invalid(
-            "capacity",
-            format!("{capacity} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots"),
-        ));
-    }
-    Ok(())
-}
-
-fn check_reserve(reserved: u32, capacity: u32) -> Result<()> {
-    if reserved >= capacity {
-        return Err(Error::invalid(
-            "reserved",
-            format!(
-                "{reserved} reserved slots leave none to low-priority claims: reserve fewer than the capacity ({capacity})"
-            ),
-        ));
-    }
-    Ok(())
 }
 
 impl Semaphore {
@@ -856,7 +820,7 @@ impl Claim<'_> {
 
     /// The claim's **fairness key** in the semaphore's fair queue (a
     /// tenant, a customer, a job kind; default: none, the one shared
-    /// default key), 1 to [`MAX_FAIRNESS_KEY_LEN`] characters.
+    /// default key), 1 to [`MAX_FAIRNESS_KEY_LEN`](crate::MAX_FAIRNESS_KEY_LEN) characters.
     ///
     /// In a FIFO queue ([`QueueOrder::OldestFirst`]), waiters of different
     /// fairness keys take turns: a key with one waiter is served within one
@@ -890,7 +854,7 @@ impl Claim<'_> {
     /// # }
     /// ```
     ///
-    /// A key that is empty, longer than [`MAX_FAIRNESS_KEY_LEN`] or contains
+    /// A key that is empty, longer than [`MAX_FAIRNESS_KEY_LEN`](crate::MAX_FAIRNESS_KEY_LEN) or contains
     /// NUL makes the acquire fail with [`Error::InvalidArgument`] (argument
     /// `fairness_key`) before anything is sent.
     pub fn fairness_key(mut self, key: impl Into<String>) -> Self {
@@ -971,14 +935,14 @@ impl Claim<'_> {
             Ok(Admission::TooMany { capacity }) => Err(wait::too_many(core, &attempt, capacity)),
             Err(error) => Err(error),
         };
+        let unchecked = Unchecked::Permit {
+            semaphore: &core.name,
+            metrics: &core.metrics,
+        };
         match result {
-            Err(error) if core.fail_open && db::fails_open(&error, core.db.pool()).await => {
-                tracing::warn!(
-                    semaphore = %core.name,
-                    %error,
-                    "database unreachable: admitting without a slot (fail-open)"
-                );
-                core.metrics.failed_open();
+            Err(error)
+                if fail_open::admits(core.fail_open, &error, core.db.pool(), unchecked).await =>
+            {
                 Ok(Permit::unchecked(core))
             }
             other => other,
@@ -1028,7 +992,7 @@ impl Claim<'_> {
         let core = &self.semaphore.core;
         let holder = match self.holder {
             Some(holder) => {
-                validate_holder(&holder)?;
+                validate::holder(&holder)?;
                 holder
             }
             None => core.holder.clone(),
@@ -1036,7 +1000,7 @@ impl Claim<'_> {
         let lease = match self.lease {
             Some(lease) => {
                 core.heartbeat.check(lease, "lease")?;
-                Some(engine::lease_interval(lease)?)
+                Some(validate::lease(lease)?)
             }
             None => None,
         };
@@ -1044,7 +1008,7 @@ impl Claim<'_> {
             validate::json("metadata", metadata)?;
         }
         if let Some(key) = &self.fairness_key {
-            validate::text("fairness_key", key, MAX_FAIRNESS_KEY_LEN)?;
+            validate::fairness_key(key)?;
         }
         let attempt = Attempt {
             holder,
@@ -1055,9 +1019,7 @@ impl Claim<'_> {
             fairness_key: self.fairness_key,
             ride_out_outages: self.ride_out_outages,
         };
-        if permits == 0 {
-            return Err(Error::invalid("permits", "must be at least 1"));
-        }
+        validate::positive("permits", permits.into())?;
         if permits > attempt.usable(core.capacity, core.reserved) {
             return Err(wait::too_many(core, &attempt, core.capacity));
         }
@@ -1089,10 +1051,6 @@ async fn with_timeout<T>(
             })
         }
     }
-}
-
-fn validate_holder(holder: &str) -> Result<()> {
-    validate::text("holder", holder, MAX_HOLDER_LEN)
 }
 
 /// `host:pid`, the default holder label.

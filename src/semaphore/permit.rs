@@ -8,11 +8,10 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Transaction};
 
-use crate::db;
+use crate::detached::detached;
 use crate::error::{Error, LostReason, Result};
 use crate::metrics::Held;
-
-use crate::db::Token;
+use crate::token::Token;
 
 use super::engine::{self, Admission, Attempt, Claimed, Core, Ended};
 use super::lease::Lease;
@@ -91,7 +90,7 @@ impl Permit {
         ticket: Option<(i64, Token)>,
     ) -> Result<Admission<Permit>> {
         let (core, attempt) = (core.clone(), attempt.clone());
-        db::detached(move |_| async move {
+        detached(move |_| async move {
             let ticket = ticket.as_ref().map(|(id, token)| (*id, token));
             let claim = engine::claim(&core, &attempt, ticket).await?;
             Ok(claim.map(|claimed| {
@@ -324,7 +323,7 @@ impl Permit {
         let lost = self.lease.lost_reason();
         let core = self.core.clone();
         let (ids, token, acquired_at) = (self.ids(), self.token.clone(), self.acquired_at);
-        let ended = db::detached(move |_| async move {
+        let ended = detached(move |_| async move {
             let (ended, at) = engine::release(&core, &ids, &token, lost.is_some()).await?;
             if let (Ended::Done, Some(at)) = (ended, at) {
                 // Both ends on the database clock.

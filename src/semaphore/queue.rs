@@ -31,8 +31,9 @@
 
 use std::sync::Arc;
 
-use crate::db::{self, Token};
+use crate::detached::detached;
 use crate::error::{Error, Result};
+use crate::token::Token;
 
 use super::engine::{self, Attempt, Core, QueueOptions};
 use super::wake::wait_lease;
@@ -61,7 +62,7 @@ pub(crate) async fn enqueue(
     token: &Token,
 ) -> Result<Ticket> {
     let (core, attempt, token) = (core.clone(), attempt.clone(), token.clone());
-    db::detached(move |_| async move {
+    detached(move |_| async move {
         let limit = options.limit.map(|l| l.min(i32::MAX as u32) as i32);
         let query = core
             .db

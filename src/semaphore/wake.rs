@@ -39,7 +39,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::db::{Db, Token};
+use crate::db::Db;
+use crate::per_pool::{PerPool, lock};
+use crate::token::Token;
 
 /// The channel every pg-semaphore notification is sent on; the payload is the
 /// semaphore's name.
@@ -68,7 +70,7 @@ const STOP_WAITING: &str =
     "SELECT pgsemaphore.stop_waiting(p_semaphore => $1, p_token => $2, p_spell => $3)";
 
 /// Wake-up services by pool (the pool's connect-options `Arc` identifies it).
-static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Wakeups>)>> = Mutex::new(Vec::new());
+static REGISTRY: PerPool<Wakeups> = PerPool::new();
 
 /// The wake-up service of one pool. Dropping the last handle stops its tasks.
 pub(crate) struct Wakeups {
@@ -116,22 +118,13 @@ impl Wakeups {
     /// The service for connections made with `options` (the same `Arc`:
     /// a pool's, or one an advisory semaphore was given).
     pub(crate) fn for_options(options: Arc<PgConnectOptions>) -> Arc<Wakeups> {
-        let mut registry = lock(&REGISTRY);
-        registry.retain(|(_, wakeups)| wakeups.strong_count() > 0);
-        if let Some(wakeups) = registry
-            .iter()
-            .find(|(o, _)| Arc::ptr_eq(o, &options))
-            .and_then(|(_, w)| w.upgrade())
-        {
-            return wakeups;
-        }
-        let wakeups = Arc::new(Wakeups {
-            options: options.clone(),
-            entries: Arc::new(Entries::default()),
-            running: Mutex::new(None),
-        });
-        registry.push((options, Arc::downgrade(&wakeups)));
-        wakeups
+        REGISTRY.get(&options, || {
+            Arc::new(Wakeups {
+                options: options.clone(),
+                entries: Arc::new(Entries::default()),
+                running: Mutex::new(None),
+            })
+        })
     }
 
     /// This process's secret for its registrations and queue tickets.
@@ -567,14 +560,6 @@ pub(crate) fn wait_lease() -> PgInterval {
         days: 0,
         microseconds: WAIT_LEASE.as_micros() as i64,
     }
-}
-
-/// Locks a mutex, recovering from poisoning: the data here stays consistent
-/// because no code panics while holding these locks.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -85,7 +85,9 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
 pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
-    let report = AuditLog::new(pool).report(&args.name, window).await?;
+    let report = AuditLog::new(pool)
+        .report_shaped(&args.name, window, render::report::SHAPE)
+        .await?;
     let page = render::report::html(&report);
     if args.html.as_os_str() == "-" {
         return Ok(page);
@@ -156,7 +158,7 @@ pub(crate) async fn clear_queue(pool: &PgPool, name: &str) -> Result<String, Fai
 }
 
 pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String, Failure> {
-    let deleted = pg_semaphore::prune(pool, older_than).await?;
+    let deleted = pg_semaphore::prune_claims(pool, older_than).await?;
     Ok(format!(
         "deleted {deleted} finished claim{} that ended more than {} ago\n",
         plural(deleted),

@@ -11,14 +11,14 @@
 //! then dropped with a `WARN`; a process that dies loses its queue. The
 //! live holders are in `pg_locks`, never only here.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::PgConnectOptions;
 use tokio::sync::mpsc;
 
 use crate::db::Db;
+use crate::per_pool::PerPool;
 
 /// How often queued permits are written.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -81,28 +81,16 @@ pub(crate) struct AuditWriter {
     queue: mpsc::UnboundedSender<Record>,
 }
 
-static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<AuditWriter>)>> = Mutex::new(Vec::new());
+static WRITERS: PerPool<AuditWriter> = PerPool::new();
 
 impl AuditWriter {
     /// The writer for `db`'s pool (one per pool per process).
     pub(crate) fn for_db(db: &Db) -> Arc<AuditWriter> {
-        let options = db.pool().connect_options();
-        let mut registry = REGISTRY
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        registry.retain(|(_, writer)| writer.strong_count() > 0);
-        if let Some(writer) = registry
-            .iter()
-            .find(|(o, _)| Arc::ptr_eq(o, &options))
-            .and_then(|(_, w)| w.upgrade())
-        {
-            return writer;
-        }
-        let (queue, inbox) = mpsc::unbounded_channel();
-        tokio::spawn(write(db.clone(), inbox));
-        let writer = Arc::new(AuditWriter { queue });
-        registry.push((options, Arc::downgrade(&writer)));
-        writer
+        WRITERS.get(&db.pool().connect_options(), || {
+            let (queue, inbox) = mpsc::unbounded_channel();
+            tokio::spawn(write(db.clone(), inbox));
+            Arc::new(AuditWriter { queue })
+        })
     }
 
     /// Queues a finished permit; never waits.

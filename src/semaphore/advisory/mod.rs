@@ -37,16 +37,18 @@ use sqlx::postgres::PgConnectOptions;
 use tokio::time::Instant;
 
 use crate::db::Db;
-use crate::error::{Error, Result, WaitedFor};
+use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
+use crate::detached::detached;
+use crate::error::{Error, Result, WaitedFor, semaphore_not_found};
 use crate::metrics::SemaphoreMetrics;
-use crate::mutex::DEFAULT_HEARTBEAT;
-use crate::validate;
+use crate::per_pool::lock;
+use crate::validate::{self, MAX_CAPACITY};
 
 use self::audit::AuditWriter;
 pub use self::permit::AdvisoryPermit;
 use self::session::{ClaimReply, Session, Sessions};
+use super::DEFAULT_FALLBACK_INTERVAL;
 use super::wake::Wakeups;
-use super::{DEFAULT_FALLBACK_INTERVAL, MAX_CAPACITY, MAX_HOLDER_LEN, MAX_NAME_LEN};
 
 /// The default most dedicated connections a pool's advisory semaphores
 /// open to hold slots (they run one statement at a time each).
@@ -169,10 +171,10 @@ impl AdvisorySemaphoreBuilder {
     }
 
     /// How often each dedicated connection proves it is alive (default
-    /// [`DEFAULT_HEARTBEAT`], 1 s). A permit is told it is lost within two
-    /// and a half heartbeats of its link going silent; the server ends a silent
-    /// session, freeing its slots, after three (at least a second: the
-    /// floor the dead-man switch keeps). Set on the first advisory
+    /// [`DEFAULT_SESSION_HEARTBEAT`], 1 s). A permit is told it is lost
+    /// within two and a half heartbeats of its link going silent; the server
+    /// ends a silent session, freeing its slots, after three (at least a
+    /// second: the floor the dead-man switch keeps). Set on the first advisory
     /// semaphore built on a pool (the pool's connections are shared).
     pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
         self.heartbeat = heartbeat;
@@ -239,31 +241,14 @@ impl AdvisorySemaphoreBuilder {
     ///
     /// Opening is one statement: cancelling either creates the semaphore or not.
     pub async fn build(self, pool: &PgPool) -> Result<AdvisorySemaphore> {
-        validate::text("name", &self.name, MAX_NAME_LEN)?;
-        if self.capacity == 0 || self.capacity > MAX_CAPACITY {
-            return Err(Error::invalid(
-                "capacity",
-                format!(
-                    "{} is out of range: a semaphore has 1 to {MAX_CAPACITY} slots",
-                    self.capacity
-                ),
-            ));
-        }
-        if self.heartbeat.is_zero() {
-            return Err(Error::invalid("heartbeat", "must be greater than zero"));
-        }
-        if self.fallback.is_zero() {
-            return Err(Error::invalid(
-                "fallback_interval",
-                "must be greater than zero",
-            ));
-        }
-        if self.connections == 0 {
-            return Err(Error::invalid("connections", "must be at least 1"));
-        }
+        validate::name(&self.name)?;
+        validate::capacity(self.capacity)?;
+        validate::nonzero("heartbeat", self.heartbeat)?;
+        validate::nonzero("fallback_interval", self.fallback)?;
+        validate::positive("connections", self.connections as u64)?;
         let holder = match self.holder {
             Some(holder) => {
-                validate::text("holder", &holder, MAX_HOLDER_LEN)?;
+                validate::holder(&holder)?;
                 holder
             }
             None => super::default_holder(),
@@ -326,7 +311,7 @@ impl AdvisorySemaphore {
             name: name.into(),
             capacity,
             holder: None,
-            heartbeat: DEFAULT_HEARTBEAT,
+            heartbeat: DEFAULT_SESSION_HEARTBEAT,
             connections: DEFAULT_ADVISORY_CONNECTIONS,
             fallback: DEFAULT_FALLBACK_INTERVAL,
             options: None,
@@ -521,12 +506,12 @@ enum Claim {
 /// which releases it.
 async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
     let core = core.clone();
-    crate::db::detached(move |_| async move {
+    detached(move |_| async move {
         let session = core.sessions.pick().await?;
         let reply = session
             .claim(&core.name, n)
             .await
-            .map_err(|error| not_found_or(error, &core.name))?;
+            .map_err(|error| semaphore_not_found(error, &core.name))?;
         Ok(match reply {
             ClaimReply::Claimed { slots, at } => {
                 tracing::debug!(semaphore = %core.name, ?slots, "advisory permit acquired");
@@ -537,20 +522,6 @@ async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
         })
     })
     .await
-}
-
-/// P0002: no advisory semaphore of that name.
-fn not_found_or(error: Error, name: &str) -> Error {
-    match &error {
-        Error::Database(db)
-            if db.as_database_error().and_then(|e| e.code()).as_deref() == Some("P0002") =>
-        {
-            Error::SemaphoreNotFound {
-                semaphore: name.to_owned(),
-            }
-        }
-        _ => error,
-    }
 }
 
 /// This process's announcement that it waits on a semaphore: the 16
@@ -582,7 +553,7 @@ async fn announce(core: &Arc<AdvisoryCore>) -> Option<Arc<Announcement>> {
     }
     let key = waiting_keys(core.key_base);
     let sessions = core.sessions.clone();
-    let taken = crate::db::detached(move |_| async move {
+    let taken = detached(move |_| async move {
         let session = sessions.pick().await?;
         Ok(session
             .announce(key)
@@ -656,11 +627,4 @@ async fn wait(core: &Arc<AdvisoryCore>, n: u32) -> Result<AdvisoryPermit> {
         }
         watch.changed().await;
     }
-}
-
-/// Locks a mutex, recovering from poisoning (no code panics while holding these).
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 
-use crate::db;
+use crate::detached::detached;
 use crate::error::{Error, LostReason, Result};
 use crate::metrics::Held;
 
@@ -157,7 +157,7 @@ impl AdvisoryPermit {
         self.session.freed();
         let slots = std::mem::take(&mut self.slots);
         let (core, session, freed) = (self.core.clone(), self.session.clone(), slots.clone());
-        let result = db::detached(move |_| async move {
+        let result = detached(move |_| async move {
             let result = session.release(&core.name, core.key_base, &freed).await;
             core.wakeups.wake_local(&core.name);
             result

@@ -48,9 +48,9 @@ use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::db;
-use crate::error::{Error, LostReason, Result};
-use crate::mutex::session::{dead_man_after, dead_man_sql};
+use crate::dead_man::{self, dead_man_after, dead_man_sql};
+use crate::error::{self, Error, LostReason, Result};
+use crate::per_pool::{PerPool, lock};
 
 /// Takes slots; `p_mine`: what this session holds of the semaphore already.
 /// Every kind of claim (several permits, a session that holds slots of the
@@ -167,15 +167,7 @@ impl Session {
 
     /// Resolves when the session is lost; never otherwise.
     pub(crate) fn lost(&self) -> impl std::future::Future<Output = LostReason> + Send + 'static {
-        let mut lost = self.lost.subscribe();
-        async move {
-            let reason = lost.wait_for(Option::is_some).await.map(|reason| *reason);
-            match reason {
-                Ok(reason) => reason.unwrap_or(LostReason::ConnectionLost),
-                // The session is gone without a loss (nothing holds it any more).
-                Err(_) => std::future::pending().await,
-            }
-        }
+        dead_man::lost(self.lost.subscribe())
     }
 
     /// Loses the session: every permit on it is told, and the connection is
@@ -197,14 +189,43 @@ impl Session {
         }
     }
 
+    /// What a statement bounded by `bound` (`what`: "a claim", "a release")
+    /// came back with: its value, with the session's state, whose last
+    /// answer is now; or, when it did not answer in time or failed because
+    /// the link is down, the session is lost, and the error is returned.
+    fn answered<'s, T>(
+        &self,
+        state: &'s mut Option<State>,
+        what: &str,
+        bound: Duration,
+        outcome: std::result::Result<sqlx::Result<T>, tokio::time::error::Elapsed>,
+    ) -> Result<(T, &'s mut State)> {
+        let value = match outcome {
+            Err(_) => {
+                self.lose(state, &format!("{what} did not answer within {bound:?}"));
+                return Err(lost_session());
+            }
+            Ok(Err(error)) => {
+                if error::unreachable(&error) {
+                    self.lose(state, &error.to_string());
+                }
+                return Err(error::ours(error));
+            }
+            Ok(Ok(value)) => value,
+        };
+        let state = state.as_mut().ok_or_else(lost_session)?;
+        state.answered = Instant::now();
+        Ok((value, state))
+    }
+
     /// Claims on this session: one statement. Not cancel-safe on its own
     /// (a claim whose reply is dropped keeps its slots until they are
-    /// released): run it inside [`db::detached`], whose value, dropped if
-    /// the caller has gone, releases them.
+    /// released): run it inside [`detached`](crate::detached::detached),
+    /// whose value, dropped if the caller has gone, releases them.
     pub(crate) async fn claim(&self, semaphore: &str, permits: u32) -> Result<ClaimReply> {
         let _in_flight = InFlight::new(&self.in_flight);
         let mut guard = self.state.lock().await;
-        let Some(state) = guard.as_mut() else {
+        let Some(mut state) = guard.as_mut() else {
             return Err(lost_session());
         };
         let bound = self.statement_bound(state);
@@ -217,70 +238,40 @@ impl Session {
         if permits == 1 && mine.is_empty() {
             let query = sqlx::query_as::<_, (i32, i32, Option<i32>, DateTime<Utc>)>(CLAIM_ONE)
                 .bind(semaphore);
-            match tokio::time::timeout(bound, query.fetch_optional(&mut state.conn)).await {
-                Err(_) => {
-                    self.lose(
-                        &mut guard,
-                        &format!("a claim did not answer within {bound:?}"),
-                    );
-                    return Err(lost_session());
-                }
-                Ok(Err(error)) => {
-                    if db::unreachable(&error) {
-                        self.lose(&mut guard, &error.to_string());
+            let outcome = tokio::time::timeout(bound, query.fetch_optional(&mut state.conn)).await;
+            let (reply, answered) = self.answered(&mut guard, "a claim", bound, outcome)?;
+            state = answered;
+            let Some((capacity, peak, slot, at)) = reply else {
+                return Err(Error::SemaphoreNotFound {
+                    semaphore: semaphore.to_owned(),
+                });
+            };
+            if peak <= capacity {
+                let capacity = capacity.max(0) as u32;
+                return Ok(match slot {
+                    Some(slot) => {
+                        let slot = slot.max(0) as u32;
+                        state
+                            .held
+                            .entry(semaphore.to_owned())
+                            .or_default()
+                            .push(slot);
+                        ClaimReply::Claimed {
+                            slots: vec![slot],
+                            at,
+                        }
                     }
-                    return Err(db::ours(error));
-                }
-                Ok(Ok(None)) => {
-                    return Err(Error::SemaphoreNotFound {
-                        semaphore: semaphore.to_owned(),
-                    });
-                }
-                Ok(Ok(Some((capacity, peak, slot, at)))) => {
-                    state.answered = Instant::now();
-                    if peak <= capacity {
-                        let capacity = capacity.max(0) as u32;
-                        return Ok(match slot {
-                            Some(slot) => {
-                                let slot = slot.max(0) as u32;
-                                state
-                                    .held
-                                    .entry(semaphore.to_owned())
-                                    .or_default()
-                                    .push(slot);
-                                ClaimReply::Claimed {
-                                    slots: vec![slot],
-                                    at,
-                                }
-                            }
-                            None => ClaimReply::Full { capacity },
-                        });
-                    }
-                    // A capacity drop is pending: the general claim counts.
-                }
+                    None => ClaimReply::Full { capacity },
+                });
             }
+            // A capacity drop is pending: the general claim counts.
         }
         let query = sqlx::query_as::<_, ClaimRow>(CLAIM)
             .bind(semaphore)
             .bind(permits as i32)
             .bind(mine);
-        let row = match tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await {
-            Err(_) => {
-                self.lose(
-                    &mut guard,
-                    &format!("a claim did not answer within {bound:?}"),
-                );
-                return Err(lost_session());
-            }
-            Ok(Err(error)) => {
-                if db::unreachable(&error) {
-                    self.lose(&mut guard, &error.to_string());
-                }
-                return Err(db::ours(error));
-            }
-            Ok(Ok(row)) => row,
-        };
-        state.answered = Instant::now();
+        let outcome = tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await;
+        let (row, state) = self.answered(&mut guard, "a claim", bound, outcome)?;
         let capacity = row.o_capacity.max(0) as u32;
         Ok(match (row.o_status.as_str(), row.o_slots, row.o_at) {
             ("claimed", Some(slots), Some(at)) => {
@@ -330,32 +321,16 @@ impl Session {
                 .bind(key_base)
                 .bind(slots.iter().map(|&s| s as i32).collect::<Vec<i32>>()),
         };
-        match tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await {
-            Err(_) => {
-                self.lose(
-                    &mut guard,
-                    &format!("a release did not answer within {bound:?}"),
-                );
-                Err(lost_session())
-            }
-            Ok(Err(error)) => {
-                if db::unreachable(&error) {
-                    self.lose(&mut guard, &error.to_string());
-                }
-                Err(db::ours(error))
-            }
-            Ok(Ok(released)) => {
-                state.answered = Instant::now();
-                if released.unsigned_abs() as usize == slots.len() {
-                    Ok(())
-                } else {
-                    Err(Error::internal(format!(
-                        "released {released} of {} slots of {semaphore:?}: the session did not \
-                         hold the others",
-                        slots.len()
-                    )))
-                }
-            }
+        let outcome = tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await;
+        let (released, _) = self.answered(&mut guard, "a release", bound, outcome)?;
+        if released.unsigned_abs() as usize == slots.len() {
+            Ok(())
+        } else {
+            Err(Error::internal(format!(
+                "released {released} of {} slots of {semaphore:?}: the session did not \
+                 hold the others",
+                slots.len()
+            )))
         }
     }
 
@@ -390,7 +365,7 @@ impl Session {
                     }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                Ok(Err(error)) if !db::unreachable(&error) => break,
+                Ok(Err(error)) if !error::unreachable(&error) => break,
                 Ok(Err(error)) => {
                     self.lose(&mut guard, &error.to_string());
                     return false;
@@ -415,7 +390,7 @@ impl Session {
             .await;
             match given_back {
                 Ok(Ok(_)) => state.answered = Instant::now(),
-                Ok(Err(error)) if !db::unreachable(&error) => {}
+                Ok(Err(error)) if !error::unreachable(&error) => {}
                 // A statement cut off midway leaves the connection unusable.
                 Ok(Err(error)) => self.lose(&mut guard, &error.to_string()),
                 Err(_) => self.lose(&mut guard, "giving back waiting keys did not answer"),
@@ -440,7 +415,7 @@ impl Session {
         .await;
         match done {
             Ok(Ok(_)) => state.answered = Instant::now(),
-            Ok(Err(error)) if !db::unreachable(&error) => {}
+            Ok(Err(error)) if !error::unreachable(&error) => {}
             Ok(Err(error)) => self.lose(&mut guard, &error.to_string()),
             Err(_) => self.lose(&mut guard, "withdrawing a waiter did not answer"),
         }
@@ -530,7 +505,7 @@ pub(crate) struct Sessions {
 }
 
 /// Session sets by the options `Arc` they were made for.
-static REGISTRY: Mutex<Vec<(Arc<PgConnectOptions>, Weak<Sessions>)>> = Mutex::new(Vec::new());
+static SESSIONS: PerPool<Sessions> = PerPool::new();
 
 impl Sessions {
     /// The set for connections made with `options` (shared by every
@@ -541,24 +516,15 @@ impl Sessions {
         heartbeat: Duration,
         max: usize,
     ) -> Arc<Sessions> {
-        let mut registry = lock(&REGISTRY);
-        registry.retain(|(_, sessions)| sessions.strong_count() > 0);
-        if let Some(sessions) = registry
-            .iter()
-            .find(|(o, _)| Arc::ptr_eq(o, &options))
-            .and_then(|(_, s)| s.upgrade())
-        {
-            return sessions;
-        }
-        let sessions = Arc::new(Sessions {
-            options: (*options).clone().application_name("pg-semaphore advisory"),
-            heartbeat,
-            max: max.max(1),
-            open: Mutex::new(Vec::new()),
-            opening: tokio::sync::Mutex::new(()),
-        });
-        registry.push((options, Arc::downgrade(&sessions)));
-        sessions
+        SESSIONS.get(&options, || {
+            Arc::new(Sessions {
+                options: (*options).clone().application_name("pg-semaphore advisory"),
+                heartbeat,
+                max: max.max(1),
+                open: Mutex::new(Vec::new()),
+                opening: tokio::sync::Mutex::new(()),
+            })
+        })
     }
 
     pub(crate) fn heartbeat(&self) -> Duration {
@@ -638,11 +604,4 @@ impl Sessions {
         tokio::spawn(heartbeat(Arc::downgrade(&session), self.heartbeat));
         Ok(session)
     }
-}
-
-/// Locks a mutex, recovering from poisoning (no code panics while holding these).
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -8,12 +8,23 @@
 //! every string into the page with `textContent`, never as markup. The
 //! Content-Security-Policy forbids loading anything from anywhere.
 
-use pg_semaphore::Report;
+use pg_semaphore::{Report, ReportShape};
 
 use super::json_compact;
 
 const CSS: &str = include_str!("report.css");
 const JS: &str = include_str!("report.js");
+
+/// The page's layout, which the report is read at: 240 time buckets across
+/// the timeline and the occupancy chart, 30 bars in the hold-time
+/// histogram, at most 100 lanes (a wider semaphore shares lanes), and a bar
+/// per claim up to 5,000 claims (beyond, the database's aggregates): a page
+/// of bounded size, however busy the window.
+pub(crate) const SHAPE: ReportShape = ReportShape::new()
+    .buckets(240)
+    .hold_time_bins(30)
+    .max_lanes(100)
+    .max_claims(5_000);
 
 /// The page.
 pub(crate) fn html(report: &Report) -> String {
