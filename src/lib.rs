@@ -13,7 +13,15 @@
 //! slot twice, claims on one semaphore serialise on that semaphore's row
 //! only (never a table lock), so different semaphores never wait on each
 //! other, and a claim counts as held every live claim it could not reap
-//! itself. The whole schema reads in one file, `schema/pgsemaphore.sql`.
+//! itself. Every rule lives in a SQL function of the `pgsemaphore` schema,
+//! whose contract (arguments, results, the invariant it keeps, the
+//! transactions it meets) is the comment that opens its body, in the
+//! migration that last defines it: `docs/sql-api.md` names that file for
+//! each application function. A function's header also reads in
+//! `schema/pgsemaphore.sql` (the whole schema, dumped) and in `psql`'s
+//! `\sf`; the comments on tables and on each schema version's changes are
+//! only in `migrations/` (the dump keeps no comment outside a function
+//! body).
 //!
 //! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
 //!   answer 429/503 at once.
