@@ -24,7 +24,10 @@ fn masked(text: &str) -> String {
             if line.starts_with("LOCATION:") {
                 "LOCATION:  (masked)".to_owned()
             } else if let Some(at) = line.find("received from server process with PID ") {
-                format!("{}received from server process with PID (masked).", &line[..at])
+                format!(
+                    "{}received from server process with PID (masked).",
+                    &line[..at]
+                )
             } else {
                 line.to_owned()
             }
@@ -117,7 +120,10 @@ async fn the_documented_psql_example_runs_as_written_with_the_application_grants
         "error: 22023",
         "error: P0002",
     ] {
-        assert!(stdout.contains(line), "the example no longer prints {line:?}");
+        assert!(
+            stdout.contains(line),
+            "the example no longer prints {line:?}"
+        );
     }
     assert!(stderr.contains("COLUMN NAME:  p_token"), "{stderr}");
     Ok(())
@@ -209,7 +215,9 @@ fn the_function_table_names_every_application_function_and_the_file_that_defines
     assert!(granted.len() >= 20, "parsed too few grants: {granted:?}");
     for name in &granted {
         let Some(file) = listed.get(name) else {
-            panic!("docs/sql-api.md's table does not list pgsemaphore.{name}, granted to the application");
+            panic!(
+                "docs/sql-api.md's table does not list pgsemaphore.{name}, granted to the application"
+            );
         };
         assert_eq!(
             Some(file),
