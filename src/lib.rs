@@ -13,7 +13,15 @@
 //! slot twice, claims on one semaphore serialise on that semaphore's row
 //! only (never a table lock), so different semaphores never wait on each
 //! other, and a claim counts as held every live claim it could not reap
-//! itself. The whole schema reads in one file, `schema/pgsemaphore.sql`.
+//! itself. Every rule lives in a SQL function of the `pgsemaphore` schema,
+//! whose contract (arguments, results, the invariant it keeps, the
+//! transactions it meets) is the comment that opens its body, in the
+//! migration that last defines it: `docs/sql-api.md` names that file for
+//! each application function. A function's header also reads in
+//! `schema/pgsemaphore.sql` (the whole schema, dumped) and in `psql`'s
+//! `\sf`; the comments on tables and on each schema version's changes are
+//! only in `migrations/` (the dump keeps no comment outside a function
+//! body).
 //!
 //! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
 //!   answer 429/503 at once.
@@ -188,6 +196,83 @@
 //!   timeouts, deadlocks and busy refusals; per rate limiter, decisions.
 //!   Labels are bounded (names, never a rate limiter key or a holder).
 //!   `describe_metrics()` gives each its help text; the README lists them.
+//!
+//! # Source map
+//!
+//! Each concept is one module, and each reads downwards: a public face,
+//! an engine below it, and one SQL function per decision below that (face →
+//! engine → SQL). The rules live in SQL; the Rust decides nothing a hostile
+//! client could get around.
+//!
+//! | module | holds |
+//! |---|---|
+//! | `semaphore` | the lease semaphore's face ([`Semaphore`], [`SemaphoreBuilder`], [`Claim`]) |
+//! | `semaphore::engine` | every admission statement (claim, release, renew, fence), one SQL function each |
+//! | `semaphore::wait`, `semaphore::wake` | waiting for permits; the per-pool `LISTEN` connection, registrations and fallback re-checks |
+//! | `semaphore::permit`, `semaphore::lease` | [`Permit`], its release and fence; its heartbeat and what "lost" means |
+//! | `semaphore::queue` | tickets of the fair queue |
+//! | `semaphore::advisory` | the advisory semaphore ([`AdvisorySemaphore`], [`AdvisoryPermit`]), its dedicated sessions and audit batches |
+//! | `mutex` | [`Mutex`]: transaction-scoped and session-scoped advisory locks |
+//! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
+//! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
+//! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
+//! | `db`, `validate`, `error` | how statements reach PostgreSQL (cancel safety); checks made before sending; [`Error`] |
+//! | `migrations/*.sql` | the schema, one file per version: each function's contract opens its body (`docs/sql-api.md` lists the application's, with the file of each, as a versioned interface for clients in any language) |
+//!
+//! # Glossary
+//!
+//! - **permit**: what a caller holds after acquiring: a [`Permit`] (one or
+//!   more claims of a lease semaphore, ended together) or an
+//!   [`AdvisoryPermit`] (one or more advisory-lock slots).
+//! - **claim**: the word names five things, told apart here: *a claim* is
+//!   one row of `pgsemaphore.slots`, one slot held by one holder with a
+//!   lease, whose id is the *claim id* ([`Permit::id`]); *to claim* is one
+//!   call of `pgsemaphore.claim`, which inserts one claim per slot of a
+//!   permit; [`Claim`] is the Rust builder of one acquire's options; an
+//!   *advisory claim* is one call of `pgsemaphore.advisory_claim`, which
+//!   takes advisory locks and writes no row.
+//! - **slot**: one unit of a semaphore's capacity, numbered `0..capacity`;
+//!   a live claim (or, in an advisory semaphore, an advisory lock) holds one.
+//! - **lease**: how long a claim holds its slot without renewal, on the
+//!   database clock; the end a renewal moves, and after which a reaper may
+//!   take the slot back.
+//! - **holder**: the text a claim records as who holds it (the audit log's
+//!   "who"); [`Holder`] is a live claim as an operator lists it.
+//! - **token**: the random secret of one permit (16 to 64 bytes; the
+//!   database keeps its SHA-256) without which nobody can release, renew or
+//!   fence its claims; a waiting process also has a token of its own for its
+//!   registrations.
+//! - **heartbeat**: the background renewal of a permit's lease, every third
+//!   of it by default.
+//! - **fence**: a check, inside the caller's transaction, that a permit's
+//!   claims still hold, share-locking them until that transaction ends
+//!   ([`Permit::fence`]).
+//! - **waiter**: a queued acquire's row in `pgsemaphore.waiters` (also, in
+//!   the code, an acquire waiting inside a process).
+//! - **ticket**: a waiter's id, which its later claims present to prove
+//!   their place in the queue.
+//! - **fairness key**: the key (a tenant, say) by which queued waiters take
+//!   turns ([`Claim::fairness_key`]); its **turn** is its place in that
+//!   rotation.
+//! - **registration**: a row of `pgsemaphore.wakeups` saying that a process
+//!   waits on a semaphore, so that releases send a `NOTIFY`.
+//! - **wake-up**: that `NOTIFY` on the channel `pgsemaphore`, payload the
+//!   semaphore's name: a hint to claim again, never a grant.
+//! - **wake-up gate**: a transaction-scoped advisory lock per semaphore
+//!   (class `1885828965`) that a registration takes exclusively and a release
+//!   tries in shared mode, so that no release misses a waiter registering
+//!   at the same time (`pgsemaphore.gate`).
+//! - **spell**: one uninterrupted period in which a process has waiters on
+//!   a semaphore, numbered, so that the end of an old spell never removes a
+//!   newer spell's registration.
+//! - **reaper**: what marks claims whose lease ended as timed out: any claim
+//!   on the same semaphore, [`reap`], or the background [`Reaper`] (which
+//!   also prunes history).
+//! - **key base**: the first advisory-lock key of an advisory semaphore
+//!   (from a hash of its name); slot `s` is the key `key base + s`.
+//! - **stripe**: one of an advisory semaphore's 16 waiting keys (`key base +
+//!   1048560 + s % 16` for slot `s`), which every waiter holds in shared mode
+//!   and a release tries exclusively to learn whether anyone waits.
 //!
 //! # Example
 //!

@@ -5,7 +5,14 @@
 //! (one round trip) that locks the key's row, reads the database clock and
 //! decides, so concurrent checks from any number of processes never admit
 //! more than the limit. The functions are `pgsemaphore.token_bucket`,
-//! `fixed_window` and `sliding_window` (see schema/pgsemaphore.sql).
+//! `fixed_window` and `sliding_window`: their argument checks open their
+//! bodies in `migrations/20261124000001_pgsemaphore_validated_api.sql`; the
+//! arithmetic they call (`token_bucket_unchecked`, ...) and the rules of the
+//! `rate_limits` table (one row lock per key, the database's clock, rows at
+//! rest) are the comments above `CREATE TABLE pgsemaphore.rate_limits` and
+//! above each limiter in `migrations/20261122000001_pgsemaphore.sql`, where
+//! they were created under their first names (the schema dump keeps no
+//! comment outside a function body).
 //!
 //! The three limiters share one engine (`Limiter`: the pool, the name, the
 //! policy, fail-open); [`FixedWindow`] and [`SlidingWindow`] share one

@@ -1,8 +1,12 @@
 //! The semaphore's engine: the state every handle of a semaphore shares
 //! ([`Core`]), the options a claim carries ([`Attempt`]), and every statement
 //! that decides admission or ends it: claim, release, renew, fence. Each
-//! calls one SQL function of `schema/pgsemaphore.sql`, whose comment names
-//! the invariant it keeps and the concurrent transactions it meets.
+//! calls one SQL function whose header (the comment that opens its body)
+//! names the invariant it keeps and the concurrent transactions it meets:
+//! `pgsemaphore.claim` in `migrations/20261127000001_pgsemaphore_fair_keys.sql`,
+//! the others in `migrations/20261124000001_pgsemaphore_validated_api.sql`
+//! (the table in `docs/sql-api.md`, checked by `tests/sql_api.rs`; the
+//! same headers read in `schema/pgsemaphore.sql`).
 //!
 //! Nothing here waits or retries; [`wait`](super::wait) does. Every claim is
 //! one round trip to `pgsemaphore.claim`, whatever its kind (one permit or

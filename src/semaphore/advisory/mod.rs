@@ -65,7 +65,8 @@ const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(*)::int FROM pgsemaph
                          FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
 
 /// The first of the 16 waiting keys of a semaphore whose keys start at
-/// `base` (see `pgsemaphore.advisory_semaphores`).
+/// `base` (the comment above `CREATE TABLE pgsemaphore.advisory_semaphores`
+/// in `migrations/20261125000001_pgsemaphore_advisory.sql`).
 fn waiting_keys(base: i64) -> i64 {
     base + 1_048_560
 }

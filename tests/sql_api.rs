@@ -1,0 +1,235 @@
+//! The SQL API is a contract (docs/sql-api.md): its worked example runs, as
+//! written, from `psql` as a role with exactly the README's application
+//! grants, and prints what the document shows; and the document's table of
+//! application functions names every function the application role is
+//! granted, each with the migration that last defines it.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+const PASSWORD: &str = "sql-api-example-pw";
+
+/// What varies from run to run, masked: the notifying backend's pid, and
+/// the C source line PostgreSQL reports an error from.
+fn masked(text: &str) -> String {
+    text.lines()
+        .map(|line| {
+            if line.starts_with("LOCATION:") {
+                "LOCATION:  (masked)".to_owned()
+            } else if let Some(at) = line.find("received from server process with PID ") {
+                format!(
+                    "{}received from server process with PID (masked).",
+                    &line[..at]
+                )
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
+/// Where the two texts first differ, for a failure message.
+fn first_difference(expected: &str, got: &str) -> String {
+    for (n, (e, g)) in expected.lines().zip(got.lines()).enumerate() {
+        if e != g {
+            return format!("line {}:\n  expected: {e}\n  got:      {g}", n + 1);
+        }
+    }
+    format!(
+        "{} lines expected, {} lines got",
+        expected.lines().count(),
+        got.lines().count()
+    )
+}
+
+#[tokio::test]
+async fn the_documented_psql_example_runs_as_written_with_the_application_grants() -> TestResult {
+    let Some(psql) = support::require_tool("psql", "apt-get install postgresql-client") else {
+        return Ok(()); // skipped, with one line saying how to install it
+    };
+    let db = support::migrated_db().await;
+    let app = format!("{}_app", db.name);
+    let operator = format!("{}_op", db.name);
+    let mut admin = PgConnection::connect_with(&db.options).await?;
+    for role in [&app, &operator] {
+        admin
+            .execute(AssertSqlSafe(format!(
+                r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
+            )))
+            .await?;
+    }
+    admin
+        .execute(AssertSqlSafe(support::documented_grants(&app, &operator)))
+        .await?;
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let options = &db.options;
+    let run = Command::new(&psql)
+        .current_dir(root)
+        .env_clear()
+        .env("PGPASSWORD", PASSWORD)
+        .env("PGCONNECT_TIMEOUT", "10")
+        .args(["-X", "-f", "docs/sql-api/example.sql"])
+        .arg(format!("--host={}", options.get_host()))
+        .arg(format!("--port={}", options.get_port()))
+        .arg(format!("--username={app}"))
+        .arg(format!("--dbname={}", db.name))
+        .output()?;
+    for role in [&app, &operator] {
+        admin
+            .execute(AssertSqlSafe(format!(
+                r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
+            )))
+            .await?;
+    }
+    let stdout = masked(&String::from_utf8_lossy(&run.stdout));
+    let stderr = masked(&String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "psql -f docs/sql-api/example.sql failed ({}):\n{stdout}\n{stderr}",
+        run.status
+    );
+    for (file, got) in [("example.out", &stdout), ("example.err", &stderr)] {
+        let path = root.join("docs/sql-api").join(file);
+        if std::env::var_os("PGSEM_BLESS").is_some() {
+            std::fs::write(&path, got)?;
+        }
+        let expected = std::fs::read_to_string(&path)?;
+        assert!(
+            &expected == got,
+            "docs/sql-api/{file} is not what the example prints ({}); \
+             if the change is meant, rerun with PGSEM_BLESS=1 and read the diff\n{got}",
+            first_difference(&expected, got)
+        );
+    }
+    // The pins that matter, whatever the expected file says.
+    for line in [
+        "claim a: claimed, slots {0}, 1 free, wake f",
+        " full     | (null) |      0 | t                 | f",
+        "release a: released, wake t",
+        "Asynchronous notification \"pgsemaphore\" with payload \"upstream\"",
+        "error: 22023",
+        "error: P0002",
+    ] {
+        assert!(
+            stdout.contains(line),
+            "the example no longer prints {line:?}"
+        );
+    }
+    assert!(stderr.contains("COLUMN NAME:  p_token"), "{stderr}");
+    Ok(())
+}
+
+/// `pgsemaphore.NAME(` or `PROCEDURE pgsemaphore.NAME(`: the name of each
+/// routine a migration creates (CREATE [OR REPLACE] FUNCTION/PROCEDURE).
+fn created_routines(sql: &str) -> Vec<String> {
+    sql.lines()
+        .filter_map(|line| {
+            let rest = line
+                .strip_prefix("CREATE OR REPLACE ")
+                .or_else(|| line.strip_prefix("CREATE "))?;
+            let rest = rest
+                .strip_prefix("FUNCTION pgsemaphore.")
+                .or_else(|| rest.strip_prefix("PROCEDURE pgsemaphore."))?;
+            Some(rest.split('(').next()?.to_owned())
+        })
+        .collect()
+}
+
+/// The routines the README grants to the application role.
+fn granted_to_app() -> Vec<String> {
+    let grants = support::documented_grants("app", "operator");
+    let mut names = Vec::new();
+    for block in grants.split(';') {
+        if block.contains(" TO \"app\"") {
+            for part in block.split("pgsemaphore.").skip(1) {
+                if let Some(name) = part.split('(').next()
+                    && name.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                {
+                    names.push(name.to_owned());
+                }
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[test]
+fn the_function_table_names_every_application_function_and_the_file_that_defines_it() -> TestResult
+{
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Each routine's last definition: the migrations apply in file-name order.
+    let mut files: Vec<_> = std::fs::read_dir(root.join("migrations"))?
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().to_str()?.to_owned();
+            name.ends_with(".sql").then_some(name)
+        })
+        .collect();
+    files.sort();
+    let mut defined_in = BTreeMap::new();
+    for file in &files {
+        let sql = std::fs::read_to_string(root.join("migrations").join(file))?;
+        for routine in created_routines(&sql) {
+            defined_in.insert(routine, format!("migrations/{file}"));
+        }
+    }
+
+    // The table: rows `| `pgsemaphore.NAME(...)` | ... | `migrations/FILE` |`
+    // between the markers.
+    let doc = std::fs::read_to_string(root.join("docs/sql-api.md"))?;
+    let table = doc
+        .split("<!-- functions:begin")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- functions:end -->").next())
+        .ok_or("docs/sql-api.md has no functions:begin/functions:end markers")?;
+    let mut listed = BTreeMap::new();
+    for row in table.lines().filter(|l| l.starts_with("| `pgsemaphore.")) {
+        let name = row["| `pgsemaphore.".len()..]
+            .split(['(', '`'])
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let file = row
+            .split('`')
+            .find(|cell| cell.starts_with("migrations/"))
+            .ok_or_else(|| format!("row names no migration: {row}"))?
+            .to_owned();
+        assert!(
+            listed.insert(name.clone(), file).is_none(),
+            "{name} listed twice"
+        );
+    }
+
+    let granted = granted_to_app();
+    assert!(granted.len() >= 20, "parsed too few grants: {granted:?}");
+    for name in &granted {
+        let Some(file) = listed.get(name) else {
+            panic!(
+                "docs/sql-api.md's table does not list pgsemaphore.{name}, granted to the application"
+            );
+        };
+        assert_eq!(
+            Some(file),
+            defined_in.get(name),
+            "pgsemaphore.{name} is last defined in another file than the table says"
+        );
+    }
+    for name in listed.keys() {
+        assert!(
+            granted.contains(name),
+            "docs/sql-api.md lists pgsemaphore.{name}, which the README does not grant to the application"
+        );
+    }
+    Ok(())
+}
