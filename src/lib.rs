@@ -216,7 +216,10 @@
 //! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
 //! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
-//! | `db`, `validate`, `error` | how statements reach PostgreSQL (cancel safety); checks made before sending; [`Error`] |
+//! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |
+//! | `detached` | cancel safety: a round trip that finishes, or is undone, when its caller goes away |
+//! | `validate`, `error` | limits and the checks made before sending; [`Error`] and the reading of the database's errors |
+//! | `fail_open`, `dead_man`, `token`, `per_pool` | the fail-open decision; a dedicated session's heartbeat and dead-man switch; the holder's secret token; what a process keeps once per pool |
 //! | `migrations/*.sql` | the schema, one file per version: each function's contract opens its body (`docs/sql-api.md` lists the application's, with the file of each, as a versioned interface for clients in any language) |
 //!
 //! # Glossary
