@@ -10,6 +10,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod catalog;
+pub mod chaos;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod workers;
