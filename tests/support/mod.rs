@@ -13,7 +13,6 @@ pub mod catalog;
 pub mod chaos;
 #[cfg(feature = "cli")]
 pub mod cli;
-pub mod workers;
 
 pub use testkit::{
     BoxError, TestDb, TestResult, another_pool, connect, empty_db, empty_db_with, pgbouncer, proxy,
