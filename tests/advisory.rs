@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore};
 use sqlx::PgPool;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 async fn advisory(
     pool: &PgPool,

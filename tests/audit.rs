@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
 use pg_semaphore::{AuditLog, Error, Outcome, Semaphore};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 #[tokio::test]
 async fn history_reports_every_claim_with_its_outcome() -> TestResult {

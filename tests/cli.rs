@@ -3,59 +3,11 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::Output;
 use std::time::Duration;
 
 use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore};
-use tokio::process::Command;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-/// A directory with no `.env` in it or above it (unlike the checkout).
-fn bare_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pgsem-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Runs the binary with `args`, `DATABASE_URL` set to `url` (or unset), in
-/// `dir` (default: a directory without `.env`).
-async fn run_in(dir: Option<&PathBuf>, url: Option<&str>, args: &[&str]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pg-semaphore"));
-    command
-        .args(args)
-        .current_dir(dir.cloned().unwrap_or_else(bare_dir))
-        .env_remove("DATABASE_URL");
-    if let Some(url) = url {
-        command.env("DATABASE_URL", url);
-    }
-    command.output().await.expect("run pg-semaphore")
-}
-
-async fn run(db: &support::TestDb, args: &[&str]) -> Output {
-    run_in(None, Some(&support::server::url_for(&db.name)), args).await
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Asserts the exit status, showing the output when it differs.
-#[track_caller]
-fn assert_status(out: &Output, code: i32) {
-    assert_eq!(
-        out.status.code(),
-        Some(code),
-        "expected exit status {code}\nstdout:\n{}\nstderr:\n{}",
-        stdout(out),
-        stderr(out)
-    );
-}
+use support::TestResult;
+use support::cli::{assert_status, run, run_in, stderr, stdout};
 
 #[tokio::test]
 async fn help_lists_every_command_and_the_exit_statuses() {

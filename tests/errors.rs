@@ -10,8 +10,7 @@ use pg_semaphore::{
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 async fn rows(pool: &PgPool) -> (i64, i64) {
     sqlx::query_as(

@@ -11,8 +11,7 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{Error, HorizonHolderKind, Semaphore};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 /// `n` transactions that each take an xid, so the horizon's age grows.
 async fn burn_xids(pool: &sqlx::PgPool, n: usize) -> Result<(), sqlx::Error> {

@@ -10,22 +10,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use pg_semaphore::{Error, Semaphore};
+use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use sqlx::{Connection, PgConnection, PgPool};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-/// A 16-byte token of the given tag.
-fn token(tag: &str) -> Vec<u8> {
-    let mut bytes = tag.as_bytes().to_vec();
-    bytes.resize(16, b'.');
-    bytes.truncate(16);
-    bytes
-}
-
-async fn connect(db: &support::TestDb) -> sqlx::Result<PgConnection> {
-    PgConnection::connect_with(&db.options).await
-}
+use support::{TestResult, connect, live_slots, raw_claim, token};
 
 /// SQLSTATE of a failed statement.
 fn sqlstate<T: std::fmt::Debug>(result: sqlx::Result<T>) -> Option<String> {
@@ -62,22 +49,6 @@ async fn open(pool: &PgPool, name: &str, capacity: i32) -> sqlx::Result<()> {
         .map(drop)
 }
 
-/// The claim's outcome as the SQL function answers it.
-async fn claim(
-    conn: impl sqlx::PgExecutor<'_>,
-    semaphore: &str,
-    token: &[u8],
-) -> sqlx::Result<(String, Option<Vec<i64>>)> {
-    sqlx::query_as(
-        "SELECT o_status, o_ids FROM pgsemaphore.claim(p_semaphore => $1, p_holder => 'h', \
-         p_lease => NULL, p_metadata => NULL, p_token => $2)",
-    )
-    .bind(semaphore)
-    .bind(token)
-    .fetch_one(conn)
-    .await
-}
-
 async fn live_with_token(pool: &PgPool, token: &[u8]) -> sqlx::Result<i64> {
     sqlx::query_scalar(
         "SELECT count(*) FROM pgsemaphore.live_slots WHERE token_hash = sha256($1::bytea)",
@@ -85,13 +56,6 @@ async fn live_with_token(pool: &PgPool, token: &[u8]) -> sqlx::Result<i64> {
     .bind(token)
     .fetch_one(pool)
     .await
-}
-
-async fn live(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
-    sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.live_slots WHERE semaphore = $1")
-        .bind(semaphore)
-        .fetch_one(pool)
-        .await
 }
 
 /// Item 1. A release with a wrong token, of ids just above the largest one
@@ -134,7 +98,7 @@ async fn a_release_with_a_wrong_token_never_ends_a_claim_that_commits_meanwhile(
     let mut ended = Vec::new();
     for round in 0..40 {
         let mine = token(&format!("victim-{round}"));
-        let (status, ids) = claim(&db.pool, "sprayed", &mine).await?;
+        let (status, ids) = raw_claim(&db.pool, "sprayed", &mine).await?;
         assert_eq!(status, "claimed");
         let ids = ids.expect("claimed");
         tokio::time::sleep(Duration::from_millis(30)).await;
@@ -254,7 +218,7 @@ async fn null_empty_and_short_tokens_are_refused_everywhere() -> TestResult {
         }
     }
     assert_eq!(
-        live(&db.pool, "tokens").await?,
+        live_slots(&db.pool, "tokens").await?,
         1,
         "the real claim is untouched"
     );
@@ -291,7 +255,7 @@ async fn a_negative_reserve_never_exceeds_the_capacity() -> TestResult {
     .bind(token("negative"))
     .fetch_one(&db.pool)
     .await;
-    let live = live(&db.pool, "reserve").await?;
+    let live = live_slots(&db.pool, "reserve").await?;
     assert_eq!(live, 2, "{live} live claims at capacity 2");
     assert_eq!(
         refused(result),
@@ -573,7 +537,7 @@ async fn a_ticket_proves_a_place_only_in_its_own_queue() -> TestResult {
         status, "no_ticket",
         "another semaphore's ticket jumped the queue"
     );
-    assert_eq!(live(&db.pool, "queue-b").await?, 0);
+    assert_eq!(live_slots(&db.pool, "queue-b").await?, 0);
 
     // W's own ticket, claimed at another priority than it was queued with:
     // not a proof either.
@@ -684,7 +648,7 @@ async fn a_claim_left_open_stalls_other_claims_for_at_most_the_bound() -> TestRe
     let sem = Semaphore::builder("stalled", 2).build(&db.pool).await?;
     let mut squatter = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut squatter).await?;
-    let (status, _) = claim(&mut squatter, "stalled", &token("squatter")).await?;
+    let (status, _) = raw_claim(&mut squatter, "stalled", &token("squatter")).await?;
     assert_eq!(status, "claimed");
 
     let mut other = connect(&db).await?;
@@ -692,7 +656,7 @@ async fn a_claim_left_open_stalls_other_claims_for_at_most_the_bound() -> TestRe
         .execute(&mut other)
         .await?;
     let started = Instant::now();
-    let raw = claim(&mut other, "stalled", &token("other")).await;
+    let raw = raw_claim(&mut other, "stalled", &token("other")).await;
     let waited = started.elapsed();
     assert_eq!(sqlstate(raw).as_deref(), Some("55P03"), "after {waited:?}");
     assert!(waited < Duration::from_secs(5), "waited {waited:?}");
@@ -757,7 +721,7 @@ async fn no_lost_wakeup(db: &support::TestDb, semaphore: &str, free: &str) -> Te
                 .bind(token("w-process"))
                 .execute(&pool)
                 .await?;
-            claim(&pool, &semaphore, &token("w-claim")).await
+            raw_claim(&pool, &semaphore, &token("w-claim")).await
         })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -842,7 +806,7 @@ async fn a_release_of_claims_of_two_semaphores_is_refused() -> TestResult {
         ("22023".to_owned(), Some("p_ids".to_owned()))
     );
     assert_eq!(
-        live(&db.pool, "two-a").await? + live(&db.pool, "two-b").await?,
+        live_slots(&db.pool, "two-a").await? + live_slots(&db.pool, "two-b").await?,
         2
     );
     Ok(())
@@ -863,13 +827,13 @@ async fn release_by_token_ends_a_claim_still_in_flight() -> TestResult {
     // Another claim holds the semaphore's row, uncommitted.
     let mut holder = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut holder).await?;
-    claim(&mut holder, "in-flight", &token("holder")).await?;
+    raw_claim(&mut holder, "in-flight", &token("holder")).await?;
 
     // The claim whose reply will be lost waits for the row.
     let in_flight = {
         let pool = db.pool.clone();
         let lost = lost.clone();
-        tokio::spawn(async move { claim(&pool, "in-flight", &lost).await })
+        tokio::spawn(async move { raw_claim(&pool, "in-flight", &lost).await })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!in_flight.is_finished());
@@ -897,7 +861,7 @@ async fn release_by_token_ends_a_claim_still_in_flight() -> TestResult {
         "a claim released by its token holds its slot"
     );
     // And a later claim with that token is refused.
-    let again = claim(&db.pool, "in-flight", &lost).await;
+    let again = raw_claim(&db.pool, "in-flight", &lost).await;
     assert_eq!(
         refused(again),
         ("22023".to_owned(), Some("p_token".to_owned()))

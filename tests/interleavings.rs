@@ -9,24 +9,8 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{Error, Priority, Semaphore};
-use sqlx::{Connection, PgConnection, PgPool};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-/// Live rows of a semaphore (held slots, expired or not), from the slot table.
-async fn live_rows(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pgsemaphore.slots \
-         WHERE semaphore = $1 AND completed_at IS NULL AND timed_out_at IS NULL",
-    )
-    .bind(semaphore)
-    .fetch_one(pool)
-    .await
-}
-
-async fn connect(db: &support::TestDb) -> sqlx::Result<PgConnection> {
-    PgConnection::connect_with(&db.options).await
-}
+use sqlx::PgPool;
+use support::{TestResult, connect, live_rows};
 
 /// A semaphore without heartbeats, so leases run out on their own.
 async fn semaphore(pool: &PgPool, name: &str, capacity: u32) -> pg_semaphore::Result<Semaphore> {
@@ -71,7 +55,7 @@ async fn a_fenced_holder_past_its_lease_still_counts_after_the_capacity_drops() 
     let other = support::another_pool(&db, 2).await;
     let sem_b = semaphore(&other, "fenced-drop", 2).await?;
     let admitted = sem_b.try_acquire().await;
-    let live = live_rows(&db.pool, "fenced-drop").await?;
+    let live = live_rows(&db.pool, "fenced-drop").await;
     assert!(
         matches!(admitted, Err(Error::NoSlotsAvailable { .. })),
         "a claim was admitted beside a fenced holder and slot 3's holder at capacity 2 \
@@ -82,7 +66,7 @@ async fn a_fenced_holder_past_its_lease_still_counts_after_the_capacity_drops() 
     // Once the fence commits, the expired row can be reaped and its slot reused.
     fenced.commit().await?;
     let next = sem_b.try_acquire().await?;
-    assert_eq!(live_rows(&db.pool, "fenced-drop").await?, 2);
+    assert_eq!(live_rows(&db.pool, "fenced-drop").await, 2);
     next.release().await?;
     p3.release().await?;
     Ok(())
@@ -119,7 +103,7 @@ async fn an_uncommitted_renewal_across_the_old_expiry_still_counts() -> TestResu
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     let admitted = sem.try_acquire().await;
-    let live = live_rows(&db.pool, "renewing").await?;
+    let live = live_rows(&db.pool, "renewing").await;
     assert!(
         matches!(admitted, Err(Error::NoSlotsAvailable { .. })),
         "a claim was admitted while slot 1's renewal was in flight ({live} live rows at \
@@ -168,7 +152,7 @@ async fn a_fenced_expired_holder_does_not_give_the_reserve_away() -> TestResult 
     );
     // A high-priority one may use the reserve.
     let high = sem.try_acquire_many(2).await?;
-    assert_eq!(live_rows(&db.pool, "reserve-fenced").await?, 4);
+    assert_eq!(live_rows(&db.pool, "reserve-fenced").await, 4);
     fenced.commit().await?;
     high.release().await?;
     live.release().await?;

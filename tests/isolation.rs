@@ -11,8 +11,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 /// `pg_isolation_regress` of the newest PostgreSQL whose client is
 /// installed (Debian keeps it out of `PATH`), else one on `PATH`.

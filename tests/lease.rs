@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use pg_semaphore::{Error, LostReason, Semaphore};
 use sqlx::PgPool;
+use support::TestResult;
 use support::proxy::Proxy;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// Whether the claim's row is live with an unexpired lease, on the database clock.
 async fn live_and_unexpired(pool: &PgPool, id: i64) -> sqlx::Result<bool> {

@@ -10,10 +10,8 @@ use std::time::Duration;
 use pg_semaphore::{Priority, QueueOrder, Semaphore};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
+use support::TestResult;
 use tokio::time::Instant;
-
-type TestResultOf<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-type TestResult = TestResultOf<()>;
 
 const FAR: Duration = Duration::from_secs(30);
 
@@ -108,7 +106,7 @@ async fn queue_tickets_are_renewed_behind_a_waiter_without_one() -> TestResult {
 /// A role that may use pg-semaphore (through membership of the owner) but
 /// open only `limit` connections, so a pool can hold them all and nothing
 /// else (the LISTEN connection) can connect.
-async fn limited_role(db: &support::TestDb, limit: u32) -> TestResultOf<String> {
+async fn limited_role(db: &support::TestDb, limit: u32) -> TestResult<String> {
     let role = format!("{}_limited", db.name);
     let mut admin = PgConnection::connect_with(&db.options).await?;
     let owner: String = sqlx::query_scalar("SELECT current_user::text")

@@ -28,9 +28,8 @@ use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use pg_semaphore::{Error, FixedWindow, Mutex, QueueOrder, Semaphore, TokenBucket};
 use support::TestDb;
+use support::TestResult;
 use support::proxy::Proxy;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// Every metric of the crate, with its Prometheus type and the label keys
 /// its samples may carry (a histogram's buckets add `le`).

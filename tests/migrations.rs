@@ -13,8 +13,7 @@ use pg_semaphore::{Error, MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, Se
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 /// An application's own migrations, in a directory of their own (removed
 /// when the returned value is dropped).
@@ -238,18 +237,7 @@ async fn snapshot(pool: &PgPool) -> (Option<Vec<String>>, Vec<String>) {
     } else {
         None
     };
-    let objects = sqlx::query_scalar(
-        "SELECT c.relname::text || ' ' || c.relkind::text FROM pg_class c
-           JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgsemaphore'
-         UNION ALL
-         SELECT p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid)) FROM pg_proc p
-           JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'pgsemaphore'
-         ORDER BY 1",
-    )
-    .fetch_all(pool)
-    .await
-    .expect("list the schema's objects");
-    (history, objects)
+    (history, support::catalog::objects(pool).await)
 }
 
 /// Whether `pgsemaphore._sqlx_migrations` exists.

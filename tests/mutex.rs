@@ -14,9 +14,8 @@ use pg_semaphore::{
 };
 use sqlx::postgres::{PgAdvisoryLock, PgPoolOptions};
 use sqlx::{Either, PgPool};
+use support::TestResult;
 use tokio::time::Instant;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// Read-modify-write of a counter with no row lock of its own: only mutual
 /// exclusion keeps increments from being lost.

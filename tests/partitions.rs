@@ -12,10 +12,9 @@ use std::time::Duration;
 use pg_semaphore::{Error, LostReason, Mutex, Semaphore};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
+use support::TestResult;
 use support::proxy::Proxy;
 use tokio::time::Instant;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// A pool whose connections go through `proxy`.
 async fn through(proxy: &Proxy, max_connections: u32) -> sqlx::Result<PgPool> {

@@ -24,9 +24,8 @@
 mod support;
 
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
+use support::TestResult;
 use support::pgbouncer::{bouncer, pool_through_bouncer};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 const TASKS: i32 = 8;
 const ROUND_TRIPS: i32 = 50;

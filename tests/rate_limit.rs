@@ -19,9 +19,8 @@ use pg_semaphore::{
 };
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::TestResult;
 use tokio::time::{Instant, sleep};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 const HOUR: Duration = Duration::from_secs(3600);
 

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use pg_semaphore::{Error, MigrationHistory, REFINERY_TABLE, SCHEMA_VERSION, Semaphore};
 use sqlx::PgPool;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
+use support::catalog::objects;
 
 async fn client(db: &support::TestDb) -> tokio_postgres::Client {
     let url = support::server::url_for(&db.name);
@@ -168,21 +168,6 @@ async fn has_table(pool: &PgPool, table: &str) -> bool {
     )
     .bind(table)
     .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
-/// The schema's relations and functions (a function's definition by hash).
-async fn objects(pool: &PgPool) -> Vec<String> {
-    sqlx::query_scalar(
-        "SELECT c.relname::text || ' ' || c.relkind::text FROM pg_class c
-           JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgsemaphore'
-         UNION ALL
-         SELECT p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid)) FROM pg_proc p
-           JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'pgsemaphore'
-         ORDER BY 1",
-    )
-    .fetch_all(pool)
     .await
     .unwrap()
 }

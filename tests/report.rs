@@ -12,15 +12,14 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{AuditLog, Semaphore};
+use support::TestResult;
+use support::cli::{assert_status, run, stderr, stdout};
 use tokio::process::Command;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// A holder that would run if the page ever wrote a holder as markup.
 const SCRIPT_HOLDER: &str = "<script>alert(1)</script>";
@@ -31,34 +30,6 @@ const IMG_NOTE: &str = "<img src=x onerror=\"document.body.dataset.pwned='metada
 
 /// The page's own `<script>` elements: its data and its code.
 const PAGE_SCRIPTS: usize = 2;
-
-async fn run(db: &support::TestDb, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pg-semaphore"))
-        .args(args)
-        .env("DATABASE_URL", support::server::url_for(&db.name))
-        .output()
-        .await
-        .expect("run pg-semaphore")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-#[track_caller]
-fn assert_status(out: &Output, code: i32) {
-    assert_eq!(
-        out.status.code(),
-        Some(code),
-        "expected exit status {code}\nstdout:\n{}\nstderr:\n{}",
-        stdout(out),
-        stderr(out)
-    );
-}
 
 /// Where pages and screenshots go: `target/test-artifacts/`.
 fn artifacts() -> PathBuf {

@@ -6,8 +6,7 @@
 mod support;
 
 use sqlx::AssertSqlSafe;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 #[tokio::test]
 async fn the_checked_in_schema_is_what_the_migrations_build() -> TestResult {

@@ -15,8 +15,7 @@ use pg_semaphore::{
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::{TestResult, live_slots, raw_claim, token};
 
 /// Two roles with the README's grants, no superuser, no DDL: the
 /// application's and the operator's; dropped with the database.
@@ -622,36 +621,6 @@ where
     result
 }
 
-/// A 16-byte token of the given tag.
-fn token(tag: &str) -> Vec<u8> {
-    let mut bytes = tag.as_bytes().to_vec();
-    bytes.resize(16, b'.');
-    bytes.truncate(16);
-    bytes
-}
-
-async fn raw_claim(
-    conn: impl sqlx::PgExecutor<'_>,
-    semaphore: &str,
-    token: &[u8],
-) -> sqlx::Result<(String, Option<Vec<i64>>)> {
-    sqlx::query_as(
-        "SELECT o_status, o_ids FROM pgsemaphore.claim(p_semaphore => $1, p_holder => 'h', \
-         p_lease => NULL, p_metadata => NULL, p_token => $2)",
-    )
-    .bind(semaphore)
-    .bind(token)
-    .fetch_one(conn)
-    .await
-}
-
-async fn live_count(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
-    sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.live_slots WHERE semaphore = $1")
-        .bind(semaphore)
-        .fetch_one(pool)
-        .await
-}
-
 /// SQLSTATE and COLUMN of a refused call.
 fn refusal<T: std::fmt::Debug>(result: sqlx::Result<T>) -> (String, Option<String>) {
     let error = result.expect_err("refused");
@@ -734,16 +703,16 @@ async fn privileges_claims_stay_within_the_capacity() -> TestResult {
                         .into_owned(),
                 },
             );
-            assert!(live_count(&app, "bounded").await? <= 4, "{statuses:?}");
+            assert!(live_slots(&app, "bounded").await? <= 4, "{statuses:?}");
         }
-        assert_eq!(live_count(&app, "bounded").await?, 4, "{statuses:?}");
+        assert_eq!(live_slots(&app, "bounded").await?, 4, "{statuses:?}");
         // Lowered below what is held: nothing more until it drains.
         sqlx::query("SELECT * FROM pgsemaphore.configure('bounded', 1, NULL)")
             .execute(&operator)
             .await?;
         let (status,) = attempt(1, 1, 0).fetch_one(&app).await?;
         assert_eq!(status, "full");
-        assert_eq!(live_count(&app, "bounded").await?, 4);
+        assert_eq!(live_slots(&app, "bounded").await?, 4);
         Ok(())
     })
     .await
@@ -1192,7 +1161,7 @@ async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
                     let (sem, app) = (sem.clone(), app.clone());
                     tokio::spawn(async move {
                         let permit = sem.acquire_timeout(Duration::from_secs(20)).await?;
-                        let live = live_count(&app, "gated").await?;
+                        let live = live_slots(&app, "gated").await?;
                         permit.release().await?;
                         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(live)
                     })

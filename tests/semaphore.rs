@@ -10,23 +10,9 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pg_semaphore::{Error, LostReason, Permit, Reaper, Semaphore, WaitedFor};
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use support::{TestResult, live_rows};
 use tokio::time::Instant;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-/// Live rows of a semaphore, straight from the slot table.
-async fn live_rows(pool: &PgPool, semaphore: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pgsemaphore.slots \
-         WHERE semaphore = $1 AND completed_at IS NULL AND timed_out_at IS NULL",
-    )
-    .bind(semaphore)
-    .fetch_one(pool)
-    .await
-    .expect("count live rows")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hard_limit_holds_under_heavy_contention() -> TestResult {
@@ -99,10 +85,10 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
 
     // From the audit log's own timestamps: never more than CAPACITY claims
     // overlapping at any instant, and no slot outside 0..CAPACITY.
-    let max_overlap = support::max_overlap(&db.pool, "contended").await?;
+    let most = support::max_concurrent_claims(&db.pool, "contended").await?;
     assert!(
-        max_overlap <= CAPACITY as i64,
-        "audit log shows {max_overlap} overlapping claims"
+        most <= CAPACITY as i64,
+        "audit log shows {most} overlapping claims"
     );
     let (claims, bad_slots): (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(*) FILTER (WHERE slot >= $1 OR completed_at IS NULL)

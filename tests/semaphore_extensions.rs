@@ -12,9 +12,7 @@ use std::time::Duration;
 use pg_semaphore::{Error, Priority, QueueOrder, Semaphore};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use tokio::time::Instant;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::{TestResult, eventually, live_rows};
 
 /// Long enough that only a notification, never the fallback re-check, can
 /// wake a waiter within a test.
@@ -23,39 +21,9 @@ const NO_FALLBACK: Duration = Duration::from_secs(600);
 /// A bound on how long a test waits for something that should happen.
 const PATIENCE: Duration = Duration::from_secs(30);
 
-/// Live rows of a semaphore, straight from the slot table.
-async fn live_rows(pool: &PgPool, semaphore: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pgsemaphore.slots \
-         WHERE semaphore = $1 AND completed_at IS NULL AND timed_out_at IS NULL",
-    )
-    .bind(semaphore)
-    .fetch_one(pool)
-    .await
-    .expect("count live rows")
-}
-
-/// Polls `check` until it holds or `PATIENCE` passes.
-async fn eventually<F, Fut>(mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Waits until `n` waiters are queued on `sem`.
 async fn queued(sem: &Semaphore, n: u32) -> bool {
-    eventually(|| async { sem.queue_len().await.ok() == Some(n) }).await
+    eventually(PATIENCE, || async { sem.queue_len().await.ok() == Some(n) }).await
 }
 
 #[tokio::test]
@@ -211,10 +179,10 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
     .fetch_one(&db.pool)
     .await?;
     assert_eq!(bad_groups, 0, "a weighted claim was split");
-    let max_overlap = support::max_overlap(&db.pool, "weighted").await?;
+    let most = support::max_concurrent_claims(&db.pool, "weighted").await?;
     assert!(
-        max_overlap <= i64::from(CAPACITY),
-        "audit log shows {max_overlap} overlapping"
+        most <= i64::from(CAPACITY),
+        "audit log shows {most} overlapping"
     );
     let rows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.slots WHERE semaphore = 'weighted'")
@@ -447,7 +415,7 @@ async fn queued_waiters(pool: &PgPool, order: QueueOrder, indices: &[i32]) -> Te
         let (sem, pool) = (sem.clone(), pool.clone());
         tasks.spawn(async move {
             assert!(
-                eventually(|| async {
+                eventually(PATIENCE, || async {
                     sqlx::query_scalar::<_, i32>("SELECT i FROM turn")
                         .fetch_one(&pool)
                         .await

@@ -21,8 +21,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use pg_semaphore::{AuditLog, Outcome, Semaphore, SemaphoreLayer};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 /// What the handlers saw: how many were inside at once, at most, and in all.
 #[derive(Default)]

@@ -12,11 +12,10 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
+use support::TestResult;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// One captured event: its level and fields (`message` included).
 #[derive(Debug, Clone)]

@@ -14,9 +14,8 @@ use std::time::Duration;
 use pg_semaphore::Semaphore;
 use sqlx::postgres::PgListener;
 use sqlx::{Connection, PgConnection, PgPool};
+use support::TestResult;
 use tokio::time::Instant;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 const FAR: Duration = Duration::from_secs(30);
 

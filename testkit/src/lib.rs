@@ -13,13 +13,18 @@
 //!   or asynchronous replication), stopped hard and promoted on demand;
 //! - [`router`]: a TCP router whose upstream can be switched to the
 //!   promoted standby, as HAProxy's health check does in front of Patroni;
-//! - [`require_tool`]: the policy for tests that need an external tool.
+//! - [`require_tool`]: the policy for tests that need an external tool;
+//! - [`chaos`]: the scaffolding of the tests that run worker processes and
+//!   a chaos driver (torture, failover): the processes, their stop file,
+//!   the timestamped logs they write and the sweeps that read them;
+//! - [`TestResult`]: what a test returns.
 //!
 //! This crate does not depend on pg-semaphore (pg-semaphore dev-depends on
 //! it): helpers that call the crate live in `tests/support/mod.rs`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 
+pub mod chaos;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod replica;
@@ -33,6 +38,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
+
+/// Any error, as a test's `?` gives it up.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a test (or a helper that may fail) returns: `Ok`, or any error,
+/// which fails the test.
+pub type TestResult<T = ()> = Result<T, BoxError>;
 
 /// A fresh database, dropped again when this value is (unless the server is a
 /// throwaway one that dies with the test process anyway).
@@ -95,6 +107,15 @@ pub async fn empty_db_with(max_connections: u32) -> TestDb {
         name,
         options,
     }
+}
+
+/// A connection of its own to `db`, outside its pool.
+///
+/// # Errors
+///
+/// When it cannot connect.
+pub async fn connect(db: &TestDb) -> sqlx::Result<PgConnection> {
+    PgConnection::connect_with(&db.options).await
 }
 
 /// Another pool on the same database (another "process").

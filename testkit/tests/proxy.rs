@@ -3,14 +3,12 @@
 
 use std::time::Duration;
 
-use pg_semaphore_testkit::empty_db;
 use pg_semaphore_testkit::proxy::Proxy;
+use pg_semaphore_testkit::{TestResult, empty_db};
 use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// Longer than a loopback round trip by orders of magnitude.
 const SILENCE: Duration = Duration::from_millis(500);

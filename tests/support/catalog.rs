@@ -1,6 +1,7 @@
 //! The catalog of the `pgsemaphore` schema, to compare two databases that
 //! should hold the same schema (built by sqlx, by refinery, from
-//! schema/pgsemaphore.sql).
+//! schema/pgsemaphore.sql), or one database before and after something
+//! that should not write to it.
 
 use sqlx::PgPool;
 
@@ -83,4 +84,21 @@ pub async fn assert_same(expected: &PgPool, actual: &PgPool) {
         );
         assert_eq!(actual, expected, "{kind} differ");
     }
+}
+
+/// The schema's relations and functions (a function's definition by hash),
+/// sorted: a snapshot to compare before and after something that should
+/// leave the schema alone.
+pub async fn objects(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT c.relname::text || ' ' || c.relkind::text FROM pg_class c
+           JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgsemaphore'
+         UNION ALL
+         SELECT p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid)) FROM pg_proc p
+           JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'pgsemaphore'
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("list the schema's objects")
 }

@@ -5,15 +5,18 @@
 //! The testkit holds the server harness, PgBouncer and the TCP proxy, and
 //! does not depend on pg-semaphore; this module re-exports it under the names
 //! the tests use (`support::empty_db`, `support::server::url_for`, ...) and
-//! adds what calls pg-semaphore or reads its schema.
+//! adds what calls pg-semaphore or reads its schema. A helper that two test
+//! files need lives here (or in the testkit), never in both files.
 #![allow(dead_code, unused_imports)]
 
 pub mod catalog;
-pub mod workers;
+pub mod chaos;
+#[cfg(feature = "cli")]
+pub mod cli;
 
 pub use testkit::{
-    TestDb, another_pool, empty_db, empty_db_with, pgbouncer, proxy, require_tool,
-    require_tool_version, server,
+    BoxError, TestDb, TestResult, another_pool, connect, empty_db, empty_db_with, pgbouncer, proxy,
+    require_tool, require_tool_version, server,
 };
 
 use sqlx::PgPool;
@@ -47,7 +50,7 @@ pub async fn idle_in_transaction(
 /// The most claims of `semaphore` that overlapped at any instant, swept over
 /// the audit log's own timestamps (a claim ending as another starts is a
 /// hand-over, not an overlap). Claims must have ended.
-pub async fn max_overlap(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
+pub async fn max_concurrent_claims(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
     sqlx::query_scalar(
         "WITH events AS (
              SELECT created_at AS at, 1 AS delta FROM pgsemaphore.slots WHERE semaphore = $1
@@ -61,6 +64,28 @@ pub async fn max_overlap(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
     .bind(semaphore)
     .fetch_one(pool)
     .await
+}
+
+/// How many claims of `semaphore` are live in the slot table (neither
+/// completed nor timed out; an expired one not yet reaped counts).
+pub async fn live_rows(pool: &PgPool, semaphore: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pgsemaphore.slots \
+         WHERE semaphore = $1 AND completed_at IS NULL AND timed_out_at IS NULL",
+    )
+    .bind(semaphore)
+    .fetch_one(pool)
+    .await
+    .expect("count live rows")
+}
+
+/// How many claims of `semaphore` the `pgsemaphore.live_slots` view shows
+/// (the view an application role reads; the same rows as [`live_rows`]).
+pub async fn live_slots(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.live_slots WHERE semaphore = $1")
+        .bind(semaphore)
+        .fetch_one(pool)
+        .await
 }
 
 /// Polls `check` every 20 ms until it holds (`true`) or `within` passes (`false`).
@@ -120,4 +145,30 @@ pub async fn claim_with_token(
     .await?;
     assert_eq!(status, "claimed");
     Ok(ids.expect("claimed")[0])
+}
+
+/// A 16-byte holder token of the given tag.
+pub fn token(tag: &str) -> Vec<u8> {
+    let mut bytes = tag.as_bytes().to_vec();
+    bytes.resize(16, b'.');
+    bytes.truncate(16);
+    bytes
+}
+
+/// A claim on `semaphore` with `token`, straight through the SQL function
+/// (holder `h`, the semaphore's lease): its outcome as the function answers
+/// it, status and ids.
+pub async fn raw_claim(
+    conn: impl sqlx::PgExecutor<'_>,
+    semaphore: &str,
+    token: &[u8],
+) -> sqlx::Result<(String, Option<Vec<i64>>)> {
+    sqlx::query_as(
+        "SELECT o_status, o_ids FROM pgsemaphore.claim(p_semaphore => $1, p_holder => 'h', \
+         p_lease => NULL, p_metadata => NULL, p_token => $2)",
+    )
+    .bind(semaphore)
+    .bind(token)
+    .fetch_one(conn)
+    .await
 }
