@@ -16,8 +16,7 @@ use std::time::Duration;
 
 use pg_semaphore::{Error, MAX_FAIRNESS_KEY_LEN, QueueOrder, Semaphore};
 use sqlx::PgPool;
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use support::TestResult;
 
 /// A 16-byte token of the given tag.
 fn token(tag: &str) -> Vec<u8> {

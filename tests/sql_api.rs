@@ -11,8 +11,7 @@ use std::path::Path;
 use std::process::Command;
 
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
-
-type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+use testkit::TestResult;
 
 const PASSWORD: &str = "sql-api-example-pw";
 
