@@ -347,9 +347,11 @@ async fn pruning_nothing_does_not_walk_the_audit_log() -> TestResult {
         .await?;
 
     let mut tx = db.pool.begin().await?;
-    let deleted: i64 = sqlx::query_scalar("SELECT pgsemaphore.prune(interval '1 day', 5000)")
-        .fetch_one(&mut *tx)
-        .await?;
+    let deleted: i64 = sqlx::query_scalar(
+        "SELECT pgsemaphore.prune(p_older_than => interval '1 day', p_batch => 5000)",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
     let (seq_read, idx_fetched): (i64, i64) = sqlx::query_as(
         "SELECT coalesce(seq_tup_read, 0), coalesce(idx_tup_fetch, 0)
            FROM pg_stat_xact_user_tables WHERE relid = 'pgsemaphore.slots'::regclass",

@@ -629,7 +629,7 @@ async fn clear_queue_removes_every_waiter() -> TestResult {
     let sem = Semaphore::builder("cleared", 1).build(&db.pool).await?;
     for tag in ["squatter-one-tok", "squatter-two-tok"] {
         sqlx::query(
-            "SELECT * FROM pgsemaphore.enqueue('cleared', 1, 1::smallint, 'squatter', NULL, '60 s', $1)",
+            "SELECT * FROM pgsemaphore.enqueue(p_semaphore => 'cleared', p_permits => 1, p_priority => 1::smallint, p_holder => 'squatter', p_limit => NULL, p_waiter_lease => '60 s', p_token => $1)",
         )
         .bind(tag.as_bytes())
         .execute(&db.pool)

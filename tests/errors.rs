@@ -243,7 +243,7 @@ async fn releasing_a_permit_released_by_someone_else_reports_it() -> TestResult 
     let sem = Semaphore::builder("forced", 1).build(&db.pool).await?;
     let permit = sem.try_acquire().await?;
     // An operator force-releases the claim.
-    sqlx::query("SELECT pgsemaphore.force_release($1)")
+    sqlx::query("SELECT pgsemaphore.force_release(p_id => $1)")
         .bind(permit.id())
         .execute(&db.pool)
         .await?;

@@ -42,7 +42,7 @@ struct Held {
 
 /// A semaphore of capacity 1 whose permit is held (by holder `first`).
 async fn held_semaphore(pool: &PgPool, name: &str, lifo: bool) -> sqlx::Result<Held> {
-    sqlx::query("SELECT * FROM pgsemaphore.open($1, 1, '90 s', p_queue_lifo => $2)")
+    sqlx::query("SELECT * FROM pgsemaphore.open(p_name => $1, p_capacity => 1, p_lease => '90 s', p_queue_lifo => $2)")
         .bind(name)
         .bind(lifo)
         .execute(pool)
@@ -114,11 +114,12 @@ async fn grant(
     held: Held,
     queue: &mut Vec<Waiter>,
 ) -> Result<(String, Held), Box<dyn std::error::Error + Send + Sync>> {
-    let (outcome,): (String,) = sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release($1, $2)")
-        .bind(&held.ids)
-        .bind(&held.token)
-        .fetch_one(pool)
-        .await?;
+    let (outcome,): (String,) =
+        sqlx::query_as("SELECT o_outcome FROM pgsemaphore.release(p_ids => $1, p_token => $2)")
+            .bind(&held.ids)
+            .bind(&held.token)
+            .fetch_one(pool)
+            .await?;
     assert_eq!(outcome, "released");
     for i in 0..queue.len() {
         let waiter = &queue[i];
@@ -247,11 +248,12 @@ async fn without_keys_the_queue_is_arrival_order() -> TestResult {
         queue.push(enqueue(&db.pool, "plain", &format!("n{i}"), None).await?);
     }
     let left = queue.remove(1);
-    let (gone,): (bool,) = sqlx::query_as("SELECT pgsemaphore.leave_queue($1, $2)")
-        .bind(left.ticket)
-        .bind(&left.token)
-        .fetch_one(&db.pool)
-        .await?;
+    let (gone,): (bool,) =
+        sqlx::query_as("SELECT pgsemaphore.leave_queue(p_ticket => $1, p_token => $2)")
+            .bind(left.ticket)
+            .bind(&left.token)
+            .fetch_one(&db.pool)
+            .await?;
     assert!(gone);
     for i in 4..6 {
         queue.push(enqueue(&db.pool, "plain", &format!("n{i}"), None).await?);

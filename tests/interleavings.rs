@@ -94,7 +94,7 @@ async fn an_uncommitted_renewal_across_the_old_expiry_still_counts() -> TestResu
     let mut renewer = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut renewer).await?;
     let renewed: Vec<(i64, String)> =
-        sqlx::query_as("SELECT o_id, o_outcome FROM pgsemaphore.renew($1, $2, '60 seconds')")
+        sqlx::query_as("SELECT o_id, o_outcome FROM pgsemaphore.renew(p_ids => $1, p_token => $2, p_lease => '60 seconds')")
             .bind(vec![id1])
             .bind(&token)
             .fetch_all(&mut renewer)
@@ -173,11 +173,12 @@ async fn renewals_applied_out_of_order_never_shorten_the_lease() -> TestResult {
     let id = support::claim_with_token(&db.pool, "renew-order", "60 seconds", &token).await?;
 
     let mut fence = db.pool.begin().await?;
-    let fenced: (String,) = sqlx::query_as("SELECT o_outcome FROM pgsemaphore.fence($1, $2)")
-        .bind(vec![id])
-        .bind(&token)
-        .fetch_one(&mut *fence)
-        .await?;
+    let fenced: (String,) =
+        sqlx::query_as("SELECT o_outcome FROM pgsemaphore.fence(p_ids => $1, p_token => $2)")
+            .bind(vec![id])
+            .bind(&token)
+            .fetch_one(&mut *fence)
+            .await?;
     assert_eq!(fenced.0, "held");
 
     // The first renewal starts now and waits for the fence's row lock.
@@ -185,7 +186,7 @@ async fn renewals_applied_out_of_order_never_shorten_the_lease() -> TestResult {
     let first_token = token.clone();
     let first_renewal = tokio::spawn(async move {
         sqlx::query_as::<_, (String, chrono::DateTime<chrono::Utc>)>(
-            "SELECT o_outcome, o_at FROM pgsemaphore.renew($1, $2, '60 seconds')",
+            "SELECT o_outcome, o_at FROM pgsemaphore.renew(p_ids => $1, p_token => $2, p_lease => '60 seconds')",
         )
         .bind(vec![id])
         .bind(first_token)
@@ -210,7 +211,7 @@ async fn renewals_applied_out_of_order_never_shorten_the_lease() -> TestResult {
 
     // The second renewal, a second later, gets through first.
     let (outcome, later): (String, chrono::DateTime<chrono::Utc>) =
-        sqlx::query_as("SELECT o_outcome, o_at FROM pgsemaphore.renew($1, $2, '60 seconds')")
+        sqlx::query_as("SELECT o_outcome, o_at FROM pgsemaphore.renew(p_ids => $1, p_token => $2, p_lease => '60 seconds')")
             .bind(vec![id])
             .bind(&token)
             .fetch_one(&mut *fence)

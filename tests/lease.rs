@@ -118,7 +118,7 @@ async fn a_heartbeat_reports_a_permit_reaped_or_released_behind_its_back() -> Te
         .bind(reaped.id())
         .execute(&db.pool)
         .await?;
-    sqlx::query("SELECT pgsemaphore.force_release($1)")
+    sqlx::query("SELECT pgsemaphore.force_release(p_id => $1)")
         .bind(released.id())
         .execute(&db.pool)
         .await?;

@@ -749,7 +749,7 @@ async fn a_fence_reports_how_the_slot_was_lost() -> TestResult {
         .await?;
     let expired = sem.try_acquire().await?;
     let reaped = sem.try_acquire().await?;
-    sqlx::query("SELECT pgsemaphore.force_release($1)")
+    sqlx::query("SELECT pgsemaphore.force_release(p_id => $1)")
         .bind(released_elsewhere.id())
         .execute(&db.pool)
         .await?;

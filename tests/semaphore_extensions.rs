@@ -694,8 +694,9 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
     // A process queued a waiter (as `acquire` does, with a short lease
     // here) and died: nobody renews it.
     let ghost: i64 = sqlx::query_scalar(
-        "SELECT o_ticket FROM pgsemaphore.enqueue('crash', 1, 1::smallint, 'dead-process', NULL, \
-         interval '3 seconds', 'dead-process-tok'::bytea)",
+        "SELECT o_ticket FROM pgsemaphore.enqueue(p_semaphore => 'crash', p_permits => 1, p_priority => 1::smallint, \
+         p_holder => 'dead-process', p_limit => NULL, p_waiter_lease => interval '3 seconds', \
+         p_token => 'dead-process-tok'::bytea)",
     )
     .fetch_one(&db.pool)
     .await?;
@@ -723,8 +724,9 @@ async fn the_reaper_removes_a_crashed_waiter_and_wakes_the_semaphore() -> TestRe
         .build(&db.pool)
         .await?;
     let ghost: i64 = sqlx::query_scalar(
-        "SELECT o_ticket FROM pgsemaphore.enqueue('crash-reaped', 1, 1::smallint, 'dead-process', \
-         NULL, interval '1 second', 'dead-process-tok'::bytea)",
+        "SELECT o_ticket FROM pgsemaphore.enqueue(p_semaphore => 'crash-reaped', p_permits => 1, p_priority => 1::smallint, \
+         p_holder => 'dead-process', p_limit => NULL, p_waiter_lease => interval '1 second', \
+         p_token => 'dead-process-tok'::bytea)",
     )
     .fetch_one(&db.pool)
     .await?;

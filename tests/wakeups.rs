@@ -159,12 +159,13 @@ async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> Te
     // so it leaves no wake-up to send after its commit.
     let mut release = PgConnection::connect_with(&db.options).await?;
     sqlx::query("BEGIN").execute(&mut release).await?;
-    let (outcome, wake): (String, bool) =
-        sqlx::query_as("SELECT o_outcome, o_wake FROM pgsemaphore.release(ARRAY[$1], $2)")
-            .bind(id)
-            .bind(&token)
-            .fetch_one(&mut release)
-            .await?;
+    let (outcome, wake): (String, bool) = sqlx::query_as(
+        "SELECT o_outcome, o_wake FROM pgsemaphore.release(p_ids => ARRAY[$1], p_token => $2)",
+    )
+    .bind(id)
+    .bind(&token)
+    .fetch_one(&mut release)
+    .await?;
     assert_eq!((outcome.as_str(), wake), ("released", false));
 
     // W: claims (refused: R is not committed), then registers: that waits
@@ -223,8 +224,9 @@ async fn a_release_meeting_a_registration_in_flight_never_waits_and_misses_nobod
     let mut registration = PgConnection::connect_with(&db.options).await?;
     sqlx::query("BEGIN").execute(&mut registration).await?;
     sqlx::query(
-        "SELECT pgsemaphore.keep_waiting('racing-2', interval '10 s', '{}', \
-                                         'a waiting process'::bytea, true, 1)",
+        "SELECT pgsemaphore.keep_waiting(p_semaphore => 'racing-2', p_lease => interval '10 s', \
+                                         p_tickets => '{}', p_token => 'a waiting process'::bytea, \
+                                         p_register => true, p_spell => 1)",
     )
     .execute(&mut registration)
     .await?;
@@ -232,7 +234,7 @@ async fn a_release_meeting_a_registration_in_flight_never_waits_and_misses_nobod
     // R: the release, as the crate sends it: it does not wait.
     let (outcome,): (String,) = tokio::time::timeout(
         Duration::from_secs(1),
-        sqlx::query_as("CALL pgsemaphore.release_then_wake(ARRAY[$1], $2, false)")
+        sqlx::query_as("CALL pgsemaphore.release_then_wake(p_ids => ARRAY[$1], p_token => $2, p_lost => false)")
             .bind(id)
             .bind(&token)
             .fetch_one(&db.pool),
@@ -265,12 +267,13 @@ async fn under_repeatable_read_a_release_checks_for_waiters_after_its_commit() -
     sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
         .execute(&mut *conn)
         .await?;
-    let (outcome, wake): (String, bool) =
-        sqlx::query_as("SELECT o_outcome, o_wake FROM pgsemaphore.release(ARRAY[$1], $2)")
-            .bind(id)
-            .bind(&token)
-            .fetch_one(&mut *conn)
-            .await?;
+    let (outcome, wake): (String, bool) = sqlx::query_as(
+        "SELECT o_outcome, o_wake FROM pgsemaphore.release(p_ids => ARRAY[$1], p_token => $2)",
+    )
+    .bind(id)
+    .bind(&token)
+    .fetch_one(&mut *conn)
+    .await?;
     sqlx::query("COMMIT").execute(&mut *conn).await?;
     assert_eq!((outcome.as_str(), wake), ("released", true));
     Ok(())

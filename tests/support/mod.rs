@@ -136,7 +136,7 @@ pub async fn claim_with_token(
     token: &[u8],
 ) -> sqlx::Result<i64> {
     let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
-        "SELECT o_status, o_ids FROM pgsemaphore.claim($1, 'test', $2::interval, NULL, $3)",
+        "SELECT o_status, o_ids FROM pgsemaphore.claim(p_semaphore => $1, p_holder => 'test', p_lease => $2::interval, p_metadata => NULL, p_token => $3)",
     )
     .bind(semaphore)
     .bind(lease)
