@@ -1,9 +1,17 @@
-//! The audit log: every claim stays in `pgsemaphore.slots` after it ends.
-//! [`AuditLog`] reads it: live holders, a window's history, a summary with
-//! hold-time percentiles, and a [`Report`]: the window aggregated by the
-//! database at the resolution the caller asks for ([`ReportShape`]). How a
+//! The audit log: every claim stays in `pgsemaphore.slots` after it ends,
+//! and every finished permit of an advisory semaphore gets a row of
+//! `pgsemaphore.advisory_claims`. [`AuditLog`] reads them: live holders, a
+//! window's history, a summary with hold-time percentiles, and a
+//! [`Report`]: the window aggregated by the database at the resolution the
+//! caller asks for ([`ReportShape`]), for a semaphore of either kind. How a
 //! report is drawn (`pg-semaphore report`'s page, and the resolution it
 //! asks for) is the binary's.
+//!
+//! The report's statements are built from two parts, each written once: the
+//! claims of one kind, as rows `(slot, holder, created_at, ended_at,
+//! timed_out_at)` (`lease_claims!`, `advisory_slots!`, `advisory_permits!`),
+//! and the aggregation over them, which reads those rows as `k`
+//! (`report_cells!`, `report_peaks!`, `report_hold_times!`).
 
 use std::ops::Range;
 use std::time::Duration;
@@ -65,22 +73,65 @@ SELECT s.capacity, now() AS as_of,
   FROM pgsemaphore.semaphores s
  WHERE s.name = $1";
 
-/// A report's cells: the window's claims clipped to it, as seconds since its
-/// start ($2), spread over the buckets of $4 seconds ($5 of them) each one
-/// overlaps, and grouped by lane (slot / $6) and bucket. Per cell: slot time
-/// held, claims held at some moment of it, claims that timed out in it,
-/// claims held at its start, and the holder of the most of them. At most
-/// lanes x buckets rows, however many claims.
-const REPORT_CELLS: &str = "\
-WITH c AS (
+/// The lease semaphore's claims of $1 that overlap the window [$2, $3), as a
+/// report's rows: one per claim (a claim is one slot); `ended_at` null
+/// while live.
+macro_rules! lease_claims {
+    () => {
+        "\
+SELECT slot, holder, created_at, coalesce(completed_at, timed_out_at) AS ended_at, timed_out_at
+  FROM pgsemaphore.slots
+ WHERE semaphore = $1
+   AND created_at < $3
+   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2"
+    };
+}
+
+/// The advisory semaphore's finished permits of $1 that overlap the window
+/// [$2, $3), as a report's rows: one per slot of each permit (a permit of
+/// n slots holds n of the capacity). A lost permit (its session ended, the
+/// server freed its slots) counts as timed out. Live permits are not in
+/// the log: nothing here is live.
+macro_rules! advisory_slots {
+    () => {
+        "\
+SELECT slot, holder, acquired_at AS created_at, ended_at,
+       CASE WHEN outcome = 'lost' THEN ended_at END AS timed_out_at
+  FROM pgsemaphore.advisory_claims, unnest(slots) AS slot
+ WHERE semaphore = $1
+   AND acquired_at < $3
+   AND ended_at >= $2"
+    };
+}
+
+/// As `advisory_slots!`, one row per permit: the population of hold times.
+macro_rules! advisory_permits {
+    () => {
+        "\
+SELECT holder, acquired_at AS created_at, ended_at,
+       CASE WHEN outcome = 'lost' THEN ended_at END AS timed_out_at
+  FROM pgsemaphore.advisory_claims
+ WHERE semaphore = $1
+   AND acquired_at < $3
+   AND ended_at >= $2"
+    };
+}
+
+/// A report's cells, over the claims `k`: clipped to the window, as seconds
+/// since its start ($2), spread over the buckets of $4 seconds ($5 of them)
+/// each one overlaps, and grouped by lane (slot / $6) and bucket. Per cell:
+/// slot time held, claims held at some moment of it, claims that timed out
+/// in it, claims held at its start, and the holder of the most of them. At
+/// most lanes x buckets rows, however many claims.
+macro_rules! report_cells {
+    () => {
+        "
+), c AS (
     SELECT slot, holder,
            coalesce(timed_out_at < $3, false) AS timed_out,
            extract(epoch FROM greatest(created_at, $2) - $2)::float8 AS t0,
-           extract(epoch FROM least(coalesce(completed_at, timed_out_at, now()), $3) - $2)::float8 AS t1
-      FROM pgsemaphore.slots
-     WHERE semaphore = $1
-       AND created_at < $3
-       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
+           extract(epoch FROM least(coalesce(ended_at, now()), $3) - $2)::float8 AS t1
+      FROM k
 ), spread AS (
     SELECT c.*, b
       FROM c, generate_series(least(floor(t0 / $4)::int, $5 - 1),
@@ -95,19 +146,21 @@ SELECT slot / $6 AS lane, b AS bucket,
        mode() WITHIN GROUP (ORDER BY holder) AS top_holder
   FROM spread
  GROUP BY 1, 2
- ORDER BY 1, 2";
+ ORDER BY 1, 2"
+    };
+}
 
-/// The most claims live at once in each bucket that has a claim start or end,
-/// swept over those events (an end sorts before a start at the same instant:
-/// a hand-over is not an overlap). Same clipping as `REPORT_CELLS`.
-const REPORT_PEAKS: &str = "\
-WITH c AS (
+/// The most claims live at once in each bucket that has a claim start or
+/// end, swept over those events (an end sorts before a start at the same
+/// instant: a hand-over is not an overlap), over the claims `k`. Same
+/// clipping as `report_cells!`.
+macro_rules! report_peaks {
+    () => {
+        "
+), c AS (
     SELECT extract(epoch FROM greatest(created_at, $2) - $2)::float8 AS t0,
-           extract(epoch FROM least(coalesce(completed_at, timed_out_at, now()), $3) - $2)::float8 AS t1
-      FROM pgsemaphore.slots
-     WHERE semaphore = $1
-       AND created_at < $3
-       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
+           extract(epoch FROM least(coalesce(ended_at, now()), $3) - $2)::float8 AS t1
+      FROM k
 ), events AS (
     SELECT t0 AS t, 1 AS delta FROM c
     UNION ALL
@@ -118,20 +171,20 @@ WITH c AS (
 )
 SELECT least(floor(t / $4)::int, $5 - 1) AS bucket, max(live)::int8 AS peak
   FROM running
- GROUP BY 1";
+ GROUP BY 1"
+    };
+}
 
-/// Hold times of the window's finished claims (the population of the
-/// summary's percentiles) in $4 equal bins from zero to the longest.
-const REPORT_HOLD_TIMES: &str = "\
-WITH held AS (
-    SELECT greatest(extract(epoch FROM coalesce(completed_at, timed_out_at) - created_at)::float8, 0)
-               AS seconds,
+/// Hold times of the finished claims `k` (the population of the summary's
+/// percentiles) in $4 equal bins from zero to the longest.
+macro_rules! report_hold_times {
+    () => {
+        "
+), held AS (
+    SELECT greatest(extract(epoch FROM ended_at - created_at)::float8, 0) AS seconds,
            timed_out_at IS NOT NULL AS timed_out
-      FROM pgsemaphore.slots
-     WHERE semaphore = $1
-       AND created_at < $3
-       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
-       AND (completed_at IS NOT NULL OR timed_out_at IS NOT NULL)
+      FROM k
+     WHERE ended_at IS NOT NULL
 ), top AS (
     SELECT max(seconds) AS longest FROM held
 )
@@ -142,7 +195,76 @@ SELECT CASE WHEN longest > 0 THEN least(floor(seconds * $4 / longest)::int, $4 -
        count(*) FILTER (WHERE timed_out) AS timed_out
   FROM held, top
  GROUP BY 1, 2
- ORDER BY 1";
+ ORDER BY 1"
+    };
+}
+
+/// The statements of a report over one kind of semaphore, each bound as
+/// `$1` semaphore, `$2` and `$3` the window (see `in_window`).
+struct ReportSql {
+    /// The capacity, the transaction's clock and the highest slot held in
+    /// the window; no row when no semaphore of this kind has the name.
+    scope: &'static str,
+    /// `$4` bucket seconds, `$5` buckets, `$6` slots per lane.
+    cells: &'static str,
+    /// `$4` bucket seconds, `$5` buckets.
+    peaks: &'static str,
+    /// `$4` bins.
+    hold_times: &'static str,
+}
+
+/// A lease semaphore's report.
+const LEASE_REPORT: ReportSql = ReportSql {
+    scope: REPORT_SCOPE,
+    cells: concat!("WITH k AS (", lease_claims!(), report_cells!()),
+    peaks: concat!("WITH k AS (", lease_claims!(), report_peaks!()),
+    hold_times: concat!("WITH k AS (", lease_claims!(), report_hold_times!()),
+};
+
+/// An advisory semaphore's report: its finished permits, a lane per slot.
+const ADVISORY_REPORT: ReportSql = ReportSql {
+    scope: concat!(
+        "\
+SELECT a.capacity, now() AS as_of,
+       (SELECT max(slot) FROM (",
+        advisory_slots!(),
+        ") k) AS max_slot
+  FROM pgsemaphore.advisory_semaphores a
+ WHERE a.name = $1"
+    ),
+    cells: concat!("WITH k AS (", advisory_slots!(), report_cells!()),
+    peaks: concat!("WITH k AS (", advisory_slots!(), report_peaks!()),
+    hold_times: concat!("WITH k AS (", advisory_permits!(), report_hold_times!()),
+};
+
+/// An advisory semaphore's finished permits that overlap the window
+/// [$2, $3), in the order they were acquired.
+const ADVISORY_HISTORY: &str = "\
+SELECT slots, holder, metadata, acquired_at, ended_at,
+       outcome = 'dropped' AS dropped, outcome = 'lost' AS lost
+  FROM pgsemaphore.advisory_claims
+ WHERE semaphore = $1
+   AND acquired_at < $3
+   AND ended_at >= $2
+ ORDER BY acquired_at, ended_at";
+
+/// Outcome counts and hold-time percentiles of an advisory semaphore's
+/// finished permits in the window.
+const ADVISORY_SUMMARY: &str = "\
+WITH w AS (
+    SELECT outcome, extract(epoch FROM ended_at - acquired_at)::float8 AS held
+      FROM pgsemaphore.advisory_claims
+     WHERE semaphore = $1
+       AND acquired_at < $3
+       AND ended_at >= $2
+)
+SELECT count(*) FILTER (WHERE outcome = 'released') AS released,
+       count(*) FILTER (WHERE outcome = 'dropped') AS dropped,
+       count(*) FILTER (WHERE outcome = 'lost') AS lost,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY held) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY held) AS p95,
+       max(held) AS max
+  FROM w";
 
 /// A report's default time buckets: the occupancy series and each lane's cells.
 const REPORT_BUCKETS: u32 = 240;
@@ -229,7 +351,15 @@ impl Default for ReportShape {
 }
 
 /// Read-only queries over the slot table, which keeps every claim after it
-/// ends: who held what, when, and for how long.
+/// ends, and over the advisory semaphores' log of finished permits: who
+/// held what, when, and for how long.
+///
+/// A lease semaphore's [`holders`](Self::holders),
+/// [`history`](Self::history) and [`summary`](Self::summary); an advisory
+/// semaphore's [`advisory_history`](Self::advisory_history) and
+/// [`advisory_summary`](Self::advisory_summary) (its live holders are in
+/// [`advisory_semaphores`](crate::advisory_semaphores)); a
+/// [`report`](Self::report) of either kind.
 ///
 /// Each query runs as an unnamed statement in a short transaction of its
 /// own, so the audit log also works through a transaction-pooling proxy such
@@ -386,6 +516,138 @@ impl serde::Serialize for Summary {
     }
 }
 
+/// How an advisory semaphore's permit ended, as its audit log records it.
+///
+/// With the `serde` feature: `"released"`, `"dropped"` or `"lost"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
+pub enum AdvisoryOutcome {
+    /// Released by its holder ([`AdvisoryPermit::release`](crate::AdvisoryPermit::release)).
+    Released,
+    /// Released by the permit's `Drop`.
+    Dropped,
+    /// Its session ended or stopped answering: the server freed its slots
+    /// (the advisory counterpart of a lease that timed out).
+    Lost,
+}
+
+/// One finished permit of an advisory semaphore, as listed by
+/// [`AuditLog::advisory_history`].
+///
+/// The fields a [`ClaimRecord`] also has mean the same and serialize under
+/// the same names. What differs: a permit may hold several slots
+/// (`slots`), it has no claim id (an advisory permit's fencing is its
+/// session, not a token) and no lease (`expires_at`), and it is only ever
+/// finished: the audit writer appends it after it ends, in batches (about
+/// every half second), so live permits are not here; their slots are in
+/// [`advisory_semaphores`](crate::advisory_semaphores) and
+/// `pg-semaphore status`. A permit whose process died before its row was
+/// written is missing.
+///
+/// With the `serde` feature it serializes as `{"slots", "holder",
+/// "metadata", "claimed_at", "ended_at", "outcome", "held_seconds"}`: times
+/// in RFC 3339, the hold time in seconds.
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct AdvisoryClaimRecord {
+    /// The slots held, lowest first.
+    pub slots: Vec<i32>,
+    /// The holder label.
+    pub holder: String,
+    /// JSON recorded with the permit.
+    pub metadata: Option<serde_json::Value>,
+    /// When it was acquired (the database clock).
+    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
+    pub acquired_at: DateTime<Utc>,
+    /// When it ended.
+    pub ended_at: DateTime<Utc>,
+    /// How it ended.
+    pub outcome: AdvisoryOutcome,
+    /// How long it was held.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
+    )]
+    pub held_for: Duration,
+}
+
+/// Counts and hold times of an advisory semaphore's finished permits over
+/// a window, from [`AuditLog::advisory_summary`]. Live permits are not in
+/// the log, so there is no `live` count (see [`AdvisoryClaimRecord`]).
+///
+/// With the `serde` feature it serializes as `{"total", "released",
+/// "dropped", "lost", "p50_hold_seconds", "p95_hold_seconds",
+/// "max_hold_seconds"}`, hold times in seconds (null when none finished).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
+pub struct AdvisorySummary {
+    /// Permits released by their holder.
+    pub released: u64,
+    /// Permits released by their `Drop`.
+    pub dropped: u64,
+    /// Permits whose session ended: the server freed their slots.
+    pub lost: u64,
+    /// Median hold time; `None` when the window has no permit.
+    pub p50_hold: Option<Duration>,
+    /// 95th percentile hold time.
+    pub p95_hold: Option<Duration>,
+    /// Longest hold time.
+    pub max_hold: Option<Duration>,
+}
+
+impl AdvisorySummary {
+    /// All permits counted.
+    pub fn total(&self) -> u64 {
+        self.released + self.dropped + self.lost
+    }
+}
+
+/// Adds `total`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for AdvisorySummary {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+        let mut s = serializer.serialize_struct("AdvisorySummary", 7)?;
+        s.serialize_field("total", &self.total())?;
+        s.serialize_field("released", &self.released)?;
+        s.serialize_field("dropped", &self.dropped)?;
+        s.serialize_field("lost", &self.lost)?;
+        s.serialize_field("p50_hold_seconds", &secs(self.p50_hold))?;
+        s.serialize_field("p95_hold_seconds", &secs(self.p95_hold))?;
+        s.serialize_field("max_hold_seconds", &secs(self.max_hold))?;
+        s.end()
+    }
+}
+
+/// Which kind of semaphore a [`Report`] draws.
+///
+/// With the `serde` feature: `"lease"` or `"advisory"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
+#[non_exhaustive]
+pub enum SemaphoreKind {
+    /// A [`Semaphore`](crate::Semaphore): claims are rows of
+    /// `pgsemaphore.slots`.
+    Lease,
+    /// An [`AdvisorySemaphore`](crate::AdvisorySemaphore): slots are
+    /// advisory locks, finished permits rows of
+    /// `pgsemaphore.advisory_claims`.
+    Advisory,
+}
+
 /// One semaphore's claims over a window, aggregated by the database at
 /// the resolution of a [`ReportShape`], from [`AuditLog::report`] or
 /// [`AuditLog::report_shaped`] (`pg-semaphore report` draws one).
@@ -400,6 +662,21 @@ impl serde::Serialize for Summary {
 /// there. Everything is read in one `REPEATABLE READ` snapshot, so the
 /// parts agree.
 ///
+/// # An advisory semaphore's report
+///
+/// [`kind`](Self::kind) is [`SemaphoreKind::Advisory`], and the report is
+/// drawn from its audit log, which holds finished permits only: the
+/// picture ends at the last permit that finished (and was written, about
+/// every half second); live holders are in
+/// [`advisory_semaphores`](crate::advisory_semaphores). Its permits are
+/// listed in [`permits`](Self::permits) (`claims` stays empty); a permit of
+/// n slots counts n in the occupancy and the lanes, one in the counts and
+/// hold times. The [`summary`](Self::summary) and the hold-time bins use
+/// the lease's words: `completed` counts permits released by their holder
+/// (released or dropped), `timed_out` those lost (the server freed their
+/// slots), `live` is zero; [`AuditLog::advisory_summary`] tells released
+/// from dropped.
+///
 /// With the `serde` feature it serializes with the field names below,
 /// durations as seconds (`bucket_seconds`, `busy_seconds`, ...).
 #[derive(Debug, Clone, PartialEq)]
@@ -408,6 +685,8 @@ impl serde::Serialize for Summary {
 pub struct Report {
     /// The semaphore's name.
     pub semaphore: String,
+    /// Its kind: a lease or an advisory semaphore.
+    pub kind: SemaphoreKind,
     /// Its capacity now (it may have been changed during the window).
     pub capacity: u32,
     /// The window's start.
@@ -423,6 +702,10 @@ pub struct Report {
     /// Every claim held at some moment of the window, in claim order, as
     /// [`AuditLog::history`]; empty when [`aggregated`](Self::aggregated).
     pub claims: Vec<ClaimRecord>,
+    /// An advisory semaphore's finished permits held at some moment of the
+    /// window, as [`AuditLog::advisory_history`]; empty for a lease
+    /// semaphore and when [`aggregated`](Self::aggregated).
+    pub permits: Vec<AdvisoryClaimRecord>,
     /// Whether the claims were too many (or the slots too many) to list,
     /// so that only the aggregates describe them.
     pub aggregated: bool,
@@ -553,6 +836,27 @@ struct HistoryRow {
 }
 
 #[derive(sqlx::FromRow)]
+struct AdvisoryHistoryRow {
+    slots: Vec<i32>,
+    holder: String,
+    metadata: Option<serde_json::Value>,
+    acquired_at: DateTime<Utc>,
+    ended_at: DateTime<Utc>,
+    dropped: bool,
+    lost: bool,
+}
+
+#[derive(sqlx::FromRow)]
+struct AdvisorySummaryRow {
+    released: i64,
+    dropped: i64,
+    lost: i64,
+    p50: Option<f64>,
+    p95: Option<f64>,
+    max: Option<f64>,
+}
+
+#[derive(sqlx::FromRow)]
 struct SummaryRow {
     completed: i64,
     timed_out: i64,
@@ -638,11 +942,109 @@ impl AuditLog {
             .bind(window.end);
         Ok(summarize(db.fetch_one(query).await?))
     }
+
+    /// Every finished permit of the advisory semaphore `semaphore` that was
+    /// held at some point of `window` (acquired before its end, not ended
+    /// before its start), in the order they were acquired, from
+    /// `pgsemaphore.advisory_claims`.
+    ///
+    /// The log holds finished permits only, written by each holder's
+    /// process in batches after they end (see [`AdvisoryClaimRecord`]):
+    /// a permit that ended within the last second may not be here yet, and
+    /// a live one is not; [`advisory_semaphores`](crate::advisory_semaphores)
+    /// lists who holds a slot now. A name that is not an advisory semaphore
+    /// gives an empty list.
+    ///
+    /// ```no_run
+    /// use chrono::{Duration, Utc};
+    /// use pg_semaphore::AuditLog;
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let now = Utc::now();
+    /// for permit in AuditLog::new(&pool)
+    ///     .advisory_history("exports", now - Duration::minutes(5)..now)
+    ///     .await?
+    /// {
+    ///     println!("slots {:?} by {}: {:?} for {:?}",
+    ///              permit.slots, permit.holder, permit.outcome, permit.held_for);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the window ends before it starts;
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn advisory_history(
+        &self,
+        semaphore: &str,
+        window: Range<DateTime<Utc>>,
+    ) -> Result<Vec<AdvisoryClaimRecord>> {
+        check_window(&window)?;
+        let db = self.db();
+        let query = db
+            .query_as::<AdvisoryHistoryRow>(ADVISORY_HISTORY)
+            .bind(semaphore.to_owned())
+            .bind(window.start)
+            .bind(window.end);
+        let rows = db.fetch_all(query).await?;
+        Ok(rows.into_iter().map(AdvisoryClaimRecord::from).collect())
+    }
+
+    /// Counts per outcome and hold-time percentiles (p50, p95, max) of the
+    /// finished permits of the advisory semaphore `semaphore` that overlap
+    /// `window`: the permits [`advisory_history`](Self::advisory_history)
+    /// lists.
+    ///
+    /// ```no_run
+    /// use chrono::{Duration, Utc};
+    /// use pg_semaphore::AuditLog;
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let now = Utc::now();
+    /// let summary = AuditLog::new(&pool)
+    ///     .advisory_summary("exports", now - Duration::hours(1)..now)
+    ///     .await?;
+    /// println!("{} permits, {} lost, p95 hold {:?}",
+    ///          summary.total(), summary.lost, summary.p95_hold);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the window ends before it starts;
+    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Read-only: cancel at will.
+    pub async fn advisory_summary(
+        &self,
+        semaphore: &str,
+        window: Range<DateTime<Utc>>,
+    ) -> Result<AdvisorySummary> {
+        check_window(&window)?;
+        let db = self.db();
+        let query = db
+            .query_as::<AdvisorySummaryRow>(ADVISORY_SUMMARY)
+            .bind(semaphore.to_owned())
+            .bind(window.start)
+            .bind(window.end);
+        Ok(summarize_advisory(db.fetch_one(query).await?))
+    }
 }
 
 impl AuditLog {
     /// `semaphore`'s claims over `window`, in the default
-    /// [`ReportShape`]: the claims themselves when they are few, occupancy
+    /// [`ReportShape`], for a lease or an advisory semaphore (an advisory
+    /// one's from its log of finished permits: see [`Report`]): the claims
+    /// themselves when they are few, occupancy
     /// per time bucket against the capacity, each slot's use per bucket, a
     /// hold-time histogram and the summary. See [`Report`] for what is
     /// aggregated when: the aggregation runs in the database, so a window
@@ -730,51 +1132,81 @@ impl AuditLog {
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .await
             .map_err(ours)?;
-        let scope: Option<ScopeRow> = in_window(REPORT_SCOPE, semaphore, &window)
+        let mut kind = SemaphoreKind::Lease;
+        let mut scope: Option<ScopeRow> = in_window(LEASE_REPORT.scope, semaphore, &window)
             .fetch_optional(&mut *tx)
             .await
             .map_err(ours)?;
+        if scope.is_none() {
+            kind = SemaphoreKind::Advisory;
+            scope = in_window(ADVISORY_REPORT.scope, semaphore, &window)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(ours)?;
+        }
         let Some(scope) = scope else {
             return Err(Error::SemaphoreNotFound {
                 semaphore: semaphore.to_owned(),
             });
+        };
+        let sql = match kind {
+            SemaphoreKind::Lease => &LEASE_REPORT,
+            SemaphoreKind::Advisory => &ADVISORY_REPORT,
         };
         let capacity = scope.capacity.max(0) as u32;
         let slots = capacity.max(scope.max_slot.map_or(0, |s| s.max(0) as u32 + 1));
         let slots_per_lane = slots.div_ceil(shape.max_lanes).max(1);
         let lanes = slots.div_ceil(slots_per_lane);
 
-        let summary = summarize(
-            in_window(SUMMARY, semaphore, &window)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(ours)?,
-        );
+        let summary = match kind {
+            SemaphoreKind::Lease => summarize(
+                in_window(SUMMARY, semaphore, &window)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(ours)?,
+            ),
+            SemaphoreKind::Advisory => summarize_advisory(
+                in_window(ADVISORY_SUMMARY, semaphore, &window)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(ours)?,
+            )
+            .in_lease_words(),
+        };
         // The count comes from the same snapshot as the claims: exact.
         let aggregated = summary.total() > shape.max_claims || slots_per_lane > 1;
-        let claims = if aggregated {
-            Vec::new()
-        } else {
-            let rows: Vec<HistoryRow> = in_window(HISTORY, semaphore, &window)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(ours)?;
-            rows.into_iter().map(ClaimRecord::from).collect()
-        };
-        let cells: Vec<CellRow> = in_window(REPORT_CELLS, semaphore, &window)
+        let (mut claims, mut permits) = (Vec::new(), Vec::new());
+        match kind {
+            _ if aggregated => {}
+            SemaphoreKind::Lease => {
+                let rows: Vec<HistoryRow> = in_window(HISTORY, semaphore, &window)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(ours)?;
+                claims = rows.into_iter().map(ClaimRecord::from).collect();
+            }
+            SemaphoreKind::Advisory => {
+                let rows: Vec<AdvisoryHistoryRow> = in_window(ADVISORY_HISTORY, semaphore, &window)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(ours)?;
+                permits = rows.into_iter().map(AdvisoryClaimRecord::from).collect();
+            }
+        }
+        let cells: Vec<CellRow> = in_window(sql.cells, semaphore, &window)
             .bind(bucket_seconds)
             .bind(shape.buckets as i32)
             .bind(slots_per_lane as i32)
             .fetch_all(&mut *tx)
             .await
             .map_err(ours)?;
-        let peaks: Vec<(i32, i64)> = in_window(REPORT_PEAKS, semaphore, &window)
+        let peaks: Vec<(i32, i64)> = in_window(sql.peaks, semaphore, &window)
             .bind(bucket_seconds)
             .bind(shape.buckets as i32)
             .fetch_all(&mut *tx)
             .await
             .map_err(ours)?;
-        let hold_times: Vec<HoldTimeRow> = in_window(REPORT_HOLD_TIMES, semaphore, &window)
+        let hold_times: Vec<HoldTimeRow> = in_window(sql.hold_times, semaphore, &window)
             .bind(shape.hold_time_bins as i32)
             .fetch_all(&mut *tx)
             .await
@@ -783,12 +1215,14 @@ impl AuditLog {
 
         Ok(Report {
             semaphore: semaphore.to_owned(),
+            kind,
             capacity,
             since: window.start,
             until: window.end,
             as_of: scope.as_of,
             summary,
             claims,
+            permits,
             aggregated,
             slots_per_lane,
             lanes,
@@ -907,6 +1341,55 @@ impl From<HistoryRow> for ClaimRecord {
             outcome,
             held_for: seconds(row.held_seconds),
         }
+    }
+}
+
+impl From<AdvisoryHistoryRow> for AdvisoryClaimRecord {
+    fn from(row: AdvisoryHistoryRow) -> Self {
+        let outcome = if row.lost {
+            AdvisoryOutcome::Lost
+        } else if row.dropped {
+            AdvisoryOutcome::Dropped
+        } else {
+            AdvisoryOutcome::Released
+        };
+        AdvisoryClaimRecord {
+            slots: row.slots,
+            holder: row.holder,
+            metadata: row.metadata,
+            acquired_at: row.acquired_at,
+            ended_at: row.ended_at,
+            outcome,
+            held_for: (row.ended_at - row.acquired_at)
+                .to_std()
+                .unwrap_or(Duration::ZERO),
+        }
+    }
+}
+
+impl AdvisorySummary {
+    /// As a report's [`Summary`]: released and dropped permits completed,
+    /// lost ones timed out, none live (see [`Report`]).
+    fn in_lease_words(self) -> Summary {
+        Summary {
+            completed: self.released + self.dropped,
+            timed_out: self.lost,
+            live: 0,
+            p50_hold: self.p50_hold,
+            p95_hold: self.p95_hold,
+            max_hold: self.max_hold,
+        }
+    }
+}
+
+fn summarize_advisory(row: AdvisorySummaryRow) -> AdvisorySummary {
+    AdvisorySummary {
+        released: row.released as u64,
+        dropped: row.dropped as u64,
+        lost: row.lost as u64,
+        p50_hold: row.p50.map(seconds),
+        p95_hold: row.p95.map(seconds),
+        max_hold: row.max.map(seconds),
     }
 }
 

@@ -337,8 +337,8 @@ pub use admin::{
     clear_queue, configure, force_release, semaphores, set_capacity, set_queue_order,
 };
 pub use audit::{
-    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, ReportShape,
-    SlotBucket, Summary,
+    AdvisoryClaimRecord, AdvisoryOutcome, AdvisorySummary, AuditLog, ClaimRecord, HoldTimeBin,
+    Holder, OccupancyBucket, Outcome, Report, ReportShape, SemaphoreKind, SlotBucket, Summary,
 };
 pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};

@@ -6,7 +6,9 @@ mod support;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use pg_semaphore::{AuditLog, Error, Outcome, Semaphore};
+use pg_semaphore::{
+    AdvisoryOutcome, AdvisorySemaphore, AuditLog, Error, Outcome, Semaphore, SemaphoreKind,
+};
 use support::TestResult;
 
 #[tokio::test]
@@ -364,5 +366,135 @@ async fn pruning_nothing_does_not_walk_the_audit_log() -> TestResult {
         seq_read + idx_fetched < 1_000,
         "pruning nothing read {seq_read} rows sequentially and fetched {idx_fetched} by index"
     );
+    Ok(())
+}
+
+/// Appends a lost permit of `semaphore` on `slot` to the advisory audit log,
+/// acquired `ago` (an interval) before now and held 3 s, as a holder's
+/// audit writer does (`pgsemaphore.advisory_log`): a session that died
+/// leaves no other trace of its permit.
+async fn log_lost_permit(
+    db: &support::TestDb,
+    semaphore: &str,
+    slot: i32,
+    ago: &str,
+) -> sqlx::Result<()> {
+    sqlx::query(
+        "SELECT pgsemaphore.advisory_log(jsonb_build_array(jsonb_build_object(
+             'semaphore', $1::text, 'slots', jsonb_build_array($2::int), 'holder', 'crashed',
+             'metadata', jsonb_build_object('job', 'j-9'),
+             'acquired_at', now() - $3::interval,
+             'ended_at', now() - $3::interval + interval '3 seconds',
+             'outcome', 'lost')))",
+    )
+    .bind(semaphore)
+    .bind(slot)
+    .bind(ago)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
+/// An advisory semaphore's finished permits come back from its log, with
+/// their slots, outcome and hold time; its live permit does not; and its
+/// report draws them, a lane per slot.
+#[tokio::test]
+async fn an_advisory_semaphore_s_finished_permits_are_its_history_and_its_report() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = AdvisorySemaphore::builder("exports", 3)
+        .holder("batch-1")
+        .build(&db.pool)
+        .await?;
+    sem.try_acquire().await?.release().await?;
+    drop(sem.try_acquire_many(2).await?);
+    log_lost_permit(&db, "exports", 2, "10 minutes").await?;
+    log_lost_permit(&db, "another", 0, "10 minutes").await?; // another semaphore's
+    log_lost_permit(&db, "exports", 1, "3 hours").await?; // before the window
+    let logged = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'exports'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 4
+    })
+    .await;
+    assert!(logged, "the audit writer did not log both permits");
+    let live = sem.try_acquire().await?; // held: not in the log
+
+    let now = Utc::now();
+    let window = now - chrono::Duration::hours(1)..now + chrono::Duration::seconds(1);
+    let log = AuditLog::new(&db.pool);
+    let permits = log.advisory_history("exports", window.clone()).await?;
+    let seen: Vec<(Vec<i32>, &str, AdvisoryOutcome)> = permits
+        .iter()
+        .map(|p| (p.slots.clone(), p.holder.as_str(), p.outcome))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (vec![2], "crashed", AdvisoryOutcome::Lost),
+            (vec![0], "batch-1", AdvisoryOutcome::Released),
+            (vec![0, 1], "batch-1", AdvisoryOutcome::Dropped),
+        ]
+    );
+    assert_eq!(permits[0].held_for, Duration::from_secs(3));
+    assert_eq!(
+        permits[0].metadata,
+        Some(serde_json::json!({ "job": "j-9" }))
+    );
+    assert!(permits[1].acquired_at <= permits[1].ended_at);
+
+    let summary = log.advisory_summary("exports", window.clone()).await?;
+    assert_eq!(
+        (
+            summary.total(),
+            summary.released,
+            summary.dropped,
+            summary.lost
+        ),
+        (3, 1, 1, 1)
+    );
+    assert_eq!(summary.max_hold, Some(Duration::from_secs(3)));
+    // A name is one kind: the lease semaphore's reading of it is empty.
+    assert!(log.history("exports", window.clone()).await?.is_empty());
+
+    let report = log.report("exports", window.clone()).await?;
+    assert_eq!(report.kind, SemaphoreKind::Advisory);
+    assert_eq!(report.capacity, 3);
+    assert_eq!(report.lanes, 3);
+    assert!(!report.aggregated);
+    assert!(report.claims.is_empty());
+    assert_eq!(report.permits, permits);
+    // In the lease's words: released and dropped completed, lost timed out.
+    assert_eq!(
+        (
+            report.summary.completed,
+            report.summary.timed_out,
+            report.summary.live
+        ),
+        (2, 1, 0)
+    );
+    // The two-slot permit holds two of the capacity at once.
+    assert_eq!(report.occupancy.iter().map(|b| b.peak).max(), Some(2));
+    let lanes: std::collections::BTreeSet<u32> = report.cells.iter().map(|c| c.lane).collect();
+    assert_eq!(lanes.into_iter().collect::<Vec<_>>(), [0, 1, 2]);
+    assert_eq!(report.cells.iter().map(|c| c.timed_out).sum::<u64>(), 1);
+    let holds: Vec<(u64, u64)> = report
+        .hold_times
+        .iter()
+        .map(|b| (b.completed, b.timed_out))
+        .collect();
+    assert_eq!(holds.iter().map(|h| h.0).sum::<u64>(), 2);
+    assert_eq!(
+        holds.last(),
+        Some(&(0, 1)),
+        "the 3 s lost permit is the longest"
+    );
+
+    let err = log.report("never-built", window).await.unwrap_err();
+    assert!(matches!(err, Error::SemaphoreNotFound { .. }), "{err:?}");
+    live.release().await?;
     Ok(())
 }

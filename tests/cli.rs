@@ -508,6 +508,144 @@ async fn audit_prints_the_window_as_a_table_json_or_csv() -> TestResult {
     Ok(())
 }
 
+/// An advisory semaphore "exports" (capacity 3, holder "batch-1") with
+/// three finished permits in its audit log, the writer flushed: one
+/// released on slot 0, one of two slots dropped, and one lost 10 minutes
+/// ago on slot 2 (3 s, metadata `{"job": "j-9"}`, as a dead session's
+/// writer left it); and a fourth permit, still held, returned.
+async fn advisory_history(
+    db: &support::TestDb,
+) -> TestResult<(AdvisorySemaphore, pg_semaphore::AdvisoryPermit)> {
+    let sem = AdvisorySemaphore::builder("exports", 3)
+        .holder("batch-1")
+        .build(&db.pool)
+        .await?;
+    sem.try_acquire().await?.release().await?;
+    drop(sem.try_acquire_many(2).await?);
+    sqlx::query(
+        "SELECT pgsemaphore.advisory_log(jsonb_build_array(jsonb_build_object(
+             'semaphore', 'exports', 'slots', jsonb_build_array(2), 'holder', 'crashed, pid 7',
+             'metadata', jsonb_build_object('job', 'j-9'),
+             'acquired_at', now() - interval '10 minutes',
+             'ended_at', now() - interval '10 minutes' + interval '3 seconds',
+             'outcome', 'lost')))",
+    )
+    .execute(&db.pool)
+    .await?;
+    let logged = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'exports'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 3
+    })
+    .await;
+    assert!(logged, "the audit writer did not log both permits");
+    let live = sem.try_acquire().await?;
+    Ok((sem, live))
+}
+
+#[tokio::test]
+async fn audit_of_an_advisory_semaphore_lists_its_finished_permits() -> TestResult {
+    let db = support::migrated_db().await;
+    let (_sem, live) = advisory_history(&db).await?;
+
+    let out = run(&db, &["audit", "exports"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.starts_with("finished permits of \"exports\" (advisory)"),
+        "{text}"
+    );
+    // SLOTS HOLDER CLAIMED ENDED OUTCOME HELD, in the order acquired.
+    assert_eq!(
+        table_row(&text, "SLOTS", "2")[1..3],
+        ["crashed,", "pid"],
+        "{text}"
+    );
+    assert_eq!(
+        table_row(&text, "SLOTS", "2")[6..],
+        ["lost", "3.0s"],
+        "{text}"
+    );
+    assert_eq!(table_row(&text, "SLOTS", "0")[1], "batch-1", "{text}");
+    assert_eq!(table_row(&text, "SLOTS", "0")[4], "released", "{text}");
+    assert_eq!(table_row(&text, "SLOTS", "0,1")[4], "dropped", "{text}");
+    assert!(
+        text.contains("3 permits: 1 released, 1 dropped, 1 lost"),
+        "{text}"
+    );
+    // What the log does not hold, and where to look.
+    assert!(text.contains("pg-semaphore status"), "{text}");
+    assert!(text.contains("no claim id and no lease"), "{text}");
+
+    let out = run(&db, &["audit", "exports", "--last", "1h", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["semaphore"], "exports");
+    assert_eq!(json["kind"], "advisory");
+    let claims = json["claims"].as_array().expect("claims");
+    let seen: Vec<(serde_json::Value, &str)> = claims
+        .iter()
+        .map(|c| (c["slots"].clone(), c["outcome"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (serde_json::json!([2]), "lost"),
+            (serde_json::json!([0]), "released"),
+            (serde_json::json!([0, 1]), "dropped"),
+        ]
+    );
+    // The lease's field names where they mean the same; no id, no lease.
+    let lost = claims[0].as_object().unwrap();
+    let mut keys: Vec<&str> = lost.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "claimed_at",
+            "ended_at",
+            "held_seconds",
+            "holder",
+            "metadata",
+            "outcome",
+            "slots"
+        ]
+    );
+    assert_eq!(lost["holder"], "crashed, pid 7");
+    assert_eq!(lost["metadata"]["job"], "j-9");
+    assert_eq!(lost["held_seconds"], 3.0);
+    let summary = &json["summary"];
+    let counts: Vec<Option<u64>> = ["total", "released", "dropped", "lost"]
+        .iter()
+        .map(|key| summary[key].as_u64())
+        .collect();
+    assert_eq!(counts, [Some(3), Some(1), Some(1), Some(1)], "{summary}");
+    assert_eq!(summary["max_hold_seconds"], 3.0);
+
+    let out = run(&db, &["audit", "exports", "--csv"]).await;
+    assert_status(&out, 0);
+    let csv = stdout(&out);
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(
+        lines[0],
+        "slots,holder,claimed_at,ended_at,outcome,held_seconds,metadata"
+    );
+    assert_eq!(lines.len(), 4, "{csv}");
+    assert!(lines[1].starts_with("2,\"crashed, pid 7\","), "{csv}");
+    assert!(lines[3].starts_with("0 1,batch-1,"), "{csv}");
+
+    // A window before any of it.
+    let out = run(&db, &["audit", "exports", "--since", "3d", "--until", "2d"]).await;
+    assert_status(&out, 0);
+    assert!(stdout(&out).contains("(none)"), "{}", stdout(&out));
+    live.release().await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn reap_times_out_expired_claims() -> TestResult {
     let db = support::migrated_db().await;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
-use pg_semaphore::{AuditLog, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, AuditLog, Semaphore};
 use support::TestResult;
 use support::cli::{assert_status, run, stderr, stdout};
 use tokio::process::Command;
@@ -477,6 +477,114 @@ fn grouped(n: i64) -> String {
         out.push(c);
     }
     out
+}
+
+/// The report's data, as the page carries it (its `report-data` element).
+fn page_data(page: &str) -> serde_json::Value {
+    let start = page
+        .find("id=\"report-data\">")
+        .expect("the page has its data")
+        + "id=\"report-data\">".len();
+    let end = start + page[start..].find("</script>").expect("its data ends");
+    serde_json::from_str(&page[start..end]).expect("the page's data is JSON")
+}
+
+/// An advisory semaphore's report is drawn from its log of finished
+/// permits (a bar on each slot of each), and says that the picture ends at
+/// the last finished permit: a live permit is not in the log.
+#[tokio::test]
+async fn an_advisory_semaphore_s_report_draws_its_finished_permits() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = AdvisorySemaphore::builder("exports", 3)
+        .holder(SCRIPT_HOLDER)
+        .build(&db.pool)
+        .await?;
+    sem.try_acquire().await?.release().await?;
+    drop(sem.try_acquire_many(2).await?);
+    let logged = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'exports'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 2
+    })
+    .await;
+    assert!(logged, "the audit writer did not log both permits");
+    let live = sem.try_acquire().await?; // not in the log, so not drawn
+
+    let out = run(&db, &["report", "exports", "--last", "1h", "--html", "-"]).await;
+    assert_status(&out, 0);
+    let page = stdout(&out);
+    assert_self_contained(&page);
+    let data = page_data(&page);
+    assert_eq!(data["kind"], "advisory");
+    assert_eq!(data["capacity"], 3);
+    assert_eq!(data["claims"], serde_json::json!([]));
+    let permits = data["permits"].as_array().expect("permits");
+    let seen: Vec<(serde_json::Value, &str, &str)> = permits
+        .iter()
+        .map(|p| {
+            (
+                p["slots"].clone(),
+                p["outcome"].as_str().unwrap(),
+                p["holder"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (serde_json::json!([0]), "released", SCRIPT_HOLDER),
+            (serde_json::json!([0, 1]), "dropped", SCRIPT_HOLDER),
+        ]
+    );
+    assert_eq!(data["summary"]["total"], 2);
+    assert_eq!(data["summary"]["live"], 0);
+    let peak = data["occupancy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["peak"].as_u64())
+        .max();
+    assert_eq!(peak, Some(2), "the two-slot permit holds two at once");
+
+    let file = artifacts().join("report-advisory.html");
+    let out = run(
+        &db,
+        &[
+            "report",
+            "exports",
+            "--last",
+            "1h",
+            "--html",
+            file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).contains("2 finished permits of \"exports\""),
+        "{}",
+        stdout(&out)
+    );
+
+    if let Some(chromium) = chromium() {
+        let dom = render(&chromium, &file, &artifacts().join("report-advisory.png")).await;
+        assert_nothing_injected(&dom);
+        // A bar on each slot of each permit: 1 + 2.
+        assert_eq!(count(&dom, "data-permit="), 3, "bars");
+        assert_eq!(count(&dom, "data-outcome=\"dropped\""), 2);
+        assert_eq!(count(&dom, "class=\"lane-label\""), 3);
+        let notice = text_after(&dom, "<p class=\"notice\" id=\"notice\">");
+        assert!(
+            notice.contains("the picture ends at the last finished permit"),
+            "{notice:?}"
+        );
+    }
+    live.release().await?;
+    Ok(())
 }
 
 #[tokio::test]

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use chrono::Utc;
-use pg_semaphore::{AuditLog, ReleaseOutcome};
+use pg_semaphore::{AuditLog, ReleaseOutcome, SemaphoreKind};
 use sqlx::PgPool;
 
 use crate::render::{self, human, plural, rfc3339};
@@ -58,28 +58,45 @@ pub(crate) async fn doctor(pool: &PgPool, json: bool) -> Result<String, Failure>
 pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
-    // An unknown name would just give an empty log: say so instead.
-    if !pg_semaphore::semaphores(pool)
+    let log = AuditLog::new(pool);
+    // An unknown name would just give an empty log: say so instead. A name
+    // belongs to one kind.
+    if pg_semaphore::semaphores(pool)
         .await?
         .iter()
         .any(|s| s.name == args.name)
     {
-        return Err(Failure::not_found(format!(
-            "no semaphore named {:?}",
-            args.name
-        )));
+        let claims = log.history(&args.name, window.clone()).await?;
+        if args.csv {
+            return Ok(render::audit_csv(&claims));
+        }
+        let summary = log.summary(&args.name, window.clone()).await?;
+        return Ok(if args.json {
+            render::audit_json(&args.name, &window, &claims, &summary)
+        } else {
+            render::audit_table(&args.name, &window, &claims, &summary)
+        });
     }
-    let log = AuditLog::new(pool);
-    let claims = log.history(&args.name, window.clone()).await?;
-    if args.csv {
-        return Ok(render::audit_csv(&claims));
+    if pg_semaphore::advisory_semaphores(pool)
+        .await?
+        .iter()
+        .any(|s| s.name == args.name)
+    {
+        let permits = log.advisory_history(&args.name, window.clone()).await?;
+        if args.csv {
+            return Ok(render::advisory_audit_csv(&permits));
+        }
+        let summary = log.advisory_summary(&args.name, window.clone()).await?;
+        return Ok(if args.json {
+            render::advisory_audit_json(&args.name, &window, &permits, &summary)
+        } else {
+            render::advisory_audit_table(&args.name, &window, &permits, &summary)
+        });
     }
-    let summary = log.summary(&args.name, window.clone()).await?;
-    Ok(if args.json {
-        render::audit_json(&args.name, &window, &claims, &summary)
-    } else {
-        render::audit_table(&args.name, &window, &claims, &summary)
-    })
+    Err(Failure::not_found(format!(
+        "no semaphore named {:?}",
+        args.name
+    )))
 }
 
 pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
@@ -107,8 +124,12 @@ pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Fa
     } else {
         "one bar each".to_owned()
     };
+    let what = match report.kind {
+        SemaphoreKind::Advisory => "finished permit",
+        _ => "claim",
+    };
     Ok(format!(
-        "wrote {}: {} claim{} of {:?} between {} and {} ({drawn})\n",
+        "wrote {}: {} {what}{} of {:?} between {} and {} ({drawn})\n",
         args.html.display(),
         report.summary.total(),
         plural(report.summary.total()),

@@ -123,6 +123,13 @@ enum Command {
     /// The window is the last hour unless --last or --since/--until say
     /// otherwise. A claim is listed if it was held at any moment of the
     /// window. Times are UTC.
+    ///
+    /// For an advisory semaphore: its finished permits, from its audit log
+    /// (written in batches after each permit ends; live holders are in
+    /// `status`, not in the log): slots, holder, claimed, ended, outcome
+    /// (released, dropped, lost) and hold time; no claim id, no lease.
+    /// --json has "kind": "advisory", each claim {"slots", "holder",
+    /// "metadata", "claimed_at", "ended_at", "outcome", "held_seconds"}.
     #[command(after_help = "Examples:
   pg-semaphore audit payments-api --last 15m
   pg-semaphore audit payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --csv
@@ -139,6 +146,10 @@ enum Command {
     /// timeline shows each slot's busy share per time bucket instead of one
     /// bar per claim, and the page says so. The window is the last hour
     /// unless --last or --since/--until say otherwise. Times are UTC.
+    ///
+    /// For an advisory semaphore the page draws its finished permits from
+    /// its audit log, and says that the picture ends at the last finished
+    /// permit (live permits are not in the log: see `status`).
     #[command(after_help = "Examples:
   pg-semaphore report payments-api --since 1h --html report.html
   pg-semaphore report payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --html 0800.html")]

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
-    AdvisoryHolder, AdvisorySemaphoreInfo, ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome,
-    SemaphoreInfo, Summary,
+    AdvisoryClaimRecord, AdvisoryHolder, AdvisoryOutcome, AdvisorySemaphoreInfo, AdvisorySummary,
+    ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome, SemaphoreInfo, Summary,
 };
 use serde::Serialize;
 
@@ -295,6 +295,129 @@ pub(crate) fn audit_json(
     })
 }
 
+/// What an advisory semaphore's audit shows and does not, under its table.
+const ADVISORY_AUDIT_NOTE: &str = "\
+advisory semaphore: its log holds finished permits only, written in batches after they end; \
+live holders are in `pg-semaphore status`. An advisory permit has no claim id and no lease.";
+
+/// `pg-semaphore audit` of an advisory semaphore: its finished permits as a
+/// table, then the summary line and what the log does not hold.
+pub(crate) fn advisory_audit_table(
+    name: &str,
+    window: &Range<DateTime<Utc>>,
+    permits: &[AdvisoryClaimRecord],
+    summary: &AdvisorySummary,
+) -> String {
+    let mut out = format!(
+        "finished permits of {:?} (advisory) held between {} and {}\n\n",
+        name,
+        rfc3339(window.start),
+        rfc3339(window.end)
+    );
+    if permits.is_empty() {
+        out.push_str("(none)\n");
+    } else {
+        let rows: Vec<Vec<String>> = permits
+            .iter()
+            .map(|p| {
+                vec![
+                    slots(&p.slots),
+                    p.holder.clone(),
+                    rfc3339(p.acquired_at),
+                    rfc3339(p.ended_at),
+                    advisory_outcome(p.outcome).to_owned(),
+                    human(p.held_for),
+                ]
+            })
+            .collect();
+        table(
+            &mut out,
+            "",
+            &["SLOTS", "HOLDER", "CLAIMED", "ENDED", "OUTCOME", "HELD"],
+            &rows,
+        );
+    }
+    let hold = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), human);
+    let _ = writeln!(
+        out,
+        "\nsummary: {} permits: {} released, {} dropped, {} lost; \
+         hold time p50 {}, p95 {}, max {}\n{ADVISORY_AUDIT_NOTE}",
+        summary.total(),
+        summary.released,
+        summary.dropped,
+        summary.lost,
+        hold(summary.p50_hold),
+        hold(summary.p95_hold),
+        hold(summary.max_hold),
+    );
+    out
+}
+
+/// `pg-semaphore audit --json` of an advisory semaphore: the lease's shape
+/// (`semaphore`, `since`, `until`, `claims`, `summary`) with `"kind":
+/// "advisory"`, its finished permits as `claims` and their summary.
+pub(crate) fn advisory_audit_json(
+    name: &str,
+    window: &Range<DateTime<Utc>>,
+    permits: &[AdvisoryClaimRecord],
+    summary: &AdvisorySummary,
+) -> String {
+    #[derive(Serialize)]
+    struct Audit<'a> {
+        semaphore: &'a str,
+        kind: &'static str,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        claims: &'a [AdvisoryClaimRecord],
+        summary: &'a AdvisorySummary,
+    }
+    json(&Audit {
+        semaphore: name,
+        kind: "advisory",
+        since: window.start,
+        until: window.end,
+        claims: permits,
+        summary,
+    })
+}
+
+/// `pg-semaphore audit --csv` of an advisory semaphore: a header line, then
+/// one line per finished permit, its slots separated by spaces.
+pub(crate) fn advisory_audit_csv(permits: &[AdvisoryClaimRecord]) -> String {
+    let mut out = String::from("slots,holder,claimed_at,ended_at,outcome,held_seconds,metadata\n");
+    for p in permits {
+        let fields = [
+            p.slots
+                .iter()
+                .map(i32::to_string)
+                .collect::<Vec<_>>()
+                .join(" "),
+            p.holder.clone(),
+            rfc3339(p.acquired_at),
+            rfc3339(p.ended_at),
+            advisory_outcome(p.outcome).to_owned(),
+            format!("{:.6}", p.held_for.as_secs_f64()),
+            p.metadata
+                .as_ref()
+                .map(|m| m.to_string())
+                .unwrap_or_default(),
+        ];
+        let line: Vec<String> = fields.iter().map(|f| csv_field(f)).collect();
+        out.push_str(&line.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// A permit's slots: `3`, or `0,1,2`.
+fn slots(slots: &[i32]) -> String {
+    slots
+        .iter()
+        .map(i32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Pretty JSON and a newline.
 fn json(value: &impl Serialize) -> String {
     // Serializing to a String fails only for maps with non-string keys, which
@@ -350,6 +473,14 @@ fn outcome(outcome: Outcome) -> &'static str {
         Outcome::Completed => "completed",
         Outcome::TimedOut => "timed_out",
         Outcome::Live => "live",
+    }
+}
+
+fn advisory_outcome(outcome: AdvisoryOutcome) -> &'static str {
+    match outcome {
+        AdvisoryOutcome::Released => "released",
+        AdvisoryOutcome::Dropped => "dropped",
+        AdvisoryOutcome::Lost => "lost",
     }
 }
 

@@ -10,6 +10,14 @@ const RIGHT = 16;
 const PLOT = WIDTH - LEFT - RIGHT;
 
 const data = JSON.parse(document.getElementById("report-data").textContent);
+// An advisory semaphore's report draws its log of finished permits: no
+// live one, no claim id; a lost permit (the server freed its slots) is
+// drawn as a lease's timed-out claim, a released or dropped one as a
+// completed claim.
+const advisory = data.kind === "advisory";
+const words = advisory
+  ? { claims: "finished permits", completed: "released", timed_out: "lost" }
+  : { claims: "claims", completed: "completed", timed_out: "timed out" };
 
 // chrono writes up to nine fractional digits; Date.parse wants three.
 const ms = (text) => Date.parse(text.replace(/(\.\d{3})\d+/, "$1"));
@@ -125,10 +133,10 @@ function header() {
   const mean = data.occupancy.reduce((sum, b) => sum + b.mean, 0) / Math.max(data.occupancy.length, 1);
   const stats = document.getElementById("stats");
   for (const [value, label, className] of [
-    [count(s.total), "claims", "total"],
-    [count(s.completed), "completed", "completed"],
-    [count(s.timed_out), "timed out", "timed_out"],
-    [count(s.live), "live", "live"],
+    [count(s.total), words.claims, "total"],
+    [count(s.completed), words.completed, "completed"],
+    [count(s.timed_out), words.timed_out, "timed_out"],
+    ...(advisory ? [] : [[count(s.live), "live", "live"]]),
     [human(s.p50_hold_seconds), "p50 hold", "p50"],
     [human(s.p95_hold_seconds), "p95 hold", "p95"],
     [human(s.max_hold_seconds), "max hold", "max"],
@@ -140,14 +148,27 @@ function header() {
     box.appendChild(html("div", "label", label));
     stats.appendChild(box);
   }
-  if (data.aggregated) {
-    const notice = document.getElementById("notice");
-    const lanes = data.slots_per_lane > 1 ? `, each lane standing for ${data.slots_per_lane} slots` : "";
+  const notice = document.getElementById("notice");
+  if (advisory) {
+    document.getElementById("timeline-title").textContent = "Finished permits per slot";
+    for (const node of document.querySelectorAll(".word-completed")) node.textContent = "released (or dropped)";
+    for (const node of document.querySelectorAll(".word-timed-out")) node.textContent = "lost";
+    for (const node of document.querySelectorAll(".lease-only")) node.hidden = true;
+    const last = data.permits.reduce((t, p) => Math.max(t, ms(p.ended_at)), -Infinity);
     notice.textContent =
-      `Aggregated: ${count(s.total)} claims in this window, ` +
+      "Advisory semaphore: drawn from its audit log, which holds finished permits only " +
+      "(written in batches after they end), so the picture ends at the last finished permit" +
+      (data.permits.length > 0 ? ` (${stamp(last)})` : "") +
+      ". Who holds a slot now: pg-semaphore status.";
+    notice.hidden = false;
+  }
+  if (data.aggregated) {
+    const lanes = data.slots_per_lane > 1 ? `, each lane standing for ${data.slots_per_lane} slots` : "";
+    notice.textContent = (advisory ? `${notice.textContent} ` : "") +
+      `Aggregated: ${count(s.total)} ${words.claims} in this window, ` +
       `${data.slots_per_lane > 1 ? "on too many slots to give each a lane" : "too many to draw one bar each"}. ` +
       `The timeline shows how busy each slot was in each of ${count(data.occupancy.length)} buckets of ` +
-      `${human(data.bucket_seconds)}${lanes} (darker is busier; red where claims timed out). ` +
+      `${human(data.bucket_seconds)}${lanes} (darker is busier; red where ${advisory ? "permits were lost" : "claims timed out"}). ` +
       `Hover a cell for its claims and most frequent holder.`;
     notice.hidden = false;
   }
@@ -171,6 +192,36 @@ function timeline() {
   timeAxis(svg, top, bottom);
   const marks = el("g", { class: "marks" }, svg);
   const gap = laneHeight > 6 ? 2 : 0;
+  if (!data.aggregated && advisory) {
+    if (data.permits.length === 0) {
+      text(marks, LEFT + PLOT / 2, top + 16, "no finished permits in this window", { "text-anchor": "middle", class: "empty" });
+    }
+    data.permits.forEach((p, i) => {
+      const start = ms(p.claimed_at);
+      const end = ms(p.ended_at);
+      const x0 = x(start);
+      for (const slot of p.slots) {
+        const bar = el("rect", {
+          class: `bar ${p.outcome === "lost" ? "timed_out" : "completed"} permit${start < since ? " clipped" : ""}`,
+          "data-permit": i,
+          "data-outcome": p.outcome,
+          x: x0,
+          y: top + slot * laneHeight + gap / 2,
+          width: Math.max(x(end) - x0, 1),
+          height: laneHeight - gap,
+        }, marks);
+        tooltip(bar, [
+          `permit on slot${p.slots.length > 1 ? "s" : ""} ${p.slots.join(", ")}: ${p.outcome}`,
+          `holder: ${p.holder}`,
+          `acquired ${stamp(start)}`,
+          `ended ${stamp(end)}`,
+          `held ${human(p.held_seconds)}`,
+          p.metadata === null ? "" : `metadata: ${JSON.stringify(p.metadata, null, 1)}`,
+        ]);
+      }
+    });
+    return;
+  }
   if (!data.aggregated) {
     if (data.claims.length === 0) {
       text(marks, LEFT + PLOT / 2, top + 16, "no claims in this window", { "text-anchor": "middle", class: "empty" });
@@ -215,7 +266,8 @@ function timeline() {
     }, marks);
     tooltip(rect, [
       `${laneLabel(cell.lane)}, ${stamp(start)} + ${human(data.bucket_seconds)}`,
-      `busy ${(busy * 100).toFixed(0)}%, ${count(cell.claims)} claims, ${count(cell.timed_out)} timed out`,
+      `busy ${(busy * 100).toFixed(0)}%, ${count(cell.claims)} ${advisory ? "permits" : "claims"}, ` +
+        `${count(cell.timed_out)} ${words.timed_out}`,
       `most frequent holder: ${cell.top_holder}`,
     ]);
   }
@@ -259,7 +311,7 @@ function occupancy() {
 function holdTimes() {
   const bins = data.hold_times;
   if (bins.length === 0) {
-    document.getElementById("holds").appendChild(html("p", "empty", "no finished claims in this window"));
+    document.getElementById("holds").appendChild(html("p", "empty", `no finished ${advisory ? "permits" : "claims"} in this window`));
     return;
   }
   const height = 160;
@@ -286,13 +338,13 @@ function holdTimes() {
       if (b[outcome] === 0) continue;
       const h = bottom - y(b[outcome]);
       const bar = el("rect", { class: `hold ${outcome}`, x: x0 + 1, y: base - h, width: Math.max(width - 2, 1), height: h }, marks);
-      tooltip(bar, [`held ${human(b.from_seconds)} to ${human(b.to_seconds)}`, `${count(b[outcome])} ${outcome.replace("_", " ")}`]);
+      tooltip(bar, [`held ${human(b.from_seconds)} to ${human(b.to_seconds)}`, `${count(b[outcome])} ${words[outcome]}`]);
       base -= h;
     }
     if (i % 5 === 0) text(axis, x0, bottom + 14, human(b.from_seconds), { "text-anchor": "middle" });
   });
   text(axis, LEFT + PLOT, bottom + 14, human(bins[bins.length - 1].to_seconds), { "text-anchor": "end" });
-  text(axis, LEFT + PLOT / 2, bottom + 30, "hold time (finished claims)", { "text-anchor": "middle" });
+  text(axis, LEFT + PLOT / 2, bottom + 30, `hold time (finished ${advisory ? "permits" : "claims"})`, { "text-anchor": "middle" });
 }
 
 header();

@@ -48,12 +48,12 @@ pub(crate) fn html(report: &Report) -> String {
 <div class="stats" id="stats"></div>
 </header>
 <main>
-<h2>Claims per slot</h2>
+<h2 id="timeline-title">Claims per slot</h2>
 <div id="timeline"></div>
 <div class="legend">
-<span><i class="swatch completed"></i>completed</span>
-<span><i class="swatch timed_out"></i>timed out</span>
-<span><i class="swatch live"></i>live</span>
+<span><i class="swatch completed"></i><span class="word-completed">completed</span></span>
+<span><i class="swatch timed_out"></i><span class="word-timed-out">timed out</span></span>
+<span class="lease-only"><i class="swatch live"></i>live</span>
 <span><i class="swatch busy"></i><i class="swatch busy-timeout"></i>busy share of a time bucket (when aggregated)</span>
 <span>hover a bar for its holder and metadata</span>
 </div>
@@ -67,8 +67,8 @@ pub(crate) fn html(report: &Report) -> String {
 <h2>Hold times</h2>
 <div id="holds"></div>
 <div class="legend">
-<span><i class="swatch completed"></i>completed</span>
-<span><i class="swatch timed_out"></i>timed out</span>
+<span><i class="swatch completed"></i><span class="word-completed">completed</span></span>
+<span><i class="swatch timed_out"></i><span class="word-timed-out">timed out</span></span>
 </div>
 </main>
 <footer>pg-semaphore {version} · times in UTC</footer>
