@@ -272,7 +272,12 @@ impl Limiter {
     /// reserved, counted from the reply (so never earlier than that instant).
     /// `timeout`: the longest wait the caller accepts (`None`: the longest
     /// that can be reserved).
-    async fn acquire(&self, key: &str, permits: u32, timeout: Option<Duration>) -> Result<Decision> {
+    async fn acquire(
+        &self,
+        key: &str,
+        permits: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Decision> {
         self.request(key, permits)?;
         let Policy::TokenBucket { rate, burst } = self.policy else {
             unreachable!("only a token bucket reserves")

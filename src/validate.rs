@@ -115,7 +115,11 @@ pub(crate) fn window(window: Duration) -> Result<PgInterval> {
 /// caller's timeout, at most [`MAX_RATE_WAIT`] (a longer one cannot be
 /// reserved anyway).
 pub(crate) fn rate_wait(timeout: Duration) -> Result<PgInterval> {
-    interval("timeout", timeout.min(MAX_RATE_WAIT), Duration::ZERO..=MAX_RATE_WAIT)
+    interval(
+        "timeout",
+        timeout.min(MAX_RATE_WAIT),
+        Duration::ZERO..=MAX_RATE_WAIT,
+    )
 }
 
 /// An age for a cleanup (a retention, an idle time), zero to 100 years, as

@@ -780,20 +780,16 @@ async fn waiting_acquires_are_admitted_at_the_rate_and_never_faster() -> TestRes
 /// database, from the statistics of sessions that have ended (the test's
 /// database tracks function calls; a backend reports its counts at exit at
 /// the latest, and leaves `pg_stat_activity` after it has).
-async fn reservations_counted(
-    options: &PgConnectOptions,
-    application: &str,
-) -> sqlx::Result<i64> {
+async fn reservations_counted(options: &PgConnectOptions, application: &str) -> sqlx::Result<i64> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect_with(options).await?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let running: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-        )
-        .bind(application)
-        .fetch_one(&mut conn)
-        .await?;
+        let running: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(application)
+                .fetch_one(&mut conn)
+                .await?;
         if running == 0 || Instant::now() > deadline {
             break;
         }
@@ -871,7 +867,10 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
 async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestResult {
     let db = support::migrated_db().await;
     // One token per 1,000 s: the second token of a key is 1,000 s away.
-    let limiter = TokenBucket::builder("slow").rate(0.001).burst(2).build(&db.pool)?;
+    let limiter = TokenBucket::builder("slow")
+        .rate(0.001)
+        .burst(2)
+        .build(&db.pool)?;
     assert!(limiter.check("k", 1).await?.allowed);
     let timeout = Duration::from_secs(5);
     let asked = Instant::now();
@@ -882,16 +881,25 @@ async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestR
             waited_for: WaitedFor::RateLimit { limiter, key },
             timeout: reported,
         }) => {
-            assert_eq!((limiter.as_str(), key.as_str(), reported), ("slow", "k", timeout));
+            assert_eq!(
+                (limiter.as_str(), key.as_str(), reported),
+                ("slow", "k", timeout)
+            );
         }
         other => panic!("expected a timeout, got {other:?}"),
     }
     assert!(took < timeout, "the refusal waited {took:?}");
     let decision = limiter.check("k", 1).await?;
-    assert!(decision.allowed, "the refused wait took tokens: {decision:?}");
+    assert!(
+        decision.allowed,
+        "the refused wait took tokens: {decision:?}"
+    );
     // Within the timeout: a key of 2 per second, its burst spent, admits
     // the next 500 ms after the first.
-    let fast = TokenBucket::builder("fast").rate(2.0).burst(1).build(&db.pool)?;
+    let fast = TokenBucket::builder("fast")
+        .rate(2.0)
+        .burst(1)
+        .build(&db.pool)?;
     let asked = Instant::now();
     assert!(fast.acquire_timeout("k", 1, Duration::ZERO).await?.allowed);
     let outcome = fast.acquire_timeout("k", 1, Duration::ZERO).await;
@@ -924,14 +932,23 @@ async fn checks_wait_behind_reservations() -> TestResult {
     let second: (bool, i64, i64) = sqlx::query_as(reserve).fetch_one(&db.pool).await?;
     assert!(second.0 && second.2 == -1, "{second:?}");
     assert!((1..=100_000).contains(&second.1), "{second:?}");
-    let limiter = TokenBucket::builder("r").rate(10.0).burst(1).build(&db.pool)?;
+    let limiter = TokenBucket::builder("r")
+        .rate(10.0)
+        .burst(1)
+        .build(&db.pool)?;
     let refused = limiter.check("k", 1).await?;
-    assert!(!refused.allowed, "a check passed a reservation: {refused:?}");
+    assert!(
+        !refused.allowed,
+        "a check passed a reservation: {refused:?}"
+    );
     assert!(
         refused.retry_after > Duration::from_millis(100),
         "the retry-after ignores the reservation: {refused:?}"
     );
-    assert_eq!(pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?, 0);
+    assert_eq!(
+        pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+        0
+    );
     sleep(refused.retry_after).await;
     assert!(limiter.check("k", 1).await?.allowed);
     Ok(())
