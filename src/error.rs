@@ -66,7 +66,9 @@ pub enum Error {
 
     /// A wait gave up after its timeout: a semaphore's `acquire_timeout` or
     /// `wait_idle_timeout`, or a mutex's `lock_timeout` (PostgreSQL's
-    /// `lock_timeout`, SQLSTATE 55P03). Nothing is left held or queued.
+    /// `lock_timeout`, SQLSTATE 55P03). Nothing is left held or queued. A
+    /// token bucket's `acquire_timeout` returns it at once, without
+    /// waiting, when the database says the tokens would come too late.
     #[error("timed out after {timeout:?} waiting for {waited_for}")]
     Timeout {
         /// What was waited for.
@@ -338,6 +340,16 @@ pub enum WaitedFor {
         /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
         mutex: String,
     },
+    /// Tokens of this key of a rate limiter
+    /// ([`TokenBucket::acquire_timeout`](crate::TokenBucket::acquire_timeout)):
+    /// the key's tokens would not have been there within the timeout, so
+    /// the wait was refused at once, and nothing was taken.
+    RateLimit {
+        /// The limiter's name.
+        limiter: String,
+        /// The key.
+        key: String,
+    },
 }
 
 impl std::fmt::Display for WaitedFor {
@@ -346,6 +358,9 @@ impl std::fmt::Display for WaitedFor {
             WaitedFor::Permit { semaphore } => write!(f, "a permit of semaphore {semaphore:?}"),
             WaitedFor::Idle { semaphore } => write!(f, "semaphore {semaphore:?} to be idle"),
             WaitedFor::Mutex { mutex } => f.write_str(mutex),
+            WaitedFor::RateLimit { limiter, key } => {
+                write!(f, "key {key:?} of rate limiter {limiter:?}")
+            }
         }
     }
 }

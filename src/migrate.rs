@@ -38,7 +38,7 @@ pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 /// The schema version this version of the crate builds and uses: what
 /// `pgsemaphore.schema_version()` returns once every file of `migrations/`
 /// is applied (one version per file).
-pub const SCHEMA_VERSION: i32 = 5;
+pub const SCHEMA_VERSION: i32 = 6;
 
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
@@ -769,7 +769,8 @@ mod tests {
                 "20261124000001_pgsemaphore_validated_api.sql",
                 "20261125000001_pgsemaphore_advisory.sql",
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
-                "20261127000001_pgsemaphore_fair_keys.sql"
+                "20261127000001_pgsemaphore_fair_keys.sql",
+                "20261128000001_pgsemaphore_waiting_bucket.sql"
             ],
             "pending files are named as in migrations/"
         );
@@ -778,7 +779,8 @@ mod tests {
             [
                 "20261125000001_pgsemaphore_advisory.sql",
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
-                "20261127000001_pgsemaphore_fair_keys.sql"
+                "20261127000001_pgsemaphore_fair_keys.sql",
+                "20261128000001_pgsemaphore_waiting_bucket.sql"
             ]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());

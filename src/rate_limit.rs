@@ -14,6 +14,13 @@
 //! they were created under their first names (the schema dump keeps no
 //! comment outside a function body).
 //!
+//! A token bucket can also wait ([`TokenBucket::acquire`]): one call of
+//! `pgsemaphore.token_bucket_reserve` (schema version 6,
+//! `migrations/20261128000001_pgsemaphore_waiting_bucket.sql`, whose header
+//! states its invariant) reserves the tokens, even ahead of the refill, and
+//! answers when they will be there; the caller sleeps until then. The
+//! windows do not wait yet.
+//!
 //! The three limiters share one engine (`Limiter`: the pool, the name, the
 //! policy, fail-open); [`FixedWindow`] and [`SlidingWindow`] share one
 //! builder ([`WindowBuilder`]) and one definition of their methods
@@ -27,16 +34,23 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::db::Db;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::LimiterMetrics;
-use crate::validate::{self, MAX_RATE, MAX_WINDOW};
+use crate::validate::{self, MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW};
 
 /// Token bucket check: takes `$5` tokens from key `$2` of limiter `$1` if it
 /// has them (rate `$3` per second, burst `$4`).
 const TOKEN_BUCKET: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
                             FROM pgsemaphore.token_bucket(p_limiter => $1, p_key => $2, p_rate => $3, \
                                                          p_burst => $4, p_n => $5)";
+
+/// Token bucket reservation: takes `$5` tokens of key `$2` of limiter `$1`
+/// (rate `$3` per second, burst `$4`) now, provided they are refilled within
+/// `$6`; answers how long to wait before acting.
+const TOKEN_BUCKET_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining \
+                                    FROM pgsemaphore.token_bucket_reserve(p_limiter => $1, p_key => $2, \
+                                        p_rate => $3, p_burst => $4, p_n => $5, p_max_wait => $6)";
 
 /// Fixed window check: `$5` permits of key `$2` of limiter `$1` (limit `$3` per window `$4`).
 const FIXED_WINDOW: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
@@ -182,7 +196,8 @@ impl Common {
 }
 
 impl Limiter {
-    async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
+    /// The checks every request for permits passes before anything is sent.
+    fn request(&self, key: &str, permits: u32) -> Result<()> {
         validate::key(key)?;
         let limit = self.policy.limit();
         validate::positive("permits", permits.into())?;
@@ -192,6 +207,26 @@ impl Limiter {
                 format!("{permits} is more than the limit of {limit}: it could never be granted"),
             ));
         }
+        Ok(())
+    }
+
+    /// What a database error becomes: an admitting decision when the limiter
+    /// fails open and the database is unreachable, else the error.
+    async fn failed(&self, error: Error) -> Result<Decision> {
+        let unchecked = Unchecked::Check {
+            limiter: &self.name,
+            metrics: &self.metrics,
+        };
+        if fail_open::admits(self.fail_open, &error, self.db.pool(), unchecked).await {
+            Ok(Decision::open(self.policy.limit()))
+        } else {
+            Err(error)
+        }
+    }
+
+    async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
+        self.request(key, permits)?;
+        let limit = self.policy.limit();
         let (name, key) = (self.name.clone(), key.to_owned());
         let db = &self.db;
         let query = match self.policy {
@@ -228,18 +263,60 @@ impl Limiter {
                     failed_open: false,
                 })
             }
-            Err(error) => {
-                let unchecked = Unchecked::Check {
-                    limiter: &self.name,
-                    metrics: &self.metrics,
-                };
-                if fail_open::admits(self.fail_open, &error, db.pool(), unchecked).await {
-                    Ok(Decision::open(limit))
-                } else {
-                    Err(error)
-                }
-            }
+            Err(error) => self.failed(error).await,
         }
+    }
+
+    /// A token bucket's waiting acquire: one reservation (one round trip),
+    /// then a sleep on this process's clock until the instant the database
+    /// reserved, counted from the reply (so never earlier than that instant).
+    /// `timeout`: the longest wait the caller accepts (`None`: the longest
+    /// that can be reserved).
+    async fn acquire(
+        &self,
+        key: &str,
+        permits: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Decision> {
+        self.request(key, permits)?;
+        let Policy::TokenBucket { rate, burst } = self.policy else {
+            unreachable!("only a token bucket reserves")
+        };
+        let max_wait = validate::rate_wait(timeout.unwrap_or(MAX_RATE_WAIT))?;
+        let db = &self.db;
+        let query = db
+            .query_as::<(bool, i64, i64)>(TOKEN_BUCKET_RESERVE)
+            .bind(self.name.clone())
+            .bind(key.to_owned())
+            .bind(rate)
+            .bind(f64::from(burst))
+            .bind(f64::from(permits))
+            .bind(max_wait);
+        let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
+            Ok(reply) => reply,
+            Err(error) => return self.failed(error).await,
+        };
+        self.metrics.decided(allowed);
+        if !allowed {
+            return Err(Error::Timeout {
+                waited_for: WaitedFor::RateLimit {
+                    limiter: self.name.clone(),
+                    key: key.to_owned(),
+                },
+                timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+            });
+        }
+        let wait = Duration::from_micros(wait_us.max(0) as u64);
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        Ok(Decision {
+            allowed: true,
+            remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+            retry_after: Duration::ZERO,
+            limit: burst,
+            failed_open: false,
+        })
     }
 }
 
@@ -521,6 +598,105 @@ impl TokenBucket {
     }
 
     common_limiter_methods!("tokens");
+
+    /// Waits until `key`'s bucket admits `permits` tokens, then returns the
+    /// admitting [`Decision`]: [`acquire_timeout`](Self::acquire_timeout)
+    /// with the longest wait that can be reserved,
+    /// [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+    ///
+    /// ```no_run
+    /// use pg_semaphore::TokenBucket;
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// // Call a partner's API at most 10 times per second, from every process.
+    /// let partner = TokenBucket::builder("partner-api").rate(10.0).burst(10).build(&pool)?;
+    /// partner.acquire("all", 1).await?;
+    /// // ... call it ...
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_timeout`](Self::acquire_timeout); [`Error::Timeout`]
+    /// only when the key owes more than [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT)
+    /// of tokens.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire_timeout`](Self::acquire_timeout): dropping the future
+    /// after the reservation forfeits the reserved tokens.
+    pub async fn acquire(&self, key: &str, permits: u32) -> Result<Decision> {
+        self.inner.acquire(key, permits, None).await
+    }
+
+    /// Waits until `key`'s bucket admits `permits` tokens, if that takes at
+    /// most `timeout`, then returns the admitting [`Decision`]; if it would
+    /// take longer, returns [`Error::Timeout`] at once, without waiting and
+    /// without taking anything.
+    ///
+    /// One round trip per call, however many wait on the key: a
+    /// *reservation* (`pgsemaphore.token_bucket_reserve`, as GCRA and
+    /// Stripe's limiter do it) takes the tokens now, even those not refilled
+    /// yet (the key's level goes below zero), and the database answers
+    /// when they will have been refilled; this process then sleeps until
+    /// that instant, counted from the reply on its own clock, so it is
+    /// admitted no earlier than the database allows (later by the reply's
+    /// latency). Waiters are admitted in the order they reserved, at the
+    /// bucket's rate, with no polling and no stampede on the key's row when
+    /// tokens come back; over any interval of length `d` a key admits at most
+    /// `burst + rate × d` tokens, plain [`check`](Self::check)s included. A
+    /// `check` is refused while reservations are outstanding: reservations
+    /// are served first.
+    ///
+    /// The wait is fixed when the tokens are reserved: raising the rate
+    /// later (a handle built with a higher one) does not shorten it, and no
+    /// waiter is woken early. A timeout above
+    /// [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT) waits at most that.
+    ///
+    /// With [`fail_open`](TokenBucketBuilder::fail_open), an unreachable
+    /// database admits at once, as [`check`](Self::check) does.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use pg_semaphore::{Error, TokenBucket};
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// let sends = TokenBucket::builder("emails").rate(5.0).burst(20).build(&pool)?;
+    /// match sends.acquire_timeout("tenant-7", 1, Duration::from_secs(2)).await {
+    ///     Ok(_admitted) => { /* send it */ }
+    ///     Err(Error::Timeout { .. }) => { /* more than 2 s away: queue it for later */ }
+    ///     Err(error) => return Err(error),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at once
+    ///   when the tokens would not be there within `timeout`; nothing was
+    ///   taken.
+    /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
+    ///   [`Error::Database`] as for [`check`](Self::check) (a schema older
+    ///   than version 6 has no `token_bucket_reserve`:
+    ///   [`Error::MigrationsMissing`]).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future while the reservation's statement is in flight
+    /// either reserves or does not; dropping it after the reservation, while
+    /// it sleeps, **forfeits the reserved tokens**: they stay taken, so the
+    /// key admits less than its limit for that while, never more. (Giving
+    /// them back is not safe: later reservations were timed behind them.)
+    pub async fn acquire_timeout(
+        &self,
+        key: &str,
+        permits: u32,
+        timeout: Duration,
+    ) -> Result<Decision> {
+        self.inner.acquire(key, permits, Some(timeout)).await
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -46,6 +46,11 @@ pub const MIN_WINDOW: Duration = Duration::from_millis(1);
 /// a [`TokenBucket`](crate::TokenBucket) may take to refill from empty.
 pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
+/// The longest a [`TokenBucket::acquire`](crate::TokenBucket::acquire)
+/// reserves ahead (366 days): a wait the key's tokens would take longer to
+/// cover is refused, and a longer timeout waits at most this.
+pub const MAX_RATE_WAIT: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+
 /// The longest age a cleanup accepts (100 years): a retention, the
 /// `older_than` of finished claims, the `idle_for` of rate limiter keys.
 const MAX_AGE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
@@ -104,6 +109,17 @@ pub(crate) fn lease(lease: Duration) -> Result<PgInterval> {
 /// interval.
 pub(crate) fn window(window: Duration) -> Result<PgInterval> {
     interval("window", window, MIN_WINDOW..=MAX_WINDOW)
+}
+
+/// The longest a token bucket reservation may wait, as an SQL interval: the
+/// caller's timeout, at most [`MAX_RATE_WAIT`] (a longer one cannot be
+/// reserved anyway).
+pub(crate) fn rate_wait(timeout: Duration) -> Result<PgInterval> {
+    interval(
+        "timeout",
+        timeout.min(MAX_RATE_WAIT),
+        Duration::ZERO..=MAX_RATE_WAIT,
+    )
 }
 
 /// An age for a cleanup (a retention, an idle time), zero to 100 years, as

@@ -764,3 +764,68 @@ async fn version_5_keeps_a_live_queues_order_and_the_enqueue_grant() -> TestResu
     roles.drop_all().await?;
     result
 }
+
+/// Version 6 (a token bucket that waits) only adds
+/// `token_bucket_reserve`, granted to whoever may run `token_bucket`: a
+/// role granted as version 5's README said reserves after the upgrade
+/// without new grants, on a key its plain checks already used; PUBLIC
+/// still runs nothing.
+#[tokio::test]
+async fn version_6_grants_the_reservation_to_token_bucket_callers() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["app"]).await?;
+    let result = async {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
+            .map(|entry| entry.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
+        files.sort();
+        let (before, upgrade) = files.split_at(5);
+        assert!(
+            upgrade[0].ends_with("20261128000001_pgsemaphore_waiting_bucket.sql"),
+            "{upgrade:?}"
+        );
+        for file in before {
+            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
+                .execute(&db.pool)
+                .await?;
+        }
+        assert_eq!(schema_version(&db.pool).await, (5, 2));
+        let app = roles.name("app");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
+               GRANT EXECUTE ON FUNCTION
+                   pgsemaphore.token_bucket(text, text, double precision, double precision, double precision)
+                 TO "{app}";"#
+        )))
+        .execute(&db.pool)
+        .await?;
+        let app_pool = roles.pool(&db, "app").await?;
+        let check = "SELECT o_allowed FROM pgsemaphore.token_bucket('l', 'k', 0.001, 2, 1)";
+        assert!(sqlx::query_scalar::<_, bool>(check).fetch_one(&app_pool).await?);
+
+        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&upgrade[0])?))
+            .execute(&db.pool)
+            .await?;
+        assert_eq!(schema_version(&db.pool).await, (6, 2));
+        let public: bool = sqlx::query_scalar(
+            "SELECT has_function_privilege('public',
+                 'pgsemaphore.token_bucket_reserve(text, text, double precision, double precision, double precision, interval)',
+                 'EXECUTE')",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        assert!(!public, "PUBLIC may reserve");
+        let reserve = "SELECT o_allowed, o_wait_us FROM pgsemaphore.token_bucket_reserve(\
+                       'l', 'k', 0.001, 2, 1, '1 s')";
+        let (allowed, wait_us): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
+        assert_eq!((allowed, wait_us), (true, 0), "the key's second token");
+        let (allowed, _): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
+        assert!(!allowed, "the third token is 1,000 s away, not within 1 s");
+        app_pool.close().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
+}

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use pg_semaphore::{
     Decision, Error, FixedWindow, MAX_KEY_LEN, MAX_NAME_LEN, MAX_WINDOW, Reaper, SlidingWindow,
-    TokenBucket,
+    TokenBucket, WaitedFor,
 };
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -719,6 +719,241 @@ async fn hostile_keys_are_stored_as_data() -> TestResult {
     Ok(())
 }
 
+/// Waiting acquires never pass the rate: 60 waiters on a key of 10 per
+/// second with a burst of 5, from many tasks and two pools (two
+/// processes, as far as the database can tell), are admitted at most
+/// `burst + rate x d` in any `d` (at the instants `acquire` returned, with
+/// 20 ms of slack for this process's scheduling, and one more for rounding),
+/// and all of them within `(60 - 5) / 10` s and a margin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_acquires_are_admitted_at_the_rate_and_never_faster() -> TestResult {
+    const RATE: f64 = 10.0;
+    const BURST: u32 = 5;
+    const WAITERS: usize = 60;
+    let db = support::migrated_db().await;
+    let pools = [
+        support::another_pool(&db, 4).await,
+        support::another_pool(&db, 4).await,
+    ];
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..WAITERS)
+        .map(|i| {
+            let limiter = TokenBucket::builder("waiting")
+                .rate(RATE)
+                .burst(BURST)
+                .build(&pools[i % pools.len()]);
+            tokio::spawn(async move {
+                let decision = limiter?.acquire("the-key", 1).await?;
+                assert!(decision.allowed && !decision.failed_open, "{decision:?}");
+                Ok::<_, Error>(Instant::now())
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for task in tasks {
+        admitted.push(task.await??);
+    }
+    admitted.sort();
+    let slack = Duration::from_millis(20);
+    for (i, first) in admitted.iter().enumerate() {
+        for (j, last) in admitted.iter().enumerate().skip(i) {
+            let span = *last - *first + slack;
+            let allowed = f64::from(BURST) + RATE * span.as_secs_f64() + 1.0;
+            let count = (j - i + 1) as f64;
+            assert!(
+                count <= allowed,
+                "{count} admissions within {:?}; at most {allowed:.1} allowed",
+                *last - *first
+            );
+        }
+    }
+    let took = admitted[WAITERS - 1] - start;
+    let expected = Duration::from_secs_f64((WAITERS as f64 - f64::from(BURST)) / RATE);
+    assert!(
+        took >= expected - slack && took <= expected + Duration::from_millis(1500),
+        "the last waiter was admitted after {took:?}; the rate allows it after {expected:?}"
+    );
+    Ok(())
+}
+
+/// How many times `pgsemaphore.token_bucket_reserve` ran in `options`'
+/// database, from the statistics of sessions that have ended (the test's
+/// database tracks function calls; a backend reports its counts at exit at
+/// the latest, and leaves `pg_stat_activity` after it has).
+async fn reservations_counted(options: &PgConnectOptions, application: &str) -> sqlx::Result<i64> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect_with(options).await?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let running: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(application)
+                .fetch_one(&mut conn)
+                .await?;
+        if running == 0 || Instant::now() > deadline {
+            break;
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut conn)
+        .await?;
+    let calls: Option<i64> = sqlx::query_scalar(
+        "SELECT sum(calls)::bigint FROM pg_stat_user_functions \
+         WHERE schemaname = 'pgsemaphore' AND funcname = 'token_bucket_reserve'",
+    )
+    .fetch_one(&mut conn)
+    .await?;
+    Ok(calls.unwrap_or(0))
+}
+
+/// One round trip per admission: 60 waiters on one key, each waiting for
+/// its turn, call `pgsemaphore.token_bucket_reserve` exactly 60 times
+/// between them (counted by PostgreSQL's function statistics, on this
+/// test's own database), and no check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
+    const WAITERS: usize = 60;
+    const APPLICATION: &str = "reservation-counter";
+    let db = support::migrated_db().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let options = db.options.clone().application_name(APPLICATION);
+    let mut pools = Vec::new();
+    for _ in 0..2 {
+        pools.push(
+            PgPoolOptions::new()
+                .max_connections(4)
+                .connect_with(options.clone())
+                .await?,
+        );
+    }
+    // 200 per second, a burst of 1: the waiters queue for about 0.3 s.
+    let tasks: Vec<_> = (0..WAITERS)
+        .map(|i| {
+            let limiter = TokenBucket::builder("counted")
+                .rate(200.0)
+                .burst(1)
+                .build(&pools[i % pools.len()]);
+            tokio::spawn(async move { limiter?.acquire("the-key", 1).await })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await??.allowed);
+    }
+    for pool in &pools {
+        pool.close().await;
+    }
+    let calls = reservations_counted(&db.options, APPLICATION).await?;
+    assert_eq!(calls, WAITERS as i64, "reservations for {WAITERS} waiters");
+    let checks: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions \
+         WHERE schemaname = 'pgsemaphore' AND funcname = 'token_bucket'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(checks, 0, "a waiting acquire made plain checks");
+    Ok(())
+}
+
+/// A wait longer than the timeout is refused at once, with the semaphore's
+/// timeout error, and takes nothing: a check that follows still finds the
+/// tokens. A wait within the timeout is admitted.
+#[tokio::test]
+async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    // One token per 1,000 s: the second token of a key is 1,000 s away.
+    let limiter = TokenBucket::builder("slow")
+        .rate(0.001)
+        .burst(2)
+        .build(&db.pool)?;
+    assert!(limiter.check("k", 1).await?.allowed);
+    let timeout = Duration::from_secs(5);
+    let asked = Instant::now();
+    let outcome = limiter.acquire_timeout("k", 2, timeout).await;
+    let took = asked.elapsed();
+    match outcome {
+        Err(Error::Timeout {
+            waited_for: WaitedFor::RateLimit { limiter, key },
+            timeout: reported,
+        }) => {
+            assert_eq!(
+                (limiter.as_str(), key.as_str(), reported),
+                ("slow", "k", timeout)
+            );
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(took < timeout, "the refusal waited {took:?}");
+    let decision = limiter.check("k", 1).await?;
+    assert!(
+        decision.allowed,
+        "the refused wait took tokens: {decision:?}"
+    );
+    // Within the timeout: a key of 2 per second, its burst spent, admits
+    // the next 500 ms after the first.
+    let fast = TokenBucket::builder("fast")
+        .rate(2.0)
+        .burst(1)
+        .build(&db.pool)?;
+    let asked = Instant::now();
+    assert!(fast.acquire_timeout("k", 1, Duration::ZERO).await?.allowed);
+    let outcome = fast.acquire_timeout("k", 1, Duration::ZERO).await;
+    assert!(
+        matches!(outcome, Err(Error::Timeout { .. })),
+        "{outcome:?} after {:?}",
+        asked.elapsed()
+    );
+    let decision = fast.acquire_timeout("k", 1, timeout).await?;
+    assert!(decision.allowed);
+    assert!(
+        asked.elapsed() >= Duration::from_millis(500),
+        "admitted after {:?}, before the token was refilled",
+        asked.elapsed()
+    );
+    Ok(())
+}
+
+/// Reservations are served first: while the tokens of one are owed, a
+/// plain check is refused and its retry-after counts them; the key is not
+/// at rest (prune keeps it) until they are refilled.
+#[tokio::test]
+async fn checks_wait_behind_reservations() -> TestResult {
+    let db = support::migrated_db().await;
+    let reserve = "SELECT o_allowed, o_wait_us, o_remaining FROM pgsemaphore.token_bucket_reserve(\
+                   p_limiter => 'r', p_key => 'k', p_rate => 10, p_burst => 1, p_n => 1, \
+                   p_max_wait => '10 s')";
+    let first: (bool, i64, i64) = sqlx::query_as(reserve).fetch_one(&db.pool).await?;
+    assert_eq!(first, (true, 0, 0), "a full bucket admits at once");
+    let second: (bool, i64, i64) = sqlx::query_as(reserve).fetch_one(&db.pool).await?;
+    assert!(second.0 && second.2 == -1, "{second:?}");
+    assert!((1..=100_000).contains(&second.1), "{second:?}");
+    let limiter = TokenBucket::builder("r")
+        .rate(10.0)
+        .burst(1)
+        .build(&db.pool)?;
+    let refused = limiter.check("k", 1).await?;
+    assert!(
+        !refused.allowed,
+        "a check passed a reservation: {refused:?}"
+    );
+    assert!(
+        refused.retry_after > Duration::from_millis(100),
+        "the retry-after ignores the reservation: {refused:?}"
+    );
+    assert_eq!(
+        pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+        0
+    );
+    sleep(refused.retry_after).await;
+    assert!(limiter.check("k", 1).await?.allowed);
+    Ok(())
+}
+
 /// The handles and futures can be shared across tasks.
 #[test]
 fn limiters_are_send_and_sync() {
@@ -731,6 +966,8 @@ fn limiters_are_send_and_sync() {
     #[allow(dead_code)]
     async fn futures(b: TokenBucket, f: FixedWindow, s: SlidingWindow, pool: PgPool) {
         send(&b.check("k", 1));
+        send(&b.acquire("k", 1));
+        send(&b.acquire_timeout("k", 1, HOUR));
         send(&f.check("k", 1));
         send(&s.check("k", 1));
         send(&pg_semaphore::prune_rate_limits(&pool, HOUR));

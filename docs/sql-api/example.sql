@@ -1,5 +1,5 @@
 -- pg-semaphore's SQL API driven from psql: the worked example of
--- docs/sql-api.md. Run it against a database migrated to schema version 5,
+-- docs/sql-api.md. Run it against a database migrated to schema version 6,
 -- as a role with the application's grants (README, "Privileges"):
 --
 --   psql -X -f docs/sql-api/example.sql "$DATABASE_URL"
@@ -11,7 +11,7 @@
 \set VERBOSITY verbose
 \set SHOW_CONTEXT never
 
--- The contract this database speaks: version 5, and the oldest version
+-- The contract this database speaks: version 6, and the oldest version
 -- whose callers still work against it.
 SELECT * FROM pgsemaphore.schema_version();
 
