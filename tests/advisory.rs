@@ -477,16 +477,7 @@ async fn finished_permits_reach_the_audit_log() -> TestResult {
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
-    let logged = support::eventually(Duration::from_secs(5), || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'audited'",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap_or(0)
-            == 2
-    })
-    .await;
+    let logged = support::advisory_rows_logged(&db.pool, "audited", 2).await;
     assert!(logged, "the audit log did not get both permits");
     let rows: Vec<(Vec<i32>, String, String)> = sqlx::query_as(
         "SELECT slots, holder, outcome FROM pgsemaphore.advisory_claims \
@@ -505,6 +496,33 @@ async fn finished_permits_reach_the_audit_log() -> TestResult {
     Ok(())
 }
 
+/// A pool of two connections through `proxy`, for a holder whose link a
+/// test cuts.
+async fn pool_through(proxy: &support::proxy::Proxy) -> Result<PgPool, sqlx::Error> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(proxy.options())
+        .await
+}
+
+/// Polls `sem` every 20 ms from `cut_off` until a slot is free (at most
+/// 10 s): the permit, and when it was granted.
+async fn acquire_once_freed(
+    sem: &AdvisorySemaphore,
+    cut_off: Instant,
+) -> Result<(pg_semaphore::AdvisoryPermit, Instant), String> {
+    loop {
+        match sem.try_acquire().await {
+            Ok(next) => return Ok((next, Instant::now())),
+            Err(Error::NoSlotsAvailable { .. }) if cut_off.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => return Err(format!("no slot was freed: {error}")),
+        }
+    }
+}
+
 /// Behind a partition (a link that drops every packet, no reset): the
 /// holder is told within about two heartbeats, and the server ends the
 /// silent session after three, freeing the slot for others; no one else
@@ -513,11 +531,7 @@ async fn finished_permits_reach_the_audit_log() -> TestResult {
 async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
     let db = support::migrated_db().await;
     let proxy = support::proxy::Proxy::start(&db).await;
-    let cut_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_with(proxy.options())
-        .await?;
+    let cut_pool = pool_through(&proxy).await?;
     let heartbeat = Duration::from_millis(300);
     let holder = AdvisorySemaphore::builder("partitioned", 1)
         .heartbeat(heartbeat)
@@ -536,15 +550,7 @@ async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
         let reason = lost.await;
         (reason, Instant::now())
     });
-    let freed = loop {
-        match sem.try_acquire().await {
-            Ok(next) => break (next, Instant::now()),
-            Err(Error::NoSlotsAvailable { .. }) if cut_off.elapsed() < Duration::from_secs(10) => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(error) => return Err(format!("the slot was not freed: {error}").into()),
-        }
-    };
+    let freed = acquire_once_freed(&sem, cut_off).await?;
     let (reason, told_at) = tokio::time::timeout(Duration::from_secs(5), told).await??;
     assert_eq!(reason, LostReason::ConnectionLost);
     let told_after = told_at - cut_off;
@@ -578,11 +584,7 @@ async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
 async fn a_statement_lost_on_the_way_is_given_up_before_the_slots_are_freed() -> TestResult {
     let db = support::migrated_db().await;
     let proxy = support::proxy::Proxy::start(&db).await;
-    let cut_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_with(proxy.options())
-        .await?;
+    let cut_pool = pool_through(&proxy).await?;
     let heartbeat = Duration::from_millis(500);
     // One session, so that both permits and the release share it.
     let holder = AdvisorySemaphore::builder("lost-on-the-way", 2)
@@ -607,15 +609,7 @@ async fn a_statement_lost_on_the_way_is_given_up_before_the_slots_are_freed() ->
         let reason = lost.await;
         (reason, Instant::now())
     });
-    let freed = loop {
-        match sem.try_acquire().await {
-            Ok(next) => break (next, Instant::now()),
-            Err(Error::NoSlotsAvailable { .. }) if cut_off.elapsed() < Duration::from_secs(10) => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(error) => return Err(format!("the slots were not freed: {error}").into()),
-        }
-    };
+    let freed = acquire_once_freed(&sem, cut_off).await?;
     let (reason, told_at) = tokio::time::timeout(Duration::from_secs(5), told).await??;
     assert_eq!(reason, LostReason::ConnectionLost);
     let told_after = told_at - cut_off;

@@ -410,16 +410,7 @@ async fn an_advisory_semaphore_s_finished_permits_are_its_history_and_its_report
     log_lost_permit(&db, "exports", 2, "10 minutes").await?;
     log_lost_permit(&db, "another", 0, "10 minutes").await?; // another semaphore's
     log_lost_permit(&db, "exports", 1, "3 hours").await?; // before the window
-    let logged = support::eventually(Duration::from_secs(5), || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'exports'",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap_or(0)
-            == 4
-    })
-    .await;
+    let logged = support::advisory_rows_logged(&db.pool, "exports", 4).await;
     assert!(logged, "the audit writer did not log both permits");
     let live = sem.try_acquire().await?; // held: not in the log
 

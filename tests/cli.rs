@@ -532,16 +532,7 @@ async fn advisory_history(
     )
     .execute(&db.pool)
     .await?;
-    let logged = support::eventually(Duration::from_secs(5), || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'exports'",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap_or(0)
-            == 3
-    })
-    .await;
+    let logged = support::advisory_rows_logged(&db.pool, "exports", 3).await;
     assert!(logged, "the audit writer did not log both permits");
     let live = sem.try_acquire().await?;
     Ok((sem, live))

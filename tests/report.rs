@@ -501,16 +501,7 @@ async fn an_advisory_semaphore_s_report_draws_its_finished_permits() -> TestResu
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
-    let logged = support::eventually(Duration::from_secs(5), || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'exports'",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap_or(0)
-            == 2
-    })
-    .await;
+    let logged = support::advisory_rows_logged(&db.pool, "exports", 2).await;
     assert!(logged, "the audit writer did not log both permits");
     let live = sem.try_acquire().await?; // not in the log, so not drawn
 

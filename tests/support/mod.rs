@@ -106,6 +106,22 @@ where
     }
 }
 
+/// Whether, within 5 s, the advisory semaphore `semaphore` has `rows` rows
+/// in its audit log (the audit writer appends finished permits in batches).
+pub async fn advisory_rows_logged(pool: &PgPool, semaphore: &str, rows: i64) -> bool {
+    eventually(std::time::Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = $1",
+        )
+        .bind(semaphore)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+            == rows
+    })
+    .await
+}
+
 /// The SQL between the README's `grants:begin` and `grants:end` markers,
 /// for the roles `app` and `operator` (tests/security.rs and
 /// tests/migrations.rs run exactly what the README documents).
