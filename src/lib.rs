@@ -359,7 +359,7 @@ pub use semaphore::{
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
     MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
-    MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
