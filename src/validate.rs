@@ -79,7 +79,9 @@ pub(crate) fn several<'a>(members: impl ExactSizeIterator<Item = (&'a str, u32)>
         if !seen.insert(name) {
             return Err(Error::invalid(
                 "semaphores",
-                format!("semaphore {name:?} named twice: name it once, with the sum of its permits"),
+                format!(
+                    "semaphore {name:?} named twice: name it once, with the sum of its permits"
+                ),
             ));
         }
         if permits == 0 || permits > MAX_CAPACITY {

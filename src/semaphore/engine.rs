@@ -471,7 +471,11 @@ pub(crate) async fn claim_all(
 ) -> Result<(Admission, Option<String>)> {
     let lead = several.lead();
     let token = Token::new();
-    let names: Vec<String> = several.members.iter().map(|(c, _)| c.name.clone()).collect();
+    let names: Vec<String> = several
+        .members
+        .iter()
+        .map(|(c, _)| c.name.clone())
+        .collect();
     let permits: Vec<i32> = several.members.iter().map(|&(_, n)| n as i32).collect();
     let query = lead
         .db

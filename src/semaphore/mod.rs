@@ -743,15 +743,10 @@ impl Semaphore {
         let lead = several.lead();
         match Permit::claim_all(&several, &lead.holder, None).await? {
             (Admission::Claimed(permit), _) => Ok(permit),
-            (Admission::TooMany { capacity }, refused_by) => Err(wait::too_many_of(
-                &several,
-                refused_by.as_deref(),
-                capacity,
-            )),
-            (
-                Admission::Full { capacity, .. } | Admission::Behind { capacity, .. },
-                refused_by,
-            ) => {
+            (Admission::TooMany { capacity }, refused_by) => {
+                Err(wait::too_many_of(&several, refused_by.as_deref(), capacity))
+            }
+            (Admission::Full { capacity, .. } | Admission::Behind { capacity, .. }, refused_by) => {
                 let semaphore = refused_by.unwrap_or_else(|| lead.name.clone());
                 if let Some((core, _)) = several.members.iter().find(|(c, _)| c.name == semaphore) {
                     core.metrics.no_slots();
@@ -813,7 +808,11 @@ impl Semaphore {
         timeout: Duration,
     ) -> Result<Permit> {
         let several = several(semaphores)?;
-        let names: Vec<&str> = several.members.iter().map(|(c, _)| c.name.as_str()).collect();
+        let names: Vec<&str> = several
+            .members
+            .iter()
+            .map(|(c, _)| c.name.as_str())
+            .collect();
         let waited_for = WaitedFor::Permit {
             semaphore: names.join(", "),
         };
@@ -1195,7 +1194,10 @@ fn several(semaphores: &[(&Semaphore, u32)]) -> Result<Several> {
             ),
         ));
     }
-    if let Some((core, permits)) = members.iter().find(|(core, permits)| *permits > core.capacity) {
+    if let Some((core, permits)) = members
+        .iter()
+        .find(|(core, permits)| *permits > core.capacity)
+    {
         return Err(Error::invalid(
             "permits",
             format!(

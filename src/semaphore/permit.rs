@@ -409,8 +409,7 @@ impl Permit {
         let (ids, token, acquired_at) = (self.ids(), self.token.clone(), self.acquired_at);
         let several = self.is_several();
         let ended = detached(move |_| async move {
-            let (ended, at) =
-                engine::release(&core, &ids, &token, lost.is_some(), several).await?;
+            let (ended, at) = engine::release(&core, &ids, &token, lost.is_some(), several).await?;
             if let (Ended::Done, Some(at)) = (ended, at) {
                 // Both ends on the database clock.
                 let held_ms = (at - acquired_at).num_milliseconds();
