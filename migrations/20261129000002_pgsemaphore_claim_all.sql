@@ -11,9 +11,10 @@
 -- order they name them in; refused, it holds nothing (its waiting is the
 -- caller's, with nothing held: poll and wake-ups of any of them).
 -- What this migration adds, and nothing else changes:
---   * pgsemaphore.slots gains group_id: NULL for a claim made by
---     pgsemaphore.claim, and for every claim made by one claim_all call the
---     id of the first of them (the lowest), so the audit log links them;
+--   * pgsemaphore.slots (and the view live_slots) gains group_id: NULL for
+--     a claim made by pgsemaphore.claim, and for every claim made by one
+--     claim_all call the id of the first of them (the lowest), so the
+--     audit log links them;
 --   * application function claim_all(p_semaphores, p_holder, p_lease,
 --     p_metadata, p_token, p_permits): for each semaphore, in canonical
 --     order, exactly pgsemaphore.claim (same checks, same count of held
@@ -44,6 +45,13 @@ AS $$ SELECT 8, 2 $$;
 -- pgsemaphore.claim. Not indexed: the audit log reads it with the rows it
 -- lists; a permit's claims are found by their ids.
 ALTER TABLE pgsemaphore.slots ADD COLUMN group_id bigint;
+
+-- The live claims show it too (the view's columns were fixed when it was
+-- created; CREATE OR REPLACE appends the new one and keeps every grant).
+CREATE OR REPLACE VIEW pgsemaphore.live_slots AS
+    SELECT s.*
+      FROM pgsemaphore.slots s
+     WHERE s.completed_at IS NULL AND s.timed_out_at IS NULL;
 
 -- ---------------------------------------------------------------------------
 -- Application functions

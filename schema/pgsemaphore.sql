@@ -2926,7 +2926,8 @@ CREATE VIEW pgsemaphore.live_slots AS
     s.expires_at,
     s.completed_at,
     s.timed_out_at,
-    s.token_hash
+    s.token_hash,
+    s.group_id
    FROM pgsemaphore.slots s
   WHERE ((s.completed_at IS NULL) AND (s.timed_out_at IS NULL));
 
