@@ -1512,6 +1512,7 @@ mod serialize_tests {
             ended_at: None,
             outcome: Outcome::TimedOut,
             held_for: Duration::from_millis(1500),
+            group_id: None,
         };
         assert_eq!(
             serde_json::to_value(&claim).unwrap(),
@@ -1526,6 +1527,15 @@ mod serialize_tests {
                 "outcome": "timed_out",
                 "held_seconds": 1.5,
             })
+        );
+        // A claim of a multi-limit permit names its group.
+        let grouped = ClaimRecord {
+            group_id: Some(5),
+            ..claim
+        };
+        assert_eq!(
+            serde_json::to_value(&grouped).unwrap()["group_id"],
+            json!(5)
         );
     }
 

@@ -44,6 +44,10 @@
 //!
 //! - [`Semaphore::acquire_many`] and friends hold `n` slots at once, all or
 //!   nothing, released together.
+//! - [`Semaphore::acquire_all`] and friends hold permits of several
+//!   semaphores at once ("100 in total and 5 per merchant"), all or
+//!   nothing, without deadlock whatever order callers name them in, and
+//!   holding nothing while they wait: one [`Permit`], one release.
 //! - [`SemaphoreBuilder::reserved`] keeps slots for critical traffic:
 //!   [`Priority::Low`] claims succeed only while more than that many are free.
 //! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])

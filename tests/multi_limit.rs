@@ -284,7 +284,8 @@ async fn bad_member_lists_are_refused_before_anything_is_sent() -> TestResult {
         many
     };
     let too_many: Vec<(&Semaphore, u32)> = many.iter().map(|s| (s, 1)).collect();
-    let cases: Vec<(&str, Vec<(&Semaphore, u32)>, &str)> = vec![
+    type Members<'a> = Vec<(&'a Semaphore, u32)>;
+    let cases: Vec<(&str, Members, &str)> = vec![
         ("none", vec![], "semaphores"),
         ("too many", too_many, "semaphores"),
         ("twice", vec![(&a, 1), (&b, 1), (&a, 1)], "semaphores"),
