@@ -424,3 +424,47 @@ async fn no_limit_is_exceeded_by_multi_limit_claims_under_concurrency() -> TestR
     assert_eq!(halves, 0, "a multi-limit claim holding one limit alone");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
+    let db = support::migrated_db().await;
+    let a = semaphore(&db.pool, "cancel-a", 1).await?;
+    let b = semaphore(&db.pool, "cancel-b", 1).await?;
+    let held = b.try_acquire().await?;
+    match Semaphore::acquire_all_timeout(&[(&a, 1), (&b, 1)], Duration::from_millis(300)).await {
+        Err(Error::Timeout { .. }) => {}
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let waiter = {
+        let (a, b) = (a.clone(), b.clone());
+        tokio::spawn(async move { Semaphore::acquire_all(&[(&a, 1), (&b, 1)]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    waiter.abort();
+    let _ = waiter.await;
+    held.release().await?;
+    // Nobody waits any more: a slot of each is free, and stays free.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        (
+            live_rows(&db.pool, "cancel-a").await,
+            live_rows(&db.pool, "cancel-b").await
+        ),
+        (0, 0)
+    );
+    let registered: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.wakeups")
+        .fetch_one(&db.pool)
+        .await?;
+    let gone = support::eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pgsemaphore.wakeups")
+            .fetch_one(&db.pool)
+            .await
+            .is_ok_and(|n| n == 0)
+    })
+    .await;
+    assert!(
+        gone,
+        "{registered} wake-up registrations left after the waiters went"
+    );
+    Ok(())
+}

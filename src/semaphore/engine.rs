@@ -11,7 +11,10 @@
 //! Nothing here waits or retries; [`wait`](super::wait) does. Every claim is
 //! one round trip to `pgsemaphore.claim`, whatever its kind (one permit or
 //! several, high or low priority, in the fair queue or not), decoded by one
-//! decoder into an [`Admission`].
+//! decoder into an [`Admission`]; a claim of several semaphores at once is
+//! one round trip to `pgsemaphore.claim_all` (which runs `claim` for each,
+//! all or nothing: `migrations/20261129000002_pgsemaphore_claim_all.sql`),
+//! released by `pgsemaphore.release_all_then_wake`.
 
 use std::sync::Arc;
 use std::time::Duration;
