@@ -700,9 +700,10 @@ impl Semaphore {
     /// name), so two callers naming them in opposite orders never deadlock.
     /// The [`Permit`] holds every claim, with one token, one lease (the
     /// shortest default lease of the semaphores), one heartbeat (the first
-    /// semaphore's, in byte order of the names) and one release; its
-    /// [`id`](Permit::id) is the lowest of its claims' ids, and the audit
-    /// log links the claims (`group_id`, [`ClaimRecord::group_id`](crate::ClaimRecord::group_id)).
+    /// semaphore's, in byte order of the names) and one release; each of
+    /// its [`ids`](Permit::ids) is a fencing token on its own semaphore,
+    /// and the audit log links the claims (`group_id`,
+    /// [`ClaimRecord::group_id`](crate::ClaimRecord::group_id)).
     ///
     /// A multi-limit claim is of high priority, takes no place in a fair
     /// queue, and is refused while any of its semaphores has a

@@ -217,7 +217,11 @@ impl Permit {
     /// availability"); with synchronous replication it stays one.
     /// A weighted permit holds several claims made in one statement: this is
     /// the lowest of their ids, and it is still greater than every id of any
-    /// claim on this semaphore made before it. `0` for an
+    /// claim on this semaphore made before it. A
+    /// [multi-limit](crate::Semaphore::acquire_all) permit's claims were
+    /// made one semaphore after the other: each id is a fencing token on its
+    /// own semaphore only, and this one (the first semaphore's) is not one
+    /// on the others, whose earlier claims may hold larger ids. `0` for an
     /// [unchecked](Self::is_unchecked) permit.
     pub fn id(&self) -> i64 {
         self.claims.first().map_or(0, |&(id, _)| id)
