@@ -238,6 +238,10 @@
 //!   permit; [`Claim`] is the Rust builder of one acquire's options; an
 //!   *advisory claim* is one call of `pgsemaphore.advisory_claim`, which
 //!   takes advisory locks and writes no row.
+//! - **multi-limit permit**: a [`Permit`] of several semaphores claimed
+//!   together by one call of `pgsemaphore.claim_all`
+//!   ([`Semaphore::acquire_all`]); its claims form a **group**, whose id
+//!   (`group_id` in the audit log) is its first claim's id.
 //! - **slot**: one unit of a semaphore's capacity, numbered `0..capacity`;
 //!   a live claim (or, in an advisory semaphore, an advisory lock) holds one.
 //! - **lease**: how long a claim holds its slot without renewal, on the
