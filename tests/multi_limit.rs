@@ -468,3 +468,38 @@ async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
     );
     Ok(())
 }
+
+/// Interleaving: a refused multi-limit claim inside a transaction the
+/// caller keeps open. The first semaphore's row was locked before the
+/// second refused; the refusal rolls the claims back *and releases that
+/// row lock*, so another session's claim of the first semaphore does not
+/// wait for the open transaction.
+#[tokio::test]
+async fn a_refused_multi_limit_claim_keeps_no_row_locked_in_an_open_transaction() -> TestResult {
+    let db = support::migrated_db().await;
+    let a = semaphore(&db.pool, "locked-a", 2).await?;
+    let b = semaphore(&db.pool, "locked-b", 1).await?;
+    let held = b.try_acquire().await?;
+    let mut open = connect(&db).await?;
+    sqlx::query("BEGIN").execute(&mut open).await?;
+    let (status, semaphore): (String, Option<String>) = sqlx::query_as(
+        "SELECT o_status, o_semaphore FROM pgsemaphore.claim_all(ARRAY['locked-b', 'locked-a'], \
+         'h', NULL, NULL, $1)",
+    )
+    .bind(token("refused-in-xact"))
+    .fetch_one(&mut open)
+    .await?;
+    assert_eq!(
+        (status.as_str(), semaphore.as_deref()),
+        ("full", Some("locked-b"))
+    );
+    // The transaction stays open; a claim of "locked-a" must not wait for it
+    // (it would wait 2 s for the row, then fail with Stalled).
+    let permit = tokio::time::timeout(Duration::from_millis(1500), a.try_acquire())
+        .await
+        .map_err(|_| "a claim waited for the refused multi-limit claim's row lock")??;
+    permit.release().await?;
+    sqlx::query("ROLLBACK").execute(&mut open).await?;
+    held.release().await?;
+    Ok(())
+}
