@@ -36,7 +36,8 @@ SELECT id, slot, holder, metadata, created_at, expires_at
 const HISTORY: &str = "\
 SELECT id, slot, holder, metadata, created_at, expires_at, completed_at, timed_out_at,
        extract(epoch FROM coalesce(completed_at, timed_out_at, clock_timestamp()) - created_at)::float8
-           AS held_seconds
+           AS held_seconds,
+       group_id
   FROM pgsemaphore.slots
  WHERE semaphore = $1
    AND created_at < $3
@@ -434,8 +435,8 @@ pub enum Outcome {
 ///
 /// With the `serde` feature it serializes as `{"id", "slot", "holder",
 /// "metadata", "claimed_at", "expires_at", "ended_at", "outcome",
-/// "held_seconds"}`: times in RFC 3339 (`ended_at` null while live), the hold
-/// time in seconds.
+/// "held_seconds"}` (and "group_id" when set): times in RFC 3339 (`ended_at`
+/// null while live), the hold time in seconds.
 #[derive(Debug, Clone, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -463,6 +464,13 @@ pub struct ClaimRecord {
         serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
     )]
     pub held_for: Duration,
+    /// For a claim made together with claims of other semaphores by one
+    /// [`Semaphore::acquire_all`](crate::Semaphore::acquire_all) (or
+    /// `pgsemaphore.claim_all`): the id of the first claim of that group,
+    /// shared by all of them (look it up in the other semaphores' history).
+    /// `None` for a claim of one semaphore. Serialized only when set.
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
+    pub group_id: Option<i64>,
 }
 
 /// Counts and hold times of a semaphore's claims over a window, from
@@ -833,6 +841,7 @@ struct HistoryRow {
     completed_at: Option<DateTime<Utc>>,
     timed_out_at: Option<DateTime<Utc>>,
     held_seconds: f64,
+    group_id: Option<i64>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -1340,6 +1349,7 @@ impl From<HistoryRow> for ClaimRecord {
             ended_at,
             outcome,
             held_for: seconds(row.held_seconds),
+            group_id: row.group_id,
         }
     }
 }
@@ -1502,6 +1512,7 @@ mod serialize_tests {
             ended_at: None,
             outcome: Outcome::TimedOut,
             held_for: Duration::from_millis(1500),
+            group_id: None,
         };
         assert_eq!(
             serde_json::to_value(&claim).unwrap(),
@@ -1516,6 +1527,15 @@ mod serialize_tests {
                 "outcome": "timed_out",
                 "held_seconds": 1.5,
             })
+        );
+        // A claim of a multi-limit permit names its group.
+        let grouped = ClaimRecord {
+            group_id: Some(5),
+            ..claim
+        };
+        assert_eq!(
+            serde_json::to_value(&grouped).unwrap()["group_id"],
+            json!(5)
         );
     }
 

@@ -505,6 +505,7 @@ pub(crate) fn ours(error: sqlx::Error) -> Error {
 fn argument_name(column: &str) -> &'static str {
     match column {
         "p_name" | "p_semaphore" => "name",
+        "p_semaphores" => "semaphores",
         "p_capacity" => "capacity",
         "p_lease" => "lease",
         "p_holder" => "holder",

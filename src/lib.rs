@@ -44,6 +44,10 @@
 //!
 //! - [`Semaphore::acquire_many`] and friends hold `n` slots at once, all or
 //!   nothing, released together.
+//! - [`Semaphore::acquire_all`] and friends hold permits of several
+//!   semaphores at once ("100 in total and 5 per merchant"), all or
+//!   nothing, without deadlock whatever order callers name them in, and
+//!   holding nothing while they wait: one [`Permit`], one release.
 //! - [`SemaphoreBuilder::reserved`] keeps slots for critical traffic:
 //!   [`Priority::Low`] claims succeed only while more than that many are free.
 //! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])
@@ -234,6 +238,10 @@
 //!   permit; [`Claim`] is the Rust builder of one acquire's options; an
 //!   *advisory claim* is one call of `pgsemaphore.advisory_claim`, which
 //!   takes advisory locks and writes no row.
+//! - **multi-limit permit**: a [`Permit`] of several semaphores claimed
+//!   together by one call of `pgsemaphore.claim_all`
+//!   ([`Semaphore::acquire_all`]); its claims form a **group**, whose id
+//!   (`group_id` in the audit log) is its first claim's id.
 //! - **slot**: one unit of a semaphore's capacity, numbered `0..capacity`;
 //!   a live claim (or, in an advisory semaphore, an advisory lock) holds one.
 //! - **lease**: how long a claim holds its slot without renewal, on the
@@ -359,7 +367,7 @@ pub use semaphore::{
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
     MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
-    MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.

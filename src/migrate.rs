@@ -38,7 +38,7 @@ pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 /// The schema version this version of the crate builds and uses: what
 /// `pgsemaphore.schema_version()` returns once every file of `migrations/`
 /// is applied (one version per file).
-pub const SCHEMA_VERSION: i32 = 6;
+pub const SCHEMA_VERSION: i32 = 8;
 
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
@@ -770,7 +770,8 @@ mod tests {
                 "20261125000001_pgsemaphore_advisory.sql",
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
                 "20261127000001_pgsemaphore_fair_keys.sql",
-                "20261128000001_pgsemaphore_waiting_bucket.sql"
+                "20261128000001_pgsemaphore_waiting_bucket.sql",
+                "20261129000002_pgsemaphore_claim_all.sql"
             ],
             "pending files are named as in migrations/"
         );
@@ -780,7 +781,8 @@ mod tests {
                 "20261125000001_pgsemaphore_advisory.sql",
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
                 "20261127000001_pgsemaphore_fair_keys.sql",
-                "20261128000001_pgsemaphore_waiting_bucket.sql"
+                "20261128000001_pgsemaphore_waiting_bucket.sql",
+                "20261129000002_pgsemaphore_claim_all.sql"
             ]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());

@@ -24,6 +24,10 @@ pub const MAX_HOLDER_LEN: usize = 1000;
 /// The longest fairness key ([`Claim::fairness_key`](crate::Claim::fairness_key)), in characters.
 pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
 
+/// The most semaphores one [`Semaphore::acquire_all`](crate::Semaphore::acquire_all)
+/// (or `pgsemaphore.claim_all`) claims together.
+pub const MAX_SEMAPHORES_PER_CLAIM: usize = 16;
+
 /// The shortest lease a permit may have.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);
 
@@ -58,6 +62,36 @@ const MAX_AGE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
 /// A semaphore's (or a rate limiter's) name.
 pub(crate) fn name(name: &str) -> Result<()> {
     text("name", name, MAX_NAME_LEN)
+}
+
+/// The semaphores of a multi-limit claim: 1 to [`MAX_SEMAPHORES_PER_CLAIM`]
+/// distinct names, each with 1 to [`MAX_CAPACITY`] permits.
+pub(crate) fn several<'a>(members: impl ExactSizeIterator<Item = (&'a str, u32)>) -> Result<()> {
+    let count = members.len();
+    if count == 0 || count > MAX_SEMAPHORES_PER_CLAIM {
+        return Err(Error::invalid(
+            "semaphores",
+            format!("{count} semaphores: a claim takes 1 to {MAX_SEMAPHORES_PER_CLAIM}"),
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for (name, permits) in members {
+        if !seen.insert(name) {
+            return Err(Error::invalid(
+                "semaphores",
+                format!(
+                    "semaphore {name:?} named twice: name it once, with the sum of its permits"
+                ),
+            ));
+        }
+        if permits == 0 || permits > MAX_CAPACITY {
+            return Err(Error::invalid(
+                "permits",
+                format!("{permits} permits of {name:?}: each count is 1 to {MAX_CAPACITY}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A holder label.

@@ -57,6 +57,9 @@ fn futures_are_send(
     send(&sem.try_acquire_many(2));
     send(&sem.acquire_many_timeout(2, second));
     send(&sem.claim().metadata(serde_json::json!({})).acquire());
+    send(&Semaphore::try_acquire_all(&[(&sem, 1)]));
+    send(&Semaphore::acquire_all(&[(&sem, 1)]));
+    send(&Semaphore::acquire_all_timeout(&[(&sem, 1)], second));
     send(&sem.wait_idle_timeout(second));
     send(&sem.available_permits());
     send(&sem.queue_len());

@@ -844,3 +844,42 @@ async fn doctor_names_the_session_that_holds_back_vacuum() -> TestResult {
     sqlx::raw_sql("ROLLBACK").execute(&mut idle).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn audit_shows_which_claims_a_multi_limit_permit_took_together() -> TestResult {
+    let db = support::migrated_db().await;
+    let global = Semaphore::builder("linked-global", 4)
+        .build(&db.pool)
+        .await?;
+    let merchant = Semaphore::builder("linked-merchant", 2)
+        .build(&db.pool)
+        .await?;
+    let single = global.try_acquire().await?;
+    let both = Semaphore::try_acquire_all(&[(&merchant, 1), (&global, 1)]).await?;
+    let group = both.id();
+
+    let out = run(&db, &["audit", "linked-global"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(text.contains("GROUP"), "no GROUP column:\n{text}");
+    let row = text
+        .lines()
+        .find(|line| line.starts_with(&group.to_string()))
+        .unwrap_or_else(|| panic!("no row of claim {group}:\n{text}"));
+    assert!(row.trim_end().ends_with(&group.to_string()), "{row}");
+
+    let out = run(&db, &["audit", "linked-merchant", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["claims"][0]["group_id"], group);
+    let out = run(&db, &["audit", "linked-global", "--json"]).await;
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(
+        json["claims"][0].get("group_id"),
+        None,
+        "a single claim has no group"
+    );
+    both.release().await?;
+    single.release().await?;
+    Ok(())
+}

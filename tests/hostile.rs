@@ -940,3 +940,167 @@ async fn a_release_that_waited_for_a_fence_is_stamped_after_it() -> TestResult {
     }
     Ok(())
 }
+
+/// The multi-limit claim's arrays, hostile: every bad shape is refused with
+/// 22023 naming the argument, and nothing is claimed on any semaphore.
+#[tokio::test]
+async fn claim_all_refuses_every_bad_array_and_claims_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    open(&db.pool, "ha", 2).await?;
+    open(&db.pool, "hb", 2).await?;
+    let call = |semaphores: &'static str, permits: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (String,)>(sqlx::AssertSqlSafe(format!(
+                "SELECT o_status FROM pgsemaphore.claim_all(p_semaphores => {semaphores}, \
+                 p_holder => 'h', p_lease => NULL, p_metadata => NULL, \
+                 p_token => '\\x00112233445566778899aabbccddeeff'::bytea, p_permits => {permits})"
+            )))
+            .fetch_one(&pool)
+            .await
+        }
+    };
+    let seventeen = "(SELECT array_agg('s' || i) FROM generate_series(1, 17) i)";
+    let long = "ARRAY['ha', repeat('x', 201)]";
+    let cases: [(&str, &str, &str); 13] = [
+        ("NULL", "NULL", "p_semaphores"),
+        ("'{}'::text[]", "NULL", "p_semaphores"),
+        (seventeen, "NULL", "p_semaphores"),
+        ("ARRAY['ha', NULL]", "NULL", "p_semaphores"),
+        ("ARRAY['ha', 'hb', 'ha']", "NULL", "p_semaphores"),
+        ("ARRAY[['ha'], ['hb']]", "NULL", "p_semaphores"),
+        ("ARRAY['ha', '']", "NULL", "p_semaphores"),
+        (long, "NULL", "p_semaphores"),
+        ("ARRAY['ha', 'hb']", "ARRAY[1]", "p_permits"),
+        ("ARRAY['ha', 'hb']", "ARRAY[1, NULL]", "p_permits"),
+        ("ARRAY['ha', 'hb']", "ARRAY[1, 0]", "p_permits"),
+        ("ARRAY['ha', 'hb']", "ARRAY[-1, 1]", "p_permits"),
+        ("ARRAY['ha', 'hb']", "ARRAY[1, 2147483647]", "p_permits"),
+    ];
+    for (semaphores, permits, argument) in cases {
+        let (state, column) = refused(call(semaphores, permits).await);
+        assert_eq!(
+            (state.as_str(), column.as_deref()),
+            ("22023", Some(argument)),
+            "{semaphores} / {permits}"
+        );
+    }
+    // The scalar arguments go through claim's own checks.
+    let bad_token = sqlx::query(
+        "SELECT * FROM pgsemaphore.claim_all(ARRAY['ha', 'hb'], 'h', NULL, NULL, '\\x00'::bytea)",
+    )
+    .execute(&db.pool)
+    .await;
+    assert_eq!(
+        refused(bad_token),
+        ("22023".to_owned(), Some("p_token".to_owned()))
+    );
+    let bad_lease = sqlx::query(
+        "SELECT * FROM pgsemaphore.claim_all(ARRAY['ha', 'hb'], 'h', '-1 s', NULL, \
+         '\\x00112233445566778899aabbccddeeff'::bytea)",
+    )
+    .execute(&db.pool)
+    .await;
+    assert_eq!(
+        refused(bad_lease),
+        ("22023".to_owned(), Some("p_lease".to_owned()))
+    );
+    // An unknown semaphore among known ones: P0002, and the known ones untouched.
+    let unknown = sqlx::query(
+        "SELECT * FROM pgsemaphore.claim_all(ARRAY['ha', 'nope'], 'h', NULL, NULL, \
+         '\\x00112233445566778899aabbccddeeff'::bytea)",
+    )
+    .execute(&db.pool)
+    .await;
+    assert_eq!(sqlstate(unknown).as_deref(), Some("P0002"));
+    // More permits than a capacity: refused as too_many, nothing taken.
+    let (status,) = call("ARRAY['ha', 'hb']", "ARRAY[1, 3]").await?;
+    assert_eq!(status, "too_many");
+    assert_eq!(
+        live_slots(&db.pool, "ha").await? + live_slots(&db.pool, "hb").await?,
+        0
+    );
+    // And the same arrays, well formed, claim both.
+    let (status,) = call("ARRAY['hb', 'ha']", "ARRAY[2, 1]").await?;
+    assert_eq!(status, "claimed");
+    assert_eq!(
+        (
+            live_slots(&db.pool, "ha").await?,
+            live_slots(&db.pool, "hb").await?
+        ),
+        (1, 2)
+    );
+    Ok(())
+}
+
+/// release_all with a stranger's token locks and ends nothing, and with a
+/// mix of the caller's ids and someone else's ends only the caller's,
+/// reporting the other as not_holder.
+#[tokio::test]
+async fn release_all_ends_only_the_callers_own_claims() -> TestResult {
+    let db = support::migrated_db().await;
+    open(&db.pool, "ra", 1).await?;
+    open(&db.pool, "rb", 1).await?;
+    open(&db.pool, "rc", 1).await?;
+    let mine = token("release-all-mine");
+    let theirs = token("release-all-them");
+    let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
+        "SELECT o_status, o_ids FROM pgsemaphore.claim_all(ARRAY['ra', 'rb'], 'me', NULL, NULL, $1)",
+    )
+    .bind(&mine)
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(status, "claimed");
+    let ids = ids.expect("claimed");
+    let their_id = support::claim_with_token(&db.pool, "rc", "60 s", &theirs).await?;
+
+    // A stranger's token, in an open transaction: nothing locked, nothing ended.
+    let mut stranger = connect(&db).await?;
+    sqlx::query("BEGIN").execute(&mut stranger).await?;
+    let (outcome, id): (String, Option<i64>) =
+        sqlx::query_as("SELECT o_outcome, o_id FROM pgsemaphore.release_all($1, $2)")
+            .bind(&ids)
+            .bind(&theirs)
+            .fetch_one(&mut stranger)
+            .await?;
+    assert_eq!((outcome.as_str(), id), ("not_holder", Some(ids[0])));
+    // The holder's own renewal does not wait for the stranger.
+    let renewed: Vec<(i64, String)> = tokio::time::timeout(
+        Duration::from_secs(5),
+        sqlx::query_as("SELECT o_id, o_outcome FROM pgsemaphore.renew($1, $2, '60 s')")
+            .bind(&ids)
+            .bind(&mine)
+            .fetch_all(&db.pool),
+    )
+    .await??;
+    assert_eq!(renewed.len(), 2);
+    sqlx::query("COMMIT").execute(&mut stranger).await?;
+    assert_eq!(live_with_token(&db.pool, &mine).await?, 2);
+
+    // Mine and theirs together: mine end, theirs stays, reported.
+    let mut all = ids.clone();
+    all.push(their_id);
+    let (outcome, id): (String, Option<i64>) =
+        sqlx::query_as("SELECT o_outcome, o_id FROM pgsemaphore.release_all($1, $2)")
+            .bind(&all)
+            .bind(&mine)
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!((outcome.as_str(), id), ("not_holder", Some(their_id)));
+    assert_eq!(live_with_token(&db.pool, &mine).await?, 0);
+    assert_eq!(live_with_token(&db.pool, &theirs).await?, 1);
+    // Bad arrays: 22023 naming p_ids.
+    for bad in ["NULL", "'{}'::bigint[]", "ARRAY[1, NULL]::bigint[]"] {
+        let result = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT * FROM pgsemaphore.release_all({bad}, '\\x00112233445566778899aabbccddeeff'::bytea)"
+        )))
+        .execute(&db.pool)
+        .await;
+        assert_eq!(
+            refused(result),
+            ("22023".to_owned(), Some("p_ids".to_owned())),
+            "{bad}"
+        );
+    }
+    Ok(())
+}

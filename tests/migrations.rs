@@ -829,3 +829,94 @@ async fn version_6_grants_the_reservation_to_token_bucket_callers() -> TestResul
     roles.drop_all().await?;
     result
 }
+
+/// Version 8 (several limits at once) adds `claim_all` and `release_all`,
+/// granted to whoever may run `claim`, and `release_all_then_wake`, granted
+/// to whoever may run `release_then_wake`: a role granted as the README said
+/// before the upgrade claims two semaphores at once and releases them after
+/// it, without new grants, and claims made before it stay live and
+/// ungrouped; PUBLIC still runs nothing.
+#[tokio::test]
+async fn version_8_grants_the_multi_limit_claim_to_claim_callers() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["app"]).await?;
+    let result = async {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
+            .map(|entry| entry.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
+        files.sort();
+        let upgrade = files
+            .iter()
+            .position(|path| path.ends_with("20261129000002_pgsemaphore_claim_all.sql"))
+            .ok_or("the version 8 migration is missing")?;
+        for file in &files[..upgrade] {
+            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
+                .execute(&db.pool)
+                .await?;
+        }
+        let app = roles.name("app");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
+               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
+               GRANT EXECUTE ON FUNCTION
+                   pgsemaphore.open(text, integer, interval, boolean),
+                   pgsemaphore.claim(text, text, interval, jsonb, bytea, integer, smallint, integer,
+                                     bigint, bytea, interval)
+                 TO "{app}";
+               GRANT EXECUTE ON PROCEDURE
+                   pgsemaphore.release_then_wake(bigint[], bytea, boolean, text, bigint, timestamptz)
+                 TO "{app}";
+               SELECT * FROM pgsemaphore.open('a', 2, '60 s');
+               SELECT * FROM pgsemaphore.open('b', 2, '60 s');"#
+        )))
+        .execute(&db.pool)
+        .await?;
+        let app_pool = roles.pool(&db, "app").await?;
+        let (before,): (String,) = sqlx::query_as(
+            "SELECT o_status FROM pgsemaphore.claim('a', 'old', NULL, NULL, 'claimed-before-v8')",
+        )
+        .fetch_one(&app_pool)
+        .await?;
+        assert_eq!(before, "claimed");
+
+        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&files[upgrade])?))
+            .execute(&db.pool)
+            .await?;
+        assert_eq!(schema_version(&db.pool).await, (8, 2));
+        let public: bool = sqlx::query_scalar(
+            "SELECT has_function_privilege('public',
+                 'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[])', 'EXECUTE')
+                 OR has_function_privilege('public',
+                 'pgsemaphore.release_all(bigint[], bytea, boolean)', 'EXECUTE')",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        assert!(!public, "PUBLIC may claim several at once");
+        let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
+            "SELECT o_status, o_ids FROM pgsemaphore.claim_all(ARRAY['b', 'a'], 'new', NULL, NULL, \
+             'claimed-after-v8')",
+        )
+        .fetch_one(&app_pool)
+        .await?;
+        assert_eq!(status, "claimed");
+        let (outcome,): (String,) = sqlx::query_as(
+            "CALL pgsemaphore.release_all_then_wake($1, 'claimed-after-v8', false)",
+        )
+        .bind(ids.ok_or("claimed without ids")?)
+        .fetch_one(&app_pool)
+        .await?;
+        assert_eq!(outcome, "released");
+        app_pool.close().await;
+        let (live, grouped): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(group_id) FROM pgsemaphore.live_slots",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        assert_eq!((live, grouped), (1, 0), "the claim made before the upgrade, ungrouped");
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
+}

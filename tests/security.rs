@@ -127,15 +127,25 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         second.fence(&mut tx).await?;
         tx.commit().await?;
         second.release().await?;
+        // Several limits at once: claimed, fenced and released together
+        // with the application's grants alone.
+        let merchant = Semaphore::builder("least-privilege:merchant", 1)
+            .build(&app)
+            .await?;
+        let both = Semaphore::try_acquire_all(&[(&merchant, 1), (&sem, 1)]).await?;
+        let mut tx = app.begin().await?;
+        both.fence(&mut tx).await?;
+        tx.commit().await?;
+        both.release().await?;
         let log = AuditLog::new(&app);
         assert_eq!(
             log.history("least-privilege", started..Utc::now())
                 .await?
                 .len(),
-            2
+            3
         );
-        assert_eq!(sem.summary(started..Utc::now()).await?.completed, 2);
-        assert_eq!(pg_semaphore::semaphores(&app).await?.len(), 1);
+        assert_eq!(sem.summary(started..Utc::now()).await?.completed, 3);
+        assert_eq!(pg_semaphore::semaphores(&app).await?.len(), 2);
 
         // Heartbeats renew (and commit durably) under the same grants.
         let renewed = Semaphore::builder("least-privilege-renewed", 1)

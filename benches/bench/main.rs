@@ -55,6 +55,9 @@
 //!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump),
 //!     `--designs a,b` only these designs
 //!     (lease|advisory|mutex|bucket|counter|raw).
+//! 13. **multi**: several limits at once: `try_acquire_all` of two
+//!     semaphores + release, against one semaphore's `try_acquire` +
+//!     release, at 1 and 8 clients.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -68,6 +71,7 @@ mod fleet;
 mod growth;
 mod lease;
 mod load;
+mod multi;
 mod mutex;
 mod pressure;
 mod rate;
@@ -92,7 +96,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--designs lease,advisory,mutex,bucket,counter,raw]";
@@ -121,10 +125,11 @@ pub enum Workload {
     Redis,
     Advisory,
     Pressure,
+    Multi,
 }
 
 impl Workload {
-    const ALL: [Workload; 12] = [
+    const ALL: [Workload; 13] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -137,6 +142,7 @@ impl Workload {
         Workload::Redis,
         Workload::Advisory,
         Workload::Pressure,
+        Workload::Multi,
     ];
 
     pub fn name(self) -> &'static str {
@@ -153,6 +159,7 @@ impl Workload {
             Workload::Redis => "redis",
             Workload::Advisory => "advisory",
             Workload::Pressure => "pressure",
+            Workload::Multi => "multi",
         }
     }
 
@@ -544,6 +551,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Redis => redis::redis_workload(ctx).await?,
             Workload::Advisory => advisory::advisory_workload(ctx).await?,
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
+            Workload::Multi => multi::multi_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
         eprintln!("== {} took {took:.1} s", workload.name());

@@ -1,5 +1,5 @@
 -- pg-semaphore's SQL API driven from psql: the worked example of
--- docs/sql-api.md. Run it against a database migrated to schema version 6,
+-- docs/sql-api.md. Run it against a database migrated to schema version 8,
 -- as a role with the application's grants (README, "Privileges"):
 --
 --   psql -X -f docs/sql-api/example.sql "$DATABASE_URL"
@@ -11,7 +11,7 @@
 \set VERBOSITY verbose
 \set SHOW_CONTEXT never
 
--- The contract this database speaks: version 6, and the oldest version
+-- The contract this database speaks: version 8, and the oldest version
 -- whose callers still work against it.
 SELECT * FROM pgsemaphore.schema_version();
 
@@ -93,6 +93,32 @@ UNLISTEN pgsemaphore;
 -- A second release of the same claim reports what became of it.
 SELECT o_outcome, o_id = :claim_a AS claim_a
   FROM pgsemaphore.release(p_ids => ARRAY[:claim_a]::bigint[], p_token => :'token_a');
+
+-- 7b. Several limits at once (version 8): a slot of 'upstream' and one of
+-- 'upstream:tenant-7' (at most one call per tenant), all or nothing, in
+-- one call; the names in any order. 'upstream' is full (workers b and c):
+-- nothing is claimed, not even the tenant's free slot.
+SELECT o_capacity, o_created
+  FROM pgsemaphore.open(p_name => 'upstream:tenant-7', p_capacity => 1, p_lease => '30 seconds');
+SELECT uuid_send(gen_random_uuid()) AS token_m \gset
+SELECT o_status, o_semaphore, o_ids, o_free
+  FROM pgsemaphore.claim_all(p_semaphores => ARRAY['upstream:tenant-7', 'upstream'],
+                             p_holder => 'worker-m', p_lease => NULL, p_metadata => NULL,
+                             p_token => :'token_m');
+SELECT count(*) AS tenant_holders FROM pgsemaphore.live_slots WHERE semaphore = 'upstream:tenant-7';
+-- Worker b releases; now both are claimed, with one token, linked in the
+-- audit log by group_id (the first claim's id).
+SELECT o_outcome FROM pgsemaphore.release(p_ids => ARRAY[:claim_b]::bigint[], p_token => :'token_b');
+SELECT o_status, o_semaphores, o_ids AS m_ids, o_wake
+  FROM pgsemaphore.claim_all(p_semaphores => ARRAY['upstream:tenant-7', 'upstream'],
+                             p_holder => 'worker-m', p_lease => NULL, p_metadata => NULL,
+                             p_token => :'token_m') \gset
+\echo claim_all m: :o_status, semaphores :o_semaphores
+SELECT semaphore, group_id = (:'m_ids'::bigint[])[1] AS linked
+  FROM pgsemaphore.live_slots WHERE token_hash = sha256(:'token_m') ORDER BY id;
+-- One call releases them all (release_all; o_wake: the semaphores to wake).
+SELECT o_outcome, o_wake
+  FROM pgsemaphore.release_all(p_ids => :'m_ids'::bigint[], p_token => :'token_m');
 
 -- 8. A refused argument: SQLSTATE 22023, the argument's name in COLUMN.
 \set ON_ERROR_STOP off

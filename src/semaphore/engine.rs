@@ -11,7 +11,10 @@
 //! Nothing here waits or retries; [`wait`](super::wait) does. Every claim is
 //! one round trip to `pgsemaphore.claim`, whatever its kind (one permit or
 //! several, high or low priority, in the fair queue or not), decoded by one
-//! decoder into an [`Admission`].
+//! decoder into an [`Admission`]; a claim of several semaphores at once is
+//! one round trip to `pgsemaphore.claim_all` (which runs `claim` for each,
+//! all or nothing: `migrations/20261129000002_pgsemaphore_claim_all.sql`),
+//! released by `pgsemaphore.release_all_then_wake`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +42,14 @@ const CLAIM: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at
                                             p_priority => $7, p_reserve => $8, p_ticket => $9, \
                                             p_ticket_token => $10, p_waiter_lease => $11)";
 
+/// The multi-limit claim, one round trip: permits of several semaphores at
+/// once, all or nothing (`pgsemaphore.claim_all`).
+const CLAIM_ALL: &str = "SELECT o_status, o_semaphore, o_ids, o_semaphores, o_slots, o_created_at, \
+                                o_expires_at, o_capacity, o_retry_in, o_wake \
+                         FROM pgsemaphore.claim_all(p_semaphores => $1, p_holder => $2, \
+                                                    p_lease => $3, p_metadata => $4, \
+                                                    p_token => $5, p_permits => $6)";
+
 /// Renews a permit's claims, one round trip.
 const RENEW: &str = "SELECT o_id, o_outcome, o_at \
                      FROM pgsemaphore.renew(p_ids => $1, p_token => $2, p_lease => $3)";
@@ -65,14 +76,25 @@ const WAKE: &str = "SELECT pgsemaphore.wake(p_semaphore => $1)";
 const RELEASE: &str =
     "CALL pgsemaphore.release_then_wake(p_ids => $1, p_token => $2, p_lost => $3)";
 
+/// The same for a permit of several semaphores
+/// (`pgsemaphore.release_all_then_wake`: a wake-up for each semaphore whose
+/// gate says a waiter may be registered).
+const RELEASE_ALL: &str =
+    "CALL pgsemaphore.release_all_then_wake(p_ids => $1, p_token => $2, p_lost => $3)";
+
 /// The same behind a transaction pooler, where a prepared statement needs an
 /// explicit transaction and a procedure that commits cannot run in one: one
 /// simple-protocol statement, in one message. Only integers and hex digits
 /// are inlined.
-fn release_call(ids: &[i64], token: &Token, lost: bool) -> String {
+fn release_call(ids: &[i64], token: &Token, lost: bool, several: bool) -> String {
     let ids = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let procedure = if several {
+        "release_all_then_wake"
+    } else {
+        "release_then_wake"
+    };
     format!(
-        "CALL pgsemaphore.release_then_wake(p_ids => '{{{ids}}}'::bigint[], \
+        "CALL pgsemaphore.{procedure}(p_ids => '{{{ids}}}'::bigint[], \
          p_token => decode('{token}', 'hex'), p_lost => {lost})",
         token = token.hex(),
     )
@@ -301,6 +323,62 @@ pub(crate) struct Claimed {
     pub(crate) token: Token,
     /// When the claim was sent (this process's monotonic clock).
     pub(crate) sent: Instant,
+    /// The semaphore of each claim, for a claim of several semaphores
+    /// (empty for a claim of one).
+    pub(crate) semaphores: Vec<String>,
+}
+
+/// The semaphores of a multi-limit claim and the permits of each, in the
+/// canonical order (by name, byte order: the order `pgsemaphore.claim_all`
+/// locks and returns them in), all on one pool.
+#[derive(Debug, Clone)]
+pub(crate) struct Several {
+    pub(crate) members: Vec<(Arc<Core>, u32)>,
+}
+
+impl Several {
+    /// The first semaphore in the canonical order: its handle's holder,
+    /// heartbeat and pool serve the whole permit.
+    pub(crate) fn lead(&self) -> &Arc<Core> {
+        &self.members[0].0
+    }
+
+    /// As [`refused_on`], naming the semaphore the error is about: the one
+    /// an unknown-semaphore error quotes; for a stalled row (whose error
+    /// names none), every member, joined by `", "`.
+    fn refused_on(&self, error: Error) -> Error {
+        if error::sqlstate(&error).as_deref() == Some("55P03") {
+            let names: Vec<&str> = self.members.iter().map(|(c, _)| c.name.as_str()).collect();
+            return Error::Stalled {
+                semaphore: names.join(", "),
+            };
+        }
+        let message = match &error {
+            Error::Database(sqlx::Error::Database(db)) => db.message().to_owned(),
+            _ => String::new(),
+        };
+        let named = self
+            .members
+            .iter()
+            .map(|(c, _)| c.name.as_str())
+            .find(|name| message.contains(&format!("'{}'", name.replace('\'', "''"))))
+            .unwrap_or(&self.lead().name);
+        error::semaphore_not_found(error, named)
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimAllRow {
+    o_status: String,
+    o_semaphore: Option<String>,
+    o_ids: Option<Vec<i64>>,
+    o_semaphores: Option<Vec<String>>,
+    o_slots: Option<Vec<i32>>,
+    o_created_at: Option<DateTime<Utc>>,
+    o_expires_at: Option<DateTime<Utc>>,
+    o_capacity: Option<i32>,
+    o_retry_in: Option<PgInterval>,
+    o_wake: Vec<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -375,6 +453,7 @@ pub(crate) async fn claim(
                 free: row.o_free.max(0) as u32,
                 token,
                 sent,
+                semaphores: Vec::new(),
             })
         }
         "behind" => Admission::Behind { capacity, retry_in },
@@ -382,6 +461,87 @@ pub(crate) async fn claim(
         "too_many" => Admission::TooMany { capacity },
         _ => Admission::Full { capacity, retry_in },
     })
+}
+
+/// One multi-limit claim round trip: every member's permits, or none.
+/// Refused, it also names the semaphore that refused (the first, in the
+/// canonical order). `holder` and `metadata` as a single claim's; the
+/// lease is the shortest default lease of the members.
+pub(crate) async fn claim_all(
+    several: &Several,
+    holder: &str,
+    metadata: Option<&serde_json::Value>,
+) -> Result<(Admission, Option<String>)> {
+    let lead = several.lead();
+    let token = Token::new();
+    let names: Vec<String> = several
+        .members
+        .iter()
+        .map(|(c, _)| c.name.clone())
+        .collect();
+    let permits: Vec<i32> = several.members.iter().map(|&(_, n)| n as i32).collect();
+    let query = lead
+        .db
+        .query_as::<ClaimAllRow>(CLAIM_ALL)
+        .bind(names)
+        .bind(holder.to_owned())
+        .bind(None::<PgInterval>)
+        .bind(metadata.cloned())
+        .bind(token.bytes())
+        .bind(permits);
+    let sent = Instant::now();
+    let row = match lead.db.fetch_one(query).await {
+        Ok(row) => row,
+        Err(error) => {
+            if error::outcome_unknown(&error) {
+                // Each semaphore's release_by_token ends that semaphore's
+                // claims with this token, or tombstones the token so that
+                // the claim in flight refuses it: whole or nothing either way.
+                for (core, _) in &several.members {
+                    forget_claim(core.clone(), token.clone(), None);
+                }
+            }
+            return Err(several.refused_on(error));
+        }
+    };
+    for name in &row.o_wake {
+        if let Some((core, _)) = several.members.iter().find(|(c, _)| &c.name == name) {
+            wake_later(core);
+        }
+    }
+    let capacity = row.o_capacity.unwrap_or(0).max(0) as u32;
+    let retry_in = row.o_retry_in.map(|interval| duration_of(&interval));
+    let admission = match row.o_status.as_str() {
+        "claimed" => {
+            let (Some(ids), Some(slots), Some(semaphores), Some(acquired_at), Some(expires_at)) = (
+                row.o_ids,
+                row.o_slots,
+                row.o_semaphores,
+                row.o_created_at,
+                row.o_expires_at,
+            ) else {
+                return Err(Error::internal(
+                    "pgsemaphore.claim_all returned a claim without ids or timestamps",
+                ));
+            };
+            Admission::Claimed(Claimed {
+                claims: ids
+                    .into_iter()
+                    .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
+                    .collect(),
+                acquired_at,
+                expires_at,
+                free: 0,
+                token,
+                sent,
+                semaphores,
+            })
+        }
+        "behind" => Admission::Behind { capacity, retry_in },
+        "too_many" => Admission::TooMany { capacity },
+        _ => Admission::Full { capacity, retry_in },
+    };
+    Ok((admission, row.o_semaphore))
 }
 
 /// A claim whose reply was lost may have committed: end it by its token in
@@ -498,16 +658,21 @@ fn first_lost(ids: &[i64], rows: Vec<(i64, String, Option<DateTime<Utc>>)>) -> E
 
 /// Ends a permit's claims (and wakes waiters, if any, after the commit), in
 /// one round trip. `lost`: the holder was already told the permit is lost,
-/// so the claims are recorded as timed out, never as completed. Returns how
-/// it went and, when released, when (database clock).
+/// so the claims are recorded as timed out, never as completed. `several`:
+/// the claims belong to several semaphores (a multi-limit permit). Returns
+/// how it went and, when released, when (database clock).
 pub(crate) async fn release(
     core: &Core,
     ids: &[i64],
     token: &Token,
     lost: bool,
+    several: bool,
 ) -> Result<(Ended, Option<DateTime<Utc>>)> {
     let (outcome, id, at): (String, Option<i64>, Option<DateTime<Utc>>) = if core.db.is_pooled() {
-        let rows = core.db.batch(release_call(ids, token, lost)).await?;
+        let rows = core
+            .db
+            .batch(release_call(ids, token, lost, several))
+            .await?;
         let row = rows
             .first()
             .ok_or_else(|| Error::internal("pgsemaphore.release_then_wake returned no row"))?;
@@ -519,7 +684,7 @@ pub(crate) async fn release(
     } else {
         let query = core
             .db
-            .query_as(RELEASE)
+            .query_as(if several { RELEASE_ALL } else { RELEASE })
             .bind(ids.to_vec())
             .bind(token.bytes())
             .bind(lost);
@@ -663,7 +828,7 @@ mod tests {
     #[test]
     fn the_pooled_release_inlines_only_integers_and_hex() {
         let token = Token::from_bytes([0xab; 16]);
-        let sql = release_call(&[7, 9], &token, true);
+        let sql = release_call(&[7, 9], &token, true, false);
         assert_eq!(
             sql,
             "CALL pgsemaphore.release_then_wake(p_ids => '{7,9}'::bigint[], \

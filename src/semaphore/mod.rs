@@ -35,7 +35,7 @@ use crate::validate;
 pub use self::advisory::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, DEFAULT_ADVISORY_CONNECTIONS,
 };
-use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions};
+use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions, Several};
 pub use self::engine::{Priority, QueueOrder};
 pub use self::permit::Permit;
 use self::wake::Wakeups;
@@ -689,6 +689,148 @@ impl Semaphore {
         self.claim().acquire_many_timeout(n, timeout).await
     }
 
+    /// Claims permits of **several semaphores at once**, all or nothing,
+    /// without waiting: `n` permits of each `(semaphore, n)`, in one round
+    /// trip and one transaction (`pgsemaphore.claim_all`). Either every
+    /// semaphore admits its permits or none is claimed.
+    ///
+    /// For limits that hold together: "at most 100 calls to the payment API
+    /// in total, and at most 5 per merchant". The semaphores may be named in
+    /// any order: the database claims them in one canonical order (by
+    /// name), so two callers naming them in opposite orders never deadlock.
+    /// The [`Permit`] holds every claim, with one token, one lease (the
+    /// shortest default lease of the semaphores), one heartbeat (the first
+    /// semaphore's, in byte order of the names) and one release; each of
+    /// its [`ids`](Permit::ids) is a fencing token on its own semaphore,
+    /// and the audit log links the claims (`group_id`,
+    /// [`ClaimRecord::group_id`](crate::ClaimRecord::group_id)).
+    ///
+    /// A multi-limit claim is of high priority, takes no place in a fair
+    /// queue, and is refused while any of its semaphores has a
+    /// high-priority waiter queued; it never fails open, and the holder
+    /// label is the first semaphore's handle's.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use pg_semaphore::Semaphore;
+    /// let global = Semaphore::builder("payments-api", 100).build(&pool).await?;
+    /// let merchant = Semaphore::builder("payments-api:merchant-42", 5).build(&pool).await?;
+    /// let permit = Semaphore::try_acquire_all(&[(&global, 1), (&merchant, 1)]).await?;
+    /// // ... call the payment API for merchant 42 ...
+    /// permit.release().await?; // both at once
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::NoSlotsAvailable`] naming the first semaphore (in the
+    ///   canonical order) that could not admit its permits; nothing is held.
+    /// - [`Error::InvalidArgument`] for no semaphore or more than
+    ///   [`MAX_SEMAPHORES_PER_CLAIM`](crate::MAX_SEMAPHORES_PER_CLAIM), a
+    ///   semaphore named twice (argument `semaphores`), a count of 0 or more
+    ///   than a semaphore's capacity (`permits`), or handles built on
+    ///   different pools (`semaphores`). Nothing is sent.
+    /// - [`Error::SemaphoreNotFound`], [`Error::Stalled`] (naming every
+    ///   semaphore of the claim), [`Error::MigrationsMissing`] (or a schema
+    ///   older than version 8), [`Error::Database`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a claim that completes after the caller stopped waiting
+    /// is released at once, all of it.
+    pub async fn try_acquire_all(semaphores: &[(&Semaphore, u32)]) -> Result<Permit> {
+        let several = several(semaphores)?;
+        let lead = several.lead();
+        match Permit::claim_all(&several, &lead.holder, None).await? {
+            (Admission::Claimed(permit), _) => Ok(permit),
+            (Admission::TooMany { capacity }, refused_by) => {
+                Err(wait::too_many_of(&several, refused_by.as_deref(), capacity))
+            }
+            (Admission::Full { capacity, .. } | Admission::Behind { capacity, .. }, refused_by) => {
+                let semaphore = refused_by.unwrap_or_else(|| lead.name.clone());
+                if let Some((core, _)) = several.members.iter().find(|(c, _)| c.name == semaphore) {
+                    core.metrics.no_slots();
+                }
+                Err(Error::NoSlotsAvailable {
+                    semaphore,
+                    capacity,
+                })
+            }
+            (Admission::NoTicket, _) => Err(Error::NoSlotsAvailable {
+                semaphore: lead.name.clone(),
+                capacity: lead.capacity,
+            }),
+        }
+    }
+
+    /// Waits without limit until every `(semaphore, n)` can admit its `n`
+    /// permits at the same instant, then claims them all at once, as
+    /// [`try_acquire_all`](Self::try_acquire_all) does.
+    ///
+    /// Holds nothing while it waits: holding the global permit while waiting
+    /// for the per-merchant one would starve everyone else. The waiter
+    /// claims again whenever any of the semaphores is released (its
+    /// wake-up), when the lease that refused it ends, or at the fallback
+    /// re-check. It takes no place in any process's order or fair queue:
+    /// while one of its semaphores has waiters queued it waits for them, and
+    /// under a steady stream of single claims that keep one of its
+    /// semaphores full it may wait long (it wins only an instant when every
+    /// semaphore has room). Bound it with
+    /// [`acquire_all_timeout`](Self::acquire_all_timeout).
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_all`](Self::try_acquire_all), except that full
+    /// semaphores are waited for. Database outages are ridden out, as
+    /// [`acquire`](Self::acquire) does.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping the future never leaves a slot held, and
+    /// unregisters its wake-ups.
+    pub async fn acquire_all(semaphores: &[(&Semaphore, u32)]) -> Result<Permit> {
+        let several = several(semaphores)?;
+        wait::acquire_all(&several, &several.lead().holder, None).await
+    }
+
+    /// As [`acquire_all`](Self::acquire_all), giving up after `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] (waiting for a permit of the semaphores' names,
+    /// joined by `", "`); as [`acquire_all`](Self::acquire_all).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`acquire_all`](Self::acquire_all).
+    pub async fn acquire_all_timeout(
+        semaphores: &[(&Semaphore, u32)],
+        timeout: Duration,
+    ) -> Result<Permit> {
+        let several = several(semaphores)?;
+        let names: Vec<&str> = several
+            .members
+            .iter()
+            .map(|(c, _)| c.name.as_str())
+            .collect();
+        let waited_for = WaitedFor::Permit {
+            semaphore: names.join(", "),
+        };
+        let result = with_timeout(
+            timeout,
+            waited_for,
+            wait::acquire_all(&several, &several.lead().holder, None),
+        )
+        .await;
+        if let Err(Error::Timeout { .. }) = result {
+            for (core, _) in &several.members {
+                core.metrics.timed_out();
+            }
+        }
+        result
+    }
+
     /// Waits until the semaphore has no live holders, in any process.
     ///
     /// The distributed counterpart of a WaitGroup's `Wait` (as in Go's
@@ -1025,6 +1167,47 @@ impl Claim<'_> {
         }
         Ok(attempt)
     }
+}
+
+/// Validates a multi-limit claim's members and puts them in the canonical
+/// order (byte order of the names, as `pgsemaphore.claim_all` locks them).
+fn several(semaphores: &[(&Semaphore, u32)]) -> Result<Several> {
+    validate::several(
+        semaphores
+            .iter()
+            .map(|(semaphore, permits)| (semaphore.core.name.as_str(), *permits)),
+    )?;
+    let mut members: Vec<(Arc<Core>, u32)> = semaphores
+        .iter()
+        .map(|(semaphore, permits)| (semaphore.core.clone(), *permits))
+        .collect();
+    members.sort_by(|(a, _), (b, _)| a.name.cmp(&b.name));
+    let lead = &members[0].0;
+    if let Some((other, _)) = members.iter().find(|(core, _)| {
+        !Arc::ptr_eq(&core.wakeups, &lead.wakeups) || core.db.is_pooled() != lead.db.is_pooled()
+    }) {
+        return Err(Error::invalid(
+            "semaphores",
+            format!(
+                "semaphores {:?} and {:?} were built on different pools: a multi-limit claim is one \
+                 transaction of one database, so build every handle on the same pool",
+                lead.name, other.name
+            ),
+        ));
+    }
+    if let Some((core, permits)) = members
+        .iter()
+        .find(|(core, permits)| *permits > core.capacity)
+    {
+        return Err(Error::invalid(
+            "permits",
+            format!(
+                "{permits} can never be held at once: semaphore {:?} allows at most {}",
+                core.name, core.capacity
+            ),
+        ));
+    }
+    Ok(Several { members })
 }
 
 /// Runs `wait`, giving up with [`Error::Timeout`] after `timeout` (a deadline

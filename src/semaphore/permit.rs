@@ -13,11 +13,14 @@ use crate::error::{Error, LostReason, Result};
 use crate::metrics::Held;
 use crate::token::Token;
 
-use super::engine::{self, Admission, Attempt, Claimed, Core, Ended};
+use super::engine::{self, Admission, Attempt, Claimed, Core, Ended, Several};
 use super::lease::Lease;
 
 /// Held slots of a [`Semaphore`](crate::Semaphore): one, or `n` for
-/// [`acquire_many`](crate::Semaphore::acquire_many).
+/// [`acquire_many`](crate::Semaphore::acquire_many), or the slots of
+/// several semaphores claimed together by
+/// [`acquire_all`](crate::Semaphore::acquire_all) (one token, one lease,
+/// one heartbeat, one release for all of them).
 ///
 /// Release it with [`release`](Permit::release), which reports whether the
 /// slots were still held. **Dropping a permit without releasing it schedules
@@ -51,9 +54,16 @@ use super::lease::Lease;
 /// ```
 #[must_use = "dropping a permit releases it in the background at once; hold it while you work"]
 pub struct Permit {
+    /// The semaphore (of a multi-limit permit: the first in the canonical order).
     core: Arc<Core>,
+    /// The other semaphores of a multi-limit permit, in the canonical
+    /// order; empty for a permit of one semaphore.
+    others: Vec<Arc<Core>>,
     /// (id, slot) of every claim, lowest id first. Empty for an unchecked permit.
     claims: Vec<(i64, u32)>,
+    /// The semaphore of each claim of a multi-limit permit, in the order of
+    /// `claims`; empty for a permit of one semaphore.
+    of: Vec<String>,
     acquired_at: DateTime<Utc>,
     expires_at: DateTime<Utc>,
     token: Token,
@@ -61,14 +71,15 @@ pub struct Permit {
     pub(crate) free_after: u32,
     released: bool,
     lease: Lease,
-    /// In the held gauge until dropped; none for an unchecked permit.
-    _held: Option<Held>,
+    /// In the held gauge until dropped (one per semaphore); none for an
+    /// unchecked permit.
+    _held: Vec<Held>,
 }
 
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
-            .field("semaphore", &self.core.name)
+            .field("semaphores", &self.semaphore_names())
             .field("id", &self.id())
             .field("slot", &self.slot())
             .field("permits", &self.num_permits())
@@ -102,6 +113,45 @@ impl Permit {
         .await
     }
 
+    /// One multi-limit claim round trip (`pgsemaphore.claim_all`),
+    /// cancel-safe as [`claim`](Self::claim). Refused, it names the
+    /// semaphore that refused.
+    pub(crate) async fn claim_all(
+        several: &Several,
+        holder: &str,
+        metadata: Option<&serde_json::Value>,
+    ) -> Result<(Admission<Permit>, Option<String>)> {
+        let (several, holder, metadata) = (several.clone(), holder.to_owned(), metadata.cloned());
+        detached(move |_| async move {
+            let (claim, refused_by) =
+                engine::claim_all(&several, &holder, metadata.as_ref()).await?;
+            let claim = claim.map(|claimed| {
+                let mut permit = Permit::new(several.lead(), claimed);
+                permit.others = several.members[1..]
+                    .iter()
+                    .map(|(core, _)| core.clone())
+                    .collect();
+                permit._held = permit.held_by_semaphore();
+                tracing::debug!(semaphores = ?permit.semaphore_names(), ids = ?permit.ids(), "multi-limit permit acquired");
+                permit
+            });
+            Ok((claim, refused_by))
+        })
+        .await
+    }
+
+    /// The held-gauge guards of a multi-limit permit: one per semaphore,
+    /// counting its claims.
+    fn held_by_semaphore(&self) -> Vec<Held> {
+        std::iter::once(&self.core)
+            .chain(&self.others)
+            .map(|core| {
+                let count = self.of.iter().filter(|name| **name == core.name).count();
+                core.metrics.acquired(count)
+            })
+            .collect()
+    }
+
     /// A permit for claims the database just made; starts renewing their
     /// lease if the semaphore has a heartbeat.
     fn new(core: &Arc<Core>, claimed: Claimed) -> Permit {
@@ -119,9 +169,16 @@ impl Permit {
             lease,
             core.heartbeat.interval(lease),
         );
+        let held = if claimed.semaphores.is_empty() {
+            vec![core.metrics.acquired(claimed.claims.len())]
+        } else {
+            Vec::new()
+        };
         Permit {
             core: core.clone(),
-            _held: Some(core.metrics.acquired(claimed.claims.len())),
+            others: Vec::new(),
+            _held: held,
+            of: claimed.semaphores,
             claims: claimed.claims,
             acquired_at: claimed.acquired_at,
             expires_at: claimed.expires_at,
@@ -138,6 +195,8 @@ impl Permit {
         let lease = chrono::Duration::from_std(core.lease).unwrap_or(chrono::Duration::MAX);
         Permit {
             core: core.clone(),
+            others: Vec::new(),
+            of: Vec::new(),
             claims: Vec::new(),
             acquired_at: now,
             expires_at: now
@@ -147,7 +206,7 @@ impl Permit {
             free_after: 0,
             released: false,
             lease: Lease::unchecked(),
-            _held: None,
+            _held: Vec::new(),
         }
     }
 
@@ -158,7 +217,11 @@ impl Permit {
     /// availability"); with synchronous replication it stays one.
     /// A weighted permit holds several claims made in one statement: this is
     /// the lowest of their ids, and it is still greater than every id of any
-    /// claim on this semaphore made before it. `0` for an
+    /// claim on this semaphore made before it. A
+    /// [multi-limit](crate::Semaphore::acquire_all) permit's claims were
+    /// made one semaphore after the other: each id is a fencing token on its
+    /// own semaphore only, and this one (the first semaphore's) is not one
+    /// on the others, whose earlier claims may hold larger ids. `0` for an
     /// [unchecked](Self::is_unchecked) permit.
     pub fn id(&self) -> i64 {
         self.claims.first().map_or(0, |&(id, _)| id)
@@ -185,9 +248,34 @@ impl Permit {
         self.claims.len().max(1) as u32
     }
 
-    /// The name of the semaphore this permit belongs to.
+    /// The name of the semaphore this permit belongs to (of a
+    /// [multi-limit](crate::Semaphore::acquire_all) permit: the first of
+    /// [`semaphore_names`](Self::semaphore_names)).
     pub fn semaphore_name(&self) -> &str {
         &self.core.name
+    }
+
+    /// The names of every semaphore this permit holds slots of: one, or,
+    /// for a [multi-limit](crate::Semaphore::acquire_all) permit, each
+    /// semaphore it claimed, in byte order of their names (the order the
+    /// database claimed them in, and the order of [`ids`](Self::ids):
+    /// the first semaphore's claims first).
+    pub fn semaphore_names(&self) -> Vec<&str> {
+        std::iter::once(self.core.name.as_str())
+            .chain(self.others.iter().map(|core| core.name.as_str()))
+            .collect()
+    }
+
+    /// Whether this permit spans several semaphores (a multi-limit permit).
+    fn is_several(&self) -> bool {
+        !self.others.is_empty()
+    }
+
+    /// Records a lost permit in every semaphore's metrics.
+    fn count_lost(&self, reason: LostReason) {
+        for core in std::iter::once(&self.core).chain(&self.others) {
+            core.metrics.lost(reason);
+        }
     }
 
     /// When the slot was claimed (database clock).
@@ -323,8 +411,9 @@ impl Permit {
         let lost = self.lease.lost_reason();
         let core = self.core.clone();
         let (ids, token, acquired_at) = (self.ids(), self.token.clone(), self.acquired_at);
+        let several = self.is_several();
         let ended = detached(move |_| async move {
-            let (ended, at) = engine::release(&core, &ids, &token, lost.is_some()).await?;
+            let (ended, at) = engine::release(&core, &ids, &token, lost.is_some(), several).await?;
             if let (Ended::Done, Some(at)) = (ended, at) {
                 // Both ends on the database clock.
                 let held_ms = (at - acquired_at).num_milliseconds();
@@ -334,7 +423,7 @@ impl Permit {
         })
         .await?;
         if let Some(reason) = lost_at_end(ended, lost) {
-            self.core.metrics.lost(reason);
+            self.count_lost(reason);
         }
         match (ended, lost) {
             (Ended::Done, None) => Ok(()),
@@ -360,14 +449,18 @@ impl Drop for Permit {
         let lost = self.lease.lost_reason();
         self.lease.stop();
         let core = self.core.clone();
+        let others = self.others.clone();
         let (ids, token) = (self.ids(), self.token.clone());
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    match engine::release(&core, &ids, &token, lost.is_some()).await {
+                    let several = !others.is_empty();
+                    match engine::release(&core, &ids, &token, lost.is_some(), several).await {
                         Ok((ended, _)) => {
                             if let Some(reason) = lost_at_end(ended, lost) {
-                                core.metrics.lost(reason);
+                                for core in std::iter::once(&core).chain(&others) {
+                                    core.metrics.lost(reason);
+                                }
                             }
                             tracing::debug!(semaphore = %core.name, ids = ?ids, "dropped permit released");
                         }

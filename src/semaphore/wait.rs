@@ -26,9 +26,10 @@ use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
-use super::engine::{Admission, Attempt, Core};
+use super::engine::{Admission, Attempt, Core, Several};
 use super::permit::Permit;
 use super::queue::{self, Ticket};
+use super::wake::Watch;
 
 /// Whether the semaphore has no live, unexpired claim (NULL when it does not
 /// exist), and when its earliest lease ends. A claim whose lease has ended
@@ -136,6 +137,123 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
             None => watch.changed().await,
         }
     }
+}
+
+/// Waits until every member of `several` can claim its permits in the same
+/// instant, then claims them all (`pgsemaphore.claim_all`, all or nothing).
+///
+/// Holds nothing while it waits, and takes no place in any semaphore's
+/// local order or fair queue: it watches every member, registers for each
+/// one's wake-ups (then claims again, as [`acquire`] does), and claims
+/// again on a wake-up of any of them (a release, the fallback tick) or when
+/// the lease that blocked it ends. The database refuses it while a member
+/// has a high-priority waiter queued, so it never overtakes a queue; in
+/// exchange it can be overtaken, without bound, by single claims that keep
+/// a member full (see the README's "Several limits at once").
+pub(crate) async fn acquire_all(
+    several: &Several,
+    holder: &str,
+    metadata: Option<&serde_json::Value>,
+) -> Result<Permit> {
+    let lead = several.lead();
+    let _waiting: Vec<_> = several
+        .members
+        .iter()
+        .map(|(core, _)| core.metrics.waiting())
+        .collect();
+    lead.wakeups.start(!lead.db.is_pooled());
+    let mut watches: Vec<Watch> = several
+        .members
+        .iter()
+        .map(|(core, _)| core.wakeups.watch(&core.name, core.fallback))
+        .collect();
+    let mut outage = Outage::new(true);
+    let started = Instant::now();
+    loop {
+        watches.iter_mut().for_each(Watch::seen);
+        let registered = watches.iter().all(|watch| watch.is_registered(&lead.db));
+        let claim = Permit::claim_all(several, holder, metadata).await;
+        let Some((claim, refused_by)) = outage.ride_out(lead, claim).await? else {
+            continue;
+        };
+        let lease_ends = match claim {
+            Admission::Claimed(permit) => {
+                tracing::debug!(
+                    semaphores = ?permit.semaphore_names(),
+                    waited_ms = started.elapsed().as_millis() as u64,
+                    "multi-limit waiter acquired"
+                );
+                for (core, _) in &several.members {
+                    core.metrics.waited(started.elapsed());
+                }
+                return Ok(permit);
+            }
+            Admission::TooMany { capacity } => {
+                return Err(too_many_of(several, refused_by.as_deref(), capacity));
+            }
+            // Only a queued claim carries a ticket.
+            Admission::NoTicket => None,
+            Admission::Full { retry_in, .. } | Admission::Behind { retry_in, .. } => {
+                retry_in.map(|wait| Instant::now() + wait + AFTER_LEASE)
+            }
+        };
+        // Registered now, claim again: a release that committed before a
+        // registration sent no wake-up, but this claim sees it.
+        if !registered {
+            let mut wrote = false;
+            for watch in &watches {
+                if !watch.is_registered(&lead.db) {
+                    wrote |= watch.register(&lead.db).await;
+                }
+            }
+            if wrote {
+                continue;
+            }
+        }
+        match lease_ends {
+            Some(at) => {
+                tokio::select! {
+                    () = any_changed(&mut watches) => {}
+                    () = tokio::time::sleep_until(at) => {}
+                }
+            }
+            None => any_changed(&mut watches).await,
+        }
+    }
+}
+
+/// Resolves at the next wake-up of any of `watches`.
+async fn any_changed(watches: &mut [Watch]) {
+    let mut changes: Vec<_> = watches
+        .iter_mut()
+        .map(|watch| Box::pin(watch.changed()))
+        .collect();
+    std::future::poll_fn(|cx| {
+        for change in &mut changes {
+            if change.as_mut().poll(cx).is_ready() {
+                return std::task::Poll::Ready(());
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await;
+}
+
+/// A member's capacity (changed since its handle was built) can never
+/// admit its permits.
+pub(crate) fn too_many_of(several: &Several, semaphore: Option<&str>, capacity: u32) -> Error {
+    let permits = several
+        .members
+        .iter()
+        .find(|(core, _)| Some(core.name.as_str()) == semaphore)
+        .map_or(0, |&(_, permits)| permits);
+    Error::invalid(
+        "permits",
+        format!(
+            "{permits} can never be held at once: semaphore {:?} allows at most {capacity}",
+            semaphore.unwrap_or_default()
+        ),
+    )
 }
 
 /// How a wait rides out an outage (a database restart, a failover, a

@@ -232,10 +232,13 @@ pub(crate) fn audit_table(
     if claims.is_empty() {
         out.push_str("(none)\n");
     } else {
+        // A GROUP column (the claims of one multi-limit permit share it)
+        // only when some claim has one.
+        let grouped = claims.iter().any(|c| c.group_id.is_some());
         let rows: Vec<Vec<String>> = claims
             .iter()
             .map(|c| {
-                vec![
+                let mut row = vec![
                     c.id.to_string(),
                     c.slot.to_string(),
                     c.holder.clone(),
@@ -243,17 +246,20 @@ pub(crate) fn audit_table(
                     c.ended_at.map(rfc3339).unwrap_or_else(|| "-".to_owned()),
                     outcome(c.outcome).to_owned(),
                     human(c.held_for),
-                ]
+                ];
+                if grouped {
+                    row.push(c.group_id.map_or_else(|| "-".to_owned(), |g| g.to_string()));
+                }
+                row
             })
             .collect();
-        table(
-            &mut out,
-            "",
-            &[
-                "ID", "SLOT", "HOLDER", "CLAIMED", "ENDED", "OUTCOME", "HELD",
-            ],
-            &rows,
-        );
+        let mut header = vec![
+            "ID", "SLOT", "HOLDER", "CLAIMED", "ENDED", "OUTCOME", "HELD",
+        ];
+        if grouped {
+            header.push("GROUP");
+        }
+        table(&mut out, "", &header, &rows);
     }
     let hold = |d: Option<Duration>| d.map_or_else(|| "-".to_owned(), human);
     let _ = writeln!(
