@@ -24,6 +24,9 @@ pub const MAX_HOLDER_LEN: usize = 1000;
 /// The longest fairness key ([`Claim::fairness_key`](crate::Claim::fairness_key)), in characters.
 pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
 
+/// The largest weight of a fairness key ([`set_fairness_weight`](crate::set_fairness_weight)).
+pub const MAX_FAIRNESS_WEIGHT: u32 = 1000;
+
 /// The shortest lease a permit may have.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);
 
@@ -68,6 +71,18 @@ pub(crate) fn holder(holder: &str) -> Result<()> {
 /// A fairness key: 1 to [`MAX_FAIRNESS_KEY_LEN`] characters, no NUL.
 pub(crate) fn fairness_key(key: &str) -> Result<()> {
     text("fairness_key", key, MAX_FAIRNESS_KEY_LEN)
+}
+
+/// A fairness key's weight: 1 to [`MAX_FAIRNESS_WEIGHT`].
+pub(crate) fn fairness_weight(weight: u32) -> Result<()> {
+    if (1..=MAX_FAIRNESS_WEIGHT).contains(&weight) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            argument: "weight",
+            reason: format!("must be 1 to {MAX_FAIRNESS_WEIGHT}, got {weight}"),
+        })
+    }
 }
 
 /// A rate limiter key.
