@@ -1159,33 +1159,42 @@ CREATE FUNCTION pgsemaphore.enqueue(p_semaphore text, p_permits integer, p_prior
 -- at most a place in the queue, which the waiter notices as 'no_ticket' and
 -- takes again).
 --
--- Invariant (the fairness rule): the new waiter's turn is the larger of
--- the smallest turn queued at its priority (0 if none: the head's turn in a
--- FIFO queue) and one more than the largest turn of its key at its
--- priority (0 if none); a turn never changes, and a FIFO queue serves
--- (priority, turn, id) in ascending order (pgsemaphore.claim, step 3). So:
--- a new waiter never goes ahead of the head of its priority (its turn is
--- at least the head's, its id larger); a key's waiters keep their arrival
--- order (their turns ascend); and a key with nobody queued waits behind at
--- most one waiter of each other key (at most one of each key has the
--- smallest turn): with waiters of one other key queued, it is served
--- within the next two grants. Without fairness keys, turns ascend with
--- ids: arrival order.
+-- Invariant (the fairness rule): with w the weight of the new waiter's key
+-- (pgsemaphore.fair_weights, 1 if none), its turn is the smallest turn
+-- queued at its priority (0 if none: the head's turn in a FIFO queue) when
+-- its key has no waiter queued at that priority; else its key's largest
+-- turn L when fewer than w of the key's waiters are queued at L; else
+-- L + 1. A turn never changes, and a FIFO queue serves (priority, turn, id)
+-- in ascending order (pgsemaphore.claim, step 3). So: a new waiter never
+-- goes ahead of the head of its priority (its turn is at least the head's,
+-- its id larger); a key's waiters keep their arrival order (their turns
+-- never descend, and ids break ties); each turn holds at most w waiters of
+-- a key of weight w; and a key with nobody queued waits behind at most w_k
+-- waiters of each other key k (those at the smallest turn): with waiters
+-- of one other key of weight 1 queued, it is served within the next two
+-- grants. Without fairness keys and weights, turns ascend with ids:
+-- arrival order.
 -- Meets: claims and other enqueues (serialised on the semaphore row, FOR NO
 -- KEY UPDATE: each reads the queue as every earlier one committed it, so
--- two waiters of one key never share a turn, and a head claiming meanwhile
--- either claims first, and has left the queue when this reads the turns,
--- or claims after this waiter queued behind it); clear_queue (the same row); keep_waiting (row locks on waiter
--- rows: deleting an expired row it renews waits for it and keeps the row
--- if renewed); leave_queue and the reaper (they delete waiters without the
--- semaphore's row: a turn read while one is uncommitted counts the leaving
--- waiter, as if this waiter had queued just before it left).
+-- no turn gets more than w waiters of one key, and a head claiming
+-- meanwhile either claims first, and has left the queue when this reads
+-- the turns, or claims after this waiter queued behind it); clear_queue
+-- (the same row); set_fair_weight (the same row, FOR NO KEY UPDATE: a
+-- weight change and an enqueue are ordered, and this waiter's turn uses
+-- the weight committed before it);
+-- keep_waiting (row locks on waiter rows: deleting an expired row it
+-- renews waits for it and keeps the row if renewed); leave_queue and the
+-- reaper (they delete waiters without the semaphore's row: a turn read
+-- while one is uncommitted counts the leaving waiter, as if this waiter
+-- had queued just before it left).
 DECLARE
     v_now     timestamptz;
     v_count   integer;
     v_dropped integer;
     v_floor   bigint;
     v_last    bigint;
+    v_at_last integer;
+    v_weight  integer;
 BEGIN
     PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
     IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
@@ -1206,11 +1215,14 @@ BEGIN
                    char_length(p_fair_key)));
     END IF;
     PERFORM pgsemaphore.fast_commit();
+    -- 1. The semaphore's row: serialises this with claims, other enqueues
+    -- and weight changes.
     PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
             USING ERRCODE = 'no_data_found';
     END IF;
+    -- 2. Dead waiters go; the queue limit.
     v_now := clock_timestamp();
     DELETE FROM pgsemaphore.waiters w
      WHERE w.semaphore = p_semaphore AND w.expires_at <= v_now;
@@ -1223,25 +1235,42 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- The turn (the fairness rule above). Two statements, each one probe of
-    -- an index: the smallest turn queued at this priority
-    -- (waiters_queue_idx), and this key's largest (waiters_fair_key_idx;
-    -- one branch per kind of key, so that each is a plain index condition).
+    -- 3. The turn (the fairness rule above). Each statement one probe of an
+    -- index: the smallest turn queued at this priority (waiters_queue_idx);
+    -- this key's largest turn and how many of its waiters are queued there
+    -- (waiters_fair_key_idx; one branch per kind of key, so that each is a
+    -- plain index condition); the key's weight (fair_weights' key).
     SELECT w.turn INTO v_floor
       FROM pgsemaphore.waiters w
      WHERE w.semaphore = p_semaphore AND w.priority = p_priority
      ORDER BY w.turn
      LIMIT 1;
     IF p_fair_key IS NULL THEN
-        SELECT max(w.turn) INTO v_last
+        SELECT w.turn, count(*) INTO v_last, v_at_last
           FROM pgsemaphore.waiters w
-         WHERE w.semaphore = p_semaphore AND w.priority = p_priority AND w.fair_key IS NULL;
+         WHERE w.semaphore = p_semaphore AND w.priority = p_priority AND w.fair_key IS NULL
+         GROUP BY w.turn
+         ORDER BY w.turn DESC
+         LIMIT 1;
     ELSE
-        SELECT max(w.turn) INTO v_last
+        SELECT w.turn, count(*) INTO v_last, v_at_last
           FROM pgsemaphore.waiters w
-         WHERE w.semaphore = p_semaphore AND w.priority = p_priority AND w.fair_key = p_fair_key;
+         WHERE w.semaphore = p_semaphore AND w.priority = p_priority AND w.fair_key = p_fair_key
+         GROUP BY w.turn
+         ORDER BY w.turn DESC
+         LIMIT 1;
     END IF;
-    o_turn := greatest(coalesce(v_floor, 0), coalesce(v_last + 1, 0));
+    IF v_last IS NULL THEN
+        o_turn := coalesce(v_floor, 0);
+    ELSE
+        SELECT f.weight INTO v_weight
+          FROM pgsemaphore.fair_weights f
+         WHERE f.semaphore = p_semaphore AND f.fair_key = coalesce(p_fair_key, '');
+        o_turn := CASE WHEN v_at_last < coalesce(v_weight, 1) THEN v_last ELSE v_last + 1 END;
+        -- (v_last >= v_floor: the floor is the smallest turn of every key.)
+        o_turn := greatest(o_turn, coalesce(v_floor, 0));
+    END IF;
+    -- 4. The waiter.
     INSERT INTO pgsemaphore.waiters
            (semaphore, permits, priority, holder, enqueued_at, expires_at, token_hash, fair_key, turn)
     VALUES (p_semaphore, p_permits, p_priority, p_holder, v_now, v_now + p_waiter_lease,
@@ -2889,6 +2918,20 @@ CREATE VIEW pgsemaphore.advisory_holders AS
 
 
 --
+-- Name: fair_weights; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.fair_weights (
+    semaphore text NOT NULL,
+    fair_key text NOT NULL,
+    weight integer NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT fair_weights_fair_key_length CHECK (((char_length(fair_key) >= 0) AND (char_length(fair_key) <= 200))),
+    CONSTRAINT fair_weights_weight_range CHECK (((weight >= 2) AND (weight <= 1000)))
+);
+
+
+--
 -- Name: slots; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -3054,6 +3097,14 @@ ALTER TABLE ONLY pgsemaphore.advisory_semaphores
 
 
 --
+-- Name: fair_weights fair_weights_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.fair_weights
+    ADD CONSTRAINT fair_weights_pkey PRIMARY KEY (semaphore, fair_key);
+
+
+--
 -- Name: rate_limits rate_limits_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
 --
 
@@ -3148,6 +3199,14 @@ CREATE TRIGGER advisory_semaphores_one_kind_per_name BEFORE INSERT ON pgsemaphor
 --
 
 CREATE TRIGGER semaphores_one_kind_per_name BEFORE INSERT ON pgsemaphore.semaphores FOR EACH ROW EXECUTE FUNCTION pgsemaphore.one_kind_per_name();
+
+
+--
+-- Name: fair_weights fair_weights_semaphore_fkey; Type: FK CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.fair_weights
+    ADD CONSTRAINT fair_weights_semaphore_fkey FOREIGN KEY (semaphore) REFERENCES pgsemaphore.semaphores(name) ON DELETE CASCADE;
 
 
 --
@@ -3473,6 +3532,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.renew(p_ids bigint[], p_token bytea, p_lease 
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.schema_version() FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION set_fair_weight(p_semaphore text, p_fair_key text, p_weight integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.set_fair_weight(p_semaphore text, p_fair_key text, p_weight integer) FROM PUBLIC;
 
 
 --

@@ -61,6 +61,10 @@ const CONFIGURE_ADVISORY: &str = "SELECT o_previous_capacity \
 /// Removes every waiter of a semaphore's queue.
 const CLEAR_QUEUE: &str = "SELECT pgsemaphore.clear_queue(p_semaphore => $1)";
 
+/// Sets (or removes) the weight of a fairness key in a semaphore's queue.
+const SET_FAIR_WEIGHT: &str = "SELECT pgsemaphore.set_fair_weight(p_semaphore => $1, p_fair_key => $2, \
+                                                                  p_weight => $3)";
+
 /// Admin statements run unnamed inside a transaction, so they work through
 /// a transaction pooler too; they are never on a hot path.
 fn db(pool: &PgPool) -> Db {
@@ -625,6 +629,66 @@ pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
         .map_err(|error| semaphore_not_found(error, name))?;
     tracing::info!(semaphore = name, removed, "semaphore queue cleared");
     Ok(removed.max(0) as u64)
+}
+
+/// Sets the weight of fairness key `key` (`None`: the shared default key,
+/// the waiters that carry no key) in the semaphore's fair queue: how many
+/// of its waiters one turn of the rotation between keys serves; returns the
+/// previous weight. Every key has weight 1 until an operator sets one, and
+/// a weight of 1 removes the setting. Waiters queued after the change are
+/// placed by the new weight; those already queued keep their place. The
+/// rule is [`Claim::fairness_key`](crate::Claim::fairness_key)'s: with
+/// weight `w`, a key has at most `w` waiters in each turn, so with keys A
+/// (weight 3) and B (weight 1) both busy, grants go A, A, A, B, A, A, A,
+/// B, ...
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// // The paying tenant gets three grants for every one of each other tenant.
+/// pg_semaphore::set_fairness_weight(&pool, "exports", Some("tenant-42"), 3).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a weight of 0 or above
+/// [`MAX_FAIRNESS_WEIGHT`](crate::MAX_FAIRNESS_WEIGHT), a bad name or key (nothing is written);
+/// [`Error::SemaphoreNotFound`] when no lease semaphore has this name;
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either applies the change or not.
+pub async fn set_fairness_weight(
+    pool: &PgPool,
+    name: &str,
+    key: Option<&str>,
+    weight: u32,
+) -> Result<u32> {
+    validate::name(name)?;
+    if let Some(key) = key {
+        validate::fairness_key(key)?;
+    }
+    validate::fairness_weight(weight)?;
+    let db = db(pool);
+    let query = db
+        .query_as::<(i32,)>(SET_FAIR_WEIGHT)
+        .bind(name.to_owned())
+        .bind(key.map(str::to_owned))
+        .bind(weight as i32);
+    let (previous,) = db
+        .fetch_one(query)
+        .await
+        .map_err(|error| semaphore_not_found(error, name))?;
+    tracing::info!(
+        semaphore = name,
+        fairness_key = key,
+        previous,
+        weight,
+        "fairness key weight set"
+    );
+    Ok(previous.max(1) as u32)
 }
 
 async fn run_configure(

@@ -152,7 +152,7 @@
 //! `search_path`: the application's role needs `EXECUTE` on the
 //! application's functions and no write privilege on any table; an operator
 //! role gets the operator's functions ([`set_capacity`], [`configure`],
-//! [`set_queue_order`], [`clear_queue`], [`force_release`], [`reap`],
+//! [`set_queue_order`], [`set_fairness_weight`], [`clear_queue`], [`force_release`], [`reap`],
 //! [`prune_claims`]). The README lists the exact grants, and what the
 //! application role can and cannot do with them: the SQL functions are the
 //! security boundary, not this crate. They check every argument (a refused
@@ -342,7 +342,8 @@ pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, 
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
     AdvisoryHolder, AdvisorySemaphoreInfo, ReleaseOutcome, SemaphoreInfo, advisory_semaphores,
-    clear_queue, configure, force_release, semaphores, set_capacity, set_queue_order,
+    clear_queue, configure, force_release, semaphores, set_capacity, set_fairness_weight,
+    set_queue_order,
 };
 pub use audit::{
     AdvisoryClaimRecord, AdvisoryOutcome, AdvisorySummary, AuditLog, ClaimRecord, HoldTimeBin,
@@ -366,8 +367,9 @@ pub use semaphore::{
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
-    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
-    MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAIRNESS_WEIGHT, MAX_HOLDER_LEN, MAX_KEY_LEN,
+    MAX_LEASE, MAX_NAME_LEN, MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW,
+    MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.

@@ -28,6 +28,9 @@ pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
 /// (or `pgsemaphore.claim_all`) claims together.
 pub const MAX_SEMAPHORES_PER_CLAIM: usize = 16;
 
+/// The largest weight of a fairness key ([`set_fairness_weight`](crate::set_fairness_weight)).
+pub const MAX_FAIRNESS_WEIGHT: u32 = 1000;
+
 /// The shortest lease a permit may have.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);
 
@@ -102,6 +105,18 @@ pub(crate) fn holder(holder: &str) -> Result<()> {
 /// A fairness key: 1 to [`MAX_FAIRNESS_KEY_LEN`] characters, no NUL.
 pub(crate) fn fairness_key(key: &str) -> Result<()> {
     text("fairness_key", key, MAX_FAIRNESS_KEY_LEN)
+}
+
+/// A fairness key's weight: 1 to [`MAX_FAIRNESS_WEIGHT`].
+pub(crate) fn fairness_weight(weight: u32) -> Result<()> {
+    if (1..=MAX_FAIRNESS_WEIGHT).contains(&weight) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            argument: "weight",
+            reason: format!("must be 1 to {MAX_FAIRNESS_WEIGHT}, got {weight}"),
+        })
+    }
 }
 
 /// A rate limiter key.

@@ -425,3 +425,121 @@ async fn a_fairness_key_is_one_to_max_characters_without_nul() -> TestResult {
         .await?;
     Ok(())
 }
+
+/// Weighted keys: the operator gives key A weight 3, so while A and B both
+/// have waiters queued, each turn of the rotation serves three of A's and
+/// one of B's; within a key, arrival order.
+#[tokio::test]
+async fn a_key_of_weight_three_is_served_three_grants_for_every_one_of_a_key_of_weight_one()
+-> TestResult {
+    let db = support::migrated_db().await;
+    let held = held_semaphore(&db.pool, "weighted", false).await?;
+    let previous = pg_semaphore::set_fairness_weight(&db.pool, "weighted", Some("A"), 3).await?;
+    assert_eq!(previous, 1, "every key starts at weight 1");
+    let mut queue = Vec::new();
+    for i in 0..9 {
+        queue.push(enqueue(&db.pool, "weighted", &format!("a{i}"), Some("A")).await?);
+    }
+    for i in 0..4 {
+        queue.push(enqueue(&db.pool, "weighted", &format!("b{i}"), Some("B")).await?);
+    }
+    let (served, _) = serve(&db.pool, "weighted", held, &mut queue, usize::MAX).await?;
+    assert_eq!(
+        served,
+        [
+            "a0", "a1", "a2", "b0", "a3", "a4", "a5", "b1", "a6", "a7", "a8", "b2", "b3"
+        ]
+    );
+    Ok(())
+}
+
+/// The shared default key (waiters without a key) can be weighted too, a
+/// weight of 1 removes the setting, and a change applies to waiters queued
+/// after it: those already queued keep their turns.
+#[tokio::test]
+async fn a_weight_change_applies_to_waiters_queued_after_it() -> TestResult {
+    let db = support::migrated_db().await;
+    let held = held_semaphore(&db.pool, "reweighed", false).await?;
+    pg_semaphore::set_fairness_weight(&db.pool, "reweighed", None, 2).await?;
+    let mut queue = Vec::new();
+    for i in 0..4 {
+        queue.push(enqueue(&db.pool, "reweighed", &format!("n{i}"), None).await?);
+    }
+    queue.push(enqueue(&db.pool, "reweighed", "k0", Some("K")).await?);
+    // Back to weight 1: the default key's next waiters take a turn each.
+    let previous = pg_semaphore::set_fairness_weight(&db.pool, "reweighed", None, 1).await?;
+    assert_eq!(previous, 2);
+    let (rows,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM pgsemaphore.fair_weights WHERE semaphore = 'reweighed'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(rows, 0, "weight 1 is the default: no row is kept");
+    queue.push(enqueue(&db.pool, "reweighed", "n4", None).await?);
+    queue.push(enqueue(&db.pool, "reweighed", "n5", None).await?);
+    queue.push(enqueue(&db.pool, "reweighed", "k1", Some("K")).await?);
+    let (served, _) = serve(&db.pool, "reweighed", held, &mut queue, usize::MAX).await?;
+    // Turns: n0 n1 | 0, n2 n3 | 1 (weight 2); k0 | 0; n4 | 2, n5 | 3
+    // (weight 1 now); k1 | 1.
+    assert_eq!(served, ["n0", "n1", "k0", "n2", "n3", "k1", "n4", "n5"]);
+    Ok(())
+}
+
+/// The weight is the operator's: out-of-range weights, bad keys and
+/// unknown semaphores are refused by the crate and by the database alike,
+/// and nothing is written.
+#[tokio::test]
+async fn a_fairness_weight_is_one_to_max_on_an_existing_semaphore() -> TestResult {
+    let db = support::migrated_db().await;
+    held_semaphore(&db.pool, "bounded", false).await?;
+    for weight in [0, pg_semaphore::MAX_FAIRNESS_WEIGHT + 1] {
+        let refused =
+            pg_semaphore::set_fairness_weight(&db.pool, "bounded", Some("A"), weight).await;
+        assert!(
+            matches!(
+                refused,
+                Err(Error::InvalidArgument {
+                    argument: "weight",
+                    ..
+                })
+            ),
+            "weight {weight}: {refused:?}"
+        );
+    }
+    let long = "k".repeat(MAX_FAIRNESS_KEY_LEN + 1);
+    assert!(matches!(
+        pg_semaphore::set_fairness_weight(&db.pool, "bounded", Some(&long), 2).await,
+        Err(Error::InvalidArgument {
+            argument: "fairness_key",
+            ..
+        })
+    ));
+    assert!(matches!(
+        pg_semaphore::set_fairness_weight(&db.pool, "nobody", Some("A"), 2).await,
+        Err(Error::SemaphoreNotFound { .. })
+    ));
+    // The database's own checks, for callers of the SQL API.
+    for (weight, key) in [
+        (0, Some("A")),
+        (1001, Some("A")),
+        (-5, Some("A")),
+        (2, Some("")),
+    ] {
+        let error = sqlx::query(
+            "SELECT pgsemaphore.set_fair_weight(p_semaphore => 'bounded', p_fair_key => $1, \
+             p_weight => $2)",
+        )
+        .bind(key)
+        .bind(weight)
+        .execute(&db.pool)
+        .await
+        .expect_err("refused");
+        let code = error.as_database_error().and_then(|e| e.code());
+        assert_eq!(code.as_deref(), Some("22023"), "{weight} {key:?}: {error}");
+    }
+    let (rows,): (i64,) = sqlx::query_as("SELECT count(*) FROM pgsemaphore.fair_weights")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(rows, 0);
+    Ok(())
+}

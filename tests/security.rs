@@ -227,7 +227,7 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_operator_role_reaps_prunes_resizes_and_force_releases() -> TestResult {
+async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> TestResult {
     let db = support::migrated_db().await;
     let roles = Roles::create(&db).await?;
     let app = roles.pool(&db, &roles.app).await?;
@@ -262,6 +262,10 @@ async fn the_operator_role_reaps_prunes_resizes_and_force_releases() -> TestResu
             1
         );
         pg_semaphore::configure(&operator, "operated", 3, Duration::from_secs(5)).await?;
+        assert_eq!(
+            pg_semaphore::set_fairness_weight(&operator, "operated", Some("tenant"), 3).await?,
+            1
+        );
         let held = short.try_acquire().await?;
         assert!(matches!(
             pg_semaphore::force_release(&operator, held.id()).await?,
@@ -369,6 +373,7 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
             "SELECT * FROM pgsemaphore.force_release(1)",
             "SELECT * FROM pgsemaphore.configure('guarded', 100, NULL)",
             "SELECT pgsemaphore.clear_queue('guarded')",
+            "SELECT pgsemaphore.set_fair_weight('guarded', 'tenant', 1000)",
             "SELECT pgsemaphore.prune(interval '0', 100)",
             "SELECT * FROM pgsemaphore.prune_rate_limits(interval '0', '', '', '', 100)",
         ] {
@@ -1031,6 +1036,7 @@ async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
             "pgsemaphore.configure(text,integer,interval,boolean,boolean)",
             "pgsemaphore.force_release(bigint)",
             "pgsemaphore.clear_queue(text)",
+            "pgsemaphore.set_fair_weight(text,text,integer)",
             "pgsemaphore.reap()",
             "pgsemaphore.prune(interval,integer)",
             "pgsemaphore.gate(text)",
