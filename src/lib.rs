@@ -333,8 +333,10 @@ pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, 
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
-    AdvisoryHolder, AdvisorySemaphoreInfo, ReleaseOutcome, SemaphoreInfo, advisory_semaphores,
-    clear_queue, configure, force_release, semaphores, set_capacity, set_queue_order,
+    AdvisoryHolder, AdvisorySemaphoreInfo, LimiterKind, RateLimitSetting, ReleaseOutcome,
+    SemaphoreInfo, StoredLimit, advisory_semaphores, clear_queue, clear_rate_limit, configure,
+    force_release, pause_rate_limit, rate_limit_settings, resume_rate_limit, semaphores,
+    set_capacity, set_queue_order, set_rate_limit,
 };
 pub use audit::{
     AdvisoryClaimRecord, AdvisoryOutcome, AdvisorySummary, AuditLog, ClaimRecord, HoldTimeBin,
@@ -346,8 +348,8 @@ pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, SlidingWindow, TokenBucket, TokenBucketBuilder, WindowBuilder,
-    prune_rate_limits,
+    Decision, FixedWindow, LimiterSet, RateLimiter, SlidingWindow, TokenBucket,
+    TokenBucketBuilder, WindowBuilder, prune_rate_limits,
 };
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
@@ -359,7 +361,7 @@ pub use semaphore::{
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
     MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
-    MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_LIMITS, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
