@@ -765,7 +765,10 @@ pub enum StoredLimit {
         /// The window's length.
         #[cfg_attr(
             feature = "serde",
-            serde(rename = "window_seconds", serialize_with = "crate::serialize::seconds")
+            serde(
+                rename = "window_seconds",
+                serialize_with = "crate::serialize::seconds"
+            )
         )]
         window: Duration,
     },
@@ -838,12 +841,24 @@ type SettingRow = (
 /// Reads only.
 pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>> {
     let db = db(pool);
-    let rows = db.fetch_all(db.query_as::<SettingRow>(RATE_SETTINGS)).await?;
+    let rows = db
+        .fetch_all(db.query_as::<SettingRow>(RATE_SETTINGS))
+        .await?;
     Ok(rows
         .into_iter()
         .filter_map(|row| {
-            let (kind, limiter, key, rate, burst, permit_limit, window, paused_until, updated_at, as_of) =
-                row;
+            let (
+                kind,
+                limiter,
+                key,
+                rate,
+                burst,
+                permit_limit,
+                window,
+                paused_until,
+                updated_at,
+                as_of,
+            ) = row;
             let limit = match (rate, burst, permit_limit, window) {
                 (Some(rate), Some(burst), _, _) => Some(StoredLimit::TokenBucket {
                     rate,
@@ -964,7 +979,13 @@ pub async fn set_rate_limit(
         .bind(permit_limit)
         .bind(window);
     db.fetch_one(query).await?;
-    tracing::info!(kind = kind.as_str(), limiter, key, ?limit, "rate limit stored");
+    tracing::info!(
+        kind = kind.as_str(),
+        limiter,
+        key,
+        ?limit,
+        "rate limit stored"
+    );
     Ok(())
 }
 

@@ -348,8 +348,8 @@ pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, LimiterSet, RateLimiter, SlidingWindow, TokenBucket,
-    TokenBucketBuilder, WindowBuilder, prune_rate_limits,
+    Decision, FixedWindow, LimiterSet, RateLimiter, SlidingWindow, TokenBucket, TokenBucketBuilder,
+    WindowBuilder, prune_rate_limits,
 };
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
@@ -360,8 +360,8 @@ pub use semaphore::{
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
-    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
-    MAX_LIMITS, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_LIMITS,
+    MAX_NAME_LEN, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.

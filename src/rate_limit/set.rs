@@ -101,7 +101,8 @@ impl LimiterSet {
 
     /// Adds `limiter`, always checked on `key` (a global limit: `"all"`).
     pub fn with_key(mut self, limiter: &impl RateLimiter, key: impl Into<String>) -> LimiterSet {
-        self.limits.push((limiter.limiter().clone(), Some(key.into())));
+        self.limits
+            .push((limiter.limiter().clone(), Some(key.into())));
         self
     }
 
@@ -127,7 +128,7 @@ impl LimiterSet {
     /// - [`Error::InvalidArgument`] for an empty set or one of more than
     ///   [`MAX_LIMITS`](crate::MAX_LIMITS) limits (`limits`), limiters built
     ///   on different pools (`limits`), the same key of the same limiter
-    ///   twice (`p_limiters`, from the database), and as each limiter's
+    ///   twice (`limits`, from the database), and as each limiter's
     ///   [`check`](TokenBucket::check) for the key and `permits`.
     /// - [`Error::MigrationsMissing`] when the schema is older than version
     ///   9 (no `check_limits`) or missing.
@@ -140,7 +141,10 @@ impl LimiterSet {
     /// charged) or did not.
     pub async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
         let Some((first, _)) = self.limits.first() else {
-            return Err(Error::invalid("limits", "the set is empty: add limits with `.with(&limiter)`"));
+            return Err(Error::invalid(
+                "limits",
+                "the set is empty: add limits with `.with(&limiter)`",
+            ));
         };
         if self.limits.len() > MAX_LIMITS {
             return Err(Error::invalid(
@@ -169,9 +173,16 @@ impl LimiterSet {
             names.push(limiter.name.clone());
             keys.push(key.to_owned());
             let (rate, burst, limit, window): (_, _, _, Option<PgInterval>) = match limiter.policy {
-                Policy::TokenBucket { rate, burst } => (Some(rate), Some(f64::from(burst)), None, None),
+                Policy::TokenBucket { rate, burst } => {
+                    (Some(rate), Some(f64::from(burst)), None, None)
+                }
                 Policy::FixedWindow { limit, window } | Policy::SlidingWindow { limit, window } => {
-                    (None, None, Some(i64::from(limit)), Some(validate::window(window)?))
+                    (
+                        None,
+                        None,
+                        Some(i64::from(limit)),
+                        Some(validate::window(window)?),
+                    )
                 }
             };
             rates.push(rate);

@@ -97,9 +97,10 @@ impl Limiter {
     /// least what the database still counts owed, which refilled at the old
     /// rate from the decision (before the reply) and, after a change, at the
     /// new rate from the key's last check (before the re-read). On a raised
-    /// rate the rest is divided by the new rate; on a lowered one the
-    /// deadline stays and nothing shortens it any more (a lowered limit
-    /// applies to later reservations).
+    /// rate the rest is divided by the new rate; a lower or equal one
+    /// changes nothing (a lowered limit applies to later reservations). Not
+    /// covered: a rate lowered and then raised again during one wait; the
+    /// shortened wait then assumes the model's rate held in between.
     pub(super) async fn sleep_reserved(
         &self,
         key: &str,
@@ -127,12 +128,10 @@ impl Limiter {
             let now = Instant::now();
             if new_rate > rate {
                 let owed_now = deadline.saturating_duration_since(now).as_secs_f64() * rate;
-                let shorter = now + Duration::from_micros((owed_now / new_rate * 1e6).ceil() as u64);
+                let shorter =
+                    now + Duration::from_micros((owed_now / new_rate * 1e6).ceil() as u64);
                 deadline = deadline.min(shorter);
                 rate = new_rate;
-            } else if new_rate < rate {
-                tokio::time::sleep_until(deadline).await;
-                return;
             }
         }
     }
