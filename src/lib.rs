@@ -107,6 +107,12 @@
 //! the limit. Keys are created on first use; [`prune_rate_limits`] (or a
 //! [`Reaper`] with [`ReaperBuilder::rate_limits`]) deletes keys at rest. With
 //! `fail_open(true)`, an unreachable database admits instead of failing.
+//! The limits a handle is built with are defaults: an operator may store a
+//! limiter's (or a key's) in the database ([`set_rate_limit`]), and every
+//! process applies them, read inside the same check. [`TokenBucket::pause`]
+//! holds back a key (or [`pause_all`](TokenBucket::pause_all), a limiter)
+//! in every process after an upstream's 429, and a [`LimiterSet`] checks
+//! several limits at once, charging all or none.
 //!
 //! # Audit log
 //!
@@ -138,7 +144,9 @@
 //! [`advisory_semaphores`] every advisory one with the sessions that hold
 //! its slots, [`force_release`] frees a stuck claim, [`set_capacity`]
 //! resizes a semaphore, [`reap`] and [`prune_claims`] clean up,
-//! [`AuditLog`] reads history.
+//! [`AuditLog`] reads history; [`rate_limit_settings`], [`set_rate_limit`],
+//! [`clear_rate_limit`], [`pause_rate_limit`] and [`resume_rate_limit`]
+//! manage rate limiters' stored limits and pauses.
 //! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
 //!
@@ -214,6 +222,7 @@
 //! | `semaphore::advisory` | the advisory semaphore ([`AdvisorySemaphore`], [`AdvisoryPermit`]), its dedicated sessions and audit batches |
 //! | `mutex` | [`Mutex`]: transaction-scoped and session-scoped advisory locks |
 //! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
+//! | `rate_limit::settings`, `rate_limit::set` | stored limits, pauses and the waiters' `LISTEN` for their changes; [`LimiterSet`], several limits in one check |
 //! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
 //! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |

@@ -55,6 +55,9 @@
 //!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump),
 //!     `--designs a,b` only these designs
 //!     (lease|advisory|mutex|bucket|counter|raw).
+//! 13. **limits**: a `LimiterSet` of three limits (token bucket, fixed and
+//!     sliding window on one key) against a single token bucket check, at 1
+//!     and 8 clients, hot and spread keys: the multi-limit check's cost.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -67,6 +70,7 @@ mod advisory;
 mod fleet;
 mod growth;
 mod lease;
+mod limits;
 mod load;
 mod mutex;
 mod pressure;
@@ -92,7 +96,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|limits|pressure] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--designs lease,advisory,mutex,bucket,counter,raw]";
@@ -120,11 +124,12 @@ pub enum Workload {
     Lease,
     Redis,
     Advisory,
+    Limits,
     Pressure,
 }
 
 impl Workload {
-    const ALL: [Workload; 12] = [
+    const ALL: [Workload; 13] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -136,6 +141,7 @@ impl Workload {
         Workload::Lease,
         Workload::Redis,
         Workload::Advisory,
+        Workload::Limits,
         Workload::Pressure,
     ];
 
@@ -152,6 +158,7 @@ impl Workload {
             Workload::Lease => "lease",
             Workload::Redis => "redis",
             Workload::Advisory => "advisory",
+            Workload::Limits => "limits",
             Workload::Pressure => "pressure",
         }
     }
@@ -543,6 +550,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Lease => lease::lease_workload(ctx).await?,
             Workload::Redis => redis::redis_workload(ctx).await?,
             Workload::Advisory => advisory::advisory_workload(ctx).await?,
+            Workload::Limits => limits::limits_workload(ctx).await?,
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
