@@ -169,6 +169,10 @@ struct Limiter {
     policy: Policy,
     fail_open: bool,
     metrics: LimiterMetrics,
+    /// The pool's rate limiter `LISTEN` service, from this handle's first
+    /// waiting acquire for as long as the handle lives (so that waiting
+    /// acquires do not each open and close a connection).
+    wakeups: std::sync::OnceLock<Arc<settings::RateWakeups>>,
 }
 
 impl fmt::Debug for Limiter {
@@ -207,6 +211,7 @@ impl Common {
             name: self.name,
             policy,
             fail_open: self.fail_open,
+            wakeups: std::sync::OnceLock::new(),
         }))
     }
 }
@@ -305,7 +310,7 @@ impl Limiter {
         let started = tokio::time::Instant::now();
         // Before the reservation, so that a change committed after it is
         // heard. Behind a transaction pooler nothing can listen.
-        let mut wake = (!self.db.is_pooled()).then(|| settings::subscribe(self.db.pool()));
+        let mut wake = self.subscribe();
         let topic = self.topic();
         loop {
             let left = budget.saturating_sub(started.elapsed());
@@ -741,8 +746,10 @@ impl TokenBucket {
     /// The wait is fixed when the tokens are reserved, with one exception:
     /// when an operator raises the stored rate
     /// ([`set_rate_limit`](crate::set_rate_limit)), waiters are told (a
-    /// `NOTIFY`, heard by one `LISTEN` connection per pool while someone
-    /// waits), re-read the rate and shorten their wait to what the tokens
+    /// `NOTIFY`, heard by one `LISTEN` connection per pool, opened by a
+    /// handle's first `acquire` and kept while the handle lives; none with
+    /// [`transaction_pooling`](TokenBucketBuilder::transaction_pooling)),
+    /// re-read the rate and shorten their wait to what the tokens
     /// still owed take at the new rate. A handle built with a higher rate
     /// does not shorten anyone's wait, and a lowered rate applies to later
     /// reservations only. While the key (or the limiter) is

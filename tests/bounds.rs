@@ -82,7 +82,12 @@ fn futures_are_send(
     let set = LimiterSet::new().with(&bucket);
     send(&set.check("key", 1));
     send(&pg_semaphore::rate_limit_settings(&pool));
-    send(&pg_semaphore::resume_rate_limit(&pool, LimiterKind::TokenBucket, "b", None));
+    send(&pg_semaphore::resume_rate_limit(
+        &pool,
+        LimiterKind::TokenBucket,
+        "b",
+        None,
+    ));
     send(&pg_semaphore::migrate(&pool));
     send(&pg_semaphore::reap(&pool));
     send(&pg_semaphore::semaphores(&pool));

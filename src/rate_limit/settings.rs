@@ -17,15 +17,15 @@
 //!   pause ends, then reserves again.
 //! - **Wake-ups.** The operator functions (`set_rate_limit`,
 //!   `clear_rate_limit`, `resume_rate_limit`) send `NOTIFY pgsemaphore_rate
-//!   'kind/limiter'`. One `LISTEN` connection per pool, opened while some
-//!   acquire waits, passes them on ([`Subscription`]); a waiter then re-reads
-//!   what is in force. The notification is a hint: a waiter that misses one
+//!   'kind/limiter'`. One `LISTEN` connection per pool, opened by a
+//!   handle's first waiting acquire and kept while such a handle lives,
+//!   passes them on ([`Subscription`]); a waiter then re-reads what is in
+//!   force. The notification is a hint: a waiter that misses one
 //!   is admitted at the instant it was told, never earlier than allowed.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
@@ -137,8 +137,8 @@ impl Limiter {
     }
 }
 
-/// The `LISTEN` service of one pool, while a waiter holds it.
-struct RateWakeups {
+/// The `LISTEN` service of one pool, while a handle that has waited holds it.
+pub(super) struct RateWakeups {
     sender: broadcast::Sender<Arc<str>>,
     options: Arc<PgConnectOptions>,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -177,32 +177,44 @@ impl Subscription {
     }
 }
 
-/// Subscribes to `pool`'s rate limiter notifications, starting its
-/// listener if none runs. Call it before the statement whose outcome a
-/// change could alter: a change committed after that statement is heard.
-pub(super) fn subscribe(pool: &PgPool) -> Subscription {
-    let options = pool.connect_options();
-    let service = REGISTRY.get(&options, || {
-        Arc::new(RateWakeups {
-            sender: broadcast::channel(256).0,
-            options: options.clone(),
-            task: Mutex::new(None),
-        })
-    });
-    let receiver = service.sender.subscribe();
-    {
-        let mut task = lock(&service.task);
-        // Tasks die with the runtime that spawned them: start afresh then.
-        if task.as_ref().is_none_or(JoinHandle::is_finished) {
-            *task = Some(tokio::spawn(listen_loop(
-                (*service.options).clone(),
-                service.sender.clone(),
-            )));
+impl Limiter {
+    /// Subscribes to this pool's rate limiter notifications, starting its
+    /// listener if none runs (kept by this handle from then on). Call it
+    /// before the statement whose outcome a change could alter: a change
+    /// committed after that statement is heard. `None` behind a
+    /// transaction pooler, where nothing can listen.
+    pub(super) fn subscribe(&self) -> Option<Subscription> {
+        if self.db.is_pooled() {
+            return None;
         }
-    }
-    Subscription {
-        _service: service,
-        receiver,
+        let service = self
+            .wakeups
+            .get_or_init(|| {
+                let options = self.db.pool().connect_options();
+                REGISTRY.get(&options, || {
+                    Arc::new(RateWakeups {
+                        sender: broadcast::channel(256).0,
+                        options: options.clone(),
+                        task: Mutex::new(None),
+                    })
+                })
+            })
+            .clone();
+        let receiver = service.sender.subscribe();
+        {
+            let mut task = lock(&service.task);
+            // Tasks die with the runtime that spawned them: start afresh then.
+            if task.as_ref().is_none_or(JoinHandle::is_finished) {
+                *task = Some(tokio::spawn(listen_loop(
+                    (*service.options).clone(),
+                    service.sender.clone(),
+                )));
+            }
+        }
+        Some(Subscription {
+            _service: service,
+            receiver,
+        })
     }
 }
 
