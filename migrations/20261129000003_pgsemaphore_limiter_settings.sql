@@ -172,6 +172,13 @@ AS $$
 -- applied instead (p_n above a stored burst raises 22023 p_n). While the key
 -- or the limiter is paused the check is refused (o_remaining 0,
 -- o_retry_after_us until the pause ends) without touching the key's row.
+-- Meets (since 9), besides what token_bucket_unchecked meets: a stored
+-- limit's change or a pause committed while we run. The settings are read
+-- by their own statement before the key's row is locked, so the decision
+-- applies the whole pair in force at that read: a check that then waits for
+-- the row lock (behind a multi-limit check's open transaction, say) decides
+-- under the settings it read before waiting, which were in force during
+-- the check (tests/isolation/specs/limits-multi-settings.spec).
 DECLARE
     v record;
 BEGIN
@@ -205,6 +212,13 @@ AS $$
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Since version 9: p_limit and p_window are defaults, the stored pair (key,
 -- else limiter) applies instead, and a pause refuses, as in token_bucket.
+-- Meets (since 9), besides what the _unchecked function meets: a stored
+-- limit's change or a pause committed while we run. The settings are read
+-- by their own statement before the key's row is locked, so the decision
+-- applies the whole pair in force at that read: a check that then waits for
+-- the row lock (behind a multi-limit check's open transaction, say) decides
+-- under the settings it read before waiting, which were in force during
+-- the check (tests/isolation/specs/limits-multi-settings.spec).
 DECLARE
     v record;
 BEGIN
@@ -235,6 +249,13 @@ AS $$
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Since version 9: p_limit and p_window are defaults, the stored pair (key,
 -- else limiter) applies instead, and a pause refuses, as in token_bucket.
+-- Meets (since 9), besides what the _unchecked function meets: a stored
+-- limit's change or a pause committed while we run. The settings are read
+-- by their own statement before the key's row is locked, so the decision
+-- applies the whole pair in force at that read: a check that then waits for
+-- the row lock (behind a multi-limit check's open transaction, say) decides
+-- under the settings it read before waiting, which were in force during
+-- the check (tests/isolation/specs/limits-multi-settings.spec).
 DECLARE
     v record;
 BEGIN
