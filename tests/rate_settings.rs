@@ -520,3 +520,34 @@ async fn a_bad_limiter_set_is_an_argument_error() -> TestResult {
     ));
     Ok(())
 }
+
+/// With the database unreachable, a set fails open only if every one of its
+/// limiters was built to (one fail-closed limiter makes the set return the
+/// error).
+#[tokio::test]
+async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
+    let db = support::empty_db().await;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    drop(listener);
+    let down = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(db.options.clone().host("127.0.0.1").port(port));
+    let open = |name: &str| {
+        TokenBucket::builder(name)
+            .rate(1.0)
+            .burst(1)
+            .fail_open(true)
+            .build(&down)
+    };
+    let closed = TokenBucket::builder("closed")
+        .rate(1.0)
+        .burst(1)
+        .build(&down)?;
+    let both_open = LimiterSet::new().with(&open("a")?).with(&open("b")?);
+    let decision = both_open.check("k", 1).await?;
+    assert!(decision.allowed && decision.failed_open, "{decision:?}");
+    let mixed = LimiterSet::new().with(&open("a")?).with(&closed);
+    assert!(matches!(mixed.check("k", 1).await, Err(Error::Database(_))));
+    Ok(())
+}
