@@ -116,7 +116,10 @@ pub struct Decision {
     )]
     pub retry_after: Duration,
     /// The limiter's limit: the burst of a [`TokenBucket`], the permit limit
-    /// of a [`FixedWindow`] or [`SlidingWindow`].
+    /// of a [`FixedWindow`] or [`SlidingWindow`], as the handle was built (a
+    /// limit stored in the database, [`set_rate_limit`](crate::set_rate_limit),
+    /// may differ; [`rate_limit_settings`](crate::rate_limit_settings) lists
+    /// them).
     pub limit: u32,
     /// `true` when the database could not be reached and the limiter was
     /// built with `fail_open(true)`: the request was admitted without being
