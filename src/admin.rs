@@ -3,6 +3,11 @@
 //! `pg-semaphore` CLI is built on them; applications can call them too (an
 //! admin endpoint, a runbook script). Under the README's grants, listing
 //! needs only the application role; the others need the operator role.
+//!
+//! Rate limiters' stored limits and pauses (schema version 9):
+//! [`rate_limit_settings`] lists them, [`set_rate_limit`] and
+//! [`clear_rate_limit`] store and forget a limiter's (or a key's) limits,
+//! [`pause_rate_limit`] and [`resume_rate_limit`] pause and resume.
 
 use std::time::Duration;
 
@@ -64,6 +69,30 @@ const CLEAR_QUEUE: &str = "SELECT pgsemaphore.clear_queue(p_semaphore => $1)";
 /// Sets (or removes) the weight of a fairness key in a semaphore's queue.
 const SET_FAIR_WEIGHT: &str = "SELECT pgsemaphore.set_fair_weight(p_semaphore => $1, p_fair_key => $2, \
                                                                   p_weight => $3)";
+/// Every stored rate limit and pause, with the database clock.
+const RATE_SETTINGS: &str = "\
+SELECT s.kind, s.limiter, nullif(s.key, '') AS key, s.rate, s.burst, s.permit_limit,
+       extract(epoch FROM s.window_length)::float8 AS window_seconds,
+       s.paused_until, s.updated_at, statement_timestamp() AS as_of
+  FROM pgsemaphore.rate_limit_settings s
+ ORDER BY s.kind, s.limiter, s.key";
+
+/// Stores a limiter's (`$3` NULL) or a key's limits.
+const SET_RATE_LIMIT: &str = "SELECT pgsemaphore.set_rate_limit(p_kind => $1, p_limiter => $2, \
+                              p_key => $3, p_rate => $4, p_burst => $5, p_limit => $6, \
+                              p_window => $7) IS NULL";
+
+/// Forgets a limiter's (`$3` NULL) or a key's stored limits.
+const CLEAR_RATE_LIMIT: &str =
+    "SELECT pgsemaphore.clear_rate_limit(p_kind => $1, p_limiter => $2, p_key => $3)";
+
+/// Pauses a limiter (`$3` NULL) or a key for `$4`; returns the pause's end.
+const PAUSE_RATE_LIMIT: &str = "SELECT pgsemaphore.pause_rate_limit(p_kind => $1, p_limiter => $2, \
+                                p_key => $3, p_for => $4)";
+
+/// Ends a limiter's (`$3` NULL) or a key's pause.
+const RESUME_RATE_LIMIT: &str =
+    "SELECT pgsemaphore.resume_rate_limit(p_kind => $1, p_limiter => $2, p_key => $3)";
 
 /// Admin statements run unnamed inside a transaction, so they work through
 /// a transaction pooler too; they are never on a hot path.
@@ -716,6 +745,400 @@ async fn run_configure(
         .await
         .map_err(|error| semaphore_not_found(error, name))?;
     Ok(previous.map(|p| p.max(0) as u32))
+}
+
+/// A rate limiter's kind: which of [`TokenBucket`](crate::TokenBucket),
+/// [`FixedWindow`](crate::FixedWindow), [`SlidingWindow`](crate::SlidingWindow)
+/// (limiters of different kinds never share a name's state or settings).
+///
+/// With the `serde` feature it serializes as `"token_bucket"`,
+/// `"fixed_window"`, `"sliding_window"`, the names it parses from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+#[non_exhaustive]
+pub enum LimiterKind {
+    /// A [`TokenBucket`](crate::TokenBucket).
+    TokenBucket,
+    /// A [`FixedWindow`](crate::FixedWindow).
+    FixedWindow,
+    /// A [`SlidingWindow`](crate::SlidingWindow).
+    SlidingWindow,
+}
+
+impl LimiterKind {
+    /// The kind's name in the database: `token_bucket`, `fixed_window`,
+    /// `sliding_window`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimiterKind::TokenBucket => "token_bucket",
+            LimiterKind::FixedWindow => "fixed_window",
+            LimiterKind::SlidingWindow => "sliding_window",
+        }
+    }
+}
+
+impl std::fmt::Display for LimiterKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LimiterKind {
+    type Err = Error;
+
+    /// Parses `token_bucket`, `fixed_window`, `sliding_window` (also with
+    /// `-` for `_`).
+    fn from_str(text: &str) -> Result<LimiterKind> {
+        match text.replace('-', "_").as_str() {
+            "token_bucket" => Ok(LimiterKind::TokenBucket),
+            "fixed_window" => Ok(LimiterKind::FixedWindow),
+            "sliding_window" => Ok(LimiterKind::SlidingWindow),
+            _ => Err(Error::invalid(
+                "kind",
+                format!("{text:?}: token_bucket, fixed_window or sliding_window"),
+            )),
+        }
+    }
+}
+
+/// Limits an operator stores for a rate limiter or one of its keys
+/// ([`set_rate_limit`]): they apply instead of the ones its handles were
+/// built with, in every process.
+///
+/// With the `serde` feature it serializes as `{"rate", "burst"}` or
+/// `{"permit_limit", "window_seconds"}`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(untagged))]
+#[non_exhaustive]
+pub enum StoredLimit {
+    /// A [`TokenBucket`](crate::TokenBucket)'s rate (tokens per second) and burst.
+    TokenBucket {
+        /// Tokens per second.
+        rate: f64,
+        /// The bucket's capacity.
+        burst: u32,
+    },
+    /// A [`FixedWindow`](crate::FixedWindow)'s or
+    /// [`SlidingWindow`](crate::SlidingWindow)'s permit limit and window.
+    Window {
+        /// Permits per window.
+        permit_limit: u32,
+        /// The window's length.
+        #[cfg_attr(
+            feature = "serde",
+            serde(
+                rename = "window_seconds",
+                serialize_with = "crate::serialize::seconds"
+            )
+        )]
+        window: Duration,
+    },
+}
+
+/// A rate limiter's (or one key's) stored limits and pause, listed by
+/// [`rate_limit_settings`].
+///
+/// With the `serde` feature it serializes as `{"kind", "limiter", "key",
+/// "limit", "paused_until", "updated_at", "as_of"}`.
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct RateLimitSetting {
+    /// The limiter's kind.
+    pub kind: LimiterKind,
+    /// The limiter's name.
+    pub limiter: String,
+    /// The key this row overrides; `None`: every key of the limiter.
+    pub key: Option<String>,
+    /// The stored limits; `None`: the code's (or, for a key, the limiter's).
+    pub limit: Option<StoredLimit>,
+    /// Checks are refused until then (if it is after `as_of`).
+    pub paused_until: Option<DateTime<Utc>>,
+    /// When the row last changed.
+    pub updated_at: DateTime<Utc>,
+    /// The database clock when this was read.
+    pub as_of: DateTime<Utc>,
+}
+
+impl RateLimitSetting {
+    /// Whether checks are refused now (at `as_of`) by this row's pause.
+    pub fn is_paused(&self) -> bool {
+        self.paused_until.is_some_and(|until| until > self.as_of)
+    }
+}
+
+type SettingRow = (
+    String,
+    String,
+    Option<String>,
+    Option<f64>,
+    Option<f64>,
+    Option<i64>,
+    Option<f64>,
+    Option<DateTime<Utc>>,
+    DateTime<Utc>,
+    DateTime<Utc>,
+);
+
+/// Every rate limiter's stored limits and pauses (one row per limiter or
+/// key that has either), by kind, limiter and key (the limiter's own row
+/// first).
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// for setting in pg_semaphore::rate_limit_settings(&pool).await? {
+///     println!("{} {} {:?}: {:?}", setting.kind, setting.limiter, setting.key, setting.limit);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::MigrationsMissing`] before schema version 9, [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// Reads only.
+pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>> {
+    let db = db(pool);
+    let rows = db
+        .fetch_all(db.query_as::<SettingRow>(RATE_SETTINGS))
+        .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|row| {
+            let (
+                kind,
+                limiter,
+                key,
+                rate,
+                burst,
+                permit_limit,
+                window,
+                paused_until,
+                updated_at,
+                as_of,
+            ) = row;
+            let limit = match (rate, burst, permit_limit, window) {
+                (Some(rate), Some(burst), _, _) => Some(StoredLimit::TokenBucket {
+                    rate,
+                    burst: burst as u32,
+                }),
+                (_, _, Some(permit_limit), Some(window)) => Some(StoredLimit::Window {
+                    permit_limit: u32::try_from(permit_limit).unwrap_or(u32::MAX),
+                    window: Duration::try_from_secs_f64(window).unwrap_or_default(),
+                }),
+                _ => None,
+            };
+            Some(RateLimitSetting {
+                kind: kind.parse().ok()?,
+                limiter,
+                key,
+                limit,
+                paused_until,
+                updated_at,
+                as_of,
+            })
+        })
+        .collect())
+}
+
+/// The checks a target of a setting passes: a limiter's name, a key.
+fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
+    validate::name(limiter)?;
+    if let Some(key) = key {
+        validate::key(key)?;
+    }
+    Ok(())
+}
+
+/// Stores `limit` for the rate limiter `limiter` of `kind` (`key` `None`)
+/// or for its key `key` (an override, which beats the limiter's): every
+/// check, in every process, applies it instead of the limits its handle was
+/// built with, from the key's next check on. A lowered burst caps a key's
+/// saved tokens; a window's new limit counts the permits already granted in
+/// the current window. Waiting token bucket acquires are told, and shorten
+/// their wait if the rate was raised.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// use pg_semaphore::{LimiterKind, StoredLimit};
+/// // The partner raised our quota: 50 per second, bursts of 100, from now on, everywhere.
+/// let limit = StoredLimit::TokenBucket { rate: 50.0, burst: 100 };
+/// pg_semaphore::set_rate_limit(&pool, LimiterKind::TokenBucket, "partner-api", None, limit).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name or key, a limit of another
+/// kind than `kind` (`limit`), and limits a builder would refuse (a rate
+/// that is not positive or above [`MAX_RATE`](crate::MAX_RATE), a burst or
+/// permit limit of 0, a window outside
+/// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW); a
+/// bucket refilled in more than 366 days: `p_burst`, from the database);
+/// [`Error::MigrationsMissing`] before schema version 9; [`Error::Database`]
+/// (the operator's grants).
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either stores the limits or not.
+pub async fn set_rate_limit(
+    pool: &PgPool,
+    kind: LimiterKind,
+    limiter: &str,
+    key: Option<&str>,
+    limit: StoredLimit,
+) -> Result<()> {
+    rate_target(limiter, key)?;
+    let (rate, burst, permit_limit, window) = match (kind, limit) {
+        (LimiterKind::TokenBucket, StoredLimit::TokenBucket { rate, burst }) => {
+            if !(rate.is_finite() && rate > 0.0 && rate <= crate::MAX_RATE) {
+                return Err(Error::invalid(
+                    "rate",
+                    format!("{rate}: above 0, at most {}", crate::MAX_RATE),
+                ));
+            }
+            validate::positive("burst", burst.into())?;
+            (Some(rate), Some(f64::from(burst)), None, None)
+        }
+        (
+            LimiterKind::FixedWindow | LimiterKind::SlidingWindow,
+            StoredLimit::Window {
+                permit_limit,
+                window,
+            },
+        ) => {
+            validate::positive("permit_limit", permit_limit.into())?;
+            (
+                None,
+                None,
+                Some(i64::from(permit_limit)),
+                Some(validate::window(window)?),
+            )
+        }
+        (kind, _) => {
+            return Err(Error::invalid(
+                "limit",
+                format!(
+                    "not the limits of a {kind}: a token bucket has a rate and a burst, \
+                     a window a permit limit and a window"
+                ),
+            ));
+        }
+    };
+    let db = db(pool);
+    let query = db
+        .query_as::<(bool,)>(SET_RATE_LIMIT)
+        .bind(kind.as_str())
+        .bind(limiter.to_owned())
+        .bind(key.map(str::to_owned))
+        .bind(rate)
+        .bind(burst)
+        .bind(permit_limit)
+        .bind(window);
+    db.fetch_one(query).await?;
+    tracing::info!(
+        kind = kind.as_str(),
+        limiter,
+        key,
+        ?limit,
+        "rate limit stored"
+    );
+    Ok(())
+}
+
+/// Forgets the stored limits of `limiter` (`key` `None`) or of its key
+/// `key`: checks apply the limiter's stored limits (for a key) or their
+/// handles' own again. A pause stays. Returns whether limits were stored.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name or key,
+/// [`Error::MigrationsMissing`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either forgets the limits or not.
+pub async fn clear_rate_limit(
+    pool: &PgPool,
+    kind: LimiterKind,
+    limiter: &str,
+    key: Option<&str>,
+) -> Result<bool> {
+    rate_target(limiter, key)?;
+    let db = db(pool);
+    let query = db
+        .query_as::<(bool,)>(CLEAR_RATE_LIMIT)
+        .bind(kind.as_str())
+        .bind(limiter.to_owned())
+        .bind(key.map(str::to_owned));
+    Ok(db.fetch_one(query).await?.0)
+}
+
+/// Pauses `limiter` (`key` `None`: every key) or its key `key` for
+/// `duration`, as [`TokenBucket::pause`](crate::TokenBucket::pause) does
+/// from an application (never shortens a pause in force); returns when the
+/// pause in force ends.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name or key, a `duration` below 1 ms
+/// or above [`MAX_PAUSE`](crate::MAX_PAUSE); [`Error::MigrationsMissing`],
+/// [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either pauses or not.
+pub async fn pause_rate_limit(
+    pool: &PgPool,
+    kind: LimiterKind,
+    limiter: &str,
+    key: Option<&str>,
+    duration: Duration,
+) -> Result<DateTime<Utc>> {
+    rate_target(limiter, key)?;
+    let duration = validate::pause(duration)?;
+    let db = db(pool);
+    let query = db
+        .query_as::<(DateTime<Utc>,)>(PAUSE_RATE_LIMIT)
+        .bind(kind.as_str())
+        .bind(limiter.to_owned())
+        .bind(key.map(str::to_owned))
+        .bind(duration);
+    Ok(db.fetch_one(query).await?.0)
+}
+
+/// Ends the pause of `limiter` (`key` `None`) or of its key `key` now,
+/// whoever set it; waiting acquires are told and reserve at once. Returns
+/// whether a pause was running.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a bad name or key,
+/// [`Error::MigrationsMissing`], [`Error::Database`] (the operator's grants).
+///
+/// # Cancel safety
+///
+/// One statement: cancelling either resumes or not.
+pub async fn resume_rate_limit(
+    pool: &PgPool,
+    kind: LimiterKind,
+    limiter: &str,
+    key: Option<&str>,
+) -> Result<bool> {
+    rate_target(limiter, key)?;
+    let db = db(pool);
+    let query = db
+        .query_as::<(bool,)>(RESUME_RATE_LIMIT)
+        .bind(kind.as_str())
+        .bind(limiter.to_owned())
+        .bind(key.map(str::to_owned));
+    Ok(db.fetch_one(query).await?.0)
 }
 
 #[cfg(all(test, feature = "serde"))]

@@ -520,6 +520,11 @@ fn argument_name(column: &str) -> &'static str {
         "p_fair_key" => "fairness_key",
         "p_limit" => "limit",
         "p_limiter" => "limiter",
+        "p_kinds" | "p_limiters" | "p_keys" | "p_rates" | "p_bursts" | "p_limits" | "p_windows" => {
+            "limits"
+        }
+        "p_kind" => "kind",
+        "p_for" => "duration",
         "p_key" => "key",
         "p_rate" => "rate",
         "p_burst" => "burst",

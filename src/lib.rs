@@ -111,6 +111,12 @@
 //! the limit. Keys are created on first use; [`prune_rate_limits`] (or a
 //! [`Reaper`] with [`ReaperBuilder::rate_limits`]) deletes keys at rest. With
 //! `fail_open(true)`, an unreachable database admits instead of failing.
+//! The limits a handle is built with are defaults: an operator may store a
+//! limiter's (or a key's) in the database ([`set_rate_limit`]), and every
+//! process applies them, read inside the same check. [`TokenBucket::pause`]
+//! holds back a key (or [`pause_all`](TokenBucket::pause_all), a limiter)
+//! in every process after an upstream's 429, and a [`LimiterSet`] checks
+//! several limits at once, charging all or none.
 //!
 //! # Audit log
 //!
@@ -142,7 +148,9 @@
 //! [`advisory_semaphores`] every advisory one with the sessions that hold
 //! its slots, [`force_release`] frees a stuck claim, [`set_capacity`]
 //! resizes a semaphore, [`reap`] and [`prune_claims`] clean up,
-//! [`AuditLog`] reads history.
+//! [`AuditLog`] reads history; [`rate_limit_settings`], [`set_rate_limit`],
+//! [`clear_rate_limit`], [`pause_rate_limit`] and [`resume_rate_limit`]
+//! manage rate limiters' stored limits and pauses.
 //! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
 //!
@@ -218,6 +226,7 @@
 //! | `semaphore::advisory` | the advisory semaphore ([`AdvisorySemaphore`], [`AdvisoryPermit`]), its dedicated sessions and audit batches |
 //! | `mutex` | [`Mutex`]: transaction-scoped and session-scoped advisory locks |
 //! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
+//! | `rate_limit::settings`, `rate_limit::set` | stored limits, pauses and the waiters' `LISTEN` for their changes; [`LimiterSet`], several limits in one check |
 //! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
 //! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |
@@ -341,9 +350,10 @@ pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, 
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
-    AdvisoryHolder, AdvisorySemaphoreInfo, ReleaseOutcome, SemaphoreInfo, advisory_semaphores,
-    clear_queue, configure, force_release, semaphores, set_capacity, set_fairness_weight,
-    set_queue_order,
+    AdvisoryHolder, AdvisorySemaphoreInfo, LimiterKind, RateLimitSetting, ReleaseOutcome,
+    SemaphoreInfo, StoredLimit, advisory_semaphores, clear_queue, clear_rate_limit, configure,
+    force_release, pause_rate_limit, rate_limit_settings, resume_rate_limit, semaphores,
+    set_capacity, set_fairness_weight, set_queue_order, set_rate_limit,
 };
 pub use audit::{
     AdvisoryClaimRecord, AdvisoryOutcome, AdvisorySummary, AuditLog, ClaimRecord, HoldTimeBin,
@@ -355,8 +365,8 @@ pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, SlidingWindow, TokenBucket, TokenBucketBuilder, WindowBuilder,
-    prune_rate_limits,
+    Decision, FixedWindow, LimiterSet, RateLimiter, SlidingWindow, TokenBucket, TokenBucketBuilder,
+    WindowBuilder, prune_rate_limits,
 };
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
@@ -368,8 +378,8 @@ pub use semaphore::{
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
     MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAIRNESS_WEIGHT, MAX_HOLDER_LEN, MAX_KEY_LEN,
-    MAX_LEASE, MAX_NAME_LEN, MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW,
-    MIN_LEASE, MIN_WINDOW,
+    MAX_LEASE, MAX_LIMITS, MAX_NAME_LEN, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT,
+    MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.

@@ -771,7 +771,11 @@ mod tests {
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
                 "20261127000001_pgsemaphore_fair_keys.sql",
                 "20261128000001_pgsemaphore_waiting_bucket.sql",
-                "20261129000002_pgsemaphore_claim_all.sql"
+                "20261129000001_pgsemaphore_families.sql",
+                "20261129000002_pgsemaphore_claim_all.sql",
+                "20261129000003_pgsemaphore_limiter_settings.sql",
+                "20261129000004_pgsemaphore_limiter_ledger.sql",
+                "20261129000005_pgsemaphore_fair_weights.sql"
             ],
             "pending files are named as in migrations/"
         );
@@ -782,7 +786,11 @@ mod tests {
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
                 "20261127000001_pgsemaphore_fair_keys.sql",
                 "20261128000001_pgsemaphore_waiting_bucket.sql",
-                "20261129000002_pgsemaphore_claim_all.sql"
+                "20261129000001_pgsemaphore_families.sql",
+                "20261129000002_pgsemaphore_claim_all.sql",
+                "20261129000003_pgsemaphore_limiter_settings.sql",
+                "20261129000004_pgsemaphore_limiter_ledger.sql",
+                "20261129000005_pgsemaphore_fair_weights.sql"
             ]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());

@@ -21,6 +21,17 @@
 //! answers when they will be there; the caller sleeps until then. The
 //! windows do not wait yet.
 //!
+//! Since schema version 9 the limits a handle is built with are
+//! **defaults**: an operator may store a limiter's limits, or one key's, in
+//! `pgsemaphore.rate_limit_settings` (`pg-semaphore limits set`,
+//! [`set_rate_limit`](crate::set_rate_limit)), and every check, of every
+//! process, applies the stored ones in the same statement; any process may
+//! [`pause`](TokenBucket::pause) a key or a whole limiter after an
+//! upstream's 429; and a [`LimiterSet`] checks several limits at once, all
+//! or none. How (and the wake-ups of waiting acquires when an operator
+//! raises a rate or ends a pause): `settings` and `set` below, and the
+//! header of `migrations/20261129000003_pgsemaphore_limiter_settings.sql`.
+//!
 //! The three limiters share one engine (`Limiter`: the pool, the name, the
 //! policy, fail-open); [`FixedWindow`] and [`SlidingWindow`] share one
 //! builder ([`WindowBuilder`]) and one definition of their methods
@@ -38,6 +49,11 @@ use crate::error::{Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::LimiterMetrics;
 use crate::validate::{self, MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW};
+
+mod set;
+mod settings;
+
+pub use set::{LimiterSet, RateLimiter};
 
 /// Token bucket check: takes `$5` tokens from key `$2` of limiter `$1` if it
 /// has them (rate `$3` per second, burst `$4`).
@@ -100,7 +116,10 @@ pub struct Decision {
     )]
     pub retry_after: Duration,
     /// The limiter's limit: the burst of a [`TokenBucket`], the permit limit
-    /// of a [`FixedWindow`] or [`SlidingWindow`].
+    /// of a [`FixedWindow`] or [`SlidingWindow`], as the handle was built (a
+    /// limit stored in the database, [`set_rate_limit`](crate::set_rate_limit),
+    /// may differ; [`rate_limit_settings`](crate::rate_limit_settings) lists
+    /// them).
     pub limit: u32,
     /// `true` when the database could not be reached and the limiter was
     /// built with `fail_open(true)`: the request was admitted without being
@@ -153,6 +172,10 @@ struct Limiter {
     policy: Policy,
     fail_open: bool,
     metrics: LimiterMetrics,
+    /// The pool's rate limiter `LISTEN` service, from this handle's first
+    /// waiting acquire for as long as the handle lives (so that waiting
+    /// acquires do not each open and close a connection).
+    wakeups: std::sync::OnceLock<Arc<settings::RateWakeups>>,
 }
 
 impl fmt::Debug for Limiter {
@@ -191,6 +214,7 @@ impl Common {
             name: self.name,
             policy,
             fail_open: self.fail_open,
+            wakeups: std::sync::OnceLock::new(),
         }))
     }
 }
@@ -269,7 +293,10 @@ impl Limiter {
 
     /// A token bucket's waiting acquire: one reservation (one round trip),
     /// then a sleep on this process's clock until the instant the database
-    /// reserved, counted from the reply (so never earlier than that instant).
+    /// reserved, counted from the reply (so never earlier than that instant),
+    /// shortened if an operator raises the rate meanwhile. A paused key is
+    /// refused with the pause's end: the caller sleeps until then (or until
+    /// an operator ends the pause) and reserves again.
     /// `timeout`: the longest wait the caller accepts (`None`: the longest
     /// that can be reserved).
     async fn acquire(
@@ -282,41 +309,62 @@ impl Limiter {
         let Policy::TokenBucket { rate, burst } = self.policy else {
             unreachable!("only a token bucket reserves")
         };
-        let max_wait = validate::rate_wait(timeout.unwrap_or(MAX_RATE_WAIT))?;
-        let db = &self.db;
-        let query = db
-            .query_as::<(bool, i64, i64)>(TOKEN_BUCKET_RESERVE)
-            .bind(self.name.clone())
-            .bind(key.to_owned())
-            .bind(rate)
-            .bind(f64::from(burst))
-            .bind(f64::from(permits))
-            .bind(max_wait);
-        let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
-            Ok(reply) => reply,
-            Err(error) => return self.failed(error).await,
-        };
-        self.metrics.decided(allowed);
-        if !allowed {
-            return Err(Error::Timeout {
-                waited_for: WaitedFor::RateLimit {
-                    limiter: self.name.clone(),
-                    key: key.to_owned(),
-                },
-                timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-            });
+        let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
+        let started = tokio::time::Instant::now();
+        // Before the reservation, so that a change committed after it is
+        // heard. Behind a transaction pooler nothing can listen.
+        let mut wake = self.subscribe();
+        let topic = self.topic();
+        loop {
+            let left = budget.saturating_sub(started.elapsed());
+            let max_wait = validate::rate_wait(left)?;
+            let db = &self.db;
+            let query = db
+                .query_as::<(bool, i64, i64)>(TOKEN_BUCKET_RESERVE)
+                .bind(self.name.clone())
+                .bind(key.to_owned())
+                .bind(rate)
+                .bind(f64::from(burst))
+                .bind(f64::from(permits))
+                .bind(max_wait);
+            let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
+                Ok(reply) => reply,
+                Err(error) => return self.failed(error).await,
+            };
+            let wait = Duration::from_micros(wait_us.max(0) as u64);
+            if allowed {
+                self.metrics.decided(true);
+                self.sleep_reserved(key, wait, remaining, wake.as_mut(), rate)
+                    .await;
+                return Ok(Decision {
+                    allowed: true,
+                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                    retry_after: Duration::ZERO,
+                    limit: burst,
+                    failed_open: false,
+                });
+            }
+            if wait.is_zero() || wait > left {
+                self.metrics.decided(false);
+                return Err(Error::Timeout {
+                    waited_for: WaitedFor::RateLimit {
+                        limiter: self.name.clone(),
+                        key: key.to_owned(),
+                    },
+                    timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+                });
+            }
+            // Refused within the caller's wait: the key is paused until then.
+            match wake.as_mut() {
+                Some(wake) => {
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = wake.changed(&topic) => {}
+                    }
+                }
+                None => tokio::time::sleep(wait).await,
+            }
         }
-        let wait = Duration::from_micros(wait_us.max(0) as u64);
-        if !wait.is_zero() {
-            tokio::time::sleep(wait).await;
-        }
-        Ok(Decision {
-            allowed: true,
-            remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-            retry_after: Duration::ZERO,
-            limit: burst,
-            failed_open: false,
-        })
     }
 }
 
@@ -409,6 +457,52 @@ macro_rules! common_limiter_methods {
         pub async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
             self.inner.check(key, permits).await
         }
+
+        /// Pauses `key` for `duration` from now (on the database's clock), in
+        /// every process: its checks are refused with a `retry_after` until
+        /// then, taking nothing, and waiting acquires sleep until then. For an
+        /// upstream that answered 429 with `Retry-After`. A pause is only ever
+        /// extended: a shorter one than the pause in force changes nothing (an
+        /// operator ends one early: `pg-semaphore limits resume`,
+        /// [`resume_rate_limit`](crate::resume_rate_limit)).
+        ///
+        /// ```no_run
+        /// # use std::time::Duration;
+        /// # async fn run(limiter: pg_semaphore::TokenBucket) -> Result<(), pg_semaphore::Error> {
+        /// // The upstream answered 429 with Retry-After: 30.
+        /// limiter.pause("tenant-7", Duration::from_secs(30)).await?;
+        /// # Ok(())
+        /// # }
+        /// ```
+        ///
+        /// # Errors
+        ///
+        /// - [`Error::InvalidArgument`] for a bad key (as `check`) and a
+        ///   `duration` below 1 ms or above [`MAX_PAUSE`](crate::MAX_PAUSE).
+        /// - [`Error::MigrationsMissing`] before schema version 9;
+        ///   [`Error::Database`] otherwise (a pause never fails open).
+        ///
+        /// # Cancel safety
+        ///
+        /// One statement: if cancelled, the pause was stored or was not.
+        pub async fn pause(&self, key: &str, duration: Duration) -> Result<()> {
+            self.inner.pause(Some(key), duration).await
+        }
+
+        /// Pauses every key of this limiter for `duration`, as
+        /// [`pause`](Self::pause) pauses one (an upstream's 429 that is not
+        /// about one key).
+        ///
+        /// # Errors
+        ///
+        /// As [`pause`](Self::pause).
+        ///
+        /// # Cancel safety
+        ///
+        /// As [`pause`](Self::pause).
+        pub async fn pause_all(&self, duration: Duration) -> Result<()> {
+            self.inner.pause(None, duration).await
+        }
     };
 }
 
@@ -473,9 +567,12 @@ macro_rules! window_limiter {
 /// so a burst of `burst` requests passes at once, then `rate` per second.
 /// Time is the database's clock, read after the key's row is locked.
 ///
-/// A cheap handle (an [`Arc`] inside): clone it freely. Every handle with the
-/// same name should use the same rate and burst: the limits are not stored,
-/// each check applies its own to the shared state.
+/// A cheap handle (an [`Arc`] inside): clone it freely. The rate and burst
+/// it is built with are defaults: a rate and burst an operator stored for
+/// the limiter, or for one key ([`set_rate_limit`](crate::set_rate_limit)),
+/// apply instead, in every process. Without stored limits, every handle
+/// with the same name should use the same rate and burst: each check applies
+/// its own to the shared state.
 ///
 /// ```no_run
 /// use pg_semaphore::TokenBucket;
@@ -649,9 +746,20 @@ impl TokenBucket {
     /// `check` is refused while reservations are outstanding: reservations
     /// are served first.
     ///
-    /// The wait is fixed when the tokens are reserved: raising the rate
-    /// later (a handle built with a higher one) does not shorten it, and no
-    /// waiter is woken early. A timeout above
+    /// The wait is fixed when the tokens are reserved, with one exception:
+    /// when an operator raises the stored rate
+    /// ([`set_rate_limit`](crate::set_rate_limit)), waiters are told (a
+    /// `NOTIFY`, heard by one `LISTEN` connection per pool, opened by a
+    /// handle's first `acquire` and kept while the handle lives; none with
+    /// [`transaction_pooling`](TokenBucketBuilder::transaction_pooling)),
+    /// re-read the rate and shorten their wait to what the tokens
+    /// still owed take at the new rate. A handle built with a higher rate
+    /// does not shorten anyone's wait, and a lowered rate applies to later
+    /// reservations only. While the key (or the limiter) is
+    /// [paused](Self::pause), the reservation is refused until the pause
+    /// ends: a waiter sleeps until then (woken early if an operator ends the
+    /// pause) and reserves again, within its timeout; a pause that ends
+    /// after the timeout returns [`Error::Timeout`] at once. A timeout above
     /// [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT) waits at most that.
     ///
     /// With [`fail_open`](TokenBucketBuilder::fail_open), an unreachable
@@ -675,8 +783,8 @@ impl TokenBucket {
     /// # Errors
     ///
     /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at once
-    ///   when the tokens would not be there within `timeout`; nothing was
-    ///   taken.
+    ///   when the tokens would not be there within `timeout`, or the key is
+    ///   paused beyond it; nothing was taken.
     /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
     ///   [`Error::Database`] as for [`check`](Self::check) (a schema older
     ///   than version 6 has no `token_bucket_reserve`:

@@ -58,6 +58,15 @@ pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 /// cover is refused, and a longer timeout waits at most this.
 pub const MAX_RATE_WAIT: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
+/// The longest a rate limiter's pause may reach ahead of now (1 hour):
+/// [`TokenBucket::pause`](crate::TokenBucket::pause) and its kin pause a key
+/// for 1 ms to this long; a longer pause is refused (an upstream's
+/// `Retry-After` beyond an hour is better served by an operator).
+pub const MAX_PAUSE: Duration = Duration::from_secs(3600);
+
+/// The most limits one [`LimiterSet`](crate::LimiterSet) checks at once.
+pub const MAX_LIMITS: usize = 16;
+
 /// The longest age a cleanup accepts (100 years): a retention, the
 /// `older_than` of finished claims, the `idle_for` of rate limiter keys.
 const MAX_AGE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
@@ -169,6 +178,11 @@ pub(crate) fn rate_wait(timeout: Duration) -> Result<PgInterval> {
         timeout.min(MAX_RATE_WAIT),
         Duration::ZERO..=MAX_RATE_WAIT,
     )
+}
+
+/// A rate limiter's pause, 1 ms to [`MAX_PAUSE`], as an SQL interval.
+pub(crate) fn pause(pause: Duration) -> Result<PgInterval> {
+    interval("duration", pause, Duration::from_millis(1)..=MAX_PAUSE)
 }
 
 /// An age for a cleanup (a retention, an idle time), zero to 100 years, as

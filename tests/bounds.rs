@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use pg_semaphore::{
-    AuditLog, Claim, Decision, Error, FixedWindow, LostReason, Mutex, MutexGuard, Permit, Reaper,
-    Semaphore, SemaphoreBuilder, SessionGuard, SlidingWindow, TokenBucket, WaitedFor,
+    AuditLog, Claim, Decision, Error, FixedWindow, LimiterKind, LimiterSet, LostReason, Mutex,
+    MutexGuard, Permit, RateLimitSetting, Reaper, Semaphore, SemaphoreBuilder, SessionGuard,
+    SlidingWindow, StoredLimit, TokenBucket, WaitedFor,
 };
 use sqlx::PgPool;
 
@@ -30,6 +31,10 @@ fn handles_and_guards_are_send_and_sync() {
     all::<TokenBucket>();
     all::<FixedWindow>();
     all::<SlidingWindow>();
+    all::<LimiterSet>();
+    all::<LimiterKind>();
+    all::<StoredLimit>();
+    all::<RateLimitSetting>();
     all::<Decision>();
     all::<LostReason>();
     all::<WaitedFor>();
@@ -74,6 +79,18 @@ fn futures_are_send(
     unpin(&Box::pin(session.lost()));
     send(&session.unlock());
     send(&bucket.check("key", 1));
+    send(&bucket.acquire("key", 1));
+    send(&bucket.pause("key", second));
+    send(&bucket.pause_all(second));
+    let set = LimiterSet::new().with(&bucket);
+    send(&set.check("key", 1));
+    send(&pg_semaphore::rate_limit_settings(&pool));
+    send(&pg_semaphore::resume_rate_limit(
+        &pool,
+        LimiterKind::TokenBucket,
+        "b",
+        None,
+    ));
     send(&pg_semaphore::migrate(&pool));
     send(&pg_semaphore::reap(&pool));
     send(&pg_semaphore::semaphores(&pool));

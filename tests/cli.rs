@@ -881,5 +881,146 @@ async fn audit_shows_which_claims_a_multi_limit_permit_took_together() -> TestRe
     );
     both.release().await?;
     single.release().await?;
+/// `limits`: the operator stores a limit, a pause, lists them, and the
+/// limiters of the application obey; clear and resume undo them; a bad
+/// combination of flags is a usage error.
+#[tokio::test]
+async fn limits_stores_lists_pauses_and_clears_rate_limits() -> TestResult {
+    let db = support::migrated_db().await;
+    let limiter = pg_semaphore::TokenBucket::builder("partner-api")
+        .rate(0.001)
+        .burst(10)
+        .build(&db.pool)?;
+    let out = run(
+        &db,
+        &[
+            "limits",
+            "set",
+            "token-bucket",
+            "partner-api",
+            "--rate",
+            "0.001",
+            "--burst",
+            "2",
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "token_bucket partner-api: stored rate 0.001/s, burst 2"
+    );
+    let allowed = [
+        limiter.check("k", 1).await?.allowed,
+        limiter.check("k", 1).await?.allowed,
+        limiter.check("k", 1).await?.allowed,
+    ];
+    assert_eq!(
+        allowed,
+        [true, true, false],
+        "the stored burst of 2 applies"
+    );
+
+    let out = run(
+        &db,
+        &[
+            "limits",
+            "pause",
+            "token-bucket",
+            "partner-api",
+            "--key",
+            "tenant-7",
+            "--for",
+            "30s",
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    assert!(stdout(&out).starts_with("token_bucket partner-api key \"tenant-7\": paused until "));
+    assert!(!limiter.check("tenant-7", 1).await?.allowed);
+
+    let out = run(&db, &["limits", "list"]).await;
+    assert_status(&out, 0);
+    let listed = stdout(&out);
+    assert!(listed.contains("rate 0.001/s, burst 2"), "{listed}");
+    assert!(listed.contains("(all keys)"), "{listed}");
+    assert!(
+        listed.contains("tenant-7") && listed.contains("left)"),
+        "{listed}"
+    );
+    let out = run(&db, &["limits", "list", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_str(&stdout(&out))?;
+    assert_eq!(json[0]["kind"], "token_bucket");
+    assert_eq!(json[0]["limit"]["burst"], 2);
+    assert_eq!(json[1]["key"], "tenant-7");
+
+    let out = run(
+        &db,
+        &[
+            "limits",
+            "resume",
+            "token-bucket",
+            "partner-api",
+            "--key",
+            "tenant-7",
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "token_bucket partner-api key \"tenant-7\": resumed"
+    );
+    assert!(limiter.check("tenant-7", 1).await?.allowed);
+    let out = run(&db, &["limits", "clear", "token-bucket", "partner-api"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "token_bucket partner-api: stored limits cleared"
+    );
+    let out = run(&db, &["limits", "list"]).await;
+    assert!(
+        stdout(&out).starts_with("no stored rate limits"),
+        "{}",
+        stdout(&out)
+    );
+
+    for bad in [
+        &[
+            "limits",
+            "set",
+            "token-bucket",
+            "x",
+            "--permit-limit",
+            "5",
+            "--window",
+            "1h",
+        ][..],
+        &[
+            "limits",
+            "set",
+            "fixed-window",
+            "x",
+            "--rate",
+            "1",
+            "--burst",
+            "1",
+        ],
+        &["limits", "pause", "token-bucket", "x", "--for", "2h"],
+        &[
+            "limits",
+            "set",
+            "leaky-bucket",
+            "x",
+            "--rate",
+            "1",
+            "--burst",
+            "1",
+        ],
+    ] {
+        let out = run(&db, bad).await;
+        assert_status(&out, 2);
+    }
     Ok(())
 }

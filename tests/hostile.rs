@@ -272,6 +272,7 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
     let db = support::migrated_db().await;
     open(&db.pool, "args", 2).await?;
     let long = "x".repeat(201);
+    let cm = "SELECT * FROM pgsemaphore.check_limits(";
     // (call, the argument it must name)
     let cases: Vec<(String, &str)> = vec![
         ("SELECT * FROM pgsemaphore.open(NULL, 1, '1 s')".into(), "p_name"),
@@ -383,6 +384,51 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
         ("SELECT * FROM pgsemaphore.fixed_window('l', 'k', 1, '1 s', NULL)".into(), "p_n"),
         ("SELECT * FROM pgsemaphore.sliding_window('l', 'k', 1, '-1 s', 1)".into(), "p_window"),
         ("SELECT * FROM pgsemaphore.sliding_window('', 'k', 1, '1 s', 1)".into(), "p_limiter"),
+        // Schema version 9: several limits, pauses, what is in force.
+        (format!("{cm}NULL, '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
+        (format!("{cm}'{{}}', '{{}}', '{{}}', '{{}}', '{{}}', '{{}}', '{{}}', 1)"), "p_kinds"),
+        (format!("{cm}'{{{{token_bucket}}}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
+        (format!("{cm}'[0:0]={{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
+        (format!("{cm}array_fill('token_bucket'::text, ARRAY[17]), array_fill('l'::text, ARRAY[17]), array_fill('k'::text, ARRAY[17]), array_fill(1::float8, ARRAY[17]), array_fill(1::float8, ARRAY[17]), array_fill(NULL::bigint, ARRAY[17]), array_fill(NULL::interval, ARRAY[17]), 1)"), "p_kinds"),
+        (format!("{cm}'{{NULL}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
+        (format!("{cm}'{{leaky_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
+        (format!("{cm}'{{token_bucket}}', '{{l,m}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_limiters"),
+        (format!("{cm}'{{token_bucket}}', NULL, '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_limiters"),
+        (format!("{cm}'{{token_bucket}}', '{{NULL}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_limiter"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{\"\"}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_key"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_rates"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', NULL, '{{NULL}}', '{{NULL}}', 1)"), "p_bursts"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL,NULL}}', '{{NULL}}', 1)"), "p_limits"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '[2:2]={{NULL}}', 1)"), "p_windows"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', NULL)"), "p_n"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 0)"), "p_n"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 2)"), "p_n"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{NaN}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_rate"),
+        (format!("{cm}'{{token_bucket}}', '{{l}}', '{{k}}', '{{NULL}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_rate"),
+        (format!("{cm}'{{fixed_window}}', '{{l}}', '{{k}}', '{{NULL}}', '{{NULL}}', '{{NULL}}', '{{1 s}}', 1)"), "p_limit"),
+        (format!("{cm}'{{sliding_window}}', '{{l}}', '{{k}}', '{{NULL}}', '{{NULL}}', '{{1}}', '{{NULL}}', 1)"), "p_window"),
+        (format!("{cm}'{{token_bucket,token_bucket}}', '{{l,l}}', '{{k,k}}', '{{1,1}}', '{{1,1}}', '{{NULL,NULL}}', '{{NULL,NULL}}', 1)"), "p_limiters"),
+        ("SELECT pgsemaphore.pause_rate_limit(NULL, 'l', 'k', '1 s')".into(), "p_kind"),
+        ("SELECT pgsemaphore.pause_rate_limit('semaphore', 'l', 'k', '1 s')".into(), "p_kind"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', NULL, 'k', '1 s')".into(), "p_limiter"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', '', '1 s')".into(), "p_key"),
+        (format!("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', '{}', '1 s')", "k".repeat(257)), "p_key"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', 'k', NULL)".into(), "p_for"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', 'k', '0 s')".into(), "p_for"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', 'k', '-1 s')".into(), "p_for"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', 'k', '61 minutes')".into(), "p_for"),
+        ("SELECT pgsemaphore.pause_rate_limit('token_bucket', 'l', 'k', '1000 years')".into(), "p_for"),
+        ("SELECT * FROM pgsemaphore.rate_limit_in_force('token_bucket', 'l', '')".into(), "p_key"),
+        ("SELECT * FROM pgsemaphore.rate_limit_in_force('x', 'l', 'k')".into(), "p_kind"),
+        ("SELECT pgsemaphore.set_rate_limit('token_bucket', 'l', NULL, 0, 1, NULL, NULL)".into(), "p_rate"),
+        ("SELECT pgsemaphore.set_rate_limit('token_bucket', 'l', NULL, 1e-9, 1, NULL, NULL)".into(), "p_burst"),
+        ("SELECT pgsemaphore.set_rate_limit('token_bucket', 'l', NULL, 1, 1, 5, NULL)".into(), "p_limit"),
+        ("SELECT pgsemaphore.set_rate_limit('fixed_window', 'l', NULL, NULL, NULL, 0, '1 s')".into(), "p_limit"),
+        ("SELECT pgsemaphore.set_rate_limit('fixed_window', 'l', NULL, 1, NULL, 5, '1 s')".into(), "p_rate"),
+        ("SELECT pgsemaphore.set_rate_limit('sliding_window', 'l', NULL, NULL, NULL, 5, '367 days')".into(), "p_window"),
+        ("SELECT pgsemaphore.set_rate_limit('sliding_window', 'l', '', NULL, NULL, 5, '1 s')".into(), "p_key"),
+        ("SELECT pgsemaphore.clear_rate_limit('token_bucket', '', NULL)".into(), "p_limiter"),
+        ("SELECT pgsemaphore.resume_rate_limit(NULL, 'l', NULL)".into(), "p_kind"),
     ];
     let mut wrong = Vec::new();
     for (call, argument) in &cases {

@@ -982,6 +982,79 @@ async fn privileges_rate_limits_are_checked_and_spent() -> TestResult {
     .await
 }
 
+/// README: "Check several rate limits at once, charged all or none, and
+/// read the stored limits and pauses in force, but never store, clear or
+/// shorten them."
+#[tokio::test]
+async fn privileges_limits_are_checked_together_and_never_changed() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        let multi = "SELECT o_allowed FROM pgsemaphore.check_limits(
+                         ARRAY['fixed_window', 'token_bucket'], ARRAY['day', 'second'], ARRAY['k', 'k'],
+                         ARRAY[NULL, 0.001]::float8[], ARRAY[NULL, 1]::float8[],
+                         ARRAY[5, NULL]::bigint[], ARRAY['1 day', NULL]::interval[], 1)";
+        let mut allowed = Vec::new();
+        for _ in 0..2 {
+            allowed.push(sqlx::query_scalar::<_, bool>(multi).fetch_one(&app).await?);
+        }
+        assert_eq!(allowed, [true, false]);
+        sqlx::query("SELECT pgsemaphore.set_rate_limit('fixed_window', 'day', NULL, NULL, NULL, 9, '1 day')")
+            .execute(&operator)
+            .await?;
+        let in_force: Option<i64> =
+            sqlx::query_scalar("SELECT o_limit FROM pgsemaphore.rate_limit_in_force('fixed_window', 'day', 'k')")
+                .fetch_one(&app)
+                .await?;
+        assert_eq!(in_force, Some(9));
+        for sql in [
+            "SELECT pgsemaphore.set_rate_limit('fixed_window', 'day', NULL, NULL, NULL, 1000, '1 day')",
+            "SELECT pgsemaphore.clear_rate_limit('fixed_window', 'day', NULL)",
+            "SELECT pgsemaphore.resume_rate_limit('fixed_window', 'day', NULL)",
+        ] {
+            assert!(denied(sqlx::query(sql).execute(&app).await), "allowed: {sql}");
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Pausing a rate limiter, or any of its keys, refuses every
+/// process's checks of it for at most an hour past its last pause; only an
+/// operator ends a pause early (`pg_semaphore::resume_rate_limit`,
+/// `pg-semaphore limits resume`)."
+#[tokio::test]
+async fn privileges_a_pause_lasts_at_most_an_hour_and_only_the_operator_ends_it() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        let pause = |length: &'static str| {
+            sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(AssertSqlSafe(format!(
+                "SELECT pgsemaphore.pause_rate_limit('token_bucket', 'upstream', NULL, '{length}')"
+            )))
+        };
+        let until = pause("1 hour").fetch_one(&app).await?;
+        // A shorter pause does not shorten it; a longer one is refused.
+        assert_eq!(pause("1 s").fetch_one(&app).await?, until);
+        assert_eq!(
+            refusal(pause("2 hours").fetch_one(&app).await),
+            ("22023".to_owned(), Some("p_for".to_owned()))
+        );
+        let check = "SELECT o_allowed FROM pgsemaphore.token_bucket('upstream', 'k', 1, 1, 1)";
+        assert!(!sqlx::query_scalar::<_, bool>(check).fetch_one(&app).await?);
+        assert!(denied(
+            sqlx::query("SELECT pgsemaphore.resume_rate_limit('token_bucket', 'upstream', NULL)")
+                .execute(&app)
+                .await
+        ));
+        let resumed: bool = sqlx::query_scalar(
+            "SELECT pgsemaphore.resume_rate_limit('token_bucket', 'upstream', NULL)",
+        )
+        .fetch_one(&operator)
+        .await?;
+        assert!(resumed);
+        assert!(sqlx::query_scalar::<_, bool>(check).fetch_one(&app).await?);
+        Ok(())
+    })
+    .await
+}
+
 /// README: "Write any table directly."
 #[tokio::test]
 async fn privileges_no_table_is_writable() -> TestResult {

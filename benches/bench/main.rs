@@ -58,6 +58,9 @@
 //! 13. **multi**: several limits at once: `try_acquire_all` of two
 //!     semaphores + release, against one semaphore's `try_acquire` +
 //!     release, at 1 and 8 clients.
+//! 14. **limits**: a `LimiterSet` of three limits (token bucket, fixed and
+//!     sliding window on one key) against a single token bucket check, at 1
+//!     and 8 clients, hot and spread keys: the multi-limit check's cost.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -70,6 +73,7 @@ mod advisory;
 mod fleet;
 mod growth;
 mod lease;
+mod limits;
 mod load;
 mod multi;
 mod mutex;
@@ -96,7 +100,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--designs lease,advisory,mutex,bucket,counter,raw]";
@@ -124,6 +128,7 @@ pub enum Workload {
     Lease,
     Redis,
     Advisory,
+    Limits,
     Pressure,
     Multi,
 }
@@ -141,6 +146,7 @@ impl Workload {
         Workload::Lease,
         Workload::Redis,
         Workload::Advisory,
+        Workload::Limits,
         Workload::Pressure,
         Workload::Multi,
     ];
@@ -158,6 +164,7 @@ impl Workload {
             Workload::Lease => "lease",
             Workload::Redis => "redis",
             Workload::Advisory => "advisory",
+            Workload::Limits => "limits",
             Workload::Pressure => "pressure",
             Workload::Multi => "multi",
         }
@@ -550,6 +557,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Lease => lease::lease_workload(ctx).await?,
             Workload::Redis => redis::redis_workload(ctx).await?,
             Workload::Advisory => advisory::advisory_workload(ctx).await?,
+            Workload::Limits => limits::limits_workload(ctx).await?,
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
             Workload::Multi => multi::multi_workload(ctx).await?,
         }

@@ -148,3 +148,25 @@ SELECT o_status, o_slots
 SELECT pgsemaphore.advisory_release(p_semaphore => 'reports', p_key_base => :key_base,
                                     p_slots => '{0}') AS released;
 SELECT count(*) AS holders FROM pgsemaphore.advisory_holders WHERE semaphore = 'reports';
+
+-- 10. Rate limits (schema version 9): two limits on one key checked
+-- together, all or none; then a pause (an upstream answered 429 with
+-- Retry-After: 30) refuses the key in every process, taking nothing.
+SELECT o_allowed, o_remaining, o_deciding
+  FROM pgsemaphore.check_limits(
+         p_kinds => ARRAY['token_bucket', 'fixed_window'], p_limiters => ARRAY['partner-s', 'partner-day'],
+         p_keys => ARRAY['tenant-7', 'tenant-7'], p_rates => ARRAY[10, NULL]::float8[],
+         p_bursts => ARRAY[10, NULL]::float8[], p_limits => ARRAY[NULL, 1]::bigint[],
+         p_windows => ARRAY[NULL, '1 day']::interval[], p_n => 1);
+-- The daily limit of 1 is spent: refused, and the bucket keeps its tokens.
+SELECT o_allowed, o_retry_after_us > 0 AS must_wait, o_deciding
+  FROM pgsemaphore.check_limits(
+         p_kinds => ARRAY['token_bucket', 'fixed_window'], p_limiters => ARRAY['partner-s', 'partner-day'],
+         p_keys => ARRAY['tenant-7', 'tenant-7'], p_rates => ARRAY[10, NULL]::float8[],
+         p_bursts => ARRAY[10, NULL]::float8[], p_limits => ARRAY[NULL, 1]::bigint[],
+         p_windows => ARRAY[NULL, '1 day']::interval[], p_n => 1);
+SELECT pgsemaphore.pause_rate_limit(p_kind => 'token_bucket', p_limiter => 'partner-s',
+                                    p_key => 'tenant-7', p_for => '30 s') > now() AS paused;
+SELECT o_allowed, o_remaining, o_retry_after_us > 25000000 AS retry_after_over_25s
+  FROM pgsemaphore.token_bucket(p_limiter => 'partner-s', p_key => 'tenant-7',
+                                p_rate => 10, p_burst => 10, p_n => 1);

@@ -8,7 +8,7 @@ use pg_semaphore::{AuditLog, ReleaseOutcome, SemaphoreKind};
 use sqlx::PgPool;
 
 use crate::render::{self, human, plural, rfc3339};
-use crate::{AuditArgs, EXIT_FAILURE, Failure, ReportArgs, parse};
+use crate::{AuditArgs, EXIT_FAILURE, Failure, LimitsCommand, ReportArgs, parse};
 
 pub(crate) async fn migrate(pool: &PgPool) -> Result<String, Failure> {
     pg_semaphore::migrate(pool).await?;
@@ -185,4 +185,87 @@ pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String,
         plural(deleted),
         human(older_than)
     ))
+}
+
+pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<String, Failure> {
+    use pg_semaphore::{LimiterKind, StoredLimit};
+    let what = |kind: LimiterKind, limiter: &str, key: Option<&str>| match key {
+        Some(key) => format!("{kind} {limiter} key {key:?}"),
+        None => format!("{kind} {limiter}"),
+    };
+    Ok(match command {
+        LimitsCommand::List { json } => {
+            let settings = pg_semaphore::rate_limit_settings(pool).await?;
+            if json {
+                render::limits_json(&settings)
+            } else {
+                render::limits_table(&settings)
+            }
+        }
+        LimitsCommand::Set {
+            target,
+            rate,
+            burst,
+            permit_limit,
+            window,
+        } => {
+            let limit = match (target.kind, rate, burst, permit_limit, window) {
+                (LimiterKind::TokenBucket, Some(rate), Some(burst), None, None) => {
+                    StoredLimit::TokenBucket { rate, burst }
+                }
+                (LimiterKind::TokenBucket, ..) => {
+                    return Err(Failure::usage("a token bucket takes --rate and --burst"));
+                }
+                (_, None, None, Some(permit_limit), Some(window)) => StoredLimit::Window {
+                    permit_limit,
+                    window,
+                },
+                _ => {
+                    return Err(Failure::usage(
+                        "a fixed or sliding window takes --permit-limit and --window",
+                    ));
+                }
+            };
+            let key = target.key.as_deref();
+            pg_semaphore::set_rate_limit(pool, target.kind, &target.limiter, key, limit).await?;
+            format!(
+                "{}: stored {}\n",
+                what(target.kind, &target.limiter, key),
+                render::stored_limit(&limit)
+            )
+        }
+        LimitsCommand::Clear { target } => {
+            let key = target.key.as_deref();
+            let had =
+                pg_semaphore::clear_rate_limit(pool, target.kind, &target.limiter, key).await?;
+            let what = what(target.kind, &target.limiter, key);
+            if had {
+                format!("{what}: stored limits cleared\n")
+            } else {
+                format!("{what}: no stored limits: nothing to do\n")
+            }
+        }
+        LimitsCommand::Pause { target, duration } => {
+            let key = target.key.as_deref();
+            let until =
+                pg_semaphore::pause_rate_limit(pool, target.kind, &target.limiter, key, duration)
+                    .await?;
+            format!(
+                "{}: paused until {}\n",
+                what(target.kind, &target.limiter, key),
+                rfc3339(until)
+            )
+        }
+        LimitsCommand::Resume { target } => {
+            let key = target.key.as_deref();
+            let had =
+                pg_semaphore::resume_rate_limit(pool, target.kind, &target.limiter, key).await?;
+            let what = what(target.kind, &target.limiter, key);
+            if had {
+                format!("{what}: resumed\n")
+            } else {
+                format!("{what}: not paused: nothing to do\n")
+            }
+        }
+    })
 }

@@ -209,6 +209,88 @@ enum Command {
         #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
         older_than: Duration,
     },
+
+    /// Rate limiters' stored limits and pauses: list, set, clear, pause, resume.
+    ///
+    /// A limit stored here applies instead of the one the code builds its
+    /// limiter with, in every process, from each key's next check (a key's
+    /// own limit beats its limiter's). A paused limiter or key refuses
+    /// every check until the pause ends; waiting acquires sleep until then.
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  pg-semaphore limits list
+  pg-semaphore limits set token-bucket partner-api --rate 50 --burst 100
+  pg-semaphore limits set fixed-window per-day --key tenant-7 --permit-limit 20000 --window 1d
+  pg-semaphore limits clear token-bucket partner-api
+  pg-semaphore limits pause token-bucket partner-api --for 30s
+  pg-semaphore limits resume token-bucket partner-api"
+    )]
+    Limits(LimitsCommand),
+}
+
+/// `pg-semaphore limits ...`.
+#[derive(Debug, Subcommand)]
+enum LimitsCommand {
+    /// Every stored limit and pause (a row per limiter, and per key with its own).
+    List {
+        /// Print JSON: an array of {"kind", "limiter", "key", "limit", "paused_until", "updated_at", "as_of"}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Store a limiter's limits (or one key's, with --key).
+    ///
+    /// A token bucket takes --rate and --burst; a fixed or sliding window
+    /// --permit-limit and --window. Waiting acquires are told, and a raised
+    /// rate shortens their wait.
+    Set {
+        #[command(flatten)]
+        target: LimitTarget,
+        /// Tokens per second (token bucket).
+        #[arg(long, requires = "burst", conflicts_with_all = ["permit_limit", "window"])]
+        rate: Option<f64>,
+        /// The bucket's capacity (token bucket).
+        #[arg(long, requires = "rate")]
+        burst: Option<u32>,
+        /// Permits per window (fixed or sliding window).
+        #[arg(long, requires = "window")]
+        permit_limit: Option<u32>,
+        /// The window's length, e.g. 1s, 1h, 1d (fixed or sliding window).
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "permit_limit")]
+        window: Option<Duration>,
+    },
+    /// Forget a limiter's (or a key's) stored limits: the code's apply again.
+    Clear {
+        #[command(flatten)]
+        target: LimitTarget,
+    },
+    /// Pause a limiter (or one key) for --for, at most 1h, in every process.
+    ///
+    /// Never shortens a pause in force.
+    Pause {
+        #[command(flatten)]
+        target: LimitTarget,
+        /// How long, e.g. 30s, 5m, 1h.
+        #[arg(long = "for", value_name = "DURATION", value_parser = parse_duration)]
+        duration: Duration,
+    },
+    /// End a limiter's (or a key's) pause now; waiting acquires go on at once.
+    Resume {
+        #[command(flatten)]
+        target: LimitTarget,
+    },
+}
+
+/// Which limiter, or which key of it.
+#[derive(Debug, Args)]
+struct LimitTarget {
+    /// token-bucket, fixed-window or sliding-window.
+    kind: pg_semaphore::LimiterKind,
+    /// The limiter's name.
+    limiter: String,
+    /// One key of the limiter instead of all of them.
+    #[arg(long)]
+    key: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -368,6 +450,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         }
         Command::ClearQueue { name } => commands::clear_queue(&pool, &name).await?,
         Command::Prune { older_than } => commands::prune(&pool, older_than).await?,
+        Command::Limits(command) => commands::limits(&pool, command).await?,
     };
     pool.close().await;
     Ok(output)

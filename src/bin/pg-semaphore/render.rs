@@ -11,7 +11,8 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
     AdvisoryClaimRecord, AdvisoryHolder, AdvisoryOutcome, AdvisorySemaphoreInfo, AdvisorySummary,
-    ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome, SemaphoreInfo, Summary,
+    ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome, RateLimitSetting, SemaphoreInfo,
+    StoredLimit, Summary,
 };
 use serde::Serialize;
 
@@ -160,6 +161,60 @@ pub(crate) fn status_json(list: &[SemaphoreInfo], advisory: &[AdvisorySemaphoreI
         .chain(advisory.iter().map(Entry::Advisory))
         .collect();
     json(&entries)
+}
+
+/// A stored limit, as the CLI prints it.
+pub(crate) fn stored_limit(limit: &StoredLimit) -> String {
+    match limit {
+        StoredLimit::TokenBucket { rate, burst } => format!("rate {rate}/s, burst {burst}"),
+        StoredLimit::Window {
+            permit_limit,
+            window,
+        } => format!("{permit_limit} per {}", human(*window)),
+        _ => "?".to_owned(),
+    }
+}
+
+/// `pg-semaphore limits list`: one line per limiter or key with stored
+/// limits or a pause.
+pub(crate) fn limits_table(settings: &[RateLimitSetting]) -> String {
+    if settings.is_empty() {
+        return "no stored rate limits or pauses: every limiter applies its code's limits\n"
+            .to_owned();
+    }
+    let mut out = format!(
+        "{:<15} {:<24} {:<20} {:<28} {}\n",
+        "KIND", "LIMITER", "KEY", "LIMIT", "PAUSED"
+    );
+    for s in settings {
+        let limit = s
+            .limit
+            .as_ref()
+            .map_or_else(|| "-".to_owned(), stored_limit);
+        let paused = match s.paused_until {
+            Some(until) if s.is_paused() => format!(
+                "until {} ({} left)",
+                rfc3339(until),
+                human((until - s.as_of).to_std().unwrap_or_default())
+            ),
+            _ => "-".to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<15} {:<24} {:<20} {:<28} {}",
+            s.kind.as_str(),
+            s.limiter,
+            s.key.as_deref().unwrap_or("(all keys)"),
+            limit,
+            paused
+        );
+    }
+    out
+}
+
+/// `pg-semaphore limits list --json`.
+pub(crate) fn limits_json(settings: &[RateLimitSetting]) -> String {
+    json(&settings)
 }
 
 /// `pg-semaphore doctor`: who holds the xmin horizon, for how long, and

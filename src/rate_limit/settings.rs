@@ -1,0 +1,263 @@
+//! Limits stored in the database, pauses, and the wake-ups of waiting
+//! acquires when an operator changes either (schema version 9,
+//! `migrations/20261129000003_pgsemaphore_limiter_settings.sql`, whose
+//! header writes down the decisions).
+//!
+//! - **Stored limits.** `pgsemaphore.rate_limit_settings` holds, per limiter
+//!   and optionally per key, a pair an operator stored (rate and burst, or
+//!   permit limit and window). Every check function reads it in its own
+//!   statement: the key's pair, else the limiter's, else the one the code
+//!   passed. So a handle's builder values are defaults, and every process
+//!   (of any crate version from schema 2 on) applies the stored ones, with
+//!   no extra round trip.
+//! - **Pauses.** [`Limiter::pause`] (the application: an upstream answered
+//!   429 with `Retry-After`) refuses a key's, or a whole limiter's, checks
+//!   until then in every process; it only ever extends a pause, by at most
+//!   [`MAX_PAUSE`](crate::MAX_PAUSE). A waiting acquire sleeps until the
+//!   pause ends, then reserves again.
+//! - **Wake-ups.** The operator functions (`set_rate_limit`,
+//!   `clear_rate_limit`, `resume_rate_limit`) send `NOTIFY pgsemaphore_rate
+//!   'kind/limiter'`. One `LISTEN` connection per pool, opened by a
+//!   handle's first waiting acquire and kept while such a handle lives,
+//!   passes them on ([`Subscription`]); a waiter then re-reads what is in
+//!   force. The notification is a hint: a waiter that misses one
+//!   is admitted at the instant it was told, never earlier than allowed.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::Limiter;
+use crate::error::Result;
+use crate::per_pool::{PerPool, lock};
+use crate::validate;
+
+/// The channel the operator functions notify on; the payload is `kind/limiter`.
+const CHANNEL: &str = "pgsemaphore_rate";
+
+/// Back-off after the listener fails to (re)connect.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
+
+/// Pauses key `$3` (NULL: every key) of limiter `$2` of kind `$1` for `$4`.
+const PAUSE: &str = "SELECT pgsemaphore.pause_rate_limit(p_kind => $1, p_limiter => $2, \
+                     p_key => $3, p_for => $4) IS NOT NULL";
+
+/// The stored rate in force for key `$3` of token bucket `$2` (NULL: none).
+const RATE_IN_FORCE: &str = "SELECT o_rate FROM pgsemaphore.rate_limit_in_force(p_kind => $1, \
+                             p_limiter => $2, p_key => $3)";
+
+impl Limiter {
+    /// Pauses `key` (`None`: every key) for `duration` from now, on the
+    /// database's clock.
+    pub(super) async fn pause(&self, key: Option<&str>, duration: Duration) -> Result<()> {
+        if let Some(key) = key {
+            validate::key(key)?;
+        }
+        let duration = validate::pause(duration)?;
+        let query = self
+            .db
+            .query_as::<(bool,)>(PAUSE)
+            .bind(self.policy.kind())
+            .bind(self.name.clone())
+            .bind(key.map(str::to_owned))
+            .bind(duration);
+        self.db.fetch_one(query).await?;
+        Ok(())
+    }
+
+    /// The rate a token bucket's check of `key` applies now: the stored one,
+    /// else this handle's.
+    async fn rate_in_force(&self, key: &str, own: f64) -> Result<f64> {
+        let query = self
+            .db
+            .query_as::<(Option<f64>,)>(RATE_IN_FORCE)
+            .bind(self.policy.kind())
+            .bind(self.name.clone())
+            .bind(key.to_owned());
+        Ok(self.db.fetch_one(query).await?.0.unwrap_or(own))
+    }
+
+    /// What a waiter hears about: this limiter's notifications.
+    pub(super) fn topic(&self) -> String {
+        format!("{}/{}", self.policy.kind(), self.name)
+    }
+
+    /// Sleeps until a token bucket reservation's instant, `wait` from the
+    /// reply, shortened if an operator raises the rate meanwhile.
+    ///
+    /// `remaining`: the reservation's `o_remaining`, the floor of the level
+    /// right after it (so `-remaining` is at least the tokens owed). The
+    /// tokens still owed are modelled as `(deadline - now) x rate`, with
+    /// the rate first taken as `owed / wait` (at least the rate that timed
+    /// the reservation, since `-remaining` overestimates what was owed): at
+    /// least what the database still counts owed, which refilled at the old
+    /// rate from the decision (before the reply) and, after a change, at the
+    /// new rate from the key's last check (before the re-read). On a raised
+    /// rate the rest is divided by the new rate; a lower or equal one
+    /// changes nothing (a lowered limit applies to later reservations). Not
+    /// covered: a rate lowered and then raised again during one wait; the
+    /// shortened wait then assumes the model's rate held in between.
+    pub(super) async fn sleep_reserved(
+        &self,
+        key: &str,
+        wait: Duration,
+        remaining: i64,
+        wake: Option<&mut Subscription>,
+        own_rate: f64,
+    ) {
+        let mut deadline = Instant::now() + wait;
+        let owed = (-(remaining as f64)).max(0.0);
+        let (Some(wake), true) = (wake, owed > 0.0 && !wait.is_zero()) else {
+            tokio::time::sleep_until(deadline).await;
+            return;
+        };
+        let mut rate = owed / wait.as_secs_f64();
+        let topic = self.topic();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => return,
+                () = wake.changed(&topic) => {}
+            }
+            let Ok(new_rate) = self.rate_in_force(key, own_rate).await else {
+                continue;
+            };
+            let now = Instant::now();
+            if new_rate > rate {
+                let owed_now = deadline.saturating_duration_since(now).as_secs_f64() * rate;
+                let shorter =
+                    now + Duration::from_micros((owed_now / new_rate * 1e6).ceil() as u64);
+                deadline = deadline.min(shorter);
+                rate = new_rate;
+            }
+        }
+    }
+}
+
+/// The `LISTEN` service of one pool, while a handle that has waited holds it.
+pub(super) struct RateWakeups {
+    sender: broadcast::Sender<Arc<str>>,
+    options: Arc<PgConnectOptions>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for RateWakeups {
+    fn drop(&mut self) {
+        if let Some(task) = lock(&self.task).take() {
+            task.abort();
+        }
+    }
+}
+
+static REGISTRY: PerPool<RateWakeups> = PerPool::new();
+
+/// A waiter's ear: the notifications of every limiter of its pool, and an
+/// empty one each time the listener (re)starts listening (anything changed
+/// before then is re-read).
+pub(super) struct Subscription {
+    _service: Arc<RateWakeups>,
+    receiver: broadcast::Receiver<Arc<str>>,
+}
+
+impl Subscription {
+    /// Returns once a notification about `topic` (or a (re)connection, or a
+    /// burst that overflowed the buffer) arrives; never if the service is gone.
+    pub(super) async fn changed(&mut self, topic: &str) {
+        loop {
+            match self.receiver.recv().await {
+                Ok(payload) if payload.is_empty() || &*payload == topic => return,
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(_)) => return,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            }
+        }
+    }
+}
+
+impl Limiter {
+    /// Subscribes to this pool's rate limiter notifications, starting its
+    /// listener if none runs (kept by this handle from then on). Call it
+    /// before the statement whose outcome a change could alter: a change
+    /// committed after that statement is heard. `None` behind a
+    /// transaction pooler, where nothing can listen.
+    pub(super) fn subscribe(&self) -> Option<Subscription> {
+        if self.db.is_pooled() {
+            return None;
+        }
+        let service = self
+            .wakeups
+            .get_or_init(|| {
+                let options = self.db.pool().connect_options();
+                REGISTRY.get(&options, || {
+                    Arc::new(RateWakeups {
+                        sender: broadcast::channel(256).0,
+                        options: options.clone(),
+                        task: Mutex::new(None),
+                    })
+                })
+            })
+            .clone();
+        let receiver = service.sender.subscribe();
+        {
+            let mut task = lock(&service.task);
+            // Tasks die with the runtime that spawned them: start afresh then.
+            if task.as_ref().is_none_or(JoinHandle::is_finished) {
+                *task = Some(tokio::spawn(listen_loop(
+                    (*service.options).clone(),
+                    service.sender.clone(),
+                )));
+            }
+        }
+        Some(Subscription {
+            _service: service,
+            receiver,
+        })
+    }
+}
+
+/// The `LISTEN` loop. Runs until aborted.
+async fn listen_loop(options: PgConnectOptions, sender: broadcast::Sender<Arc<str>>) {
+    // A pool of one, apart from the application's pool, used by PgListener to reconnect.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_lazy_with(options);
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(%error, "pg-semaphore rate listener cannot connect; waiters sleep their full wait");
+                tokio::time::sleep(RECONNECT_BACKOFF).await;
+                continue;
+            }
+        };
+        listener.ignore_pool_close_event(true);
+        if let Err(error) = listener.listen(CHANNEL).await {
+            tracing::warn!(%error, "pg-semaphore rate listener cannot LISTEN");
+            tokio::time::sleep(RECONNECT_BACKOFF).await;
+            continue;
+        }
+        // Anything changed before LISTEN took effect is re-read now.
+        let _ = sender.send(Arc::from(""));
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(notification)) => {
+                    let _ = sender.send(Arc::from(notification.payload()));
+                }
+                Ok(None) => {
+                    let _ = sender.send(Arc::from(""));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "pg-semaphore rate listener lost its connection");
+                    tokio::time::sleep(RECONNECT_BACKOFF).await;
+                    break;
+                }
+            }
+        }
+    }
+}
