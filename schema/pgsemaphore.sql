@@ -1180,45 +1180,92 @@ $$;
 
 
 --
--- Name: fixed_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: fixed_window_book(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+CREATE FUNCTION pgsemaphore.fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
     LANGUAGE plpgsql
     AS $$
+-- FIXED WINDOW BOOKING: p_n permits of key p_key of the fixed window
+-- p_limiter, in the first window of the key's grid (windows of p_window
+-- back to back from the key's first check) that has room for them and opens
+-- within p_max_wait of the database's clock, read after the key's row lock.
+-- The arguments are checked by the caller (fixed_window, fixed_window_reserve).
+-- Returns one row:
+--   o_allowed   true: booked; false: the first window with room opens after
+--               p_max_wait, and nothing is booked
+--   o_wait_us   microseconds from the decision until the booked window
+--               opens (0: the current window, at once); refused, until the
+--               window with room would have opened
+--   o_remaining the permits left in the window containing now (0 while a
+--               later window has bookings)
+--
+-- The row: stamp, the start of the latest window with bookings (in the
+-- past: the current window or an ended one; in the future: a window booked
+-- ahead); hits, the permits booked in it. Every window before stamp's is
+-- closed: nothing is booked in it any more.
+-- Invariant: at most p_limit permits are admitted in any one window of the
+-- key's grid, counting each booking in the window it was booked in, where it
+-- is admitted (at the later of the decision and the window's start, both
+-- within that window). A booking goes only into stamp's window (if it has
+-- room and has not ended) or the one after it (which is empty: p_n <=
+-- p_limit fits), so the count of every window is the sum of the hits it was
+-- given, each time checked against p_limit under the row lock.
+-- Meets:
+--   * plain checks (fixed_window, a booking with p_max_wait 0) and other
+--     bookings of the key: they queue on the key's row lock and each sees
+--     the row the one before left; while stamp is in the future a plain
+--     check is refused (it could only be admitted in a closed window);
+--   * the key's first use by anyone: a concurrent insert of the row makes
+--     our insert do nothing, and the loop's next SELECT waits for it;
+--   * prune_rate_limits: it deletes only a row at rest (idle_at, the end of
+--     stamp's window, booked ones included) and skips a row we hold; a row it
+--     deleted before our lock is gone, and our booking starts a new grid at
+--     now, in which nothing was admitted yet;
+--   * a caller that abandons a booking (its process stops waiting): the
+--     permits stay booked, so the window admits less, never more.
 DECLARE
     v_hits  bigint;
     v_start timestamptz;
     v_now   timestamptz;
     v_found boolean;
+    v_at    timestamptz;
 BEGIN
-    IF NOT (p_limit >= 1 AND p_window > interval '0' AND p_n >= 1 AND p_n <= p_limit) THEN
-        RAISE EXCEPTION 'fixed window: need window > 0 and 1 <= n <= limit (limit %, window %, n %)',
-            p_limit, p_window, p_n USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     LOOP
+        -- 1. The key's row, locked; then the clock.
         SELECT r.hits, r.stamp INTO v_hits, v_start
           FROM pgsemaphore.rate_limits r
          WHERE r.kind = 'fixed_window' AND r.limiter = p_limiter AND r.key = p_key
            FOR UPDATE;
         v_found := FOUND;
         v_now := clock_timestamp();
+        -- 2. The window to book in: stamp's, rolled forward to the window
+        -- containing now once stamp's has ended.
         IF NOT v_found THEN
             v_hits := 0;
             v_start := v_now;
         ELSIF v_now >= v_start + p_window THEN
-            -- The window containing now, on this key's grid.
             v_start := date_bin(p_window, v_now, v_start);
             v_hits := 0;
         END IF;
-        o_allowed := v_hits + p_n <= p_limit;
-        IF o_allowed THEN
-            v_hits := v_hits + p_n;
-            o_retry_after_us := 0;
+        -- 3. Decide: stamp's window if it has room, else the next (empty)
+        -- one; admitted when that window opens (now, if it is open).
+        IF v_hits <= p_limit - p_n THEN  -- (no sum that could overflow)
+            v_at := greatest(v_now, v_start);
         ELSE
-            o_retry_after_us := ceil(extract(epoch FROM v_start + p_window - v_now) * 1e6)::bigint;
+            v_at := v_start + p_window;
         END IF;
-        o_remaining := greatest(0, p_limit - v_hits);
+        o_wait_us := ceil(extract(epoch FROM v_at - v_now) * 1e6)::bigint;
+        o_allowed := v_at - v_now <= p_max_wait;
+        IF o_allowed THEN
+            IF v_at >= v_start + p_window THEN
+                v_start := v_start + p_window;
+                v_hits := 0;
+            END IF;
+            v_hits := v_hits + p_n;
+        END IF;
+        o_remaining := CASE WHEN v_start > v_now THEN 0 ELSE greatest(0, p_limit - v_hits) END;
+        -- 4. Write the row back (refused: only the roll forward).
         IF v_found THEN
             UPDATE pgsemaphore.rate_limits r
                SET hits = v_hits, stamp = v_start, idle_at = v_start + p_window
@@ -1233,8 +1280,50 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
+        -- A concurrent first use inserted the row: the next SELECT waits for it.
     END LOOP;
 END;
+$$;
+
+
+--
+-- Name: fixed_window_reserve(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.fixed_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- FIXED WINDOW RESERVATION: books p_n permits of key p_key in the first
+-- window of the key's grid with room for them, if it opens within
+-- p_max_wait; the caller waits o_wait_us, then acts. The invariant, the
+-- transactions it meets and the steps: pgsemaphore.fixed_window_book.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit (as fixed_window);
+--   p_max_wait 0 to 366 days, not NULL
+-- Every bad argument raises 22023 naming it in COLUMN.
+-- Returns one row: o_allowed (false: nothing booked), o_wait_us (until the
+-- booked window opens; refused, until the window with room would have),
+-- o_remaining (the permits left in the window open now).
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    RETURN QUERY SELECT * FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, p_max_wait);
+END;
+$$;
+
+
+--
+-- Name: fixed_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE sql
+    AS $$
+    SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
+      FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
 $$;
 
 
@@ -2139,7 +2228,7 @@ $$;
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 6, 2 $$;
+    AS $$ SELECT 10, 2 $$;
 
 
 --
@@ -2163,12 +2252,54 @@ $$;
 
 
 --
--- Name: sliding_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: sliding_window_book(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+CREATE FUNCTION pgsemaphore.sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
     LANGUAGE plpgsql
     AS $$
+-- SLIDING WINDOW BOOKING: p_n permits of key p_key of the sliding window
+-- p_limiter (a weighted previous + current window, as before: the permits of
+-- the last p_window are estimated as previous_hits x (1 - elapsed / p_window)
+-- + hits, elapsed counted from the start of the current window of the key's
+-- grid), admitted at the earliest instant at or after the database's clock
+-- (read after the key's row lock) when the estimate plus p_n is within
+-- p_limit, provided that instant is within p_max_wait.
+-- The arguments are checked by the caller (sliding_window, sliding_window_reserve).
+-- Returns one row:
+--   o_allowed   true: booked; false: the instant is after p_max_wait, and
+--               nothing is booked
+--   o_wait_us   microseconds from the decision until that instant (0: at
+--               once); refused, until it would have been
+--   o_remaining the permits left now, the floor of p_limit - estimate (0
+--               while a later window has bookings)
+--
+-- The row: stamp, the start of the latest window with bookings (past or
+-- future); hits, the permits booked in it; previous_hits, those of the window
+-- before it. Every window before stamp's is closed.
+-- Invariant: at every admission instant t of a booking in window W,
+-- previous(W) x (1 - elapsed(t)) + (the permits of W admitted at or before t)
+-- <= p_limit; and at most p_limit permits are booked in one window of the
+-- grid. Of the bookings of W admitted by t, the one booked last saw all the
+-- others in hits (they were booked before it) and checked the estimate at its
+-- own instant, no later than t; the weight of previous(W) only falls with
+-- time, so the estimate at t is no higher. previous(W) is final when W gets
+-- its first booking: bookings go only into stamp's window or later ones.
+-- A booking goes into stamp's window, or else the next (previous := hits),
+-- or else the one after (previous := 0), where it always fits.
+-- Meets:
+--   * plain checks (sliding_window, a booking with p_max_wait 0) and other
+--     bookings of the key: they queue on the key's row lock and each sees
+--     the row the one before left; while stamp is in the future, a plain
+--     check is refused (its instant is at stamp or later);
+--   * the key's first use by anyone: a concurrent insert of the row makes
+--     our insert do nothing, and the loop's next SELECT waits for it;
+--   * prune_rate_limits: it deletes only a row at rest (idle_at, the end of
+--     the window after stamp's) and skips a row we hold; a row it deleted
+--     before our lock is gone, and our booking starts a new grid at now
+--     with both windows empty, which is what they were;
+--   * a caller that abandons a booking (its process stops waiting): the
+--     permits stay booked, so the key admits less, never more.
 DECLARE
     v_hits     bigint;
     v_previous bigint;
@@ -2177,55 +2308,78 @@ DECLARE
     v_found    boolean;
     v_window   double precision := extract(epoch FROM p_window)::double precision;
     v_elapsed  double precision;
-    v_estimate double precision;
+    v_need     double precision;
+    v_b_start  timestamptz;
+    v_b_hits   bigint;
+    v_b_prev   bigint;
     v_wait     double precision;
 BEGIN
-    IF NOT (p_limit >= 1 AND p_window > interval '0' AND p_n >= 1 AND p_n <= p_limit) THEN
-        RAISE EXCEPTION 'sliding window: need window > 0 and 1 <= n <= limit (limit %, window %, n %)',
-            p_limit, p_window, p_n USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     LOOP
+        -- 1. The key's row, locked; then the clock.
         SELECT r.hits, r.previous_hits, r.stamp INTO v_hits, v_previous, v_start
           FROM pgsemaphore.rate_limits r
          WHERE r.kind = 'sliding_window' AND r.limiter = p_limiter AND r.key = p_key
            FOR UPDATE;
         v_found := FOUND;
         v_now := clock_timestamp();
+        -- 2. Roll stamp's window forward to the one containing now, once
+        -- stamp's has ended.
         IF NOT v_found THEN
             v_hits := 0;
             v_previous := 0;
             v_start := v_now;
         ELSIF v_now >= v_start + 2 * p_window THEN
-            -- Both counted windows are over.
             v_start := date_bin(p_window, v_now, v_start);
             v_previous := 0;
             v_hits := 0;
         ELSIF v_now >= v_start + p_window THEN
-            -- The next window: the current one becomes the previous one.
             v_start := v_start + p_window;
             v_previous := v_hits;
             v_hits := 0;
         END IF;
-        v_elapsed := least(1, greatest(0, extract(epoch FROM v_now - v_start)::double precision / v_window));
-        v_estimate := v_previous * (1 - v_elapsed) + v_hits;
-        o_allowed := v_estimate + p_n <= p_limit;
-        IF o_allowed THEN
-            v_hits := v_hits + p_n;
-            v_estimate := v_estimate + p_n;
-            o_retry_after_us := 0;
-        ELSIF v_hits + p_n <= p_limit THEN
-            -- Admitted later in this window, once enough of the previous one slid out:
-            -- previous * (1 - t) + hits + n <= limit.
-            v_wait := (1 - (p_limit - v_hits - p_n)::double precision / v_previous - v_elapsed) * v_window;
-            o_retry_after_us := greatest(1, ceil(v_wait * 1e6))::bigint;
+        -- 3. The earliest instant, window by window from stamp's: the
+        -- elapsed fraction it needs (previous x (1 - e) + hits + p_n <=
+        -- p_limit), no earlier than now; a window where it is 1 or more
+        -- has no room.
+        v_b_start := v_start;
+        v_b_hits := v_hits;
+        v_b_prev := v_previous;
+        FOR i IN 1..3 LOOP
+            v_elapsed := greatest(0, extract(epoch FROM v_now - v_b_start)::double precision / v_window);
+            IF v_b_hits > p_limit - p_n THEN
+                v_need := 1;
+            ELSIF v_b_prev = 0 THEN
+                v_need := 0;
+            ELSE
+                v_need := greatest(0, 1 - (p_limit - p_n - v_b_hits)::double precision / v_b_prev);
+            END IF;
+            EXIT WHEN greatest(v_need, v_elapsed) < 1;
+            v_b_start := v_b_start + p_window;
+            v_b_prev := v_b_hits;
+            v_b_hits := 0;
+        END LOOP;
+        -- Seconds from now until that instant: the window's start plus the
+        -- fraction it needs (none when it is open and has room now), rounded
+        -- up to the microsecond, never early.
+        IF v_need <= v_elapsed THEN
+            o_wait_us := ceil(greatest(0, extract(epoch FROM v_b_start - v_now)::double precision) * 1e6)::bigint;
         ELSE
-            -- Only in the next window, once enough of this one slid out:
-            -- hits * (1 - t) + n <= limit.
-            v_wait := (1 - v_elapsed) * v_window
-                      + (1 - (p_limit - p_n)::double precision / v_hits) * v_window;
-            o_retry_after_us := greatest(1, ceil(v_wait * 1e6))::bigint;
+            v_wait := extract(epoch FROM v_b_start - v_now)::double precision + v_need * v_window;
+            o_wait_us := greatest(1, ceil(v_wait * 1e6))::bigint;
         END IF;
-        o_remaining := greatest(0, floor(p_limit - v_estimate))::bigint;
+        o_allowed := o_wait_us <= extract(epoch FROM p_max_wait) * 1e6;
+        IF o_allowed THEN
+            v_start := v_b_start;
+            v_previous := v_b_prev;
+            v_hits := v_b_hits + p_n;
+        END IF;
+        IF v_start > v_now THEN
+            o_remaining := 0;
+        ELSE
+            v_elapsed := least(1, greatest(0, extract(epoch FROM v_now - v_start)::double precision / v_window));
+            o_remaining := greatest(0, floor(p_limit - (v_previous * (1 - v_elapsed) + v_hits)))::bigint;
+        END IF;
+        -- 4. Write the row back (refused: only the roll forward).
         IF v_found THEN
             UPDATE pgsemaphore.rate_limits r
                SET hits = v_hits, previous_hits = v_previous, stamp = v_start,
@@ -2241,8 +2395,50 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
+        -- A concurrent first use inserted the row: the next SELECT waits for it.
     END LOOP;
 END;
+$$;
+
+
+--
+-- Name: sliding_window_reserve(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.sliding_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- SLIDING WINDOW RESERVATION: books p_n permits of key p_key at the earliest
+-- instant the weighted estimate admits them, if that is within p_max_wait;
+-- the caller waits o_wait_us, then acts. The invariant, the transactions it
+-- meets and the steps: pgsemaphore.sliding_window_book.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit (as sliding_window);
+--   p_max_wait 0 to 366 days, not NULL
+-- Every bad argument raises 22023 naming it in COLUMN.
+-- Returns one row: o_allowed (false: nothing booked), o_wait_us (until the
+-- booked instant; refused, until it would have been), o_remaining (the
+-- permits left now).
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    RETURN QUERY SELECT * FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, p_max_wait);
+END;
+$$;
+
+
+--
+-- Name: sliding_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE sql
+    AS $$
+    SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
+      FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
 $$;
 
 
@@ -3039,6 +3235,20 @@ REVOKE ALL ON FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_li
 
 
 --
+-- Name: FUNCTION fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION fixed_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -3183,6 +3393,20 @@ REVOKE ALL ON FUNCTION pgsemaphore.schema_version() FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION sliding_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
 
 
 --
