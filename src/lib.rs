@@ -107,6 +107,10 @@
 //! the limit. Keys are created on first use; [`prune_rate_limits`] (or a
 //! [`Reaper`] with [`ReaperBuilder::rate_limits`]) deletes keys at rest. With
 //! `fail_open(true)`, an unreachable database admits instead of failing.
+//! Each limiter can also wait ([`TokenBucket::acquire`],
+//! [`FixedWindow::acquire`], [`SlidingWindow::acquire`]): one round trip
+//! reserves the permits at the instant the key will admit them, then the
+//! caller sleeps until then.
 //!
 //! # Audit log
 //!
