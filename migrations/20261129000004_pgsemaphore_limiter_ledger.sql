@@ -27,6 +27,10 @@
 --     that window (sliding: the one after it) has ended, as before;
 --   * schema_version() returns (10, 2): code built for versions 2 to 9
 --     works against it unchanged.
+-- The storage is unchanged: one row per key in pgsemaphore.rate_limits.
+-- (An insert-only ledger of per-key states, serialised by an advisory lock,
+-- was measured against it under a held xmin horizon as a prototype,
+-- benches/bench/ledger.rs and BENCHMARKS.md; it is not part of this version.)
 
 CREATE OR REPLACE FUNCTION pgsemaphore.schema_version()
 RETURNS TABLE (o_version integer, o_compatible_from integer)

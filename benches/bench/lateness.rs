@@ -195,10 +195,10 @@ async fn run(
     cell.ops = waiters as u64;
     cell.elapsed = Some(elapsed);
     let extra = &mut cell.extra;
-    extra.insert("late_lo_p50_us".into(), us(percentile(&lo, 0.50)).into());
-    extra.insert("late_lo_p99_us".into(), us(percentile(&lo, 0.99)).into());
-    extra.insert("late_hi_p50_us".into(), us(percentile(&hi, 0.50)).into());
-    extra.insert("late_hi_p99_us".into(), us(percentile(&hi, 0.99)).into());
+    extra.insert("late_lo_p50_us".into(), us(percentile(&lo, 50.0)).into());
+    extra.insert("late_lo_p99_us".into(), us(percentile(&lo, 99.0)).into());
+    extra.insert("late_hi_p50_us".into(), us(percentile(&hi, 50.0)).into());
+    extra.insert("late_hi_p99_us".into(), us(percentile(&hi, 99.0)).into());
     extra.insert(
         "admitted_per_sec".into(),
         (waiters as f64 / elapsed.as_secs_f64().max(1e-9)).into(),

@@ -490,7 +490,7 @@ async fn run_design(
     let base_rate = undisturbed_rates.last().copied().unwrap_or(0.0);
     let mut sorted = undisturbed.samples.clone();
     sorted.sort_unstable();
-    let base_p99 = percentile(&sorted, 0.99);
+    let base_p99 = percentile(&sorted, 99.0);
 
     let held = Held::start(server, pressure, other_db).await?;
     let started = Instant::now();
@@ -504,7 +504,7 @@ async fn run_design(
         let rate = load.samples.len() as f64 / load.elapsed.as_secs_f64().max(1e-9);
         let mut sorted = load.samples.clone();
         sorted.sort_unstable();
-        let p99 = percentile(&sorted, 0.99);
+        let p99 = percentile(&sorted, 99.0);
         ratios.push(if base_rate > 0.0 {
             rate / base_rate
         } else {
