@@ -524,6 +524,22 @@ macro_rules! window_limiter {
             /// at most that. With `fail_open`, an unreachable database
             /// admits at once, as [`check`](Self::check) does.
             ///
+            /// ```no_run
+            /// use std::time::Duration;
+            #[doc = concat!("use pg_semaphore::", stringify!($limiter), ";")]
+            ///
+            /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+            /// // At most 100 exports per minute per tenant; wait for room up to 5 minutes.
+            #[doc = concat!("let exports = ", stringify!($limiter), "::builder(\"exports\")")]
+            ///     .permit_limit(100)
+            ///     .window(Duration::from_secs(60))
+            ///     .build(&pool)?;
+            /// exports.acquire_timeout("tenant-7", 1, Duration::from_secs(300)).await?;
+            /// // ... export ...
+            /// # Ok(())
+            /// # }
+            /// ```
+            ///
             /// # Errors
             ///
             /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at
