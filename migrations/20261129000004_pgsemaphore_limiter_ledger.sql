@@ -19,7 +19,8 @@
 --     windows' arithmetic, now able to book ahead; fixed_window_unchecked and
 --     sliding_window_unchecked (the plain checks' arithmetic) become a booking
 --     that may not wait, so plain checks and bookings share one arithmetic
---     and one row per key;
+--     and one row per key (fixed_window and sliding_window call the booking
+--     directly);
 --   * a key of a window limiter may now have its row's window (stamp) in the
 --     future: the latest window with bookings. Until that window opens, a
 --     plain check is refused (bookings are served first) and its
@@ -297,8 +298,9 @@ $$;
 -- in the window open now with room now; refused, the retry-after is the
 -- wait a booking would get (as before when nothing is booked ahead: the end
 -- of the window for a fixed window, the instant enough has slid out for a
--- sliding one). Their arguments and results are unchanged, and so are the
--- checked functions that call them (fixed_window, sliding_window).
+-- sliding one). Their arguments and results are unchanged; nothing calls
+-- them any more (the checked functions below call the booking directly),
+-- they stay for whatever an operator built on them.
 CREATE OR REPLACE FUNCTION pgsemaphore.fixed_window_unchecked(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
@@ -315,6 +317,49 @@ LANGUAGE sql
 AS $$
     SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
       FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
+$$;
+
+-- The plain checks themselves call the booking directly (one function call
+-- less per check than through *_unchecked); their arguments, checks,
+-- results and grants are unchanged.
+CREATE OR REPLACE FUNCTION pgsemaphore.fixed_window(
+    p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
+RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- FIXED WINDOW, per key: a booking that may not wait, see
+-- pgsemaphore.fixed_window_book for the arithmetic and its invariant.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    RETURN QUERY
+        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
+          FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION pgsemaphore.sliding_window(
+    p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
+RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- SLIDING WINDOW, per key: a booking that may not wait, see
+-- pgsemaphore.sliding_window_book for the arithmetic and its invariant.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    RETURN QUERY
+        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
+          FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
+END;
 $$;
 
 -- ---------------------------------------------------------------------------

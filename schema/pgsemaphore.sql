@@ -1168,13 +1168,16 @@ CREATE FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit big
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- FIXED WINDOW, per key: see pgsemaphore.fixed_window_unchecked.
+-- FIXED WINDOW, per key: a booking that may not wait, see
+-- pgsemaphore.fixed_window_book for the arithmetic and its invariant.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 BEGIN
     PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    RETURN QUERY SELECT * FROM pgsemaphore.fixed_window_unchecked(p_limiter, p_key, p_limit, p_window, p_n);
+    RETURN QUERY
+        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
+          FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
 END;
 $$;
 
@@ -2240,13 +2243,16 @@ CREATE FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit b
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- SLIDING WINDOW, per key: see pgsemaphore.sliding_window_unchecked.
+-- SLIDING WINDOW, per key: a booking that may not wait, see
+-- pgsemaphore.sliding_window_book for the arithmetic and its invariant.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 BEGIN
     PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    RETURN QUERY SELECT * FROM pgsemaphore.sliding_window_unchecked(p_limiter, p_key, p_limit, p_window, p_n);
+    RETURN QUERY
+        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
+          FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
 END;
 $$;
 
