@@ -336,6 +336,25 @@ $$;
 
 
 --
+-- Name: check_bucket(double precision, double precision); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.check_bucket(p_rate double precision, p_burst double precision) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9) THEN
+        PERFORM pgsemaphore.refuse('p_rate', format('above 0 and at most 1e9, got %s', coalesce(p_rate::text, 'NULL')));
+    END IF;
+    IF p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
+        PERFORM pgsemaphore.refuse('p_burst',
+            format('1 to 1e15, refilled within 366 days at the rate, got %s', coalesce(p_burst::text, 'NULL')));
+    END IF;
+END;
+$$;
+
+
+--
 -- Name: check_limiter_key(text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -347,6 +366,200 @@ BEGIN
         PERFORM pgsemaphore.checked_text(p_limiter, 'p_limiter', 200);
     END IF;
     IF p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.checked_text(p_key, 'p_key', 256);
+    END IF;
+END;
+$$;
+
+
+--
+-- Name: check_limits(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.check_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint, o_deciding integer)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- SEVERAL LIMITS IN ONE CHECK: p_n permits against limit i = (p_kinds[i],
+-- p_limiters[i], p_keys[i]) for every i, admitted only if every limit
+-- admits, and then charged to every one; refused if any refuses, and then
+-- charged to none. Each limit is checked by its kind's own function
+-- (token_bucket with p_rates[i], p_bursts[i]; fixed_window or
+-- sliding_window with p_limits[i], p_windows[i]), so stored limits and
+-- pauses apply as there, and the arithmetic is theirs.
+--   p_kinds: a one-dimensional array of 1 to 16 kinds, from index 1, no
+--   NULL; the six other arrays: one-dimensional, from index 1, as long
+--   (elements as each kind's function takes them; the other kind's may be
+--   NULL); no (kind, limiter, key) twice (22023 p_limiters); p_n at least 1
+--   and at most every limit (22023 p_n, from the limit's function)
+-- Returns one row:
+--   o_allowed        every limit admitted (and all are charged)
+--   o_remaining      the fewest permits any limit has left after the
+--                    decision (refused: as each limit answered)
+--   o_retry_after_us refused: the longest retry-after of the refusing
+--                    limits; 0 when admitted
+--   o_deciding       the index (from 1, in the caller's order) of the limit
+--                    that decided: refused, the refusing one with the
+--                    longest retry-after; admitted, the one with the fewest
+--                    left
+--
+-- Invariant: no limit admits more than its function allows alone, and the
+-- permits of a refused check are counted by none. Every limit's row is
+-- locked by its function (FOR UPDATE) and kept until this transaction ends,
+-- and the rows are locked in one canonical order (kind, limiter, key, by
+-- byte), so two multi-limit checks never wait on each other in a cycle; a
+-- single check locks one row, so it cannot close a cycle either.
+-- Meets:
+--   * single checks and reservations of any of the keys: they queue on the
+--     row's lock in either direction; each sees the state the one before
+--     left. A refused multi-check's charges are undone (a subtransaction
+--     rolled back) before its row locks are released, so no one ever sees
+--     them;
+--   * other multi-limit checks sharing some keys: the canonical order;
+--   * a stored limit's change or a pause committed while we run: each
+--     limit's function reads the settings in its own statement, so limit i
+--     may be decided under the old pair and limit j under the new one; each
+--     under a pair that was in force during the check;
+--   * prune_rate_limits: as for each function (it skips locked rows).
+DECLARE
+    v_count    integer;
+    v_order    integer[];
+    v_i        integer;
+    v_ok       boolean;
+    v_left     bigint;
+    v_retry    bigint;
+    v_refused  boolean := false;
+    v_best     bigint;
+BEGIN
+    -- 1. The arrays: shapes first, then the elements that pick the rows.
+    IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1 OR array_lower(p_kinds, 1) <> 1
+       OR array_length(p_kinds, 1) > 16 THEN
+        PERFORM pgsemaphore.refuse('p_kinds', 'a one-dimensional array of 1 to 16 kinds, from index 1');
+    END IF;
+    v_count := array_length(p_kinds, 1);
+    IF p_limiters IS NULL OR array_ndims(p_limiters) IS DISTINCT FROM 1 OR array_lower(p_limiters, 1) <> 1
+       OR array_length(p_limiters, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_limiters', format('a one-dimensional array of %s names, from index 1', v_count));
+    END IF;
+    IF p_keys IS NULL OR array_ndims(p_keys) IS DISTINCT FROM 1 OR array_lower(p_keys, 1) <> 1
+       OR array_length(p_keys, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_keys', format('a one-dimensional array of %s keys, from index 1', v_count));
+    END IF;
+    IF p_rates IS NULL OR array_ndims(p_rates) IS DISTINCT FROM 1 OR array_lower(p_rates, 1) <> 1
+       OR array_length(p_rates, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_rates', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_bursts IS NULL OR array_ndims(p_bursts) IS DISTINCT FROM 1 OR array_lower(p_bursts, 1) <> 1
+       OR array_length(p_bursts, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_bursts', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_limits IS NULL OR array_ndims(p_limits) IS DISTINCT FROM 1 OR array_lower(p_limits, 1) <> 1
+       OR array_length(p_limits, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_limits', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_windows IS NULL OR array_ndims(p_windows) IS DISTINCT FROM 1 OR array_lower(p_windows, 1) <> 1
+       OR array_length(p_windows, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_windows', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_n IS NULL OR p_n < 1 THEN
+        PERFORM pgsemaphore.refuse('p_n', format('at least 1, got %s', coalesce(p_n::text, 'NULL')));
+    END IF;
+    FOR v_i IN 1 .. v_count LOOP
+        IF p_kinds[v_i] IS NULL OR p_kinds[v_i] NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
+            PERFORM pgsemaphore.refuse('p_kinds', format('element %s: token_bucket, fixed_window or sliding_window', v_i));
+        END IF;
+        PERFORM pgsemaphore.check_limiter_key(p_limiters[v_i], p_keys[v_i]);
+    END LOOP;
+    -- 2. The canonical order, and no row twice.
+    SELECT array_agg(i ORDER BY p_kinds[i] COLLATE "C", p_limiters[i] COLLATE "C", p_keys[i] COLLATE "C")
+      INTO v_order
+      FROM generate_subscripts(p_kinds, 1) i;
+    FOR v_i IN 2 .. v_count LOOP
+        IF p_kinds[v_order[v_i]] = p_kinds[v_order[v_i - 1]]
+           AND p_limiters[v_order[v_i]] = p_limiters[v_order[v_i - 1]]
+           AND p_keys[v_order[v_i]] = p_keys[v_order[v_i - 1]] THEN
+            PERFORM pgsemaphore.refuse('p_limiters',
+                format('limit %s and limit %s are the same key of the same limiter', v_order[v_i - 1], v_order[v_i]));
+        END IF;
+    END LOOP;
+    o_allowed := true;
+    o_retry_after_us := 0;
+    -- 3. Every limit, in that order, inside a subtransaction (one limit: none
+    -- is needed, a refused check charges nothing by itself). A refusal does
+    -- not stop the walk: the caller is told the longest retry-after.
+    BEGIN
+        FOREACH v_i IN ARRAY v_order LOOP
+            CASE p_kinds[v_i]
+            WHEN 'token_bucket' THEN
+                SELECT c.o_allowed, c.o_remaining, c.o_retry_after_us INTO v_ok, v_left, v_retry
+                  FROM pgsemaphore.token_bucket(p_limiters[v_i], p_keys[v_i], p_rates[v_i], p_bursts[v_i],
+                                                p_n::double precision) c;
+            WHEN 'fixed_window' THEN
+                SELECT c.o_allowed, c.o_remaining, c.o_retry_after_us INTO v_ok, v_left, v_retry
+                  FROM pgsemaphore.fixed_window(p_limiters[v_i], p_keys[v_i], p_limits[v_i], p_windows[v_i], p_n) c;
+            ELSE
+                SELECT c.o_allowed, c.o_remaining, c.o_retry_after_us INTO v_ok, v_left, v_retry
+                  FROM pgsemaphore.sliding_window(p_limiters[v_i], p_keys[v_i], p_limits[v_i], p_windows[v_i], p_n) c;
+            END CASE;
+            IF o_remaining IS NULL OR v_left < o_remaining THEN
+                o_remaining := v_left;
+                IF NOT v_refused AND v_ok THEN
+                    o_deciding := v_i;
+                END IF;
+            END IF;
+            IF NOT v_ok AND (NOT v_refused OR v_retry > v_best) THEN
+                v_refused := true;
+                v_best := v_retry;
+                o_deciding := v_i;
+            END IF;
+        END LOOP;
+        IF v_refused AND v_count > 1 THEN
+            -- 4. Refused: undo every charge (caught just below).
+            RAISE EXCEPTION 'refused' USING ERRCODE = 'PSRL0';
+        END IF;
+    EXCEPTION WHEN SQLSTATE 'PSRL0' THEN
+        NULL;
+    END;
+    IF v_refused THEN
+        o_allowed := false;
+        o_retry_after_us := v_best;
+    END IF;
+    RETURN NEXT;
+END;
+$$;
+
+
+--
+-- Name: check_n_stored(double precision, double precision); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.check_n_stored(p_n double precision, p_limit double precision) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_n > p_limit THEN
+        PERFORM pgsemaphore.refuse('p_n',
+            format('%s is above the stored limit in force (%s): it could never be admitted', p_n, p_limit));
+    END IF;
+END;
+$$;
+
+
+--
+-- Name: check_setting_target(text, text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.check_setting_target(p_kind text, p_limiter text, p_key text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF p_kind IS NULL OR p_kind NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
+        PERFORM pgsemaphore.refuse('p_kind',
+            format('token_bucket, fixed_window or sliding_window, got %s', coalesce(quote_literal(left(p_kind, 50)), 'NULL')));
+    END IF;
+    PERFORM pgsemaphore.checked_text(p_limiter, 'p_limiter', 200);
+    IF p_key IS NOT NULL THEN
         PERFORM pgsemaphore.checked_text(p_key, 'p_key', 256);
     END IF;
 END;
@@ -995,6 +1208,39 @@ $$;
 
 
 --
+-- Name: clear_rate_limit(text, text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.clear_rate_limit(p_kind text, p_limiter text, p_key text) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+-- FORGETS the stored limits of limiter (p_kind, p_limiter) (p_key NULL) or
+-- of its key p_key's override: the next checks apply the limiter's stored
+-- pair (for a key) or the code's. A pause stays. Returns whether a pair was
+-- stored. NOTIFY as set_rate_limit.
+DECLARE
+    v_had boolean;
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    UPDATE pgsemaphore.rate_limit_settings s
+       SET rate = NULL, burst = NULL, permit_limit = NULL, window_length = NULL, updated_at = now()
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND (s.rate IS NOT NULL OR s.permit_limit IS NOT NULL);
+    v_had := FOUND;
+    DELETE FROM pgsemaphore.rate_limit_settings s
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND s.rate IS NULL AND s.permit_limit IS NULL
+       AND (s.paused_until IS NULL OR s.paused_until <= now());
+    IF v_had THEN
+        PERFORM pg_notify('pgsemaphore_rate', p_kind || '/' || p_limiter);
+    END IF;
+    RETURN v_had;
+END;
+$$;
+
+
+--
 -- Name: configure(text, integer, interval, boolean, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1353,57 +1599,126 @@ CREATE FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit big
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- FIXED WINDOW, per key: see pgsemaphore.fixed_window_unchecked.
+-- FIXED WINDOW, per key: a booking that may not wait, see
+-- pgsemaphore.fixed_window_book for the arithmetic and its invariant.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
+-- Since version 9: p_limit and p_window are defaults, the stored pair (key,
+-- else limiter) applies instead, and a pause refuses, as in token_bucket
+-- (migrations/20261129000003_pgsemaphore_limiter_settings.sql: the
+-- settings are read by their own statement before the key's row is
+-- locked, and the whole pair read applies).
+DECLARE
+    v record;
 BEGIN
     PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    RETURN QUERY SELECT * FROM pgsemaphore.fixed_window_unchecked(p_limiter, p_key, p_limit, p_window, p_n);
+    -- The limits in force (version 9): the pair stored for the key, else
+    -- for the limiter, else the caller's; a pause refuses, nothing booked.
+    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('fixed_window', p_limiter, p_key);
+    IF v.o_paused_until > clock_timestamp() THEN
+        RETURN QUERY SELECT false, 0::bigint, pgsemaphore.us_until(v.o_paused_until);
+        RETURN;
+    END IF;
+    IF v.o_limit IS NOT NULL THEN
+        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
+        p_limit := v.o_limit;
+        p_window := v.o_window;
+    END IF;
+    RETURN QUERY
+        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
+          FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
 END;
 $$;
 
 
 --
--- Name: fixed_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: fixed_window_book(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+CREATE FUNCTION pgsemaphore.fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
     LANGUAGE plpgsql
     AS $$
+-- FIXED WINDOW BOOKING: p_n permits of key p_key of the fixed window
+-- p_limiter, in the first window of the key's grid (windows of p_window
+-- back to back from the key's first check) that has room for them and opens
+-- within p_max_wait of the database's clock, read after the key's row lock.
+-- The arguments are checked by the caller (fixed_window, fixed_window_reserve).
+-- Returns one row:
+--   o_allowed   true: booked; false: the first window with room opens after
+--               p_max_wait, and nothing is booked
+--   o_wait_us   microseconds from the decision until the booked window
+--               opens (0: the current window, at once); refused, until the
+--               window with room would have opened
+--   o_remaining the permits left in the window containing now (0 while a
+--               later window has bookings)
+--
+-- The row: stamp, the start of the latest window with bookings (in the
+-- past: the current window or an ended one; in the future: a window booked
+-- ahead); hits, the permits booked in it. Every window before stamp's is
+-- closed: nothing is booked in it any more.
+-- Invariant: at most p_limit permits are admitted in any one window of the
+-- key's grid, counting each booking in the window it was booked in, where it
+-- is admitted (at the later of the decision and the window's start, both
+-- within that window). A booking goes only into stamp's window (if it has
+-- room and has not ended) or the one after it (which is empty: p_n <=
+-- p_limit fits), so the count of every window is the sum of the hits it was
+-- given, each time checked against p_limit under the row lock.
+-- Meets:
+--   * plain checks (fixed_window, a booking with p_max_wait 0) and other
+--     bookings of the key: they queue on the key's row lock and each sees
+--     the row the one before left; while stamp is in the future a plain
+--     check is refused (it could only be admitted in a closed window);
+--   * the key's first use by anyone: a concurrent insert of the row makes
+--     our insert do nothing, and the loop's next SELECT waits for it;
+--   * prune_rate_limits: it deletes only a row at rest (idle_at, the end of
+--     stamp's window, booked ones included) and skips a row we hold; a row it
+--     deleted before our lock is gone, and our booking starts a new grid at
+--     now, in which nothing was admitted yet;
+--   * a caller that abandons a booking (its process stops waiting): the
+--     permits stay booked, so the window admits less, never more.
 DECLARE
     v_hits  bigint;
     v_start timestamptz;
     v_now   timestamptz;
     v_found boolean;
+    v_at    timestamptz;
 BEGIN
-    IF NOT (p_limit >= 1 AND p_window > interval '0' AND p_n >= 1 AND p_n <= p_limit) THEN
-        RAISE EXCEPTION 'fixed window: need window > 0 and 1 <= n <= limit (limit %, window %, n %)',
-            p_limit, p_window, p_n USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     LOOP
+        -- 1. The key's row, locked; then the clock.
         SELECT r.hits, r.stamp INTO v_hits, v_start
           FROM pgsemaphore.rate_limits r
          WHERE r.kind = 'fixed_window' AND r.limiter = p_limiter AND r.key = p_key
            FOR UPDATE;
         v_found := FOUND;
         v_now := clock_timestamp();
+        -- 2. The window to book in: stamp's, rolled forward to the window
+        -- containing now once stamp's has ended.
         IF NOT v_found THEN
             v_hits := 0;
             v_start := v_now;
         ELSIF v_now >= v_start + p_window THEN
-            -- The window containing now, on this key's grid.
             v_start := date_bin(p_window, v_now, v_start);
             v_hits := 0;
         END IF;
-        o_allowed := v_hits + p_n <= p_limit;
-        IF o_allowed THEN
-            v_hits := v_hits + p_n;
-            o_retry_after_us := 0;
+        -- 3. Decide: stamp's window if it has room, else the next (empty)
+        -- one; admitted when that window opens (now, if it is open).
+        IF v_hits <= p_limit - p_n THEN  -- (no sum that could overflow)
+            v_at := greatest(v_now, v_start);
         ELSE
-            o_retry_after_us := ceil(extract(epoch FROM v_start + p_window - v_now) * 1e6)::bigint;
+            v_at := v_start + p_window;
         END IF;
-        o_remaining := greatest(0, p_limit - v_hits);
+        o_wait_us := ceil(extract(epoch FROM v_at - v_now) * 1e6)::bigint;
+        o_allowed := v_at - v_now <= p_max_wait;
+        IF o_allowed THEN
+            IF v_at >= v_start + p_window THEN
+                v_start := v_start + p_window;
+                v_hits := 0;
+            END IF;
+            v_hits := v_hits + p_n;
+        END IF;
+        o_remaining := CASE WHEN v_start > v_now THEN 0 ELSE greatest(0, p_limit - v_hits) END;
+        -- 4. Write the row back (refused: only the roll forward).
         IF v_found THEN
             UPDATE pgsemaphore.rate_limits r
                SET hits = v_hits, stamp = v_start, idle_at = v_start + p_window
@@ -1418,8 +1733,72 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
+        -- A concurrent first use inserted the row: the next SELECT waits for it.
     END LOOP;
 END;
+$$;
+
+
+--
+-- Name: fixed_window_reserve(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.fixed_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- FIXED WINDOW RESERVATION: books p_n permits of key p_key in the first
+-- window of the key's grid with room for them, if it opens within
+-- p_max_wait; the caller waits o_wait_us, then acts. The invariant, the
+-- transactions it meets and the steps: pgsemaphore.fixed_window_book.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit (as fixed_window);
+--   p_max_wait 0 to 366 days, not NULL
+-- Every bad argument raises 22023 naming it in COLUMN.
+-- Returns one row: o_allowed (false: nothing booked), o_wait_us (until the
+-- booked window opens; refused, until the window with room would have),
+-- o_remaining (the permits left in the window open now).
+-- As the plain check, the limits stored in pgsemaphore.rate_limit_settings
+-- (key, else limiter) apply instead of p_limit and p_window; while the key
+-- or the limiter is paused the booking is refused, nothing booked, with
+-- o_wait_us the time until the pause ends and o_remaining 0 (a refusal
+-- with o_wait_us within p_max_wait is a pause: call again when it ends).
+DECLARE
+    v record;
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    -- The limits in force (version 9): the pair stored for the key, else
+    -- for the limiter, else the caller's; a pause refuses, nothing booked.
+    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('fixed_window', p_limiter, p_key);
+    IF v.o_paused_until > clock_timestamp() THEN
+        o_allowed := false;
+        o_wait_us := pgsemaphore.us_until(v.o_paused_until);
+        o_remaining := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF v.o_limit IS NOT NULL THEN
+        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
+        p_limit := v.o_limit;
+        p_window := v.o_window;
+    END IF;
+    RETURN QUERY SELECT * FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, p_max_wait);
+END;
+$$;
+
+
+--
+-- Name: fixed_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.fixed_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE sql
+    AS $$
+    SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
+      FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
 $$;
 
 
@@ -1791,6 +2170,51 @@ $$;
 
 
 --
+-- Name: pause_rate_limit(text, text, text, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.pause_rate_limit(p_kind text, p_limiter text, p_key text, p_for interval) RETURNS timestamp with time zone
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+-- PAUSE: refuses every check (and reservation) of key p_key of limiter
+-- (p_kind, p_limiter), or of all its keys when p_key is NULL, for p_for
+-- from now, in every process; for an upstream that answered 429 with
+-- Retry-After. Only ever extends the pause in force (never shortens one set
+-- by another caller). Returns the instant the row's pause ends.
+--   p_kind token_bucket, fixed_window or sliding_window; p_limiter
+--   1..200 characters; p_key NULL or 1..256 characters; p_for 1 ms to 1 hour
+-- Meets: a concurrent pause of the same row (the upsert serialises them and
+-- keeps the later end); set/clear/resume_rate_limit (the same row lock; a
+-- resume after us ends our pause, the operator's choice); checks (they read
+-- the row in their own statement: one that read it before our commit is
+-- not paused, which is the case of a check a moment earlier).
+DECLARE
+    v_until timestamptz;
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    PERFORM pgsemaphore.checked_interval(p_for, 'p_for', interval '1 ms', interval '1 hour');
+    -- Pause-only rows whose pause ended: a few go each time.
+    DELETE FROM pgsemaphore.rate_limit_settings s
+     WHERE (s.kind, s.limiter, s.key) IN (
+            SELECT d.kind, d.limiter, d.key
+              FROM pgsemaphore.rate_limit_settings d
+             WHERE d.kind = p_kind AND d.limiter = p_limiter
+               AND d.rate IS NULL AND d.permit_limit IS NULL AND d.paused_until < now()
+             LIMIT 100
+               FOR UPDATE SKIP LOCKED);
+    INSERT INTO pgsemaphore.rate_limit_settings AS s (kind, limiter, key, paused_until, updated_at)
+    VALUES (p_kind, p_limiter, coalesce(p_key, ''), clock_timestamp() + p_for, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET paused_until = greatest(s.paused_until, excluded.paused_until),
+           updated_at = now()
+    RETURNING s.paused_until INTO v_until;
+    RETURN v_until;
+END;
+$$;
+
+
+--
 -- Name: prune(interval, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1911,6 +2335,43 @@ BEGIN
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END;
+$$;
+
+
+--
+-- Name: rate_limit_in_force(text, text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.rate_limit_in_force(p_kind text, p_limiter text, p_key text) RETURNS TABLE(o_rate double precision, o_burst double precision, o_limit bigint, o_window interval, o_paused_until timestamp with time zone)
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+-- What a check of key p_key (NULL: a key with no override of its own) of
+-- limiter (p_kind, p_limiter) applies now from the stored settings: the
+-- stored pair in force (NULLs: none is stored, the caller's own applies)
+-- and the end of the pause in force (NULL or past: not paused). Reads only.
+--   p_kind, p_limiter, p_key as pause_rate_limit
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    RETURN QUERY SELECT * FROM pgsemaphore.rate_limit_stored(p_kind, p_limiter, coalesce(p_key, ''));
+END;
+$$;
+
+
+--
+-- Name: rate_limit_stored(text, text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.rate_limit_stored(p_kind text, p_limiter text, p_key text, OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval, OUT o_paused_until timestamp with time zone) RETURNS record
+    LANGUAGE sql STABLE
+    AS $$
+SELECT (array_agg(s.rate ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
+       (array_agg(s.burst ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
+       (array_agg(s.permit_limit ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
+       (array_agg(s.window_length ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
+       max(s.paused_until)
+  FROM pgsemaphore.rate_limit_settings s
+ WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key IN (p_key, '')
 $$;
 
 
@@ -2436,13 +2897,145 @@ $$;
 
 
 --
+-- Name: resume_rate_limit(text, text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.resume_rate_limit(p_kind text, p_limiter text, p_key text) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+-- ENDS the pause of limiter (p_kind, p_limiter) (p_key NULL) or of its key
+-- p_key, now. Returns whether one was running. NOTIFY as set_rate_limit, so
+-- that acquires waiting for the pause's end retry at once.
+DECLARE
+    v_had boolean;
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    UPDATE pgsemaphore.rate_limit_settings s
+       SET paused_until = NULL, updated_at = now()
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND s.paused_until > now();
+    v_had := FOUND;
+    DELETE FROM pgsemaphore.rate_limit_settings s
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND s.rate IS NULL AND s.permit_limit IS NULL;
+    IF v_had THEN
+        PERFORM pg_notify('pgsemaphore_rate', p_kind || '/' || p_limiter);
+    END IF;
+    RETURN v_had;
+END;
+$$;
+
+
+--
 -- Name: schema_version(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 8, 2 $$;
+    AS $$ SELECT 11, 2 $$;
+
+
+--
+-- Name: set_fair_weight(text, text, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.set_fair_weight(p_semaphore text, p_fair_key text, p_weight integer) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET lock_timeout TO '2s'
+    AS $$
+-- Sets the weight of fairness key p_fair_key (NULL: the shared default key)
+-- in p_semaphore's fair queue: how many of its waiters one turn of the
+-- rotation serves (pgsemaphore.enqueue). Returns the previous weight (1 if
+-- none was set). Waiters queued after this commits get turns by the new
+-- weight; those queued already keep theirs.
+--   p_semaphore an existing semaphore (else P0002); p_fair_key NULL or
+--   1..200 characters; p_weight NULL or 1..1000 (NULL and 1: the default,
+--   the row is removed)
+-- Every bad argument raises SQLSTATE 22023 naming it in COLUMN. Locks the
+-- semaphore's row (FOR NO KEY UPDATE, at most lock_timeout, 2 s, then
+-- 55P03), so that an enqueue reads the weight as of before or after this,
+-- never half.
+DECLARE
+    v_previous integer;
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    IF char_length(p_fair_key) NOT BETWEEN 1 AND 200 THEN
+        PERFORM pgsemaphore.refuse('p_fair_key',
+            format('NULL (the shared default key) or 1 to 200 characters, got %s characters',
+                   char_length(p_fair_key)));
+    END IF;
+    IF p_weight NOT BETWEEN 1 AND 1000 THEN
+        PERFORM pgsemaphore.refuse('p_weight', format('NULL or 1 to 1000, got %s', p_weight));
+    END IF;
+    PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    SELECT f.weight INTO v_previous
+      FROM pgsemaphore.fair_weights f
+     WHERE f.semaphore = p_semaphore AND f.fair_key = coalesce(p_fair_key, '');
+    IF coalesce(p_weight, 1) = 1 THEN
+        DELETE FROM pgsemaphore.fair_weights f
+         WHERE f.semaphore = p_semaphore AND f.fair_key = coalesce(p_fair_key, '');
+    ELSE
+        INSERT INTO pgsemaphore.fair_weights AS f (semaphore, fair_key, weight)
+        VALUES (p_semaphore, coalesce(p_fair_key, ''), p_weight)
+        ON CONFLICT (semaphore, fair_key)
+        DO UPDATE SET weight = excluded.weight, updated_at = clock_timestamp();
+    END IF;
+    RETURN coalesce(v_previous, 1);
+END;
+$$;
+
+
+--
+-- Name: set_rate_limit(text, text, text, double precision, double precision, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.set_rate_limit(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+-- STORES the limits of limiter (p_kind, p_limiter), or of its key p_key's
+-- override when p_key is not NULL: a token bucket's p_rate and p_burst (p_limit
+-- and p_window NULL), a window's p_limit and p_window (p_rate and p_burst
+-- NULL), validated as the checks validate passed ones. Applies from each
+-- key's next check (see the migration's header for how it meets a key's
+-- state) and sends NOTIFY pgsemaphore_rate 'kind/limiter' at commit, so that
+-- waiting acquires re-read it.
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    IF p_kind = 'token_bucket' THEN
+        PERFORM pgsemaphore.check_bucket(p_rate, p_burst);
+        IF p_limit IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_limit', 'NULL for a token bucket (it has a rate and a burst)');
+        END IF;
+        IF p_window IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_window', 'NULL for a token bucket (it has a rate and a burst)');
+        END IF;
+    ELSE
+        PERFORM pgsemaphore.check_window(p_limit, p_window, 1);
+        IF p_rate IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_rate', 'NULL for a window (it has a permit limit and a window)');
+        END IF;
+        IF p_burst IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_burst', 'NULL for a window (it has a permit limit and a window)');
+        END IF;
+    END IF;
+    INSERT INTO pgsemaphore.rate_limit_settings AS s
+           (kind, limiter, key, rate, burst, permit_limit, window_length, updated_at)
+    VALUES (p_kind, p_limiter, coalesce(p_key, ''), p_rate, p_burst, p_limit, p_window, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET rate = excluded.rate, burst = excluded.burst,
+           permit_limit = excluded.permit_limit, window_length = excluded.window_length,
+           updated_at = now();
+    PERFORM pg_notify('pgsemaphore_rate', p_kind || '/' || p_limiter);
+END;
+$$;
 
 
 --
@@ -2454,24 +3047,88 @@ CREATE FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit b
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- SLIDING WINDOW, per key: see pgsemaphore.sliding_window_unchecked.
+-- SLIDING WINDOW, per key: a booking that may not wait, see
+-- pgsemaphore.sliding_window_book for the arithmetic and its invariant.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
+-- Since version 9: p_limit and p_window are defaults, the stored pair (key,
+-- else limiter) applies instead, and a pause refuses, as in token_bucket
+-- (migrations/20261129000003_pgsemaphore_limiter_settings.sql: the
+-- settings are read by their own statement before the key's row is
+-- locked, and the whole pair read applies).
+DECLARE
+    v record;
 BEGIN
     PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    RETURN QUERY SELECT * FROM pgsemaphore.sliding_window_unchecked(p_limiter, p_key, p_limit, p_window, p_n);
+    -- The limits in force (version 9): the pair stored for the key, else
+    -- for the limiter, else the caller's; a pause refuses, nothing booked.
+    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('sliding_window', p_limiter, p_key);
+    IF v.o_paused_until > clock_timestamp() THEN
+        RETURN QUERY SELECT false, 0::bigint, pgsemaphore.us_until(v.o_paused_until);
+        RETURN;
+    END IF;
+    IF v.o_limit IS NOT NULL THEN
+        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
+        p_limit := v.o_limit;
+        p_window := v.o_window;
+    END IF;
+    RETURN QUERY
+        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
+          FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
 END;
 $$;
 
 
 --
--- Name: sliding_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: sliding_window_book(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+CREATE FUNCTION pgsemaphore.sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
     LANGUAGE plpgsql
     AS $$
+-- SLIDING WINDOW BOOKING: p_n permits of key p_key of the sliding window
+-- p_limiter (a weighted previous + current window, as before: the permits of
+-- the last p_window are estimated as previous_hits x (1 - elapsed / p_window)
+-- + hits, elapsed counted from the start of the current window of the key's
+-- grid), admitted at the earliest instant at or after the database's clock
+-- (read after the key's row lock) when the estimate plus p_n is within
+-- p_limit, provided that instant is within p_max_wait.
+-- The arguments are checked by the caller (sliding_window, sliding_window_reserve).
+-- Returns one row:
+--   o_allowed   true: booked; false: the instant is after p_max_wait, and
+--               nothing is booked
+--   o_wait_us   microseconds from the decision until that instant (0: at
+--               once); refused, until it would have been
+--   o_remaining the permits left now, the floor of p_limit - estimate (0
+--               while a later window has bookings)
+--
+-- The row: stamp, the start of the latest window with bookings (past or
+-- future); hits, the permits booked in it; previous_hits, those of the window
+-- before it. Every window before stamp's is closed.
+-- Invariant: at every admission instant t of a booking in window W,
+-- previous(W) x (1 - elapsed(t)) + (the permits of W admitted at or before t)
+-- <= p_limit; and at most p_limit permits are booked in one window of the
+-- grid. Of the bookings of W admitted by t, the one booked last saw all the
+-- others in hits (they were booked before it) and checked the estimate at its
+-- own instant, no later than t; the weight of previous(W) only falls with
+-- time, so the estimate at t is no higher. previous(W) is final when W gets
+-- its first booking: bookings go only into stamp's window or later ones.
+-- A booking goes into stamp's window, or else the next (previous := hits),
+-- or else the one after (previous := 0), where it always fits.
+-- Meets:
+--   * plain checks (sliding_window, a booking with p_max_wait 0) and other
+--     bookings of the key: they queue on the key's row lock and each sees
+--     the row the one before left; while stamp is in the future, a plain
+--     check is refused (its instant is at stamp or later);
+--   * the key's first use by anyone: a concurrent insert of the row makes
+--     our insert do nothing, and the loop's next SELECT waits for it;
+--   * prune_rate_limits: it deletes only a row at rest (idle_at, the end of
+--     the window after stamp's) and skips a row we hold; a row it deleted
+--     before our lock is gone, and our booking starts a new grid at now
+--     with both windows empty, which is what they were;
+--   * a caller that abandons a booking (its process stops waiting): the
+--     permits stay booked, so the key admits less, never more.
 DECLARE
     v_hits     bigint;
     v_previous bigint;
@@ -2480,55 +3137,78 @@ DECLARE
     v_found    boolean;
     v_window   double precision := extract(epoch FROM p_window)::double precision;
     v_elapsed  double precision;
-    v_estimate double precision;
+    v_need     double precision;
+    v_b_start  timestamptz;
+    v_b_hits   bigint;
+    v_b_prev   bigint;
     v_wait     double precision;
 BEGIN
-    IF NOT (p_limit >= 1 AND p_window > interval '0' AND p_n >= 1 AND p_n <= p_limit) THEN
-        RAISE EXCEPTION 'sliding window: need window > 0 and 1 <= n <= limit (limit %, window %, n %)',
-            p_limit, p_window, p_n USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     LOOP
+        -- 1. The key's row, locked; then the clock.
         SELECT r.hits, r.previous_hits, r.stamp INTO v_hits, v_previous, v_start
           FROM pgsemaphore.rate_limits r
          WHERE r.kind = 'sliding_window' AND r.limiter = p_limiter AND r.key = p_key
            FOR UPDATE;
         v_found := FOUND;
         v_now := clock_timestamp();
+        -- 2. Roll stamp's window forward to the one containing now, once
+        -- stamp's has ended.
         IF NOT v_found THEN
             v_hits := 0;
             v_previous := 0;
             v_start := v_now;
         ELSIF v_now >= v_start + 2 * p_window THEN
-            -- Both counted windows are over.
             v_start := date_bin(p_window, v_now, v_start);
             v_previous := 0;
             v_hits := 0;
         ELSIF v_now >= v_start + p_window THEN
-            -- The next window: the current one becomes the previous one.
             v_start := v_start + p_window;
             v_previous := v_hits;
             v_hits := 0;
         END IF;
-        v_elapsed := least(1, greatest(0, extract(epoch FROM v_now - v_start)::double precision / v_window));
-        v_estimate := v_previous * (1 - v_elapsed) + v_hits;
-        o_allowed := v_estimate + p_n <= p_limit;
-        IF o_allowed THEN
-            v_hits := v_hits + p_n;
-            v_estimate := v_estimate + p_n;
-            o_retry_after_us := 0;
-        ELSIF v_hits + p_n <= p_limit THEN
-            -- Admitted later in this window, once enough of the previous one slid out:
-            -- previous * (1 - t) + hits + n <= limit.
-            v_wait := (1 - (p_limit - v_hits - p_n)::double precision / v_previous - v_elapsed) * v_window;
-            o_retry_after_us := greatest(1, ceil(v_wait * 1e6))::bigint;
+        -- 3. The earliest instant, window by window from stamp's: the
+        -- elapsed fraction it needs (previous x (1 - e) + hits + p_n <=
+        -- p_limit), no earlier than now; a window where it is 1 or more
+        -- has no room.
+        v_b_start := v_start;
+        v_b_hits := v_hits;
+        v_b_prev := v_previous;
+        FOR i IN 1..3 LOOP
+            v_elapsed := greatest(0, extract(epoch FROM v_now - v_b_start)::double precision / v_window);
+            IF v_b_hits > p_limit - p_n THEN
+                v_need := 1;
+            ELSIF v_b_prev = 0 THEN
+                v_need := 0;
+            ELSE
+                v_need := greatest(0, 1 - (p_limit - p_n - v_b_hits)::double precision / v_b_prev);
+            END IF;
+            EXIT WHEN greatest(v_need, v_elapsed) < 1;
+            v_b_start := v_b_start + p_window;
+            v_b_prev := v_b_hits;
+            v_b_hits := 0;
+        END LOOP;
+        -- Seconds from now until that instant: the window's start plus the
+        -- fraction it needs (none when it is open and has room now), rounded
+        -- up to the microsecond, never early.
+        IF v_need <= v_elapsed THEN
+            o_wait_us := ceil(greatest(0, extract(epoch FROM v_b_start - v_now)::double precision) * 1e6)::bigint;
         ELSE
-            -- Only in the next window, once enough of this one slid out:
-            -- hits * (1 - t) + n <= limit.
-            v_wait := (1 - v_elapsed) * v_window
-                      + (1 - (p_limit - p_n)::double precision / v_hits) * v_window;
-            o_retry_after_us := greatest(1, ceil(v_wait * 1e6))::bigint;
+            v_wait := extract(epoch FROM v_b_start - v_now)::double precision + v_need * v_window;
+            o_wait_us := greatest(1, ceil(v_wait * 1e6))::bigint;
         END IF;
-        o_remaining := greatest(0, floor(p_limit - v_estimate))::bigint;
+        o_allowed := o_wait_us <= extract(epoch FROM p_max_wait) * 1e6;
+        IF o_allowed THEN
+            v_start := v_b_start;
+            v_previous := v_b_prev;
+            v_hits := v_b_hits + p_n;
+        END IF;
+        IF v_start > v_now THEN
+            o_remaining := 0;
+        ELSE
+            v_elapsed := least(1, greatest(0, extract(epoch FROM v_now - v_start)::double precision / v_window));
+            o_remaining := greatest(0, floor(p_limit - (v_previous * (1 - v_elapsed) + v_hits)))::bigint;
+        END IF;
+        -- 4. Write the row back (refused: only the roll forward).
         IF v_found THEN
             UPDATE pgsemaphore.rate_limits r
                SET hits = v_hits, previous_hits = v_previous, stamp = v_start,
@@ -2544,8 +3224,72 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
+        -- A concurrent first use inserted the row: the next SELECT waits for it.
     END LOOP;
 END;
+$$;
+
+
+--
+-- Name: sliding_window_reserve(text, text, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.sliding_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- SLIDING WINDOW RESERVATION: books p_n permits of key p_key at the earliest
+-- instant the weighted estimate admits them, if that is within p_max_wait;
+-- the caller waits o_wait_us, then acts. The invariant, the transactions it
+-- meets and the steps: pgsemaphore.sliding_window_book.
+--   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
+--   1; p_window 1 ms..366 days; p_n 1 to p_limit (as sliding_window);
+--   p_max_wait 0 to 366 days, not NULL
+-- Every bad argument raises 22023 naming it in COLUMN.
+-- Returns one row: o_allowed (false: nothing booked), o_wait_us (until the
+-- booked instant; refused, until it would have been), o_remaining (the
+-- permits left now).
+-- As the plain check, the limits stored in pgsemaphore.rate_limit_settings
+-- (key, else limiter) apply instead of p_limit and p_window; while the key
+-- or the limiter is paused the booking is refused, nothing booked, with
+-- o_wait_us the time until the pause ends and o_remaining 0 (a refusal
+-- with o_wait_us within p_max_wait is a pause: call again when it ends).
+DECLARE
+    v record;
+BEGIN
+    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
+    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    -- The limits in force (version 9): the pair stored for the key, else
+    -- for the limiter, else the caller's; a pause refuses, nothing booked.
+    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('sliding_window', p_limiter, p_key);
+    IF v.o_paused_until > clock_timestamp() THEN
+        o_allowed := false;
+        o_wait_us := pgsemaphore.us_until(v.o_paused_until);
+        o_remaining := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF v.o_limit IS NOT NULL THEN
+        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
+        p_limit := v.o_limit;
+        p_window := v.o_window;
+    END IF;
+    RETURN QUERY SELECT * FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, p_max_wait);
+END;
+$$;
+
+
+--
+-- Name: sliding_window_unchecked(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.sliding_window_unchecked(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+    LANGUAGE sql
+    AS $$
+    SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
+      FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
 $$;
 
 
@@ -2591,19 +3335,36 @@ CREATE FUNCTION pgsemaphore.token_bucket(p_limiter text, p_key text, p_rate doub
 --   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
 --   refilled from empty within 366 days; p_n finite, 1 to p_burst
 -- Every bad argument raises 22023 naming it in COLUMN.
+-- Since version 9: p_rate and p_burst are defaults; the pair stored in
+-- pgsemaphore.rate_limit_settings for the key, else for the limiter, is
+-- applied instead (p_n above a stored burst raises 22023 p_n). While the key
+-- or the limiter is paused the check is refused (o_remaining 0,
+-- o_retry_after_us until the pause ends) without touching the key's row.
+-- Meets (since 9), besides what token_bucket_unchecked meets: a stored
+-- limit's change or a pause committed while we run. The settings are read
+-- by their own statement before the key's row is locked, so the decision
+-- applies the whole pair in force at that read: a check that then waits for
+-- the row lock (behind a multi-limit check's open transaction, say) decides
+-- under the settings it read before waiting, which were in force during
+-- the check (tests/isolation/specs/limits-multi-settings.spec).
+DECLARE
+    v record;
 BEGIN
     PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9) THEN
-        PERFORM pgsemaphore.refuse('p_rate', format('above 0 and at most 1e9, got %s', coalesce(p_rate::text, 'NULL')));
-    END IF;
-    IF p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
-        PERFORM pgsemaphore.refuse('p_burst',
-            format('1 to 1e15, refilled within 366 days at the rate, got %s', coalesce(p_burst::text, 'NULL')));
-    END IF;
+    PERFORM pgsemaphore.check_bucket(p_rate, p_burst);
     IF p_n IS NULL OR NOT (p_n >= 1 AND p_n <= p_burst) THEN
         PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_burst, coalesce(p_n::text, 'NULL')));
     END IF;
-    RETURN QUERY SELECT * FROM pgsemaphore.token_bucket_unchecked(p_limiter, p_key, p_rate, p_burst, p_n);
+    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('token_bucket', p_limiter, p_key);
+    IF v.o_paused_until > clock_timestamp() THEN
+        RETURN QUERY SELECT false, 0::bigint, pgsemaphore.us_until(v.o_paused_until);
+        RETURN;
+    END IF;
+    IF v.o_rate IS NOT NULL THEN
+        PERFORM pgsemaphore.check_n_stored(p_n, v.o_burst);
+    END IF;
+    RETURN QUERY SELECT * FROM pgsemaphore.token_bucket_unchecked(
+        p_limiter, p_key, coalesce(v.o_rate, p_rate), coalesce(v.o_burst, p_burst), p_n);
 END;
 $$;
 
@@ -2662,12 +3423,31 @@ CREATE FUNCTION pgsemaphore.token_bucket_reserve(p_limiter text, p_key text, p_r
 --     fresh full bucket, which is what it was;
 --   * a caller that abandons a reservation (its process stops waiting):
 --     the tokens stay taken, so the key admits less, never more.
+--   * a stored limit's change (set_rate_limit, clear_rate_limit): read in
+--     step 1b by its own statement, so the reservation applies the pair in
+--     force either before or after the change, whole; the key's row carries
+--     only the level, so the next decision refills it at the new rate and
+--     caps it at the new burst. A waiter that reserved earlier keeps its
+--     instant in the books; the crate's waiter, woken by the change's
+--     NOTIFY, shortens its own sleep when the rate was raised (never below
+--     what the refill at the old rate until the change plus the new rate
+--     after it allows);
+--   * a pause (pause_rate_limit) committed before step 1b: refused, nothing
+--     taken; one committed after it: this reservation was made before the
+--     pause and stands (the pause holds back the ones after it).
+-- Since version 9 (step 1b): p_rate and p_burst are defaults; the pair
+-- stored for the key, else for the limiter, applies instead (p_n above a
+-- stored burst raises 22023 p_n). While the key or the limiter is paused the
+-- reservation is refused, nothing taken, with o_wait_us the time until the
+-- pause ends and o_remaining 0: a refusal with o_wait_us within p_max_wait is
+-- a pause, and the caller may call again when it ends.
 DECLARE
     v_tokens double precision;
     v_stamp  timestamptz;
     v_now    timestamptz;
     v_found  boolean;
     v_wait   double precision;
+    v        record;
 BEGIN
     -- 1. The arguments: token_bucket's checks, then p_max_wait.
     PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
@@ -2682,6 +3462,20 @@ BEGIN
         PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_burst, coalesce(p_n::text, 'NULL')));
     END IF;
     PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    -- 1b. The stored pair in force, and a pause.
+    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('token_bucket', p_limiter, p_key);
+    IF v.o_paused_until > clock_timestamp() THEN
+        o_allowed := false;
+        o_wait_us := pgsemaphore.us_until(v.o_paused_until);
+        o_remaining := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF v.o_rate IS NOT NULL THEN
+        PERFORM pgsemaphore.check_n_stored(p_n, v.o_burst);
+        p_rate := v.o_rate;
+        p_burst := v.o_burst;
+    END IF;
     LOOP
         -- 2. The key's row, locked; then the clock.
         SELECT r.tokens, r.stamp INTO v_tokens, v_stamp
@@ -2794,6 +3588,15 @@ BEGIN
     END LOOP;
 END;
 $$;
+
+
+--
+-- Name: us_until(timestamp with time zone); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.us_until(p_until timestamp with time zone) RETURNS bigint
+    LANGUAGE sql
+    AS $$ SELECT greatest(1, ceil(extract(epoch FROM p_until - clock_timestamp()) * 1e6))::bigint $$;
 
 
 --
@@ -2976,6 +3779,33 @@ CREATE VIEW pgsemaphore.live_slots AS
 
 
 --
+-- Name: rate_limit_settings; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.rate_limit_settings (
+    kind text NOT NULL,
+    limiter text NOT NULL,
+    key text DEFAULT ''::text NOT NULL,
+    rate double precision,
+    burst double precision,
+    permit_limit bigint,
+    window_length interval,
+    paused_until timestamp with time zone,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT rate_limit_settings_bucket_pair CHECK (((rate IS NULL) = (burst IS NULL))),
+    CONSTRAINT rate_limit_settings_key_length CHECK ((char_length(key) <= 256)),
+    CONSTRAINT rate_limit_settings_kind CHECK ((kind = ANY (ARRAY['token_bucket'::text, 'fixed_window'::text, 'sliding_window'::text]))),
+    CONSTRAINT rate_limit_settings_kind_columns CHECK (
+CASE
+    WHEN (kind = 'token_bucket'::text) THEN (permit_limit IS NULL)
+    ELSE (rate IS NULL)
+END),
+    CONSTRAINT rate_limit_settings_limiter_length CHECK (((char_length(limiter) >= 1) AND (char_length(limiter) <= 200))),
+    CONSTRAINT rate_limit_settings_window_pair CHECK (((permit_limit IS NULL) = (window_length IS NULL)))
+);
+
+
+--
 -- Name: rate_limits; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -3102,6 +3932,14 @@ ALTER TABLE ONLY pgsemaphore.advisory_semaphores
 
 ALTER TABLE ONLY pgsemaphore.fair_weights
     ADD CONSTRAINT fair_weights_pkey PRIMARY KEY (semaphore, fair_key);
+
+
+--
+-- Name: rate_limit_settings rate_limit_settings_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.rate_limit_settings
+    ADD CONSTRAINT rate_limit_settings_pkey PRIMARY KEY (kind, limiter, key);
 
 
 --
@@ -3269,10 +4107,38 @@ REVOKE ALL ON FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key 
 
 
 --
+-- Name: FUNCTION check_bucket(p_rate double precision, p_burst double precision); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.check_bucket(p_rate double precision, p_burst double precision) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION check_limiter_key(p_limiter text, p_key text); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.check_limiter_key(p_limiter text, p_key text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION check_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.check_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION check_n_stored(p_n double precision, p_limit double precision); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.check_n_stored(p_n double precision, p_limit double precision) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION check_setting_target(p_kind text, p_limiter text, p_key text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.check_setting_target(p_kind text, p_limiter text, p_key text) FROM PUBLIC;
 
 
 --
@@ -3332,6 +4198,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.clear_queue(p_semaphore text) FROM PUBLIC;
 
 
 --
+-- Name: FUNCTION clear_rate_limit(p_kind text, p_limiter text, p_key text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.clear_rate_limit(p_kind text, p_limiter text, p_key text) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION configure(p_name text, p_capacity integer, p_lease interval, p_create boolean, p_queue_lifo boolean); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -3378,6 +4251,20 @@ REVOKE ALL ON FUNCTION pgsemaphore.fence(p_ids bigint[], p_token bytea) FROM PUB
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION fixed_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
 
 
 --
@@ -3444,6 +4331,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer
 
 
 --
+-- Name: FUNCTION pause_rate_limit(p_kind text, p_limiter text, p_key text, p_for interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.pause_rate_limit(p_kind text, p_limiter text, p_key text, p_for interval) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION prune(p_older_than interval, p_batch integer); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -3469,6 +4363,20 @@ REVOKE ALL ON FUNCTION pgsemaphore.prune_rate_limits_unchecked(p_idle_for interv
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.prune_unchecked(p_older_than interval, p_batch integer) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION rate_limit_in_force(p_kind text, p_limiter text, p_key text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.rate_limit_in_force(p_kind text, p_limiter text, p_key text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION rate_limit_stored(p_kind text, p_limiter text, p_key text, OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval, OUT o_paused_until timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.rate_limit_stored(p_kind text, p_limiter text, p_key text, OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval, OUT o_paused_until timestamp with time zone) FROM PUBLIC;
 
 
 --
@@ -3528,6 +4436,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.renew(p_ids bigint[], p_token bytea, p_lease 
 
 
 --
+-- Name: FUNCTION resume_rate_limit(p_kind text, p_limiter text, p_key text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.resume_rate_limit(p_kind text, p_limiter text, p_key text) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION schema_version(); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -3542,10 +4457,31 @@ REVOKE ALL ON FUNCTION pgsemaphore.set_fair_weight(p_semaphore text, p_fair_key 
 
 
 --
+-- Name: FUNCTION set_rate_limit(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.set_rate_limit(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION sliding_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION sliding_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_window_reserve(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
 
 
 --
@@ -3581,6 +4517,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.token_bucket_reserve(p_limiter text, p_key te
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.token_bucket_unchecked(p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION us_until(p_until timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.us_until(p_until timestamp with time zone) FROM PUBLIC;
 
 
 --

@@ -117,6 +117,10 @@
 //! holds back a key (or [`pause_all`](TokenBucket::pause_all), a limiter)
 //! in every process after an upstream's 429, and a [`LimiterSet`] checks
 //! several limits at once, charging all or none.
+//! Each limiter can also wait ([`TokenBucket::acquire`],
+//! [`FixedWindow::acquire`], [`SlidingWindow::acquire`]): one round trip
+//! reserves the permits at the instant the key will admit them, then the
+//! caller sleeps until then.
 //!
 //! # Audit log
 //!

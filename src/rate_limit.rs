@@ -19,7 +19,13 @@
 //! `migrations/20261128000001_pgsemaphore_waiting_bucket.sql`, whose header
 //! states its invariant) reserves the tokens, even ahead of the refill, and
 //! answers when they will be there; the caller sleeps until then. The
-//! windows do not wait yet.
+//! windows wait the same way ([`FixedWindow::acquire`],
+//! [`SlidingWindow::acquire`]): `pgsemaphore.fixed_window_reserve` and
+//! `sliding_window_reserve` (schema version 10,
+//! `migrations/20261129000004_pgsemaphore_limiter_ledger.sql`) book the
+//! permits in the first window with room and answer when it opens; the
+//! windows' arithmetic, plain checks included, is `fixed_window_book` and
+//! `sliding_window_book` there, whose headers state their invariants.
 //!
 //! Since schema version 9 the limits a handle is built with are
 //! **defaults**: an operator may store a limiter's limits, or one key's, in
@@ -67,6 +73,20 @@ const TOKEN_BUCKET: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
 const TOKEN_BUCKET_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining \
                                     FROM pgsemaphore.token_bucket_reserve(p_limiter => $1, p_key => $2, \
                                         p_rate => $3, p_burst => $4, p_n => $5, p_max_wait => $6)";
+
+/// Fixed window reservation: books `$5` permits of key `$2` of limiter `$1`
+/// (limit `$3` per window `$4`) in the first window with room, provided it
+/// opens within `$6`; answers how long to wait before acting.
+const FIXED_WINDOW_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining \
+                                    FROM pgsemaphore.fixed_window_reserve(p_limiter => $1, p_key => $2, \
+                                        p_limit => $3, p_window => $4, p_n => $5, p_max_wait => $6)";
+
+/// Sliding window reservation: books `$5` permits of key `$2` of limiter `$1`
+/// (limit `$3` per window `$4`) at the earliest instant they fit, provided it
+/// is within `$6`; answers how long to wait before acting.
+const SLIDING_WINDOW_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining \
+                                      FROM pgsemaphore.sliding_window_reserve(p_limiter => $1, p_key => $2, \
+                                          p_limit => $3, p_window => $4, p_n => $5, p_max_wait => $6)";
 
 /// Fixed window check: `$5` permits of key `$2` of limiter `$1` (limit `$3` per window `$4`).
 const FIXED_WINDOW: &str = "SELECT o_allowed, o_remaining, o_retry_after_us \
@@ -291,14 +311,15 @@ impl Limiter {
         }
     }
 
-    /// A token bucket's waiting acquire: one reservation (one round trip),
-    /// then a sleep on this process's clock until the instant the database
-    /// reserved, counted from the reply (so never earlier than that instant),
-    /// shortened if an operator raises the rate meanwhile. A paused key is
-    /// refused with the pause's end: the caller sleeps until then (or until
-    /// an operator ends the pause) and reserves again.
-    /// `timeout`: the longest wait the caller accepts (`None`: the longest
-    /// that can be reserved).
+    /// A waiting acquire: one reservation (one round trip), then a sleep on
+    /// this process's clock until the instant the database reserved, counted
+    /// from the reply (so never earlier than that instant); a token bucket's
+    /// sleep is shortened if an operator raises the stored rate meanwhile (a
+    /// window's booking is in a window of the grid, which a raised limit
+    /// does not move). A paused key is refused with the pause's end: the
+    /// caller sleeps until then (or until an operator ends the pause) and
+    /// reserves again. `timeout`: the longest wait the caller accepts
+    /// (`None`: the longest that can be reserved).
     async fn acquire(
         &self,
         key: &str,
@@ -306,9 +327,7 @@ impl Limiter {
         timeout: Option<Duration>,
     ) -> Result<Decision> {
         self.request(key, permits)?;
-        let Policy::TokenBucket { rate, burst } = self.policy else {
-            unreachable!("only a token bucket reserves")
-        };
+        let limit = self.policy.limit();
         let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
         let started = tokio::time::Instant::now();
         // Before the reservation, so that a change committed after it is
@@ -318,15 +337,32 @@ impl Limiter {
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let max_wait = validate::rate_wait(left)?;
+            let (name, owned_key) = (self.name.clone(), key.to_owned());
             let db = &self.db;
-            let query = db
-                .query_as::<(bool, i64, i64)>(TOKEN_BUCKET_RESERVE)
-                .bind(self.name.clone())
-                .bind(key.to_owned())
-                .bind(rate)
-                .bind(f64::from(burst))
-                .bind(f64::from(permits))
-                .bind(max_wait);
+            let query = match self.policy {
+                Policy::TokenBucket { rate, burst } => db
+                    .query_as::<(bool, i64, i64)>(TOKEN_BUCKET_RESERVE)
+                    .bind(name)
+                    .bind(owned_key)
+                    .bind(rate)
+                    .bind(f64::from(burst))
+                    .bind(f64::from(permits)),
+                Policy::FixedWindow { limit, window } => db
+                    .query_as(FIXED_WINDOW_RESERVE)
+                    .bind(name)
+                    .bind(owned_key)
+                    .bind(i64::from(limit))
+                    .bind(validate::window(window)?)
+                    .bind(i64::from(permits)),
+                Policy::SlidingWindow { limit, window } => db
+                    .query_as(SLIDING_WINDOW_RESERVE)
+                    .bind(name)
+                    .bind(owned_key)
+                    .bind(i64::from(limit))
+                    .bind(validate::window(window)?)
+                    .bind(i64::from(permits)),
+            }
+            .bind(max_wait);
             let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
                 Ok(reply) => reply,
                 Err(error) => return self.failed(error).await,
@@ -334,13 +370,19 @@ impl Limiter {
             let wait = Duration::from_micros(wait_us.max(0) as u64);
             if allowed {
                 self.metrics.decided(true);
-                self.sleep_reserved(key, wait, remaining, wake.as_mut(), rate)
-                    .await;
+                match self.policy {
+                    Policy::TokenBucket { rate, .. } => {
+                        self.sleep_reserved(key, wait, remaining, wake.as_mut(), rate)
+                            .await;
+                    }
+                    _ if !wait.is_zero() => tokio::time::sleep(wait).await,
+                    _ => {}
+                }
                 return Ok(Decision {
                     allowed: true,
                     remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
                     retry_after: Duration::ZERO,
-                    limit: burst,
+                    limit,
                     failed_open: false,
                 });
             }
@@ -511,7 +553,7 @@ macro_rules! common_limiter_methods {
 /// (its [`Policy`] variant, named as the type). A macro rather than a
 /// generic type, so that each stays a type of its own with its own docs.
 macro_rules! window_limiter {
-    ($limiter:ident, $kind:literal, $per:literal) => {
+    ($limiter:ident, $kind:literal, $per:literal, $sql:literal, $books:literal) => {
         impl $limiter {
             #[doc = concat!("Starts configuring the ", $kind, " limiter `name`: set")]
             /// [`permit_limit`](WindowBuilder::permit_limit) and
@@ -540,6 +582,93 @@ macro_rules! window_limiter {
             }
 
             common_limiter_methods!("permits");
+
+            /// Waits until `key`'s window admits `permits` permits, then
+            /// returns the admitting [`Decision`]:
+            /// [`acquire_timeout`](Self::acquire_timeout) with the longest
+            /// wait that can be reserved, [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+            ///
+            /// # Errors
+            ///
+            /// As [`acquire_timeout`](Self::acquire_timeout); [`Error::Timeout`]
+            /// only when the permits could not be admitted within
+            /// [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+            ///
+            /// # Cancel safety
+            ///
+            /// As [`acquire_timeout`](Self::acquire_timeout): dropping the
+            /// future after the reservation forfeits the booked permits.
+            pub async fn acquire(&self, key: &str, permits: u32) -> Result<Decision> {
+                self.inner.acquire(key, permits, None).await
+            }
+
+            #[doc = concat!("Waits until `key`'s ", $kind, " admits `permits` permits, if that")]
+            /// takes at most `timeout`, then returns the admitting
+            /// [`Decision`]; if it would take longer, returns
+            /// [`Error::Timeout`] at once, without waiting and without taking
+            /// anything.
+            ///
+            #[doc = concat!("One round trip per call, however many wait on the key: a *reservation* (`pgsemaphore.", $sql, "_reserve`)")]
+            #[doc = $books]
+            /// and the database answers when that is; this process then
+            /// sleeps until that instant, counted from the reply on its own
+            /// clock, so it is admitted no earlier than the database allows
+            /// (later by the reply's latency). Waiters are admitted in the
+            /// order they reserved, with no polling and no stampede on the
+            /// key's row when a window opens, and never more than
+            /// [`permit_limit`](Self::permit_limit) permits in one window of
+            /// the key's grid, plain [`check`](Self::check)s included. A
+            /// `check` is refused while permits are booked in a window that
+            /// has not opened yet: reservations are served first.
+            ///
+            /// A timeout above [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT) waits
+            /// at most that. With `fail_open`, an unreachable database
+            /// admits at once, as [`check`](Self::check) does.
+            ///
+            /// ```no_run
+            /// use std::time::Duration;
+            #[doc = concat!("use pg_semaphore::", stringify!($limiter), ";")]
+            ///
+            /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+            /// // At most 100 exports per minute per tenant; wait for room up to 5 minutes.
+            #[doc = concat!("let exports = ", stringify!($limiter), "::builder(\"exports\")")]
+            ///     .permit_limit(100)
+            ///     .window(Duration::from_secs(60))
+            ///     .build(&pool)?;
+            /// exports.acquire_timeout("tenant-7", 1, Duration::from_secs(300)).await?;
+            /// // ... export ...
+            /// # Ok(())
+            /// # }
+            /// ```
+            ///
+            /// # Errors
+            ///
+            /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at
+            ///   once when the permits would not be admitted within
+            ///   `timeout`; nothing was taken.
+            /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
+            ///   [`Error::Database`] as for [`check`](Self::check) (a schema
+            #[doc = concat!("  older than version 10 has no `", $sql, "_reserve`:")]
+            ///   [`Error::MigrationsMissing`]).
+            ///
+            /// # Cancel safety
+            ///
+            /// Dropping the future while the reservation's statement is in
+            /// flight either books or does not; dropping it after the
+            /// reservation, while it sleeps, **forfeits the booked permits**:
+            /// they stay counted in their window, so the key admits less than
+            /// its limit there, never more. (They are not given back: a
+            /// booking later in the queue was placed behind them, and
+            /// returning permits would need a second round trip that a
+            /// cancelled future cannot make.)
+            pub async fn acquire_timeout(
+                &self,
+                key: &str,
+                permits: u32,
+                timeout: Duration,
+            ) -> Result<Decision> {
+                self.inner.acquire(key, permits, Some(timeout)).await
+            }
         }
 
         impl WindowLimiter for $limiter {
@@ -840,7 +969,13 @@ pub struct FixedWindow {
     inner: Arc<Limiter>,
 }
 
-window_limiter!(FixedWindow, "fixed window", "window");
+window_limiter!(
+    FixedWindow,
+    "fixed window",
+    "window",
+    "fixed_window",
+    "books the permits in the first window of the key's grid that has room for them (the one open now, else a later one),"
+);
 
 // ---------------------------------------------------------------------------
 // Sliding window
@@ -881,7 +1016,13 @@ pub struct SlidingWindow {
     inner: Arc<Limiter>,
 }
 
-window_limiter!(SlidingWindow, "sliding window", "window's length");
+window_limiter!(
+    SlidingWindow,
+    "sliding window",
+    "window's length",
+    "sliding_window",
+    "books the permits at the earliest instant the weighted estimate admits them (now, later in this window once enough of the previous one has slid out, or in a later window),"
+);
 
 // ---------------------------------------------------------------------------
 // The windows' builder

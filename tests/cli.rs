@@ -881,6 +881,9 @@ async fn audit_shows_which_claims_a_multi_limit_permit_took_together() -> TestRe
     );
     both.release().await?;
     single.release().await?;
+    Ok(())
+}
+
 /// `limits`: the operator stores a limit, a pause, lists them, and the
 /// limiters of the application obey; clear and resume undo them; a bad
 /// combination of flags is a usage error.

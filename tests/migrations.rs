@@ -920,3 +920,79 @@ async fn version_8_grants_the_multi_limit_claim_to_claim_callers() -> TestResult
     roles.drop_all().await?;
     result
 }
+
+/// Version 10 (windows that wait) adds `fixed_window_reserve` and
+/// `sliding_window_reserve`, granted to whoever may run `fixed_window`: a
+/// role granted as version 6's README said books after the upgrade without
+/// new grants, on a key its plain checks already used (the booking counts
+/// them); the internal `*_book` functions stay the owner's; PUBLIC still
+/// runs nothing.
+#[tokio::test]
+async fn version_10_grants_the_window_reservations_to_window_callers() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["app"]).await?;
+    let result = async {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
+            .map(|entry| entry.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
+        files.sort();
+        let upgrade = files
+            .iter()
+            .position(|f| f.ends_with("20261129000004_pgsemaphore_limiter_ledger.sql"))
+            .expect("the version 10 migration");
+        for file in &files[..upgrade] {
+            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
+                .execute(&db.pool)
+                .await?;
+        }
+        let app = roles.name("app");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
+               GRANT EXECUTE ON FUNCTION
+                   pgsemaphore.fixed_window(text, text, bigint, interval, bigint),
+                   pgsemaphore.sliding_window(text, text, bigint, interval, bigint)
+                 TO "{app}";"#
+        )))
+        .execute(&db.pool)
+        .await?;
+        let app_pool = roles.pool(&db, "app").await?;
+        let check = "SELECT o_allowed FROM pgsemaphore.fixed_window('l', 'k', 2, '1 hour', 1)";
+        assert!(sqlx::query_scalar::<_, bool>(check).fetch_one(&app_pool).await?);
+
+        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&files[upgrade])?))
+            .execute(&db.pool)
+            .await?;
+        assert_eq!(schema_version(&db.pool).await, (10, 2));
+        for function in ["fixed_window_reserve", "sliding_window_reserve", "fixed_window_book"] {
+            let public: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT has_function_privilege('public',
+                     'pgsemaphore.{function}(text, text, bigint, interval, bigint, interval)', 'EXECUTE')"
+            )))
+            .fetch_one(&db.pool)
+            .await?;
+            assert!(!public, "PUBLIC may run {function}");
+        }
+        let book: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT has_function_privilege('{app}',
+                 'pgsemaphore.fixed_window_book(text, text, bigint, interval, bigint, interval)', 'EXECUTE')"
+        )))
+        .fetch_one(&db.pool)
+        .await?;
+        assert!(!book, "the application may run the internal fixed_window_book");
+        let reserve = "SELECT o_allowed, o_wait_us FROM pgsemaphore.fixed_window_reserve(\
+                       'l', 'k', 2, '1 hour', 1, '1 s')";
+        let (allowed, wait_us): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
+        assert_eq!((allowed, wait_us), (true, 0), "the window's second permit");
+        let (allowed, _): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
+        assert!(!allowed, "the third is in the next window, an hour away, not within 1 s");
+        let sliding = "SELECT o_allowed FROM pgsemaphore.sliding_window_reserve(\
+                       'l', 'k', 2, '1 hour', 1, '1 s')";
+        assert!(sqlx::query_scalar::<_, bool>(sliding).fetch_one(&app_pool).await?);
+        app_pool.close().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
+}

@@ -776,11 +776,14 @@ async fn waiting_acquires_are_admitted_at_the_rate_and_never_faster() -> TestRes
     Ok(())
 }
 
-/// How many times `pgsemaphore.token_bucket_reserve` ran in `options`'
-/// database, from the statistics of sessions that have ended (the test's
+/// How many times `pgsemaphore.<function>` ran in `options`' database, from the statistics of sessions that have ended (the test's
 /// database tracks function calls; a backend reports its counts at exit at
 /// the latest, and leaves `pg_stat_activity` after it has).
-async fn reservations_counted(options: &PgConnectOptions, application: &str) -> sqlx::Result<i64> {
+async fn reservations_counted(
+    options: &PgConnectOptions,
+    application: &str,
+    function: &str,
+) -> sqlx::Result<i64> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect_with(options).await?;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -800,8 +803,9 @@ async fn reservations_counted(options: &PgConnectOptions, application: &str) -> 
         .await?;
     let calls: Option<i64> = sqlx::query_scalar(
         "SELECT sum(calls)::bigint FROM pg_stat_user_functions \
-         WHERE schemaname = 'pgsemaphore' AND funcname = 'token_bucket_reserve'",
+         WHERE schemaname = 'pgsemaphore' AND funcname = $1",
     )
+    .bind(function)
     .fetch_one(&mut conn)
     .await?;
     Ok(calls.unwrap_or(0))
@@ -848,7 +852,7 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
     for pool in &pools {
         pool.close().await;
     }
-    let calls = reservations_counted(&db.options, APPLICATION).await?;
+    let calls = reservations_counted(&db.options, APPLICATION, "token_bucket_reserve").await?;
     assert_eq!(calls, WAITERS as i64, "reservations for {WAITERS} waiters");
     let checks: i64 = sqlx::query_scalar(
         "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions \
@@ -954,6 +958,285 @@ async fn checks_wait_behind_reservations() -> TestResult {
     Ok(())
 }
 
+/// A window limiter of `limit` per `window` named `name`: fixed or sliding.
+fn window_limiter(
+    pool: &PgPool,
+    sliding: bool,
+    name: &str,
+    limit: u32,
+    window: Duration,
+) -> AnyLimiter {
+    if sliding {
+        AnyLimiter::Sliding(
+            SlidingWindow::builder(name)
+                .permit_limit(limit)
+                .window(window)
+                .build(pool)
+                .expect("valid sliding window"),
+        )
+    } else {
+        AnyLimiter::Fixed(
+            FixedWindow::builder(name)
+                .permit_limit(limit)
+                .window(window)
+                .build(pool)
+                .expect("valid fixed window"),
+        )
+    }
+}
+
+impl AnyLimiter {
+    async fn acquire_timeout(
+        &self,
+        key: &str,
+        permits: u32,
+        timeout: Option<Duration>,
+    ) -> pg_semaphore::Result<Decision> {
+        match (self, timeout) {
+            (AnyLimiter::Bucket(l), None) => l.acquire(key, permits).await,
+            (AnyLimiter::Bucket(l), Some(t)) => l.acquire_timeout(key, permits, t).await,
+            (AnyLimiter::Fixed(l), None) => l.acquire(key, permits).await,
+            (AnyLimiter::Fixed(l), Some(t)) => l.acquire_timeout(key, permits, t).await,
+            (AnyLimiter::Sliding(l), None) => l.acquire(key, permits).await,
+            (AnyLimiter::Sliding(l), Some(t)) => l.acquire_timeout(key, permits, t).await,
+        }
+    }
+}
+
+/// Waiting acquires on a window never pass its limit: 40 waiters on a key
+/// of 5 per 400 ms, from many tasks and two pools, are admitted in bursts as
+/// the windows open, never more than 5 within any 150 ms (a fixed window's
+/// waiters are admitted at its opening, one window's length apart; 150 ms
+/// leaves room for this process's scheduling), never more than 10 within
+/// any window's length for the sliding window (two windows of the grid),
+/// and all of them within the 7 windows after the first and a margin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_window_acquires_never_pass_the_limit() -> TestResult {
+    const LIMIT: u32 = 5;
+    const WAITERS: usize = 40;
+    const WINDOW: Duration = Duration::from_millis(400);
+    let db = support::migrated_db().await;
+    let pools = [
+        support::another_pool(&db, 4).await,
+        support::another_pool(&db, 4).await,
+    ];
+    for sliding in [false, true] {
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..WAITERS)
+            .map(|i| {
+                let limiter =
+                    window_limiter(&pools[i % pools.len()], sliding, "waiting", LIMIT, WINDOW);
+                tokio::spawn(async move {
+                    let decision = limiter.acquire_timeout("the-key", 1, None).await?;
+                    assert!(decision.allowed && !decision.failed_open, "{decision:?}");
+                    Ok::<_, Error>(Instant::now())
+                })
+            })
+            .collect();
+        let mut admitted = Vec::new();
+        for task in tasks {
+            admitted.push(task.await??);
+        }
+        admitted.sort();
+        let (span, most) = if sliding {
+            (WINDOW - Duration::from_millis(20), 2 * LIMIT as usize)
+        } else {
+            (Duration::from_millis(150), LIMIT as usize)
+        };
+        for (i, first) in admitted.iter().enumerate() {
+            let within = admitted[i..]
+                .iter()
+                .take_while(|t| **t - *first < span)
+                .count();
+            assert!(
+                within <= most,
+                "sliding {sliding}: {within} admissions within {span:?} from the {i}th; at most {most}"
+            );
+        }
+        let took = admitted[WAITERS - 1] - start;
+        let windows = (WAITERS as u32).div_ceil(LIMIT);
+        let expected = WINDOW * windows;
+        assert!(
+            took <= expected + Duration::from_millis(1000),
+            "sliding {sliding}: the last waiter was admitted after {took:?}; expected within {expected:?}"
+        );
+    }
+    Ok(())
+}
+
+/// One round trip per admission for the windows too: 60 waiters on one
+/// key of a fixed and of a sliding window call `fixed_window_reserve` and
+/// `sliding_window_reserve` exactly 60 times each (PostgreSQL's function
+/// statistics), and no plain check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_waiting_window_acquire_costs_one_reservation() -> TestResult {
+    const WAITERS: usize = 60;
+    const APPLICATION: &str = "window-reservation-counter";
+    let db = support::migrated_db().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let options = db.options.clone().application_name(APPLICATION);
+    let mut pools = Vec::new();
+    for _ in 0..2 {
+        pools.push(
+            PgPoolOptions::new()
+                .max_connections(4)
+                .connect_with(options.clone())
+                .await?,
+        );
+    }
+    // 10 per 50 ms: the waiters of each kind queue for about 0.3 s.
+    let tasks: Vec<_> = (0..2 * WAITERS)
+        .map(|i| {
+            let limiter = window_limiter(
+                &pools[i % pools.len()],
+                i % 2 == 1,
+                "counted",
+                10,
+                Duration::from_millis(50),
+            );
+            tokio::spawn(async move { limiter.acquire_timeout("the-key", 1, None).await })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await??.allowed);
+    }
+    for pool in &pools {
+        pool.close().await;
+    }
+    for function in ["fixed_window_reserve", "sliding_window_reserve"] {
+        let calls = reservations_counted(&db.options, APPLICATION, function).await?;
+        assert_eq!(
+            calls, WAITERS as i64,
+            "{function} calls for {WAITERS} waiters"
+        );
+    }
+    let checks: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions \
+         WHERE schemaname = 'pgsemaphore' AND funcname IN ('fixed_window', 'sliding_window')",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(checks, 0, "a waiting acquire made plain checks");
+    Ok(())
+}
+
+/// A window's wait longer than the timeout is refused at once, with the
+/// semaphore's timeout error, and takes nothing: a check that follows still
+/// finds the permit. A wait within the timeout is admitted, no earlier than
+/// the next window opens.
+#[tokio::test]
+async fn a_window_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    for sliding in [false, true] {
+        let limiter = window_limiter(&db.pool, sliding, "slow", 2, HOUR);
+        assert!(limiter.check("k", 1).await?.allowed);
+        let timeout = Duration::from_secs(5);
+        let asked = Instant::now();
+        let outcome = limiter.acquire_timeout("k", 2, Some(timeout)).await;
+        match outcome {
+            Err(Error::Timeout {
+                waited_for: WaitedFor::RateLimit { limiter, key },
+                timeout: reported,
+            }) => assert_eq!(
+                (limiter.as_str(), key.as_str(), reported),
+                ("slow", "k", timeout)
+            ),
+            other => panic!("sliding {sliding}: expected a timeout, got {other:?}"),
+        }
+        assert!(
+            asked.elapsed() < timeout,
+            "the refusal waited {:?}",
+            asked.elapsed()
+        );
+        let decision = limiter.check("k", 1).await?;
+        assert!(
+            decision.allowed,
+            "sliding {sliding}: the refused wait took permits: {decision:?}"
+        );
+
+        let fast = window_limiter(&db.pool, sliding, "fast", 1, Duration::from_millis(500));
+        let asked = Instant::now();
+        assert!(
+            fast.acquire_timeout("k", 1, Some(Duration::ZERO))
+                .await?
+                .allowed
+        );
+        let outcome = fast.acquire_timeout("k", 1, Some(Duration::ZERO)).await;
+        assert!(matches!(outcome, Err(Error::Timeout { .. })), "{outcome:?}");
+        assert!(fast.acquire_timeout("k", 1, Some(timeout)).await?.allowed);
+        assert!(
+            asked.elapsed() >= Duration::from_millis(500),
+            "sliding {sliding}: admitted after {:?}, before the next window",
+            asked.elapsed()
+        );
+    }
+    Ok(())
+}
+
+/// Bookings are served first: while a window booked ahead has not opened,
+/// a plain check is refused and its retry-after reaches that window; once
+/// it opens, its permits are counted there (the booked window is full, so
+/// the check waits for the one after); the key is not at rest (prune keeps
+/// it) while bookings are outstanding.
+#[tokio::test]
+async fn checks_wait_behind_window_bookings() -> TestResult {
+    let db = support::migrated_db().await;
+    for (function, kind) in [
+        ("fixed_window_reserve", false),
+        ("sliding_window_reserve", true),
+    ] {
+        let reserve = format!(
+            "SELECT o_allowed, o_wait_us, o_remaining FROM pgsemaphore.{function}(\
+             p_limiter => 'r', p_key => 'k', p_limit => 1, p_window => '300 ms', p_n => 1, \
+             p_max_wait => '10 s')"
+        );
+        let first: (bool, i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(reserve.clone()))
+            .fetch_one(&db.pool)
+            .await?;
+        assert_eq!(
+            first,
+            (true, 0, 0),
+            "{function}: an empty window admits at once"
+        );
+        let second: (bool, i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(reserve.clone()))
+            .fetch_one(&db.pool)
+            .await?;
+        assert!(
+            second.0 && (1..=600_000).contains(&second.1),
+            "{function}: {second:?}"
+        );
+        let limiter = window_limiter(&db.pool, kind, "r", 1, Duration::from_millis(300));
+        let refused = limiter.check("k", 1).await?;
+        assert!(
+            !refused.allowed,
+            "{function}: a check passed a booking: {refused:?}"
+        );
+        assert!(
+            refused.retry_after
+                >= Duration::from_micros(second.1 as u64) - Duration::from_millis(50),
+            "{function}: the retry-after ignores the booking: {refused:?}, booked in {} us",
+            second.1
+        );
+        assert_eq!(
+            pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+            0
+        );
+        // The booked window opens: its permit is the booking's.
+        sleep(Duration::from_micros(second.1 as u64)).await;
+        let after = limiter.check("k", 1).await?;
+        assert!(
+            !after.allowed,
+            "{function}: the booked window admitted a check too: {after:?}"
+        );
+    }
+    Ok(())
+}
+
 /// The handles and futures can be shared across tasks.
 #[test]
 fn limiters_are_send_and_sync() {
@@ -969,7 +1252,11 @@ fn limiters_are_send_and_sync() {
         send(&b.acquire("k", 1));
         send(&b.acquire_timeout("k", 1, HOUR));
         send(&f.check("k", 1));
+        send(&f.acquire("k", 1));
+        send(&f.acquire_timeout("k", 1, HOUR));
         send(&s.check("k", 1));
+        send(&s.acquire("k", 1));
+        send(&s.acquire_timeout("k", 1, HOUR));
         send(&pg_semaphore::prune_rate_limits(&pool, HOUR));
     }
 }

@@ -977,6 +977,28 @@ async fn privileges_rate_limits_are_checked_and_spent() -> TestResult {
             allowed.push(sqlx::query_scalar::<_, bool>(check).fetch_one(&app).await?);
         }
         assert_eq!(allowed, [true, true, false]);
+        // Waiting is spending too: a booking takes a later window's budget
+        // (1 per hour: the fixed window's next booking is an hour away, the
+        // sliding window's two, once the first has slid out).
+        for (function, max_wait) in [
+            ("fixed_window_reserve", "90 minutes"),
+            ("sliding_window_reserve", "150 minutes"),
+        ] {
+            let reserve = format!(
+                "SELECT o_allowed, o_wait_us > 0 FROM pgsemaphore.{function}('booked', 'k', 1, '1 hour', 1, '{max_wait}')"
+            );
+            let mut booked = Vec::new();
+            for _ in 0..3 {
+                booked.push(
+                    sqlx::query_as::<_, (bool, bool)>(AssertSqlSafe(reserve.clone()))
+                        .fetch_one(&app)
+                        .await?,
+                );
+            }
+            assert_eq!(booked[0], (true, false), "{function}: the first at once");
+            assert_eq!(booked[1], (true, true), "{function}: the next later");
+            assert!(!booked[2].0, "{function}: past the longest wait: {booked:?}");
+        }
         Ok(())
     })
     .await
@@ -1116,6 +1138,9 @@ async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
             "pgsemaphore.token_bucket_unchecked(text,text,double precision,double precision,double precision)",
             "pgsemaphore.prune_unchecked(interval,integer)",
             "pgsemaphore.notify_if_waited(text)",
+            "pgsemaphore.fixed_window_book(text,text,bigint,interval,bigint,interval)",
+            "pgsemaphore.sliding_window_book(text,text,bigint,interval,bigint,interval)",
+            "pgsemaphore.fixed_window_unchecked(text,text,bigint,interval,bigint)",
         ] {
             assert!(refused.iter().any(|r| r == expected), "{expected} is executable: {refused:?}");
         }
@@ -1126,6 +1151,8 @@ async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
             "SELECT * FROM pgsemaphore.token_bucket_unchecked('l', 'k', 1, 1, 1)",
             "SELECT pgsemaphore.prune_unchecked('0', 1)",
             "SELECT pgsemaphore.clear_queue('x')",
+            "SELECT * FROM pgsemaphore.fixed_window_book('l', 'k', 1, '1 s', 1, '1 s')",
+            "SELECT * FROM pgsemaphore.sliding_window_book('l', 'k', 1, '1 s', 1, '1 s')",
         ] {
             assert!(denied(sqlx::query(sql).execute(&app).await), "allowed: {sql}");
         }

@@ -54,13 +54,25 @@
 //!     just before. `--minutes M` (10 by default) sets the time under each
 //!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump),
 //!     `--designs a,b` only these designs
-//!     (lease|advisory|mutex|bucket|counter|raw).
+//!     (lease|advisory|mutex|bucket|counter|raw, and the hot-key limiter
+//!     designs and storage prototypes of `ledger.rs`:
+//!     update-hot|bucket-hot|sliding-hot|gcra-row|gcra-ledger|sliding-ledger).
+//!     `--interleave` runs the chosen designs in turns of 5 s (two
+//!     undisturbed rounds, then rounds under the pressure for `--minutes`)
+//!     instead of one after the other, so that they meet the same machine
+//!     and the same held horizon, with a ratio to the hot-key bare `UPDATE`
+//!     in the same rounds.
 //! 13. **multi**: several limits at once: `try_acquire_all` of two
 //!     semaphores + release, against one semaphore's `try_acquire` +
 //!     release, at 1 and 8 clients.
 //! 14. **limits**: a `LimiterSet` of three limits (token bucket, fixed and
 //!     sliding window on one key) against a single token bucket check, at 1
 //!     and 8 clients, hot and spread keys: the multi-limit check's cost.
+//! 15. **lateness** (only with `--only lateness`): 1,000 waiters (100 with
+//!     `--quick`) on one key of 10 per second, for each limiter's waiting
+//!     acquire: how late each is admitted after the instant the database
+//!     allows (p50 and p99, bounded below and above), and round trips per
+//!     admission counted by PostgreSQL.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -72,7 +84,9 @@
 mod advisory;
 mod fleet;
 mod growth;
+mod lateness;
 mod lease;
+mod ledger;
 mod limits;
 mod load;
 mod multi;
@@ -100,10 +114,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
-                     [--designs lease,advisory,mutex,bucket,counter,raw]";
+                     [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,gcra-row,gcra-ledger,sliding-ledger]";
 
 /// The schema the baselines' tables live in; never `pgsemaphore`.
 pub const BASELINE_SCHEMA: &str = "bench_baseline";
@@ -131,6 +145,7 @@ pub enum Workload {
     Limits,
     Pressure,
     Multi,
+    Lateness,
 }
 
 impl Workload {
@@ -149,6 +164,7 @@ impl Workload {
         Workload::Limits,
         Workload::Pressure,
         Workload::Multi,
+        Workload::Lateness,
     ];
 
     pub fn name(self) -> &'static str {
@@ -167,6 +183,7 @@ impl Workload {
             Workload::Limits => "limits",
             Workload::Pressure => "pressure",
             Workload::Multi => "multi",
+            Workload::Lateness => "lateness",
         }
     }
 
@@ -187,6 +204,7 @@ struct Args {
     minutes: Option<f64>,
     pressure: Option<pressure::Pressure>,
     designs: Option<Vec<&'static str>>,
+    interleave: bool,
 }
 
 fn parse_args(args: &[String]) -> Result<Args, String> {
@@ -206,6 +224,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         match flag {
             "--json" => parsed.json = true,
             "--quick" => parsed.quick = true,
+            "--interleave" => parsed.interleave = true,
             // `cargo bench` passes --bench to harness = false benchmarks.
             "--bench" => {}
             "--only" => parsed.only = Some(Workload::parse(&value("a workload")?)?),
@@ -264,6 +283,8 @@ pub struct Settings {
     pub pressure: Option<pressure::Pressure>,
     /// The pressure workload's designs (`--designs`), or all.
     pub pressure_designs: Option<Vec<&'static str>>,
+    /// `--interleave`: the pressure workload's designs in turns.
+    pub pressure_interleave: bool,
 }
 
 impl Settings {
@@ -286,6 +307,7 @@ impl Settings {
                 pressure_minutes: None,
                 pressure: None,
                 pressure_designs: None,
+                pressure_interleave: false,
             }
         } else {
             Settings {
@@ -305,6 +327,7 @@ impl Settings {
                 pressure_minutes: None,
                 pressure: None,
                 pressure_designs: None,
+                pressure_interleave: false,
             }
         }
     }
@@ -438,6 +461,7 @@ async fn run(args: Args) -> Res<()> {
     settings.pressure_minutes = args.minutes;
     settings.pressure = args.pressure;
     settings.pressure_designs = args.designs;
+    settings.pressure_interleave = args.interleave;
     let mut ctx = Ctx {
         servers,
         pid,
@@ -539,8 +563,9 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
         if only.is_some_and(|only| only != workload) {
             continue;
         }
-        // Hours long: only when asked for by name.
-        if workload == Workload::Pressure && only.is_none() {
+        // Hours (pressure) or minutes of sleeping (lateness): only when asked
+        // for by name.
+        if matches!(workload, Workload::Pressure | Workload::Lateness) && only.is_none() {
             continue;
         }
         eprintln!("== {}", workload.name());
@@ -560,6 +585,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Limits => limits::limits_workload(ctx).await?,
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
             Workload::Multi => multi::multi_workload(ctx).await?,
+            Workload::Lateness => lateness::lateness_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
         eprintln!("== {} took {took:.1} s", workload.name());

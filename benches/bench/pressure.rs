@@ -34,12 +34,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Semaphore, TokenBucket};
+use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Semaphore, SlidingWindow, TokenBucket};
 use serde_json::json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::io::AsyncReadExt;
 
 use crate::advisory::raw_cycle;
+use crate::ledger;
 use crate::load::{Outcome, connect, create_database, pool, run_load, splitmix64, unique};
 use crate::mutex::Keys;
 use crate::rate::rate_key;
@@ -50,7 +51,7 @@ use crate::semaphore::counter_cycle;
 use crate::{Ctx, POOL_SPARE, Res, Server, Workload};
 
 /// Clients per design, as in the measurement that filed the issue.
-const CLIENTS: usize = 4;
+pub const CLIENTS: usize = 4;
 /// Capacity of the semaphores: 4 clients are never refused.
 const CAPACITY: u32 = 64;
 /// The filler table that makes the dumped database a few hundred MB.
@@ -64,22 +65,43 @@ pub const P_MUTEX: &str = "Mutex (spread keys)";
 pub const P_BUCKET: &str = "TokenBucket (1,000 keys)";
 pub const P_COUNTER: &str = "counter row (seed 000)";
 pub const P_RAW: &str = "raw advisory-lock cycle";
+pub const P_UPDATE_HOT: &str = "bare UPDATE counter row (hot key)";
+pub const P_BUCKET_HOT: &str = "TokenBucket (hot key)";
+pub const P_SLIDING_HOT: &str = "SlidingWindow (hot key)";
+pub const P_GCRA_ROW: &str = "prototype: GCRA, one row (hot key)";
+pub const P_GCRA_LEDGER: &str = "prototype: GCRA ledger (hot key)";
+pub const P_SLIDING_LEDGER: &str = "prototype: sliding window ledger (hot key)";
+/// The designs a default run measures (the limiter prototypes only when
+/// named in `--designs`).
 const DESIGNS: [&str; 6] = [P_LEASE, P_ADVISORY, P_MUTEX, P_BUCKET, P_COUNTER, P_RAW];
-/// The short names `--designs` takes, in the order of [`DESIGNS`].
-const DESIGN_NAMES: [&str; 6] = ["lease", "advisory", "mutex", "bucket", "counter", "raw"];
+/// Every design and the short name `--designs` takes, in the order they run.
+const ALL_DESIGNS: [(&str, &str); 12] = [
+    (P_LEASE, "lease"),
+    (P_ADVISORY, "advisory"),
+    (P_MUTEX, "mutex"),
+    (P_BUCKET, "bucket"),
+    (P_COUNTER, "counter"),
+    (P_RAW, "raw"),
+    (P_UPDATE_HOT, "update-hot"),
+    (P_BUCKET_HOT, "bucket-hot"),
+    (P_SLIDING_HOT, "sliding-hot"),
+    (P_GCRA_ROW, "gcra-row"),
+    (P_GCRA_LEDGER, "gcra-ledger"),
+    (P_SLIDING_LEDGER, "sliding-ledger"),
+];
 
 /// `--designs lease,advisory`: the designs to run, in the workload's order.
 pub fn parse_designs(list: &str) -> Result<Vec<&'static str>, String> {
     let asked: Vec<&str> = list.split(',').map(str::trim).collect();
-    if let Some(unknown) = asked.iter().find(|a| !DESIGN_NAMES.contains(a)) {
-        return Err(format!(
-            "unknown design {unknown:?} ({})",
-            DESIGN_NAMES.join("|")
-        ));
+    if let Some(unknown) = asked
+        .iter()
+        .find(|a| !ALL_DESIGNS.iter().any(|(_, name)| name == *a))
+    {
+        let names: Vec<&str> = ALL_DESIGNS.iter().map(|(_, name)| *name).collect();
+        return Err(format!("unknown design {unknown:?} ({})", names.join("|")));
     }
-    Ok(DESIGNS
+    Ok(ALL_DESIGNS
         .into_iter()
-        .zip(DESIGN_NAMES)
         .filter(|(_, name)| asked.contains(name))
         .map(|(design, _)| design)
         .collect())
@@ -129,7 +151,7 @@ impl Pressure {
 }
 
 type OpFuture = Pin<Box<dyn Future<Output = Res<Outcome>> + Send>>;
-type Op = Arc<dyn Fn(usize, u64) -> OpFuture + Send + Sync>;
+pub type Op = Arc<dyn Fn(usize, u64) -> OpFuture + Send + Sync>;
 
 pub async fn pressure_workload(ctx: &mut Ctx) -> Res<()> {
     let s = ctx.settings.clone();
@@ -163,6 +185,12 @@ pub async fn pressure_workload(ctx: &mut Ctx) -> Res<()> {
         }
         if pressures.contains(&Pressure::PgDump) {
             fill(server).await?;
+        }
+        if s.pressure_interleave {
+            for &pressure in &pressures {
+                interleaved(ctx, server, pressure, &other_db, minutes).await?;
+            }
+            continue;
         }
         for &pressure in &pressures {
             let mut rows = Vec::new();
@@ -205,6 +233,109 @@ pub async fn pressure_workload(ctx: &mut Ctx) -> Res<()> {
     }
     targets(ctx, &cells, &servers);
     ctx.report.add_cells(cells);
+    Ok(())
+}
+
+/// `--interleave`: the chosen designs in turns of 5 s (3 s with
+/// `--quick`), two undisturbed rounds, then rounds under the pressure for
+/// `minutes`; a table of each design's rate under the pressure as a ratio to
+/// its own undisturbed median, and to the hot-key `UPDATE` baseline's rate
+/// in the same rounds (when it is among the designs).
+async fn interleaved(
+    ctx: &mut Ctx,
+    server: &Server,
+    pressure: Pressure,
+    other_db: &str,
+    minutes: f64,
+) -> Res<()> {
+    let slice = Duration::from_secs(if ctx.settings.quick { 3 } else { 5 });
+    let designs = ctx
+        .settings
+        .pressure_designs
+        .clone()
+        .unwrap_or(DESIGNS.to_vec());
+    let pool = pool(&server.opts, CLIENTS as u32 + POOL_SPARE).await?;
+    let mut ops = Vec::new();
+    for design in &designs {
+        ops.push((*design, design_op(server, &pool, design).await?));
+    }
+    let calm = ledger::rounds(
+        &ops,
+        slice,
+        Duration::from_secs(2),
+        2,
+        f64::INFINITY,
+        "undisturbed",
+    )
+    .await?;
+    let held = Held::start(server, pressure, other_db).await?;
+    let pressed =
+        ledger::rounds(&ops, slice, Duration::ZERO, usize::MAX, minutes, "pressure").await?;
+    let horizon = horizon_age(&pool).await.unwrap_or(0);
+    held.stop(server).await?;
+    drop(ops);
+    pool.close().await;
+    vacuum(server).await?;
+    let rates: Vec<(Vec<f64>, Vec<f64>)> = calm.into_iter().zip(pressed).collect();
+    let baseline = designs.iter().position(|d| *d == P_UPDATE_HOT);
+    let tail = |v: &[f64]| v[v.len().saturating_sub(3)..].to_vec();
+    let mut rows = Vec::new();
+    for (i, design) in designs.iter().enumerate() {
+        let (calm, pressed) = &rates[i];
+        let base = ledger::median(calm);
+        let spread = calm
+            .iter()
+            .map(|r| (r / base - 1.0).abs())
+            .fold(0.0, f64::max);
+        let ratios: Vec<f64> = pressed.iter().map(|r| r / base.max(1e-9)).collect();
+        let versus =
+            |rounds: &[f64], of: &[f64]| ledger::median(rounds) / ledger::median(of).max(1e-9);
+        rows.push(vec![
+            design.to_string(),
+            fmt_rate(base),
+            format!("±{:.0}%", spread * 100.0),
+            fmt_ratio(ratios.iter().copied().reduce(f64::min)),
+            fmt_ratio(Some(ledger::median(&tail(&ratios)))),
+            baseline.map_or(String::new(), |b| {
+                fmt_ratio(Some(versus(calm, &rates[b].0)))
+            }),
+            baseline.map_or(String::new(), |b| {
+                fmt_ratio(Some(versus(&tail(pressed), &tail(&rates[b].1))))
+            }),
+            ratios
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+        ]);
+    }
+    ctx.report.print(&format!(
+        "## 12b. Under MVCC pressure, interleaved ({}): {}\n\n\
+         {CLIENTS} clients; the designs take turns of {} s: 2 undisturbed rounds, then rounds \
+         for {minutes} min with {}. Each design's ratio: its cycles/s in a round under the \
+         pressure over its undisturbed median (noise: the undisturbed rounds' largest \
+         distance from their median). \"vs UPDATE\": the design's median over the hot-key \
+         bare UPDATE's median in the same rounds (undisturbed; the last 3 rounds under the \
+         pressure). Horizon held at the end: {} xids.\n",
+        server.label,
+        pressure.name(),
+        slice.as_secs(),
+        pressure.describe(),
+        fmt_int(horizon as u64),
+    ));
+    ctx.report.print(&markdown_table(
+        &[
+            "design",
+            "undisturbed cycles/s",
+            "noise",
+            "worst round",
+            "last 3 rounds (median)",
+            "vs UPDATE undisturbed",
+            "vs UPDATE last 3 rounds",
+            "ratio per round",
+        ],
+        &rows,
+    ));
     Ok(())
 }
 
@@ -359,7 +490,7 @@ async fn run_design(
     let base_rate = undisturbed_rates.last().copied().unwrap_or(0.0);
     let mut sorted = undisturbed.samples.clone();
     sorted.sort_unstable();
-    let base_p99 = percentile(&sorted, 0.99);
+    let base_p99 = percentile(&sorted, 99.0);
 
     let held = Held::start(server, pressure, other_db).await?;
     let started = Instant::now();
@@ -373,7 +504,7 @@ async fn run_design(
         let rate = load.samples.len() as f64 / load.elapsed.as_secs_f64().max(1e-9);
         let mut sorted = load.samples.clone();
         sorted.sort_unstable();
-        let p99 = percentile(&sorted, 0.99);
+        let p99 = percentile(&sorted, 99.0);
         ratios.push(if base_rate > 0.0 {
             rate / base_rate
         } else {
@@ -496,6 +627,36 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 Box::pin(async move {
                     let key = rate_key(Keys::Spread, 0x9e55, client, seq);
                     let _allowed = limiter.check(&key, 1).await?.allowed;
+                    Ok(Outcome::Done)
+                })
+            })
+        }
+        P_UPDATE_HOT => ledger::update_op(pool).await?,
+        P_GCRA_ROW => ledger::proto_op(pool, ledger::GCRA_ROW).await?,
+        P_GCRA_LEDGER => ledger::proto_op(pool, ledger::GCRA_LEDGER).await?,
+        P_SLIDING_LEDGER => ledger::proto_op(pool, ledger::SLIDING_LEDGER).await?,
+        P_BUCKET_HOT => {
+            let limiter = TokenBucket::builder(unique("bench-pressure-bucket-hot"))
+                .rate(1e6)
+                .burst(1_000_000)
+                .build(pool)?;
+            Arc::new(move |_, _| {
+                let limiter = limiter.clone();
+                Box::pin(async move {
+                    let _allowed = limiter.check("hot", 1).await?.allowed;
+                    Ok(Outcome::Done)
+                })
+            })
+        }
+        P_SLIDING_HOT => {
+            let limiter = SlidingWindow::builder(unique("bench-pressure-sliding-hot"))
+                .permit_limit(1_000_000_000)
+                .window(Duration::from_secs(1))
+                .build(pool)?;
+            Arc::new(move |_, _| {
+                let limiter = limiter.clone();
+                Box::pin(async move {
+                    let _allowed = limiter.check("hot", 1).await?.allowed;
                     Ok(Outcome::Done)
                 })
             })
