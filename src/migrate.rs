@@ -38,7 +38,7 @@ pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 /// The schema version this version of the crate builds and uses: what
 /// `pgsemaphore.schema_version()` returns once every file of `migrations/`
 /// is applied (one version per file).
-pub const SCHEMA_VERSION: i32 = 6;
+pub const SCHEMA_VERSION: i32 = 7;
 
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
