@@ -53,6 +53,21 @@
 //! - [`Semaphore::wait_idle`] waits until nobody holds a permit (a
 //!   distributed WaitGroup).
 //!
+//! # Families: a semaphore per key
+//!
+//! A [`SemaphoreFamily`] gives each key (a tenant, a customer) its own
+//! semaphore, created on first use with the capacity the operator's rules
+//! give that key: an exact-key rule, else the rule of the key's tier (the
+//! operator puts keys in tiers), else the family's default ("each tenant
+//! may run 10 at once, premium tenants 50, tenant 7 200").
+//! [`set_family_rule`], [`set_family_tier`] and [`configure_family`] change
+//! them at run time, for existing keys too, atomically; the application
+//! names keys and never chooses a capacity. A key's semaphore is an
+//! ordinary [`Semaphore`] (named `@family/key`), so a claim on a key costs
+//! what a named claim costs; the reaper removes keys nothing has referenced
+//! for the family's idle time (after their audit history was pruned).
+//! [`families`] and [`busiest_keys`] list them.
+//!
 //! # Crashes and timeouts
 //!
 //! Each permit has a **lease** measured on the database clock. If its holder
@@ -182,7 +197,7 @@
 //! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
 //!   [`Holder`], [`AdvisorySemaphoreInfo`], [`AdvisoryHolder`],
 //!   [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
-//!   [`ReleaseOutcome`] and [`Decision`]. Times are RFC 3339 strings,
+//!   [`ReleaseOutcome`], [`Decision`], [`FamilyInfo`] and [`FamilyKeyInfo`]. Times are RFC 3339 strings,
 //!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
 //!   the shapes `pg-semaphore ... --json` prints.
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
@@ -214,7 +229,8 @@
 //! | `semaphore::advisory` | the advisory semaphore ([`AdvisorySemaphore`], [`AdvisoryPermit`]), its dedicated sessions and audit batches |
 //! | `mutex` | [`Mutex`]: transaction-scoped and session-scoped advisory locks |
 //! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
-//! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
+//! | `semaphore::family` | [`SemaphoreFamily`]: a semaphore per key, each key's handle cached per process |
+//! | `reaper`, `admin`, `family_admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, families' rules and busiest keys, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
 //! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |
 //! | `detached` | cancel safety: a round trip that finishes, or is undone, when its caller goes away |
@@ -309,6 +325,7 @@ mod dead_man;
 mod detached;
 mod error;
 mod fail_open;
+mod family_admin;
 mod horizon;
 mod metrics;
 mod migrate;
@@ -342,6 +359,10 @@ pub use audit::{
 };
 pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
+pub use family_admin::{
+    FamilyInfo, FamilyKeyInfo, FamilyRule, RuleKind, busiest_keys, configure_family, families,
+    set_family_rule, set_family_tier,
+};
 pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{Mutex, MutexGuard, SessionGuard};
@@ -352,14 +373,16 @@ pub use rate_limit::{
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
-    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, Permit, Priority,
-    QueueOrder, Semaphore, SemaphoreBuilder,
+    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_IDLE_AFTER, DEFAULT_LEASE,
+    Permit, Priority, QueueOrder, Semaphore, SemaphoreBuilder, SemaphoreFamily,
+    SemaphoreFamilyBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
-    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_HOLDER_LEN, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN,
-    MAX_RATE, MAX_RATE_WAIT, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAMILY_KEY_LEN, MAX_FAMILY_NAME_LEN, MAX_HOLDER_LEN,
+    MAX_IDLE_AFTER, MAX_KEY_LEN, MAX_LEASE, MAX_NAME_LEN, MAX_RATE, MAX_RATE_WAIT, MAX_TIER_LEN,
+    MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
