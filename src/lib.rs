@@ -164,7 +164,8 @@
 //! application's functions and no write privilege on any table; an operator
 //! role gets the operator's functions ([`set_capacity`], [`configure`],
 //! [`set_queue_order`], [`clear_queue`], [`force_release`], [`reap`],
-//! [`prune_claims`]). The README lists the exact grants, and what the
+//! [`prune_claims`], [`configure_family`], [`set_family_rule`],
+//! [`set_family_tier`]). The README lists the exact grants, and what the
 //! application role can and cannot do with them: the SQL functions are the
 //! security boundary, not this crate. They check every argument (a refused
 //! one is [`Error::InvalidArgument`], naming it), never lock or change a
