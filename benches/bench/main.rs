@@ -55,6 +55,10 @@
 //!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump),
 //!     `--designs a,b` only these designs
 //!     (lease|advisory|mutex|bucket|counter|raw).
+//! 13. **family**: try_acquire + release cycles on a key of a semaphore
+//!     family with 10, 10,000 and 1,000,000 keys in the table (1,000 and
+//!     10,000 with `--quick`), hot keys and random keys, against named
+//!     semaphores in the same run.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -64,6 +68,7 @@
 //! Tables (or JSON) go to stdout, progress to stderr.
 
 mod advisory;
+mod family;
 mod fleet;
 mod growth;
 mod lease;
@@ -92,7 +97,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|family|pressure] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--designs lease,advisory,mutex,bucket,counter,raw]";
@@ -120,11 +125,12 @@ pub enum Workload {
     Lease,
     Redis,
     Advisory,
+    Family,
     Pressure,
 }
 
 impl Workload {
-    const ALL: [Workload; 12] = [
+    const ALL: [Workload; 13] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -136,6 +142,7 @@ impl Workload {
         Workload::Lease,
         Workload::Redis,
         Workload::Advisory,
+        Workload::Family,
         Workload::Pressure,
     ];
 
@@ -152,6 +159,7 @@ impl Workload {
             Workload::Lease => "lease",
             Workload::Redis => "redis",
             Workload::Advisory => "advisory",
+            Workload::Family => "family",
             Workload::Pressure => "pressure",
         }
     }
@@ -543,6 +551,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Lease => lease::lease_workload(ctx).await?,
             Workload::Redis => redis::redis_workload(ctx).await?,
             Workload::Advisory => advisory::advisory_workload(ctx).await?,
+            Workload::Family => family::family_workload(ctx).await?,
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
