@@ -64,13 +64,15 @@
 --   * The advisory semaphore has no families in this version (see the
 --     README).
 -- What this migration adds:
---   * tables families, family_rules, family_tiers; columns
---     semaphores.family, semaphores.family_key;
+--   * tables families, family_rules, family_tiers, family_reap_cursors;
+--     columns semaphores.family, semaphores.family_key; SELECT on the new
+--     tables for every role that may read pgsemaphore.semaphores;
 --   * application functions open_family, open_family_key, granted to every
 --     role that may run open (copied below);
 --   * operator functions configure_family, set_family_rule,
 --     set_family_tier, reap_family_keys, granted to every role that may
---     run configure; reap also removes idle keys (1000 per call);
+--     run configure; reap also removes idle keys (examining the next 1000
+--     keys of each family per call, so a round's work is bounded);
 --   * schema_version() returns (7, 2): code built for versions 2 to 6
 --     works against it unchanged, except that it can no longer create a
 --     semaphore whose name begins with '@'.
@@ -126,6 +128,15 @@ CREATE TABLE pgsemaphore.family_tiers (
     PRIMARY KEY (family, key),
     CONSTRAINT family_tiers_key_length CHECK (char_length(key) BETWEEN 1 AND 128),
     CONSTRAINT family_tiers_tier_length CHECK (char_length(tier) BETWEEN 1 AND 64)
+);
+
+-- Where reap_family_keys goes on in each family's keys (in key order), so
+-- that each call examines a bounded number of keys however many there are
+-- (NULL: from the first). No foreign key: the reaper writes here without
+-- touching the family's row, which first uses share-lock.
+CREATE TABLE pgsemaphore.family_reap_cursors (
+    family text PRIMARY KEY,
+    after  text
 );
 
 -- A key of a family is a semaphore with these two set, named
@@ -578,13 +589,16 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
--- IDLE-KEY REMOVAL. Deletes at most p_batch keys of families (never a
--- named semaphore) that nothing references: no claim row (live, or
--- history that prune_claims has not pruned yet: the audit log is never
--- lost), no queue waiter, no wake-up registration, and whose row was
--- created or last changed more than its family's idle_after ago. Returns
--- how many it deleted. The next first use of a removed key creates it
--- again, with the capacity the rules give it then.
+-- IDLE-KEY REMOVAL. Examines the next p_batch keys of each family (in key
+-- order, from where the last call stopped: pgsemaphore.family_reap_cursors,
+-- so a call's work is bounded however many keys exist, and every key is
+-- examined in turn) and deletes those that nothing references: no claim
+-- row (live, or history that prune_claims has not pruned yet: the audit
+-- log is never lost), no queue waiter, no wake-up registration, and whose
+-- row was created or last changed more than its family's idle_after ago.
+-- Never a named semaphore. Returns how many keys it deleted. The next
+-- first use of a removed key creates it again, with the capacity the rules
+-- give it then.
 --   p_batch 1..1000000
 --
 -- Invariant: a key's row is deleted only while this transaction holds it
@@ -614,46 +628,75 @@ AS $$
 --     references the key, so the key is not removed;
 --   * prune_claims deleting the key's last history rows: their deletion is
 --     committed before our snapshot (seen: the key may go) or not (the
---     rows are seen: the key stays until the next round);
+--     rows are seen: the key stays until its next turn);
 --   * a rule change (family_recompute): its UPDATE waits for our lock and
---     skips a row we deleted.
+--     skips a row we deleted;
+--   * another reap_family_keys: both may examine the same keys; each
+--     deletes only rows it locked (SKIP LOCKED), and the cursor is the
+--     last writer's.
 DECLARE
-    v_now     timestamptz := clock_timestamp();
-    v_names   text[];
-    v_count   bigint;
+    v_now      timestamptz := clock_timestamp();
+    v_family   text;
+    v_idle     interval;
+    v_after    text;
+    v_examined text[];
+    v_last     text;
+    v_n        bigint;
+    v_names    text[];
+    v_count    bigint;
+    v_total    bigint := 0;
 BEGIN
     IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
         PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
     END IF;
-    -- 1. Candidates, locked: keys at rest for idle_after with nothing
-    -- referencing them as of this snapshot. Rows someone holds are skipped.
-    SELECT array_agg(c.name) INTO v_names
-      FROM (SELECT s.name
-              FROM pgsemaphore.semaphores s
-              JOIN pgsemaphore.families f ON f.name = s.family
-             WHERE s.family IS NOT NULL
-               AND greatest(s.created_at, s.updated_at) <= v_now - f.idle_after
-               AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
-               AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
-               AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name)
-             LIMIT p_batch
-               FOR UPDATE OF s SKIP LOCKED) c;
-    IF v_names IS NULL THEN
-        RETURN 0;
-    END IF;
-    -- 2. A fresh snapshot, after the locks: delete those still unreferenced.
-    DELETE FROM pgsemaphore.semaphores s
-     WHERE s.name = ANY (v_names)
-       AND s.family IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
-       AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
-       AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name);
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    RETURN v_count;
+    FOR v_family, v_idle, v_after IN
+        SELECT f.name, f.idle_after, c.after
+          FROM pgsemaphore.families f
+          LEFT JOIN pgsemaphore.family_reap_cursors c ON c.family = f.name
+         ORDER BY f.name
+    LOOP
+        -- 1. The next p_batch keys of the family (the family index), and
+        -- where the next call goes on (from the first once this one reached
+        -- the last key).
+        SELECT array_agg(e.name), max(e.family_key), count(*)
+          INTO v_examined, v_last, v_n
+          FROM (SELECT s.name, s.family_key
+                  FROM pgsemaphore.semaphores s
+                 WHERE s.family = v_family AND (v_after IS NULL OR s.family_key > v_after)
+                 ORDER BY s.family_key
+                 LIMIT p_batch) e;
+        INSERT INTO pgsemaphore.family_reap_cursors AS c (family, after)
+        VALUES (v_family, CASE WHEN v_n >= p_batch THEN v_last END)
+        ON CONFLICT (family) DO UPDATE SET after = EXCLUDED.after;
+        CONTINUE WHEN v_examined IS NULL;
+        -- 2. Candidates among them, locked: at rest for idle_after, nothing
+        -- referencing them as of this snapshot. Rows someone holds are skipped.
+        SELECT array_agg(c.name) INTO v_names
+          FROM (SELECT s.name
+                  FROM pgsemaphore.semaphores s
+                 WHERE s.name = ANY (v_examined)
+                   AND s.family = v_family
+                   AND greatest(s.created_at, s.updated_at) <= v_now - v_idle
+                   AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
+                   AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
+                   AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name)
+                   FOR UPDATE OF s SKIP LOCKED) c;
+        CONTINUE WHEN v_names IS NULL;
+        -- 3. A fresh snapshot, after the locks: delete those still unreferenced.
+        DELETE FROM pgsemaphore.semaphores s
+         WHERE s.name = ANY (v_names)
+           AND s.family IS NOT NULL
+           AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
+           AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
+           AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name);
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_total := v_total + v_count;
+    END LOOP;
+    RETURN v_total;
 END;
 $$;
 
--- reap: as in version 2, and then up to 1000 idle family keys.
+-- reap: as in version 2, and then idle family keys (1000 examined per family).
 CREATE OR REPLACE FUNCTION pgsemaphore.reap()
 RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
@@ -664,9 +707,9 @@ AS $$
 -- queue waiters whose process stopped renewing them, wakes the semaphores
 -- that gained room or lost a waiter (through the wake-up gate,
 -- wake_at_commit: a waiter registering while this is uncommitted is never
--- missed), deletes ended registrations and tombstones, removes up to 1000
--- idle keys of families (pgsemaphore.reap_family_keys), and returns how
--- many claims it reaped.
+-- missed), deletes ended registrations and tombstones, removes idle keys
+-- of families among the next 1000 of each (pgsemaphore.reap_family_keys),
+-- and returns how many claims it reaped.
 -- SKIP LOCKED: a row locked by a release, renewal or fence is left (and
 -- counted as held by every claim) until that transaction ends.
 DECLARE
@@ -723,6 +766,25 @@ $$;
 -- ---------------------------------------------------------------------------
 
 REVOKE ALL ON ALL ROUTINES IN SCHEMA pgsemaphore FROM PUBLIC;
+-- Whoever may read the semaphores (the README grants SELECT on every table
+-- to both roles) may read the families' tables.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT a.grantee::regrole AS grantee
+          FROM pg_class t
+         CROSS JOIN LATERAL aclexplode(t.relacl) a
+         WHERE t.oid = 'pgsemaphore.semaphores'::regclass
+           AND a.privilege_type = 'SELECT'
+           AND a.grantee <> t.relowner AND a.grantee <> 0
+    LOOP
+        EXECUTE format('GRANT SELECT ON pgsemaphore.families, pgsemaphore.family_rules, '
+                       'pgsemaphore.family_tiers, pgsemaphore.family_reap_cursors TO %s', r.grantee);
+    END LOOP;
+END;
+$$;
 DO $$
 DECLARE
     r record;

@@ -2050,9 +2050,9 @@ CREATE FUNCTION pgsemaphore.reap() RETURNS bigint
 -- queue waiters whose process stopped renewing them, wakes the semaphores
 -- that gained room or lost a waiter (through the wake-up gate,
 -- wake_at_commit: a waiter registering while this is uncommitted is never
--- missed), deletes ended registrations and tombstones, removes up to 1000
--- idle keys of families (pgsemaphore.reap_family_keys), and returns how
--- many claims it reaped.
+-- missed), deletes ended registrations and tombstones, removes idle keys
+-- of families among the next 1000 of each (pgsemaphore.reap_family_keys),
+-- and returns how many claims it reaped.
 -- SKIP LOCKED: a row locked by a release, renewal or fence is left (and
 -- counted as held by every claim) until that transaction ends.
 DECLARE
@@ -2111,13 +2111,16 @@ CREATE FUNCTION pgsemaphore.reap_family_keys(p_batch integer) RETURNS bigint
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- IDLE-KEY REMOVAL. Deletes at most p_batch keys of families (never a
--- named semaphore) that nothing references: no claim row (live, or
--- history that prune_claims has not pruned yet: the audit log is never
--- lost), no queue waiter, no wake-up registration, and whose row was
--- created or last changed more than its family's idle_after ago. Returns
--- how many it deleted. The next first use of a removed key creates it
--- again, with the capacity the rules give it then.
+-- IDLE-KEY REMOVAL. Examines the next p_batch keys of each family (in key
+-- order, from where the last call stopped: pgsemaphore.family_reap_cursors,
+-- so a call's work is bounded however many keys exist, and every key is
+-- examined in turn) and deletes those that nothing references: no claim
+-- row (live, or history that prune_claims has not pruned yet: the audit
+-- log is never lost), no queue waiter, no wake-up registration, and whose
+-- row was created or last changed more than its family's idle_after ago.
+-- Never a named semaphore. Returns how many keys it deleted. The next
+-- first use of a removed key creates it again, with the capacity the rules
+-- give it then.
 --   p_batch 1..1000000
 --
 -- Invariant: a key's row is deleted only while this transaction holds it
@@ -2147,42 +2150,71 @@ CREATE FUNCTION pgsemaphore.reap_family_keys(p_batch integer) RETURNS bigint
 --     references the key, so the key is not removed;
 --   * prune_claims deleting the key's last history rows: their deletion is
 --     committed before our snapshot (seen: the key may go) or not (the
---     rows are seen: the key stays until the next round);
+--     rows are seen: the key stays until its next turn);
 --   * a rule change (family_recompute): its UPDATE waits for our lock and
---     skips a row we deleted.
+--     skips a row we deleted;
+--   * another reap_family_keys: both may examine the same keys; each
+--     deletes only rows it locked (SKIP LOCKED), and the cursor is the
+--     last writer's.
 DECLARE
-    v_now     timestamptz := clock_timestamp();
-    v_names   text[];
-    v_count   bigint;
+    v_now      timestamptz := clock_timestamp();
+    v_family   text;
+    v_idle     interval;
+    v_after    text;
+    v_examined text[];
+    v_last     text;
+    v_n        bigint;
+    v_names    text[];
+    v_count    bigint;
+    v_total    bigint := 0;
 BEGIN
     IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
         PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
     END IF;
-    -- 1. Candidates, locked: keys at rest for idle_after with nothing
-    -- referencing them as of this snapshot. Rows someone holds are skipped.
-    SELECT array_agg(c.name) INTO v_names
-      FROM (SELECT s.name
-              FROM pgsemaphore.semaphores s
-              JOIN pgsemaphore.families f ON f.name = s.family
-             WHERE s.family IS NOT NULL
-               AND greatest(s.created_at, s.updated_at) <= v_now - f.idle_after
-               AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
-               AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
-               AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name)
-             LIMIT p_batch
-               FOR UPDATE OF s SKIP LOCKED) c;
-    IF v_names IS NULL THEN
-        RETURN 0;
-    END IF;
-    -- 2. A fresh snapshot, after the locks: delete those still unreferenced.
-    DELETE FROM pgsemaphore.semaphores s
-     WHERE s.name = ANY (v_names)
-       AND s.family IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
-       AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
-       AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name);
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    RETURN v_count;
+    FOR v_family, v_idle, v_after IN
+        SELECT f.name, f.idle_after, c.after
+          FROM pgsemaphore.families f
+          LEFT JOIN pgsemaphore.family_reap_cursors c ON c.family = f.name
+         ORDER BY f.name
+    LOOP
+        -- 1. The next p_batch keys of the family (the family index), and
+        -- where the next call goes on (from the first once this one reached
+        -- the last key).
+        SELECT array_agg(e.name), max(e.family_key), count(*)
+          INTO v_examined, v_last, v_n
+          FROM (SELECT s.name, s.family_key
+                  FROM pgsemaphore.semaphores s
+                 WHERE s.family = v_family AND (v_after IS NULL OR s.family_key > v_after)
+                 ORDER BY s.family_key
+                 LIMIT p_batch) e;
+        INSERT INTO pgsemaphore.family_reap_cursors AS c (family, after)
+        VALUES (v_family, CASE WHEN v_n >= p_batch THEN v_last END)
+        ON CONFLICT (family) DO UPDATE SET after = EXCLUDED.after;
+        CONTINUE WHEN v_examined IS NULL;
+        -- 2. Candidates among them, locked: at rest for idle_after, nothing
+        -- referencing them as of this snapshot. Rows someone holds are skipped.
+        SELECT array_agg(c.name) INTO v_names
+          FROM (SELECT s.name
+                  FROM pgsemaphore.semaphores s
+                 WHERE s.name = ANY (v_examined)
+                   AND s.family = v_family
+                   AND greatest(s.created_at, s.updated_at) <= v_now - v_idle
+                   AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
+                   AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
+                   AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name)
+                   FOR UPDATE OF s SKIP LOCKED) c;
+        CONTINUE WHEN v_names IS NULL;
+        -- 3. A fresh snapshot, after the locks: delete those still unreferenced.
+        DELETE FROM pgsemaphore.semaphores s
+         WHERE s.name = ANY (v_names)
+           AND s.family IS NOT NULL
+           AND NOT EXISTS (SELECT 1 FROM pgsemaphore.slots h WHERE h.semaphore = s.name)
+           AND NOT EXISTS (SELECT 1 FROM pgsemaphore.waiters w WHERE w.semaphore = s.name)
+           AND NOT EXISTS (SELECT 1 FROM pgsemaphore.wakeups k WHERE k.semaphore = s.name);
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_total := v_total + v_count;
+    END LOOP;
+    RETURN v_total;
 END;
 $$;
 
@@ -3116,6 +3148,16 @@ CREATE TABLE pgsemaphore.families (
 
 
 --
+-- Name: family_reap_cursors; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.family_reap_cursors (
+    family text NOT NULL,
+    after text
+);
+
+
+--
 -- Name: family_rules; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -3321,6 +3363,14 @@ ALTER TABLE ONLY pgsemaphore.advisory_semaphores
 
 ALTER TABLE ONLY pgsemaphore.families
     ADD CONSTRAINT families_pkey PRIMARY KEY (name);
+
+
+--
+-- Name: family_reap_cursors family_reap_cursors_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.family_reap_cursors
+    ADD CONSTRAINT family_reap_cursors_pkey PRIMARY KEY (family);
 
 
 --

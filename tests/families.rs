@@ -433,3 +433,29 @@ async fn a_claim_that_meets_the_removal_of_its_key_opens_it_again() -> TestResul
     handle.try_acquire().await?.release().await?;
     Ok(())
 }
+
+/// The reaper's work per call is bounded: each call examines the next keys
+/// of each family from where the last one stopped, so all idle keys go in
+/// turn, however many keys there are.
+#[tokio::test]
+async fn each_reap_examines_a_bounded_batch_of_keys_in_turn() -> TestResult {
+    let db = support::migrated_db().await;
+    let quick = family(&db.pool, "quick", 2).await?;
+    for key in ["a", "b", "c", "d", "e"] {
+        quick.key(key).await?;
+    }
+    let mut removed = Vec::new();
+    for _ in 0..4 {
+        let n: i64 = sqlx::query_scalar("SELECT pgsemaphore.reap_family_keys(2)")
+            .fetch_one(&db.pool)
+            .await?;
+        removed.push(n);
+    }
+    assert_eq!(removed, [2, 2, 1, 0]);
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.semaphores WHERE family = 'quick'")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(left, 0);
+    Ok(())
+}

@@ -860,6 +860,7 @@ async fn version_7_grants_families_to_open_and_configure_callers() -> TestResult
         let (app, op) = (roles.name("app"), roles.name("op"));
         sqlx::raw_sql(AssertSqlSafe(format!(
             r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}", "{op}";
+               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
                GRANT EXECUTE ON FUNCTION pgsemaphore.open(text, integer, interval, boolean) TO "{app}";
                GRANT EXECUTE ON FUNCTION
                    pgsemaphore.configure(text, integer, interval, boolean, boolean) TO "{op}";"#
@@ -894,6 +895,12 @@ async fn version_7_grants_families_to_open_and_configure_callers() -> TestResult
                 .fetch_one(&app_pool)
                 .await?;
         assert_eq!(capacity, 5);
+        let rules: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pgsemaphore.families JOIN pgsemaphore.family_rules ON family = name",
+        )
+        .fetch_one(&app_pool)
+        .await?;
+        assert_eq!(rules, 1, "a role that read the tables reads the families' too");
         let (capacity, created): (i32, bool) =
             sqlx::query_as("SELECT o_capacity, o_created FROM pgsemaphore.open('@legacy', 1, '10 s')")
                 .fetch_one(&app_pool)
