@@ -892,6 +892,15 @@ async fn families_show_rules_and_busiest_keys_and_rules_change_at_run_time() -> 
         text.contains("FAMILY") && text.contains("tenants"),
         "{text}"
     );
+    // `status` lists a family's keys only while they are held.
+    tenants.key("t-idle").await?;
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.contains("@tenants/t-42") && !text.contains("t-idle"),
+        "{text}"
+    );
 
     let out = run(&db, &["family", "tenants", "--top", "1"]).await;
     assert_status(&out, 0);

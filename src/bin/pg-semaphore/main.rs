@@ -84,6 +84,9 @@ enum Command {
 
     /// Every semaphore, lease and advisory: capacity, live holders.
     ///
+    /// Keys of semaphore families (named @family/key) are listed only while
+    /// held; `families` and `family NAME` show the rest.
+    ///
     /// Lease semaphores first, each holder with its claim id, slot, label,
     /// age and lease left; then advisory semaphores, each held slot with
     /// the session whose advisory lock it is (from pg_locks): its backend
