@@ -288,6 +288,11 @@
 //! - **reaper**: what marks claims whose lease ended as timed out: any claim
 //!   on the same semaphore, [`reap`], or the background [`Reaper`] (which
 //!   also prunes history).
+//! - **family**: a [`SemaphoreFamily`]: a name plus a **key** (a tenant)
+//!   gives one lease semaphore, named `@family/key`, created on first use
+//!   with the capacity the operator's **rules** give the key (its own rule,
+//!   else its **tier**'s, else the family's default), removed by the reaper
+//!   once nothing references it.
 //! - **key base**: the first advisory-lock key of an advisory semaphore
 //!   (from a hash of its name); slot `s` is the key `key base + s`.
 //! - **stripe**: one of an advisory semaphore's 16 waiting keys (`key base +
