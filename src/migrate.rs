@@ -770,7 +770,8 @@ mod tests {
                 "20261125000001_pgsemaphore_advisory.sql",
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
                 "20261127000001_pgsemaphore_fair_keys.sql",
-                "20261128000001_pgsemaphore_waiting_bucket.sql"
+                "20261128000001_pgsemaphore_waiting_bucket.sql",
+                "20261129000001_pgsemaphore_families.sql"
             ],
             "pending files are named as in migrations/"
         );
@@ -780,7 +781,8 @@ mod tests {
                 "20261125000001_pgsemaphore_advisory.sql",
                 "20261126000001_pgsemaphore_advisory_this_database.sql",
                 "20261127000001_pgsemaphore_fair_keys.sql",
-                "20261128000001_pgsemaphore_waiting_bucket.sql"
+                "20261128000001_pgsemaphore_waiting_bucket.sql",
+                "20261129000001_pgsemaphore_families.sql"
             ]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());
