@@ -31,6 +31,7 @@ SELECT s.name, s.capacity,
        l.id, l.slot, l.holder, l.metadata, l.created_at, l.expires_at
   FROM pgsemaphore.semaphores s
   LEFT JOIN pgsemaphore.live_slots l ON l.semaphore = s.name
+ WHERE s.family IS NULL OR l.id IS NOT NULL
  ORDER BY s.name, l.created_at, l.id";
 
 /// Every advisory semaphore with the live holders of its slots, read in one
@@ -316,7 +317,11 @@ struct StatusRow {
 }
 
 /// Every lease semaphore in the database, by name, each with its live
-/// claims. Advisory semaphores are listed by [`advisory_semaphores`].
+/// claims. Advisory semaphores are listed by [`advisory_semaphores`]. A
+/// key of a [semaphore family](crate::SemaphoreFamily) (named
+/// `@family/key`) is listed only while it is held: a family may have a
+/// million keys ([`families`](crate::families) and
+/// [`busiest_keys`](crate::busiest_keys) list them by family).
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {

@@ -137,6 +137,16 @@ pub enum Error {
         semaphore: String,
     },
 
+    /// No semaphore family has this name (an operator function named one
+    /// that was never created).
+    #[error(
+        "semaphore family {family:?} does not exist: build it with `SemaphoreFamily::builder(..).build(&pool)`"
+    )]
+    FamilyNotFound {
+        /// The family's name.
+        family: String,
+    },
+
     /// A claim (or a queue join) waited longer than the database's bound
     /// (2 s of `lock_timeout`, inside `pgsemaphore.claim` and
     /// `pgsemaphore.enqueue`) for the semaphore's row: another transaction
@@ -533,6 +543,10 @@ fn argument_name(column: &str) -> &'static str {
         "p_idle_for" => "idle_for",
         "p_batch" => "batch",
         "p_id" => "id",
+        "p_family" => "family",
+        "p_idle_after" => "idle_after",
+        "p_match" => "match",
+        "p_tier" => "tier",
         _ => "argument",
     }
 }
@@ -569,6 +583,17 @@ pub(crate) fn sqlstate(error: &Error) -> Option<Cow<'_, str>> {
         Error::Database(error) => error.as_database_error().and_then(|e| e.code()),
         _ => None,
     }
+}
+
+/// P0002 (no_data_found) for a family no family has, as
+/// [`Error::FamilyNotFound`]; any other error as it is.
+pub(crate) fn family_not_found(error: Error, family: &str) -> Error {
+    if sqlstate(&error).as_deref() == Some("P0002") {
+        return Error::FamilyNotFound {
+            family: family.to_owned(),
+        };
+    }
+    error
 }
 
 /// P0002 (no_data_found), which the crate's functions raise for a name no

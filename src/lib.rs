@@ -57,6 +57,21 @@
 //! - [`Semaphore::wait_idle`] waits until nobody holds a permit (a
 //!   distributed WaitGroup).
 //!
+//! # Families: a semaphore per key
+//!
+//! A [`SemaphoreFamily`] gives each key (a tenant, a customer) its own
+//! semaphore, created on first use with the capacity the operator's rules
+//! give that key: an exact-key rule, else the rule of the key's tier (the
+//! operator puts keys in tiers), else the family's default ("each tenant
+//! may run 10 at once, premium tenants 50, tenant 7 200").
+//! [`set_family_rule`], [`set_family_tier`] and [`configure_family`] change
+//! them at run time, for existing keys too, atomically; the application
+//! names keys and never chooses a capacity. A key's semaphore is an
+//! ordinary [`Semaphore`] (named `@family/key`), so a claim on a key costs
+//! what a named claim costs; the reaper removes keys nothing has referenced
+//! for the family's idle time (after their audit history was pruned).
+//! [`families`] and [`busiest_keys`] list them.
+//!
 //! # Crashes and timeouts
 //!
 //! Each permit has a **lease** measured on the database clock. If its holder
@@ -164,8 +179,10 @@
 //! `search_path`: the application's role needs `EXECUTE` on the
 //! application's functions and no write privilege on any table; an operator
 //! role gets the operator's functions ([`set_capacity`], [`configure`],
-//! [`set_queue_order`], [`set_fairness_weight`], [`clear_queue`], [`force_release`], [`reap`],
-//! [`prune_claims`]). The README lists the exact grants, and what the
+//! [`set_queue_order`], [`set_fairness_weight`], [`clear_queue`],
+//! [`force_release`], [`reap`], [`prune_claims`], [`configure_family`],
+//! [`set_family_rule`], [`set_family_tier`], [`set_rate_limit`],
+//! [`clear_rate_limit`], [`resume_rate_limit`]). The README lists the exact grants, and what the
 //! application role can and cannot do with them: the SQL functions are the
 //! security boundary, not this crate. They check every argument (a refused
 //! one is [`Error::InvalidArgument`], naming it), never lock or change a
@@ -198,7 +215,7 @@
 //! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
 //!   [`Holder`], [`AdvisorySemaphoreInfo`], [`AdvisoryHolder`],
 //!   [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
-//!   [`ReleaseOutcome`] and [`Decision`]. Times are RFC 3339 strings,
+//!   [`ReleaseOutcome`], [`Decision`], [`FamilyInfo`] and [`FamilyKeyInfo`]. Times are RFC 3339 strings,
 //!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
 //!   the shapes `pg-semaphore ... --json` prints.
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
@@ -232,6 +249,8 @@
 //! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
 //! | `rate_limit::settings`, `rate_limit::set` | stored limits, pauses and the waiters' `LISTEN` for their changes; [`LimiterSet`], several limits in one check |
 //! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
+//! | `semaphore::family` | [`SemaphoreFamily`]: a semaphore per key, each key's handle cached per process |
+//! | `reaper`, `admin`, `family_admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, families' rules and busiest keys, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
 //! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |
 //! | `detached` | cancel safety: a round trip that finishes, or is undone, when its caller goes away |
@@ -292,6 +311,11 @@
 //! - **reaper**: what marks claims whose lease ended as timed out: any claim
 //!   on the same semaphore, [`reap`], or the background [`Reaper`] (which
 //!   also prunes history).
+//! - **family**: a [`SemaphoreFamily`]: a name plus a **key** (a tenant)
+//!   gives one lease semaphore, named `@family/key`, created on first use
+//!   with the capacity the operator's **rules** give the key (its own rule,
+//!   else its **tier**'s, else the family's default), removed by the reaper
+//!   once nothing references it.
 //! - **key base**: the first advisory-lock key of an advisory semaphore
 //!   (from a hash of its name); slot `s` is the key `key base + s`.
 //! - **stripe**: one of an advisory semaphore's 16 waiting keys (`key base +
@@ -330,6 +354,7 @@ mod dead_man;
 mod detached;
 mod error;
 mod fail_open;
+mod family_admin;
 mod horizon;
 mod metrics;
 mod migrate;
@@ -365,6 +390,10 @@ pub use audit::{
 };
 pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
+pub use family_admin::{
+    FamilyInfo, FamilyKeyInfo, FamilyRule, RuleKind, busiest_keys, configure_family, families,
+    set_family_rule, set_family_tier,
+};
 pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{Mutex, MutexGuard, SessionGuard};
@@ -375,15 +404,17 @@ pub use rate_limit::{
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{
     AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
-    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, Permit, Priority,
-    QueueOrder, Semaphore, SemaphoreBuilder,
+    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_IDLE_AFTER, DEFAULT_LEASE,
+    Permit, Priority, QueueOrder, Semaphore, SemaphoreBuilder, SemaphoreFamily,
+    SemaphoreFamilyBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
 pub use validate::{
-    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAIRNESS_WEIGHT, MAX_HOLDER_LEN, MAX_KEY_LEN,
-    MAX_LEASE, MAX_LIMITS, MAX_NAME_LEN, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT,
-    MAX_SEMAPHORES_PER_CLAIM, MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAIRNESS_WEIGHT, MAX_FAMILY_KEY_LEN,
+    MAX_FAMILY_NAME_LEN, MAX_HOLDER_LEN, MAX_IDLE_AFTER, MAX_KEY_LEN, MAX_LEASE, MAX_LIMITS,
+    MAX_NAME_LEN, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_TIER_LEN,
+    MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
 };
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.

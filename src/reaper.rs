@@ -7,7 +7,13 @@
 //! and keeps the audit log bounded. Operator functions: under the README's
 //! grants they need the operator role. Each round the reaper also looks at
 //! the database's xmin horizon ([`horizon`](crate::horizon)) and warns when
-//! one session, slot or prepared transaction has held it too long.
+//! one session, slot or prepared transaction has held it too long. Since
+//! schema version 7 each [`reap`] also examines the next 1,000 keys of
+//! each [semaphore family](crate::SemaphoreFamily) (in turn, so a round's
+//! work is bounded however many keys exist) and removes those that nothing
+//! references any more (no claim left in the audit log, no waiter) for
+//! their family's idle time; a retention ([`ReaperBuilder::retention`])
+//! prunes the history that keeps a used key.
 
 use std::time::Duration;
 
@@ -27,7 +33,9 @@ const REAP: &str = "SELECT pgsemaphore.reap()";
 
 /// Frees every slot, of every semaphore, whose lease has expired: marks it
 /// `timed_out_at` (the row stays in the audit log) and wakes waiters.
-/// Returns how many slots were reaped.
+/// Returns how many slots were reaped. Also removes the idle keys among
+/// the next 1,000 of each [semaphore family](crate::SemaphoreFamily) (not
+/// counted).
 ///
 /// Claims already reap their own semaphore before claiming, so a crashed
 /// holder never blocks a claimer beyond its lease; a [`Reaper`] (or a cron

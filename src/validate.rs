@@ -30,6 +30,18 @@ pub const MAX_SEMAPHORES_PER_CLAIM: usize = 16;
 
 /// The largest weight of a fairness key ([`set_fairness_weight`](crate::set_fairness_weight)).
 pub const MAX_FAIRNESS_WEIGHT: u32 = 1000;
+/// The longest semaphore family name ([`SemaphoreFamily`](crate::SemaphoreFamily)),
+/// in characters (letters, digits, `_`, `.`, `:`, `-`).
+pub const MAX_FAMILY_NAME_LEN: usize = 64;
+
+/// The longest key of a semaphore family, in characters.
+pub const MAX_FAMILY_KEY_LEN: usize = 128;
+
+/// The longest tier name of a semaphore family, in characters.
+pub const MAX_TIER_LEN: usize = 64;
+
+/// The longest `idle_after` of a semaphore family (366 days).
+pub const MAX_IDLE_AFTER: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
 /// The shortest lease a permit may have.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);
@@ -131,6 +143,40 @@ pub(crate) fn fairness_weight(weight: u32) -> Result<()> {
 /// A rate limiter key.
 pub(crate) fn key(key: &str) -> Result<()> {
     text("key", key, MAX_KEY_LEN)
+}
+
+/// A family's name: 1 to [`MAX_FAMILY_NAME_LEN`] characters of
+/// `A-Z a-z 0-9 _ . : -` (no `/`: a key's semaphore is named
+/// `@family/key`, and that name must say where the family ends).
+pub(crate) fn family(family: &str) -> Result<()> {
+    text("family", family, MAX_FAMILY_NAME_LEN)?;
+    if let Some(c) = family
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-')))
+    {
+        return Err(Error::invalid(
+            "family",
+            format!(
+                "contains {c:?}: a family name has only letters, digits, '_', '.', ':' and '-'"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A key of a family: 1 to [`MAX_FAMILY_KEY_LEN`] characters, no NUL.
+pub(crate) fn family_key(key: &str) -> Result<()> {
+    text("key", key, MAX_FAMILY_KEY_LEN)
+}
+
+/// A tier of a family: 1 to [`MAX_TIER_LEN`] characters, no NUL.
+pub(crate) fn tier(tier: &str) -> Result<()> {
+    text("tier", tier, MAX_TIER_LEN)
+}
+
+/// A family's `idle_after`, zero to [`MAX_IDLE_AFTER`], as an SQL interval.
+pub(crate) fn idle_after(idle_after: Duration) -> Result<PgInterval> {
+    interval("idle_after", idle_after, Duration::ZERO..=MAX_IDLE_AFTER)
 }
 
 /// A semaphore's capacity: 1 to [`MAX_CAPACITY`].

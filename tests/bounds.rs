@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use pg_semaphore::{
     AuditLog, Claim, Decision, Error, FixedWindow, LimiterKind, LimiterSet, LostReason, Mutex,
-    MutexGuard, Permit, RateLimitSetting, Reaper, Semaphore, SemaphoreBuilder, SessionGuard,
-    SlidingWindow, StoredLimit, TokenBucket, WaitedFor,
+    MutexGuard, Permit, RateLimitSetting, Reaper, Semaphore, SemaphoreBuilder, SemaphoreFamily,
+    SemaphoreFamilyBuilder, SessionGuard, SlidingWindow, StoredLimit, TokenBucket, WaitedFor,
 };
 use sqlx::PgPool;
 
@@ -21,6 +21,8 @@ fn handles_and_guards_are_send_and_sync() {
     fn all<T: Send + Sync + Unpin + std::fmt::Debug>() {}
     all::<Semaphore>();
     all::<SemaphoreBuilder>();
+    all::<SemaphoreFamily>();
+    all::<SemaphoreFamilyBuilder>();
     all::<Permit>();
     all::<Claim<'static>>();
     all::<Mutex>();
@@ -97,4 +99,23 @@ fn futures_are_send(
     send(&pg_semaphore::set_capacity(&pool, "s", 2));
     send(&permit.release());
     sync(&sem);
+}
+
+/// A family's futures can be spawned too.
+#[allow(dead_code)]
+fn family_futures_are_send(family: SemaphoreFamily, pool: PgPool) {
+    send(&SemaphoreFamily::builder("f", 1).build(&pool));
+    send(&family.key("k"));
+    send(&family.try_acquire("k"));
+    send(&family.acquire("k"));
+    send(&family.acquire_timeout("k", Duration::from_secs(1)));
+    send(&pg_semaphore::families(&pool));
+    send(&pg_semaphore::busiest_keys(&pool, "f", 10));
+    send(&pg_semaphore::set_family_rule(
+        &pool,
+        "f",
+        pg_semaphore::RuleKind::Key,
+        "k",
+        Some(1),
+    ));
 }

@@ -5,7 +5,7 @@ mod support;
 
 use std::time::Duration;
 
-use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore, SemaphoreFamily};
 use support::TestResult;
 use support::cli::{assert_status, run, run_in, stderr, stdout};
 
@@ -24,6 +24,10 @@ async fn help_lists_every_command_and_the_exit_statuses() {
         "clear-queue",
         "prune",
         "doctor",
+        "families",
+        "family",
+        "rule",
+        "tier",
     ] {
         assert!(help.contains(command), "--help lacks {command}:\n{help}");
     }
@@ -1024,6 +1028,105 @@ async fn limits_stores_lists_pauses_and_clears_rate_limits() -> TestResult {
     ] {
         let out = run(&db, bad).await;
         assert_status(&out, 2);
+    }
+    Ok(())
+}
+
+/// `families`, `family NAME`, `rule set/remove` and `tier set/remove`: an
+/// operator sees each family with its rules, the busiest keys with their
+/// holders, and changes rules at run time, for existing keys too.
+#[tokio::test]
+async fn families_show_rules_and_busiest_keys_and_rules_change_at_run_time() -> TestResult {
+    let db = support::migrated_db().await;
+    let out = run(&db, &["families"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).trim(), "no semaphore families yet");
+
+    let tenants = SemaphoreFamily::builder("tenants", 10)
+        .holder("worker-1")
+        .build(&db.pool)
+        .await?;
+    let out = run(&db, &["rule", "set", "tenants", "--tier", "premium", "50"]).await;
+    assert_status(&out, 0);
+    let out = run(&db, &["tier", "set", "tenants", "t-42", "premium"]).await;
+    assert_status(&out, 0);
+    let busy = [
+        tenants.try_acquire("t-42").await?,
+        tenants.try_acquire("t-42").await?,
+        tenants.try_acquire("t-1").await?,
+    ];
+    assert_eq!(tenants.key("t-42").await?.capacity(), 50);
+
+    let out = run(&db, &["rule", "set", "tenants", "--key", "t-1", "1"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "tenants: key \"t-1\" -> capacity 1 (1 existing key changed)"
+    );
+    assert!(matches!(
+        tenants.try_acquire("t-1").await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+
+    let out = run(&db, &["families"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.contains("FAMILY") && text.contains("tenants"),
+        "{text}"
+    );
+    // `status` lists a family's keys only while they are held.
+    tenants.key("t-idle").await?;
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.contains("@tenants/t-42") && !text.contains("t-idle"),
+        "{text}"
+    );
+
+    let out = run(&db, &["family", "tenants", "--top", "1"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.contains("premium") && text.contains("t-1"),
+        "rules: {text}"
+    );
+    assert!(
+        text.contains("t-42") && text.contains("worker-1"),
+        "busiest: {text}"
+    );
+    let busiest = text.split("busiest keys:").nth(1).unwrap_or_default();
+    assert!(
+        !busiest.contains("t-1"),
+        "--top 1 shows the busiest key only: {text}"
+    );
+
+    let out = run(&db, &["family", "tenants", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_str(&stdout(&out))?;
+    assert_eq!(json["family"]["default_capacity"], 10);
+    assert_eq!(json["busiest_keys"][0]["key"], "t-42");
+    assert_eq!(json["busiest_keys"][0]["held"], 2);
+    assert_eq!(json["busiest_keys"][0]["holders"][0]["holder"], "worker-1");
+
+    let out = run(&db, &["rule", "remove", "tenants", "--key", "t-1"]).await;
+    assert_status(&out, 0);
+    let out = run(&db, &["tier", "remove", "tenants", "t-42"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        pg_semaphore::busiest_keys(&db.pool, "tenants", 10).await?[0].capacity,
+        10,
+        "t-42 is back to the default"
+    );
+    let out = run(&db, &["family", "nobody"]).await;
+    assert_status(&out, 3);
+    let out = run(&db, &["rule", "set", "nobody", "--key", "k", "2"]).await;
+    assert_status(&out, 3);
+    let out = run(&db, &["rule", "set", "tenants", "--key", "k", "0"]).await;
+    assert_status(&out, 2);
+    for permit in busy {
+        permit.release().await?;
     }
     Ok(())
 }

@@ -455,6 +455,22 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
         ("SELECT pgsemaphore.set_rate_limit('sliding_window', 'l', '', NULL, NULL, 5, '1 s')".into(), "p_key"),
         ("SELECT pgsemaphore.clear_rate_limit('token_bucket', '', NULL)".into(), "p_limiter"),
         ("SELECT pgsemaphore.resume_rate_limit(NULL, 'l', NULL)".into(), "p_kind"),
+        ("SELECT * FROM pgsemaphore.open_family(NULL, 1, '1 s', '0')".into(), "p_family"),
+        ("SELECT * FROM pgsemaphore.open_family('a/b', 1, '1 s', '0')".into(), "p_family"),
+        (format!("SELECT * FROM pgsemaphore.open_family('{}', 1, '1 s', '0')", "f".repeat(65)), "p_family"),
+        ("SELECT * FROM pgsemaphore.open_family('f', 0, '1 s', '0')".into(), "p_capacity"),
+        ("SELECT * FROM pgsemaphore.open_family('f', NULL, '1 s', '0')".into(), "p_capacity"),
+        ("SELECT * FROM pgsemaphore.open_family('f', 1, '1 ms', '0')".into(), "p_lease"),
+        ("SELECT * FROM pgsemaphore.open_family('f', 1, '1 s', NULL)".into(), "p_idle_after"),
+        ("SELECT * FROM pgsemaphore.open_family('f', 1, '1 s', '-1 s')".into(), "p_idle_after"),
+        ("SELECT * FROM pgsemaphore.open_family('f', 1, '1 s', '367 days')".into(), "p_idle_after"),
+        ("SELECT * FROM pgsemaphore.open_family_key(NULL, 'k')".into(), "p_family"),
+        ("SELECT * FROM pgsemaphore.open_family_key('@x', 'k')".into(), "p_family"),
+        ("SELECT * FROM pgsemaphore.open_family_key('f', NULL)".into(), "p_key"),
+        ("SELECT * FROM pgsemaphore.open_family_key('f', '')".into(), "p_key"),
+        (format!("SELECT * FROM pgsemaphore.open_family_key('f', '{}')", "k".repeat(129)), "p_key"),
+        ("SELECT * FROM pgsemaphore.open('@f/k', 1, '1 s')".into(), "p_name"),
+        ("SELECT * FROM pgsemaphore.open_advisory('@f/k', 1)".into(), "p_name"),
     ];
     let mut wrong = Vec::new();
     for (call, argument) in &cases {
@@ -500,6 +516,89 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
         (slots, waiters, limits),
         (0, 0, 0),
         "a refused call wrote something"
+    );
+    let (families, semaphores): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pgsemaphore.families), (SELECT count(*) FROM pgsemaphore.semaphores)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(
+        (families, semaphores),
+        (0, 1),
+        "a refused call wrote something"
+    );
+    Ok(())
+}
+
+/// Families: the application names a key and never chooses its capacity.
+/// Opening an existing family with a bigger default changes nothing; a
+/// named semaphore cannot take a family key's name (`@...`), and a family
+/// key never takes over a named semaphore that had such a name before
+/// version 7; a key of a family that does not exist is P0002.
+#[tokio::test]
+async fn an_application_cannot_choose_a_family_keys_capacity() -> TestResult {
+    let db = support::migrated_db().await;
+    sqlx::query("SELECT * FROM pgsemaphore.open_family('tenants', 2, '10 s', '0')")
+        .execute(&db.pool)
+        .await?;
+    let (capacity, created): (i32, bool) = sqlx::query_as(
+        "SELECT o_capacity, o_created FROM pgsemaphore.open_family('tenants', 100000, '10 s', '0')",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!((capacity, created), (2, false));
+    let (name, capacity): (String, i32) = sqlx::query_as(
+        "SELECT o_name, o_capacity FROM pgsemaphore.open_family_key('tenants', 'k')",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!((name.as_str(), capacity), ("@tenants/k", 2));
+    // Opening the key's name as a named semaphore with another capacity is refused.
+    assert_eq!(
+        refused(
+            sqlx::query("SELECT * FROM pgsemaphore.open('@tenants/k', 500, '10 s')")
+                .execute(&db.pool)
+                .await
+        ),
+        ("22023".to_owned(), Some("p_name".to_owned()))
+    );
+    assert_eq!(
+        sqlstate(
+            sqlx::query("SELECT * FROM pgsemaphore.open_family_key('nobody', 'k')")
+                .execute(&db.pool)
+                .await
+        )
+        .as_deref(),
+        Some("P0002")
+    );
+    // A named semaphore that had an '@' name before version 7 (written here
+    // as the owner) is never adopted as a family key.
+    sqlx::query("ALTER TABLE pgsemaphore.semaphores DISABLE TRIGGER semaphores_one_kind_per_name")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease) VALUES ('@tenants/old', 9, '10 s')")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("ALTER TABLE pgsemaphore.semaphores ENABLE TRIGGER semaphores_one_kind_per_name")
+        .execute(&db.pool)
+        .await?;
+    assert_eq!(
+        refused(
+            sqlx::query("SELECT * FROM pgsemaphore.open_family_key('tenants', 'old')")
+                .execute(&db.pool)
+                .await
+        ),
+        ("22023".to_owned(), Some("p_key".to_owned()))
+    );
+    let (capacity, created): (i32, bool) = sqlx::query_as(
+        "SELECT o_capacity, o_created FROM pgsemaphore.open('@tenants/old', 1, '10 s')",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(
+        (capacity, created),
+        (9, false),
+        "the old named semaphore keeps working"
     );
     Ok(())
 }

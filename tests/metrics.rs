@@ -26,7 +26,9 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::PrometheusBuilder;
-use pg_semaphore::{Error, FixedWindow, Mutex, QueueOrder, Semaphore, TokenBucket};
+use pg_semaphore::{
+    Error, FixedWindow, Mutex, QueueOrder, Semaphore, SemaphoreFamily, TokenBucket,
+};
 use support::TestDb;
 use support::TestResult;
 use support::proxy::Proxy;
@@ -762,5 +764,36 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     reaper.shutdown().await;
+    Ok(())
+}
+
+/// A family's keys are labelled by their family (`semaphore="@family"`),
+/// never by their key: a key is unbounded, a family is not.
+#[tokio::test]
+async fn family_keys_are_labelled_by_their_family_never_by_their_key() -> TestResult {
+    exporter();
+    let db = support::migrated_db().await;
+    let tenants = SemaphoreFamily::builder("metrics-tenants", 1)
+        .build(&db.pool)
+        .await?;
+    let a = tenants.try_acquire("secret-tenant-a").await?;
+    let b = tenants.try_acquire("secret-tenant-b").await?;
+    assert!(matches!(
+        tenants.try_acquire("secret-tenant-a").await,
+        Err(Error::NoSlotsAvailable { .. })
+    ));
+    let of = [("semaphore", "@metrics-tenants")];
+    let m = scrape().await;
+    assert_eq!(m.value("pg_semaphore_permits_held", &of), 2.0);
+    assert_eq!(m.value("pg_semaphore_acquisitions_total", &of), 2.0);
+    assert_eq!(m.value("pg_semaphore_no_slots_available_total", &of), 1.0);
+    assert!(
+        !m.text.contains("secret-tenant"),
+        "a key is a label:\n{}",
+        m.text
+    );
+    a.release().await?;
+    b.release().await?;
+    until("pg_semaphore_permits_held", &of, 0.0).await;
     Ok(())
 }

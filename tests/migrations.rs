@@ -996,3 +996,95 @@ async fn version_10_grants_the_window_reservations_to_window_callers() -> TestRe
     roles.drop_all().await?;
     result
 }
+
+/// Version 7 (semaphore families) grants `open_family` and
+/// `open_family_key` to whoever may run `open`, and the families' operator
+/// functions to whoever may run `configure`: roles granted as version 6's
+/// README said use families after the upgrade without new grants; PUBLIC
+/// still runs nothing. A semaphore named with a leading `@` before the
+/// upgrade keeps working; a new one is refused.
+#[tokio::test]
+async fn version_7_grants_families_to_open_and_configure_callers() -> TestResult {
+    let db = support::empty_db().await;
+    let roles = Roles::create(&db, &["app", "op"]).await?;
+    let result = async {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
+            .map(|entry| entry.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
+        files.sort();
+        let (before, upgrade) = files.split_at(6);
+        assert!(
+            upgrade[0].ends_with("20261129000001_pgsemaphore_families.sql"),
+            "{upgrade:?}"
+        );
+        for file in before {
+            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
+                .execute(&db.pool)
+                .await?;
+        }
+        assert_eq!(schema_version(&db.pool).await, (6, 2));
+        let (app, op) = (roles.name("app"), roles.name("op"));
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}", "{op}";
+               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
+               GRANT EXECUTE ON FUNCTION pgsemaphore.open(text, integer, interval, boolean) TO "{app}";
+               GRANT EXECUTE ON FUNCTION
+                   pgsemaphore.configure(text, integer, interval, boolean, boolean) TO "{op}";"#
+        )))
+        .execute(&db.pool)
+        .await?;
+        sqlx::query("SELECT * FROM pgsemaphore.open('@legacy', 3, '10 s')")
+            .execute(&db.pool)
+            .await?;
+
+        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&upgrade[0])?))
+            .execute(&db.pool)
+            .await?;
+        assert_eq!(schema_version(&db.pool).await, (7, 2));
+        let public: bool = sqlx::query_scalar(
+            "SELECT has_function_privilege('public', 'pgsemaphore.open_family_key(text, text)', 'EXECUTE')
+                 OR has_function_privilege('public', 'pgsemaphore.set_family_rule(text, text, text, integer)', 'EXECUTE')",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        assert!(!public, "PUBLIC may use families");
+        let app_pool = roles.pool(&db, "app").await?;
+        let op_pool = roles.pool(&db, "op").await?;
+        sqlx::query("SELECT * FROM pgsemaphore.open_family('tenants', 2, '10 s', '0')")
+            .execute(&app_pool)
+            .await?;
+        sqlx::query("SELECT pgsemaphore.set_family_rule('tenants', 'key', 't-1', 5)")
+            .execute(&op_pool)
+            .await?;
+        let capacity: i32 =
+            sqlx::query_scalar("SELECT o_capacity FROM pgsemaphore.open_family_key('tenants', 't-1')")
+                .fetch_one(&app_pool)
+                .await?;
+        assert_eq!(capacity, 5);
+        let rules: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pgsemaphore.families JOIN pgsemaphore.family_rules ON family = name",
+        )
+        .fetch_one(&app_pool)
+        .await?;
+        assert_eq!(rules, 1, "a role that read the tables reads the families' too");
+        let (capacity, created): (i32, bool) =
+            sqlx::query_as("SELECT o_capacity, o_created FROM pgsemaphore.open('@legacy', 1, '10 s')")
+                .fetch_one(&app_pool)
+                .await?;
+        assert_eq!((capacity, created), (3, false), "the old '@' semaphore keeps working");
+        let refused = sqlx::query("SELECT * FROM pgsemaphore.open('@new', 1, '10 s')")
+            .execute(&app_pool)
+            .await;
+        let code = refused
+            .err()
+            .and_then(|e| e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned()));
+        assert_eq!(code.as_deref(), Some("22023"));
+        app_pool.close().await;
+        op_pool.close().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    roles.drop_all().await?;
+    result
+}

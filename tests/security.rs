@@ -676,6 +676,65 @@ async fn privileges_open_creates_and_never_changes() -> TestResult {
     .await
 }
 
+/// README: "Create a family, or a key of a family, that does not exist,
+/// but never choose a key's capacity: the operator's rules and tiers give
+/// it, and only the operator changes them."
+#[tokio::test]
+async fn privileges_families_keys_get_the_operators_capacity() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        let (capacity, created): (i32, bool) = sqlx::query_as(
+            "SELECT o_capacity, o_created FROM pgsemaphore.open_family('tenants', 2, '30 s', '0')",
+        )
+        .fetch_one(&app)
+        .await?;
+        assert_eq!((capacity, created), (2, true));
+        let (capacity, created): (i32, bool) = sqlx::query_as(
+            "SELECT o_capacity, o_created FROM pgsemaphore.open_family('tenants', 900, '1 h', '0')",
+        )
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(
+            (capacity, created),
+            (2, false),
+            "an existing family is never changed"
+        );
+        for sql in [
+            "SELECT pgsemaphore.set_family_rule('tenants', 'key', 'k', 500)",
+            "SELECT pgsemaphore.set_family_tier('tenants', 'k', 'gold')",
+            "SELECT * FROM pgsemaphore.configure_family('tenants', 500, NULL, NULL)",
+            "SELECT pgsemaphore.reap_family_keys(10)",
+        ] {
+            assert!(
+                denied(sqlx::query(sql).execute(&app).await),
+                "allowed: {sql}"
+            );
+        }
+        sqlx::query("SELECT pgsemaphore.set_family_rule('tenants', 'tier', 'gold', 7)")
+            .execute(&operator)
+            .await?;
+        sqlx::query("SELECT pgsemaphore.set_family_tier('tenants', 'k', 'gold')")
+            .execute(&operator)
+            .await?;
+        let capacity: i32 = sqlx::query_scalar(
+            "SELECT o_capacity FROM pgsemaphore.open_family_key('tenants', 'k')",
+        )
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(capacity, 7, "the operator's tier rule");
+        let changed: i64 =
+            sqlx::query_scalar("SELECT pgsemaphore.set_family_rule('tenants', 'key', 'k', 3)")
+                .fetch_one(&operator)
+                .await?;
+        assert_eq!(changed, 1, "the operator's rule reaches the existing key");
+        let removed: i64 = sqlx::query_scalar("SELECT pgsemaphore.reap_family_keys(10)")
+            .fetch_one(&operator)
+            .await?;
+        assert_eq!(removed, 1, "the operator reaps the idle key");
+        Ok(())
+    })
+    .await
+}
+
 /// README: "Claim slots only within the capacity: every claim counts the
 /// held slots under the semaphore's row lock, whatever its arguments."
 #[tokio::test]
@@ -1141,6 +1200,12 @@ async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
             "pgsemaphore.fixed_window_book(text,text,bigint,interval,bigint,interval)",
             "pgsemaphore.sliding_window_book(text,text,bigint,interval,bigint,interval)",
             "pgsemaphore.fixed_window_unchecked(text,text,bigint,interval,bigint)",
+            "pgsemaphore.configure_family(text,integer,interval,interval,boolean)",
+            "pgsemaphore.set_family_rule(text,text,text,integer)",
+            "pgsemaphore.set_family_tier(text,text,text)",
+            "pgsemaphore.reap_family_keys(integer)",
+            "pgsemaphore.family_recompute(text,text)",
+            "pgsemaphore.family_capacity(text,text,integer)",
         ] {
             assert!(refused.iter().any(|r| r == expected), "{expected} is executable: {refused:?}");
         }

@@ -73,6 +73,10 @@
 //!     acquire: how late each is admitted after the instant the database
 //!     allows (p50 and p99, bounded below and above), and round trips per
 //!     admission counted by PostgreSQL.
+//! 16. **family**: try_acquire + release cycles on a key of a semaphore
+//!     family with 10, 10,000 and 1,000,000 keys in the table (1,000 and
+//!     10,000 with `--quick`), hot keys and random keys, against named
+//!     semaphores in the same run.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -82,6 +86,7 @@
 //! Tables (or JSON) go to stdout, progress to stderr.
 
 mod advisory;
+mod family;
 mod fleet;
 mod growth;
 mod lateness;
@@ -114,7 +119,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,gcra-row,gcra-ledger,sliding-ledger]";
@@ -142,14 +147,15 @@ pub enum Workload {
     Lease,
     Redis,
     Advisory,
-    Limits,
     Pressure,
     Multi,
+    Limits,
     Lateness,
+    Family,
 }
 
 impl Workload {
-    const ALL: [Workload; 13] = [
+    const ALL: [Workload; 16] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -161,10 +167,11 @@ impl Workload {
         Workload::Lease,
         Workload::Redis,
         Workload::Advisory,
-        Workload::Limits,
         Workload::Pressure,
         Workload::Multi,
+        Workload::Limits,
         Workload::Lateness,
+        Workload::Family,
     ];
 
     pub fn name(self) -> &'static str {
@@ -181,6 +188,7 @@ impl Workload {
             Workload::Redis => "redis",
             Workload::Advisory => "advisory",
             Workload::Limits => "limits",
+            Workload::Family => "family",
             Workload::Pressure => "pressure",
             Workload::Multi => "multi",
             Workload::Lateness => "lateness",
@@ -583,6 +591,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Redis => redis::redis_workload(ctx).await?,
             Workload::Advisory => advisory::advisory_workload(ctx).await?,
             Workload::Limits => limits::limits_workload(ctx).await?,
+            Workload::Family => family::family_workload(ctx).await?,
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
             Workload::Multi => multi::multi_workload(ctx).await?,
             Workload::Lateness => lateness::lateness_workload(ctx).await?,

@@ -1,5 +1,5 @@
 -- pg-semaphore's SQL API driven from psql: the worked example of
--- docs/sql-api.md. Run it against a database migrated to schema version 8,
+-- docs/sql-api.md. Run it against a database migrated to schema version 11,
 -- as a role with the application's grants (README, "Privileges"):
 --
 --   psql -X -f docs/sql-api/example.sql "$DATABASE_URL"
@@ -11,7 +11,7 @@
 \set VERBOSITY verbose
 \set SHOW_CONTEXT never
 
--- The contract this database speaks: version 8, and the oldest version
+-- The contract this database speaks: version 11, and the oldest version
 -- whose callers still work against it.
 SELECT * FROM pgsemaphore.schema_version();
 
@@ -170,3 +170,21 @@ SELECT pgsemaphore.pause_rate_limit(p_kind => 'token_bucket', p_limiter => 'part
 SELECT o_allowed, o_remaining, o_retry_after_us > 25000000 AS retry_after_over_25s
   FROM pgsemaphore.token_bucket(p_limiter => 'partner-s', p_key => 'tenant-7',
                                 p_rate => 10, p_burst => 10, p_n => 1);
+
+-- 11. A semaphore family: one semaphore per key, created on first use with
+-- the capacity the operator's rules give the key (here none: the family's
+-- default). The key's semaphore is an ordinary one: claim and release on
+-- o_name. A claim that raises P0002 on it later means the reaper removed
+-- the idle key: open it again.
+SELECT o_capacity, o_created FROM pgsemaphore.open_family(p_family => 'tenants', p_capacity => 3,
+                                                          p_lease => '30 seconds',
+                                                          p_idle_after => '15 minutes');
+SELECT o_name AS tenant_sem, o_capacity, o_created
+  FROM pgsemaphore.open_family_key(p_family => 'tenants', p_key => 'tenant-42') \gset
+\echo open_family_key: :tenant_sem capacity :o_capacity created :o_created
+SELECT uuid_send(gen_random_uuid()) AS token_t \gset
+SELECT o_status, o_ids[1] AS claim_t, o_free
+  FROM pgsemaphore.claim(p_semaphore => :'tenant_sem', p_holder => 'worker-t',
+                         p_lease => NULL, p_metadata => NULL, p_token => :'token_t') \gset
+\echo claim on the key: :o_status, :o_free free
+SELECT o_outcome FROM pgsemaphore.release(p_ids => ARRAY[:claim_t]::bigint[], p_token => :'token_t');

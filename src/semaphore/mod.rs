@@ -6,10 +6,13 @@
 //! - [`wait`]: the wait loops, over the wake-ups of [`wake`];
 //! - [`permit`]: [`Permit`] (release, fence, lost, Drop), with its
 //!   heartbeat in [`lease`];
-//! - [`queue`]: tickets of the fair queue.
+//! - [`queue`]: tickets of the fair queue;
+//! - [`family`]: [`SemaphoreFamily`], a semaphore per key, each key's
+//!   handle an ordinary [`Semaphore`].
 
 mod advisory;
 mod engine;
+mod family;
 mod lease;
 mod permit;
 mod queue;
@@ -37,6 +40,7 @@ pub use self::advisory::{
 };
 use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions, Several};
 pub use self::engine::{Priority, QueueOrder};
+pub use self::family::{DEFAULT_IDLE_AFTER, SemaphoreFamily, SemaphoreFamilyBuilder};
 pub use self::permit::Permit;
 use self::wake::Wakeups;
 

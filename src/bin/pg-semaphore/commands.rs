@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use chrono::Utc;
-use pg_semaphore::{AuditLog, ReleaseOutcome, SemaphoreKind};
+use pg_semaphore::{AuditLog, ReleaseOutcome, RuleKind, SemaphoreKind};
 use sqlx::PgPool;
 
 use crate::render::{self, human, plural, rfc3339};
@@ -267,5 +267,81 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
                 format!("{what}: not paused: nothing to do\n")
             }
         }
+    })
+}
+
+pub(crate) async fn families(pool: &PgPool, json: bool) -> Result<String, Failure> {
+    let list = pg_semaphore::families(pool).await?;
+    Ok(if json {
+        render::families_json(&list)
+    } else {
+        render::families_table(&list)
+    })
+}
+
+pub(crate) async fn family(
+    pool: &PgPool,
+    name: &str,
+    top: u32,
+    json: bool,
+) -> Result<String, Failure> {
+    let Some(family) = pg_semaphore::families(pool)
+        .await?
+        .into_iter()
+        .find(|f| f.name == name)
+    else {
+        return Err(Failure::not_found(format!(
+            "no semaphore family named {name:?}"
+        )));
+    };
+    let busiest = pg_semaphore::busiest_keys(pool, name, top).await?;
+    Ok(if json {
+        render::family_json(&family, &busiest)
+    } else {
+        render::family_text(&family, &busiest)
+    })
+}
+
+pub(crate) async fn rule(
+    pool: &PgPool,
+    family: &str,
+    key: Option<String>,
+    tier: Option<String>,
+    capacity: Option<u32>,
+) -> Result<String, Failure> {
+    let (kind, matches, what) = match (key, tier) {
+        (Some(key), _) => (RuleKind::Key, key, "key"),
+        (None, Some(tier)) => (RuleKind::Tier, tier, "tier"),
+        (None, None) => return Err(Failure::usage("a rule needs --key or --tier")),
+    };
+    let changed = pg_semaphore::set_family_rule(pool, family, kind, &matches, capacity).await?;
+    Ok(match capacity {
+        Some(capacity) => format!(
+            "{family}: {what} {matches:?} -> capacity {capacity} ({changed} existing key{} changed)\n",
+            plural(changed)
+        ),
+        None => format!(
+            "{family}: rule for {what} {matches:?} removed ({changed} existing key{} changed)\n",
+            plural(changed)
+        ),
+    })
+}
+
+pub(crate) async fn tier(
+    pool: &PgPool,
+    family: &str,
+    key: &str,
+    tier: Option<&str>,
+) -> Result<String, Failure> {
+    let changed = pg_semaphore::set_family_tier(pool, family, key, tier).await?;
+    Ok(match tier {
+        Some(tier) => format!(
+            "{family}: key {key:?} in tier {tier:?} ({changed} existing key{} changed)\n",
+            plural(changed)
+        ),
+        None => format!(
+            "{family}: key {key:?} in no tier ({changed} existing key{} changed)\n",
+            plural(changed)
+        ),
     })
 }

@@ -47,7 +47,8 @@ Exit status:
   0  success (also when there was nothing to do)
   1  database or runtime error (connection refused, query failed, ...)
   2  usage error (bad arguments, no database URL)
-  3  not found: no such semaphore (audit, report, status NAME, set-capacity, clear-queue) or claim (release)
+  3  not found: no such semaphore (audit, report, status NAME, set-capacity, clear-queue),
+     claim (release) or family (family, rule, tier)
   4  pg-semaphore's migrations are not applied to this database (run `pg-semaphore migrate`)
 
 The database URL comes from --database-url, else DATABASE_URL in the
@@ -82,6 +83,9 @@ enum Command {
     Migrate,
 
     /// Every semaphore, lease and advisory: capacity, live holders.
+    ///
+    /// Keys of semaphore families (named @family/key) are listed only while
+    /// held; `families` and `family NAME` show the rest.
     ///
     /// Lease semaphores first, each holder with its claim id, slot, label,
     /// age and lease left; then advisory semaphores, each held slot with
@@ -199,6 +203,58 @@ enum Command {
         name: String,
     },
 
+    /// Every semaphore family: default capacity and lease, idle time, keys, rules.
+    ///
+    /// A family gives each key (a tenant, a customer) its own semaphore,
+    /// with the capacity its rules give it: an exact-key rule, else the
+    /// rule of the key's tier, else the family's default.
+    Families {
+        /// Print JSON: an array of families, each with its "rules".
+        #[arg(long)]
+        json: bool,
+    },
+
+    /// One family: its settings and rules, and its busiest keys with their holders.
+    ///
+    /// The busiest keys are those with the most live claims (exit status 3
+    /// if the family does not exist).
+    Family {
+        /// The family's name.
+        name: String,
+        /// How many of the busiest keys to show.
+        #[arg(long, value_name = "N", default_value_t = 10)]
+        top: u32,
+        /// Print JSON: {"family": {...}, "busiest_keys": [...]}.
+        #[arg(long)]
+        json: bool,
+    },
+
+    /// Set or remove a capacity rule of a family.
+    ///
+    /// The family's existing keys get their new capacity in the same
+    /// transaction: a lowered capacity admits no claim above it (holders
+    /// above it finish), a raised one wakes waiters.
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  pg-semaphore rule set tenants --tier premium 50
+  pg-semaphore rule set tenants --key tenant-7 200
+  pg-semaphore rule remove tenants --key tenant-7"
+    )]
+    Rule(RuleCommand),
+
+    /// Put a key of a family in a tier, or take it out.
+    ///
+    /// The key, if it exists, gets the capacity of its tier's rule (unless
+    /// a rule of its own wins) in the same transaction.
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  pg-semaphore tier set tenants tenant-42 premium
+  pg-semaphore tier remove tenants tenant-42"
+    )]
+    Tier(TierCommand),
+
     /// Delete finished claims older than --older-than.
     ///
     /// Claims of every semaphore that completed or timed out more than that
@@ -293,6 +349,58 @@ struct LimitTarget {
     key: Option<String>,
 }
 
+#[derive(Debug, Subcommand)]
+enum RuleCommand {
+    /// Set a rule: keys it matches get CAPACITY slots.
+    Set {
+        /// The family's name.
+        family: String,
+        #[command(flatten)]
+        target: RuleTarget,
+        /// The capacity (1 to 100000).
+        capacity: u32,
+    },
+    /// Remove a rule: the keys it matched fall back to the next rule or the default.
+    Remove {
+        /// The family's name.
+        family: String,
+        #[command(flatten)]
+        target: RuleTarget,
+    },
+}
+
+/// What a rule matches: one key, or a tier.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct RuleTarget {
+    /// This key exactly (wins over its tier's rule).
+    #[arg(long, value_name = "KEY")]
+    key: Option<String>,
+    /// Every key in this tier (wins over the default).
+    #[arg(long, value_name = "TIER")]
+    tier: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum TierCommand {
+    /// Put KEY in TIER.
+    Set {
+        /// The family's name.
+        family: String,
+        /// The key.
+        key: String,
+        /// The tier.
+        tier: String,
+    },
+    /// Take KEY out of its tier.
+    Remove {
+        /// The family's name.
+        family: String,
+        /// The key.
+        key: String,
+    },
+}
+
 #[derive(Debug, Args)]
 struct AuditArgs {
     /// The semaphore's name.
@@ -377,6 +485,9 @@ impl From<Error> for Failure {
             Error::SemaphoreNotFound { semaphore } => {
                 return Failure::not_found(format!("no semaphore named {semaphore:?}"));
             }
+            Error::FamilyNotFound { family } => {
+                return Failure::not_found(format!("no semaphore family named {family:?}"));
+            }
             Error::InvalidArgument { .. } => EXIT_USAGE,
             _ => EXIT_FAILURE,
         };
@@ -451,6 +562,22 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         Command::ClearQueue { name } => commands::clear_queue(&pool, &name).await?,
         Command::Prune { older_than } => commands::prune(&pool, older_than).await?,
         Command::Limits(command) => commands::limits(&pool, command).await?,
+        Command::Families { json } => commands::families(&pool, json).await?,
+        Command::Family { name, top, json } => commands::family(&pool, &name, top, json).await?,
+        Command::Rule(RuleCommand::Set {
+            family,
+            target,
+            capacity,
+        }) => commands::rule(&pool, &family, target.key, target.tier, Some(capacity)).await?,
+        Command::Rule(RuleCommand::Remove { family, target }) => {
+            commands::rule(&pool, &family, target.key, target.tier, None).await?
+        }
+        Command::Tier(TierCommand::Set { family, key, tier }) => {
+            commands::tier(&pool, &family, &key, Some(&tier)).await?
+        }
+        Command::Tier(TierCommand::Remove { family, key }) => {
+            commands::tier(&pool, &family, &key, None).await?
+        }
     };
     pool.close().await;
     Ok(output)

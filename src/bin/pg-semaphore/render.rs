@@ -11,8 +11,8 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
     AdvisoryClaimRecord, AdvisoryHolder, AdvisoryOutcome, AdvisorySemaphoreInfo, AdvisorySummary,
-    ClaimRecord, HorizonHolder, HorizonHolderKind, Outcome, RateLimitSetting, SemaphoreInfo,
-    StoredLimit, Summary,
+    ClaimRecord, FamilyInfo, FamilyKeyInfo, HorizonHolder, HorizonHolderKind, Outcome,
+    RateLimitSetting, RuleKind, SemaphoreInfo, StoredLimit, Summary,
 };
 use serde::Serialize;
 
@@ -212,9 +212,129 @@ pub(crate) fn limits_table(settings: &[RateLimitSetting]) -> String {
     out
 }
 
+/// `pg-semaphore families`: one row per family.
+pub(crate) fn families_table(list: &[FamilyInfo]) -> String {
+    if list.is_empty() {
+        return "no semaphore families yet\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|f| {
+            vec![
+                f.name.clone(),
+                f.default_capacity.to_string(),
+                human(f.default_lease),
+                human(f.idle_after),
+                f.keys.to_string(),
+                f.rules.len().to_string(),
+                f.tiered_keys.to_string(),
+            ]
+        })
+        .collect();
+    let mut out = String::new();
+    table(
+        &mut out,
+        "",
+        &[
+            "FAMILY",
+            "DEFAULT",
+            "LEASE",
+            "IDLE AFTER",
+            "KEYS",
+            "RULES",
+            "TIERED KEYS",
+        ],
+        &rows,
+    );
+    out
+}
+
+/// `pg-semaphore families --json`.
+pub(crate) fn families_json(list: &[FamilyInfo]) -> String {
+    json(&list)
+}
+
+/// `pg-semaphore family NAME`: its settings, its rules, its busiest keys
+/// and their holders.
+pub(crate) fn family_text(family: &FamilyInfo, busiest: &[FamilyKeyInfo]) -> String {
+    let mut out = families_table(std::slice::from_ref(family));
+    out.push_str("\nrules (a key's own rule, else its tier's, else the default):\n");
+    if family.rules.is_empty() {
+        out.push_str("  none: every key has the default\n");
+    } else {
+        let rows: Vec<Vec<String>> = family
+            .rules
+            .iter()
+            .map(|r| {
+                vec![
+                    match r.kind {
+                        RuleKind::Key => "key".to_owned(),
+                        _ => "tier".to_owned(),
+                    },
+                    r.matches.clone(),
+                    r.capacity.to_string(),
+                ]
+            })
+            .collect();
+        table(&mut out, "  ", &["KIND", "MATCH", "CAPACITY"], &rows);
+    }
+    out.push_str("\nbusiest keys:\n");
+    if busiest.is_empty() {
+        out.push_str("  no key is held\n");
+        return out;
+    }
+    let rows: Vec<Vec<String>> = busiest
+        .iter()
+        .map(|k| {
+            vec![
+                k.key.clone(),
+                k.capacity.to_string(),
+                k.held.to_string(),
+                k.capacity.saturating_sub(k.held).to_string(),
+            ]
+        })
+        .collect();
+    table(&mut out, "  ", &["KEY", "CAPACITY", "HELD", "FREE"], &rows);
+    for key in busiest {
+        let _ = writeln!(out, "\n  {}:", key.key);
+        let rows: Vec<Vec<String>> = key
+            .holders
+            .iter()
+            .map(|h| {
+                vec![
+                    h.id.to_string(),
+                    h.slot.to_string(),
+                    h.holder.clone(),
+                    rfc3339(h.created_at),
+                ]
+            })
+            .collect();
+        table(
+            &mut out,
+            "    ",
+            &["CLAIM", "SLOT", "HOLDER", "CLAIMED AT"],
+            &rows,
+        );
+    }
+    out
+}
+
 /// `pg-semaphore limits list --json`.
 pub(crate) fn limits_json(settings: &[RateLimitSetting]) -> String {
     json(&settings)
+}
+
+/// `pg-semaphore family NAME --json`.
+pub(crate) fn family_json(family: &FamilyInfo, busiest: &[FamilyKeyInfo]) -> String {
+    #[derive(Serialize)]
+    struct Out<'a> {
+        family: &'a FamilyInfo,
+        busiest_keys: &'a [FamilyKeyInfo],
+    }
+    json(&Out {
+        family,
+        busiest_keys: busiest,
+    })
 }
 
 /// `pg-semaphore doctor`: who holds the xmin horizon, for how long, and
