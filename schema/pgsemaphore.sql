@@ -2671,15 +2671,18 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.rate_limit_stored(p_kind text, p_limiter text, p_key text, OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval, OUT o_paused_until timestamp with time zone) RETURNS record
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     AS $$
-SELECT (array_agg(s.rate ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
-       (array_agg(s.burst ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
-       (array_agg(s.permit_limit ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
-       (array_agg(s.window_length ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
-       max(s.paused_until)
-  FROM pgsemaphore.rate_limit_settings s
- WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key IN (p_key, '')
+BEGIN
+    SELECT (array_agg(s.rate ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
+           (array_agg(s.burst ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
+           (array_agg(s.permit_limit ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
+           (array_agg(s.window_length ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
+           max(s.paused_until)
+      INTO o_rate, o_burst, o_limit, o_window, o_paused_until
+      FROM pgsemaphore.rate_limit_settings s
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key IN (p_key, '');
+END;
 $$;
 
 
