@@ -551,3 +551,67 @@ async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
     assert!(matches!(mixed.check("k", 1).await, Err(Error::Database(_))));
     Ok(())
 }
+
+/// The windows' waiting acquires (version 10) honour version 9's pauses and
+/// stored limits as the token bucket's do: a paused key's acquire sleeps
+/// until the pause ends, then books (and one whose timeout is shorter is
+/// refused at once); a stored limit of 1 an hour replaces the code's 100,
+/// so the second acquire would wait an hour and is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
+    let db = support::migrated_db().await;
+    let other = support::another_pool(&db, 2).await;
+    let here = FixedWindow::builder("paused-window")
+        .permit_limit(5)
+        .window(HOUR)
+        .build(&db.pool)?;
+    let there = FixedWindow::builder("paused-window")
+        .permit_limit(5)
+        .window(HOUR)
+        .build(&other)?;
+    there.pause("k", Duration::from_millis(1500)).await?;
+    let asked = Instant::now();
+    assert!(matches!(
+        here.acquire_timeout("k", 1, Duration::from_millis(200))
+            .await,
+        Err(Error::Timeout { .. })
+    ));
+    assert!(
+        asked.elapsed() < Duration::from_millis(1000),
+        "refused only after waiting"
+    );
+    assert!(here.acquire("k", 1).await?.allowed);
+    assert!(
+        asked.elapsed() >= Duration::from_millis(1400),
+        "admitted during the pause"
+    );
+
+    let sliding = SlidingWindow::builder("stored-window")
+        .permit_limit(100)
+        .window(HOUR)
+        .build(&db.pool)?;
+    pg_semaphore::set_rate_limit(
+        &db.pool,
+        LimiterKind::SlidingWindow,
+        "stored-window",
+        None,
+        StoredLimit::Window {
+            permit_limit: 1,
+            window: HOUR,
+        },
+    )
+    .await?;
+    assert!(sliding.acquire("k", 1).await?.allowed);
+    let asked = Instant::now();
+    assert!(matches!(
+        sliding
+            .acquire_timeout("k", 1, Duration::from_secs(5))
+            .await,
+        Err(Error::Timeout { .. })
+    ));
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "the stored limit of 1 an hour was not applied: the code's 100 would admit at once"
+    );
+    Ok(())
+}
