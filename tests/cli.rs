@@ -784,6 +784,47 @@ async fn clear_queue_removes_every_waiter() -> TestResult {
     Ok(())
 }
 
+/// `fair-weight`: the operator weighs a fairness key; the queue's next
+/// waiters of that key are placed by the new weight (two in one turn);
+/// an unknown semaphore is exit status 3, a weight of 0 a usage error.
+#[tokio::test]
+async fn fair_weight_sets_a_keys_weight_in_the_queue() -> TestResult {
+    let db = support::migrated_db().await;
+    Semaphore::builder("weighed", 1).build(&db.pool).await?;
+    let out = run(&db, &["fair-weight", "weighed", "--key", "tenant-7", "2"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "weighed: key \"tenant-7\": weight 1 -> 2"
+    );
+    let mut turns = Vec::new();
+    for tag in ["weighed-waiter-1", "weighed-waiter-2", "weighed-waiter-3"] {
+        let (turn,): (i64,) = sqlx::query_as(
+            "SELECT o_turn FROM pgsemaphore.enqueue(p_semaphore => 'weighed', p_permits => 1, \
+             p_priority => 1::smallint, p_holder => 'w', p_limit => NULL, \
+             p_waiter_lease => '60 s', p_token => $1, p_fair_key => 'tenant-7')",
+        )
+        .bind(tag.as_bytes())
+        .fetch_one(&db.pool)
+        .await?;
+        turns.push(turn);
+    }
+    assert_eq!(
+        turns,
+        [0, 0, 1],
+        "weight 2: two waiters of the key per turn"
+    );
+    let out = run(&db, &["fair-weight", "weighed", "1"]).await;
+    assert_status(&out, 0);
+    assert_eq!(
+        stdout(&out).trim(),
+        "weighed: the default key: weight 1 -> 1"
+    );
+    assert_status(&run(&db, &["fair-weight", "missing", "2"]).await, 3);
+    assert_status(&run(&db, &["fair-weight", "weighed", "0"]).await, 2);
+    Ok(())
+}
+
 #[tokio::test]
 async fn prune_deletes_finished_claims_only() -> TestResult {
     let db = support::migrated_db().await;

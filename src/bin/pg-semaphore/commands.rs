@@ -170,6 +170,20 @@ pub(crate) async fn set_capacity(
     Ok(format!("{name}: capacity {previous} -> {capacity}\n"))
 }
 
+pub(crate) async fn fair_weight(
+    pool: &PgPool,
+    name: &str,
+    key: Option<&str>,
+    weight: u32,
+) -> Result<String, Failure> {
+    let previous = pg_semaphore::set_fairness_weight(pool, name, key, weight).await?;
+    let key = match key {
+        Some(key) => format!("key {key:?}"),
+        None => "the default key".to_owned(),
+    };
+    Ok(format!("{name}: {key}: weight {previous} -> {weight}\n"))
+}
+
 pub(crate) async fn clear_queue(pool: &PgPool, name: &str) -> Result<String, Failure> {
     let removed = pg_semaphore::clear_queue(pool, name).await?;
     Ok(format!(

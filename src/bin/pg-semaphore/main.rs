@@ -47,7 +47,8 @@ Exit status:
   0  success (also when there was nothing to do)
   1  database or runtime error (connection refused, query failed, ...)
   2  usage error (bad arguments, no database URL)
-  3  not found: no such semaphore (audit, report, status NAME, set-capacity, clear-queue),
+  3  not found: no such semaphore (audit, report, status NAME, set-capacity, clear-queue,
+     fair-weight),
      claim (release) or family (family, rule, tier)
   4  pg-semaphore's migrations are not applied to this database (run `pg-semaphore migrate`)
 
@@ -201,6 +202,23 @@ enum Command {
     ClearQueue {
         /// The semaphore's name.
         name: String,
+    },
+
+    /// Set the weight of a fairness key in a semaphore's fair queue.
+    ///
+    /// A key of weight W has up to W of its waiters in each turn of the
+    /// rotation between keys (every key starts at 1; 1 removes the
+    /// setting). Applies to waiters queued from now on. Prints the previous
+    /// weight (exit status 3 if the semaphore does not exist).
+    FairWeight {
+        /// The semaphore's name.
+        name: String,
+        /// The fairness key; without it, the shared default key (waiters
+        /// that carry no key).
+        #[arg(long)]
+        key: Option<String>,
+        /// The weight (1 to 1000).
+        weight: u32,
     },
 
     /// Every semaphore family: default capacity and lease, idle time, keys, rules.
@@ -560,6 +578,9 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             commands::set_capacity(&pool, &name, capacity).await?
         }
         Command::ClearQueue { name } => commands::clear_queue(&pool, &name).await?,
+        Command::FairWeight { name, key, weight } => {
+            commands::fair_weight(&pool, &name, key.as_deref(), weight).await?
+        }
         Command::Prune { older_than } => commands::prune(&pool, older_than).await?,
         Command::Limits(command) => commands::limits(&pool, command).await?,
         Command::Families { json } => commands::families(&pool, json).await?,
