@@ -244,12 +244,11 @@
 //! | `semaphore::wait`, `semaphore::wake` | waiting for permits; the per-pool `LISTEN` connection, registrations and fallback re-checks |
 //! | `semaphore::permit`, `semaphore::lease` | [`Permit`], its release and fence; its heartbeat and what "lost" means |
 //! | `semaphore::queue` | tickets of the fair queue |
+//! | `semaphore::family` | [`SemaphoreFamily`]: a semaphore per key, each key's handle cached per process |
 //! | `semaphore::advisory` | the advisory semaphore ([`AdvisorySemaphore`], [`AdvisoryPermit`]), its dedicated sessions and audit batches |
 //! | `mutex` | [`Mutex`]: transaction-scoped and session-scoped advisory locks |
 //! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
 //! | `rate_limit::settings`, `rate_limit::set` | stored limits, pauses and the waiters' `LISTEN` for their changes; [`LimiterSet`], several limits in one check |
-//! | `reaper`, `admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, the audit log, what holds the xmin horizon |
-//! | `semaphore::family` | [`SemaphoreFamily`]: a semaphore per key, each key's handle cached per process |
 //! | `reaper`, `admin`, `family_admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, families' rules and busiest keys, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
 //! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |
