@@ -361,7 +361,17 @@ BEGIN
     o_wait_us := ceil(v_wait * 1e6)::bigint;
     o_allowed := v_wait <= extract(epoch FROM p_max_wait)::double precision;
     IF o_allowed THEN
-        o_tokens := o_tokens - p_n;
+        -- Taken at the admission instant, now + v_wait, as GCRA books it
+        -- (the theoretical arrival time, stamp + (p_burst - tokens) /
+        -- p_rate, moves to the later of itself and that instant, plus p_n /
+        -- p_rate): the level left is the lesser of the level now and what a
+        -- full bucket would hold minus the refill until that instant. With
+        -- p_from = p_now this is the level minus p_n, as in versions 1 to
+        -- 11; with a later p_from it holds back what that admission will
+        -- spend from every check before it, so over any interval of length
+        -- d the admissions, at their instants and in whatever order they
+        -- were decided, take at most p_burst + p_rate x d.
+        o_tokens := least(o_tokens, p_burst - p_rate * v_wait) - p_n;
     END IF;
     o_remaining := floor(o_tokens)::bigint;
     o_idle_at := o_stamp + make_interval(secs => (p_burst - o_tokens) / p_rate);
