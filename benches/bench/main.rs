@@ -31,7 +31,9 @@
 //! 5. **growth**: a million cycles, the slot table's size without and with
 //!    a retention reaper (each run in a fresh database of its own);
 //! 6. **rate**: rate limiter decisions (token bucket, fixed window, sliding
-//!    window), against a bare single-row `UPDATE` counter;
+//!    window) at 1, 8 and 32 clients, hot key and spread keys, against a
+//!    bare single-row `UPDATE` counter (a ≥ 0.5x target per limiter and
+//!    cell);
 //! 7. **fleet**: 1, 10, 50 and 100 OS processes (this program, re-executed as
 //!    workers), each with its own pool and LISTEN connection, sharing 100
 //!    semaphores with the same total number of clients: cycles/s, wake-up
