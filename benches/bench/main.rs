@@ -33,7 +33,8 @@
 //! 6. **rate**: rate limiter decisions (token bucket, fixed window, sliding
 //!    window) at 1, 8 and 32 clients, hot key and spread keys, against a
 //!    bare single-row `UPDATE` counter (a ≥ 0.5x target per limiter and
-//!    cell);
+//!    cell), with the GCRA ledger prototype of `ledger.rs` beside them,
+//!    called the same way (issue 24, item 5; judged by no target);
 //! 7. **fleet**: 1, 10, 50 and 100 OS processes (this program, re-executed as
 //!    workers), each with its own pool and LISTEN connection, sharing 100
 //!    semaphores with the same total number of clients: cycles/s, wake-up
