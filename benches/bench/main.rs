@@ -59,7 +59,7 @@
 //!     `--designs a,b` only these designs
 //!     (lease|advisory|mutex|bucket|counter|raw, and the hot-key limiter
 //!     designs and storage prototypes of `ledger.rs`:
-//!     update-hot|bucket-hot|sliding-hot|gcra-row|gcra-ledger|sliding-ledger).
+//!     update-hot|bucket-hot|sliding-hot|fixed-hot|gcra-row|gcra-ledger|sliding-ledger).
 //!     `--interleave` runs the chosen designs in turns of 5 s (two
 //!     undisturbed rounds, then rounds under the pressure for `--minutes`)
 //!     instead of one after the other, so that they meet the same machine
@@ -125,7 +125,7 @@ const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
                      [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
-                     [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,gcra-row,gcra-ledger,sliding-ledger]";
+                     [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,fixed-hot,gcra-row,gcra-ledger,sliding-ledger]";
 
 /// The schema the baselines' tables live in; never `pgsemaphore`.
 pub const BASELINE_SCHEMA: &str = "bench_baseline";
