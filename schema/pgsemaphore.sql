@@ -2579,8 +2579,9 @@ CREATE FUNCTION pgsemaphore.prune_rate_limits_unchecked(p_idle_for interval, p_k
 --     at rest is deleted only if that row is); committed after: its row
 --     stays, and it decided either on the row we delete (at rest: a full
 --     bucket, ended windows) or on none (the same for what it admits);
---   * a check's own trim deleting some of the same rows: one delete waits
---     for the other's row lock and then skips the rows already gone;
+--   * a check's own trim deleting some of the same rows, not yet committed:
+--     we skip them (rate_trim), never waiting for its transaction; they go
+--     with it;
 --   * another prune: the same;
 --   * any isolation level: a stale read only deletes less.
 DECLARE
@@ -2622,14 +2623,10 @@ BEGIN
          LIMIT 1;
         CONTINUE WHEN NOT FOUND;
         IF v_idle <= v_cut THEN
-            DELETE FROM pgsemaphore.rate_ledger l
-             WHERE l.kind = v_key.kind AND l.limiter = v_key.limiter AND l.key = v_key.key
-               AND l.seq <= v_newest;
+            PERFORM pgsemaphore.rate_trim(v_key.kind, v_key.limiter, v_key.key, 0, v_newest + 1);
             o_deleted := o_deleted + 1;
         ELSE
-            DELETE FROM pgsemaphore.rate_ledger l
-             WHERE l.kind = v_key.kind AND l.limiter = v_key.limiter AND l.key = v_key.key
-               AND l.seq < v_newest;
+            PERFORM pgsemaphore.rate_trim(v_key.kind, v_key.limiter, v_key.key, 0, v_newest);
         END IF;
     END LOOP;
     IF v_scanned >= p_batch THEN
@@ -2740,7 +2737,6 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --      previous holder committed it (none: a full bucket, empty windows);
 --   4. the kind's step function decides, with the clock read after the lock;
 --   5. admitted: the new state as row seq + 1; refused: nothing written.
---      Steps 3 to 5 are one statement (a read, the step, an INSERT).
 --      On a seq divisible by 64, the rows 64 to 128 behind it go.
 -- Invariant: the decisions are those of the row-locked versions (the same
 -- step, on the state the previous decision left, in the order the lock
@@ -2757,7 +2753,8 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --   * the key's first use by two callers: the lock orders them; the second
 --     reads the first's row;
 --   * the trim of step 5 or prune_rate_limits deleting old rows: never the
---     newest, which is all a check reads; prune deleting a key at rest: it
+--     newest, which is all a check reads; neither waits for the other
+--     (rate_trim skips rows another transaction is deleting); prune deleting a key at rest: it
 --     deletes only up to the newest row it read, so a check reads that row
 --     (at rest) or none (a full bucket, empty windows: the same admissions),
 --     and a row a check commits after prune's read stays, as the state;
@@ -2774,6 +2771,14 @@ DECLARE
     v_window interval;
     v_paused timestamptz;
     v_seq    bigint;
+    v_tokens double precision;
+    v_hits   bigint;
+    v_prev   bigint;
+    v_stamp  timestamptz;
+    v_now    timestamptz;
+    b        record;
+    f        record;
+    w        record;
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -2811,81 +2816,48 @@ BEGIN
         p_limit := v_limit;
         p_window := v_window;
     END IF;
-    -- 3. to 5., one statement per kind: the newest row (a new snapshot,
-    -- after the lock), the step with the clock read now, and when admitted
-    -- the new state as row seq + 1.
+    -- 3. A new statement: the newest row (a new snapshot, after the lock).
+    SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
+      INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
+      FROM pgsemaphore.rate_ledger l
+     WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+     ORDER BY l.seq DESC
+     LIMIT 1;
+    v_seq := coalesce(v_seq, 0) + 1;
+    -- 4. and 5. The step, with the clock read now; admitted, the new state
+    -- as row seq + 1.
+    v_now := clock_timestamp();
     IF p_kind = 'token_bucket' THEN
-        WITH cur AS (
-            SELECT l.seq, l.tokens, l.stamp
-              FROM pgsemaphore.rate_ledger l
-             WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
-             ORDER BY l.seq DESC
-             LIMIT 1
-        ), d AS (
-            SELECT coalesce(c.seq, 0) + 1 AS seq, s.*
-              FROM (SELECT clock_timestamp() AS now) AS t
-              LEFT JOIN cur c ON true
-             CROSS JOIN LATERAL pgsemaphore.bucket_step(c.tokens, c.stamp, t.now, t.now,
-                                                         p_rate, p_burst, p_n, p_max_wait) AS s
-        ), ins AS (
+        b := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
+        o_allowed := b.o_allowed;
+        o_wait_us := b.o_wait_us;
+        o_remaining := b.o_remaining;
+        IF o_allowed THEN
             INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, stamp, idle_at)
-            SELECT p_kind, p_limiter, p_key, d.seq, d.o_tokens, d.o_stamp, d.o_idle_at
-              FROM d
-             WHERE d.o_allowed
-        )
-        SELECT d.o_allowed, d.o_wait_us, d.o_remaining, d.seq
-          INTO o_allowed, o_wait_us, o_remaining, v_seq
-          FROM d;
+            VALUES (p_kind, p_limiter, p_key, v_seq, b.o_tokens, b.o_stamp, b.o_idle_at);
+        END IF;
     ELSIF p_kind = 'fixed_window' THEN
-        WITH cur AS (
-            SELECT l.seq, l.hits, l.stamp
-              FROM pgsemaphore.rate_ledger l
-             WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
-             ORDER BY l.seq DESC
-             LIMIT 1
-        ), d AS (
-            SELECT coalesce(c.seq, 0) + 1 AS seq, s.*
-              FROM (SELECT clock_timestamp() AS now) AS t
-              LEFT JOIN cur c ON true
-             CROSS JOIN LATERAL pgsemaphore.fixed_step(c.hits, c.stamp, t.now, t.now,
-                                                        p_limit, p_window, p_n::bigint, p_max_wait) AS s
-        ), ins AS (
+        f := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
+        o_allowed := f.o_allowed;
+        o_wait_us := f.o_wait_us;
+        o_remaining := f.o_remaining;
+        IF o_allowed THEN
             INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, stamp, idle_at)
-            SELECT p_kind, p_limiter, p_key, d.seq, d.o_hits, d.o_start, d.o_idle_at
-              FROM d
-             WHERE d.o_allowed
-        )
-        SELECT d.o_allowed, d.o_wait_us, d.o_remaining, d.seq
-          INTO o_allowed, o_wait_us, o_remaining, v_seq
-          FROM d;
+            VALUES (p_kind, p_limiter, p_key, v_seq, f.o_hits, f.o_start, f.o_idle_at);
+        END IF;
     ELSE
-        WITH cur AS (
-            SELECT l.seq, l.hits, l.previous_hits, l.stamp
-              FROM pgsemaphore.rate_ledger l
-             WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
-             ORDER BY l.seq DESC
-             LIMIT 1
-        ), d AS (
-            SELECT coalesce(c.seq, 0) + 1 AS seq, s.*
-              FROM (SELECT clock_timestamp() AS now) AS t
-              LEFT JOIN cur c ON true
-             CROSS JOIN LATERAL pgsemaphore.sliding_step(c.hits, c.previous_hits, c.stamp, t.now, t.now,
-                                                          p_limit, p_window, p_n::bigint, p_max_wait) AS s
-        ), ins AS (
+        w := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
+        o_allowed := w.o_allowed;
+        o_wait_us := w.o_wait_us;
+        o_remaining := w.o_remaining;
+        IF o_allowed THEN
             INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, previous_hits, stamp, idle_at)
-            SELECT p_kind, p_limiter, p_key, d.seq, d.o_hits, d.o_previous, d.o_start, d.o_idle_at
-              FROM d
-             WHERE d.o_allowed
-        )
-        SELECT d.o_allowed, d.o_wait_us, d.o_remaining, d.seq
-          INTO o_allowed, o_wait_us, o_remaining, v_seq
-          FROM d;
+            VALUES (p_kind, p_limiter, p_key, v_seq, w.o_hits, w.o_previous, w.o_start, w.o_idle_at);
+        END IF;
     END IF;
     -- The trim: every 64th row of a key.
     IF o_allowed AND v_seq % 64 = 0 THEN
-        DELETE FROM pgsemaphore.rate_ledger l
-         WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
-           AND l.seq >= v_seq - 128 AND l.seq < v_seq - 64;
+        PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 128, v_seq - 64);
     END IF;
     RETURN NEXT;
 END;
@@ -3106,12 +3078,30 @@ BEGIN
       FROM generate_subscripts(p_kinds, 1) AS g(i);
     FOR v_i IN 1 .. v_count LOOP
         IF (coalesce(v_seq[v_i], 0) + 1) % 64 = 0 THEN
-            DELETE FROM pgsemaphore.rate_ledger l
-             WHERE l.kind = p_kinds[v_i] AND l.limiter = p_limiters[v_i] AND l.key = p_keys[v_i]
-               AND l.seq >= v_seq[v_i] + 1 - 128 AND l.seq < v_seq[v_i] + 1 - 64;
+            PERFORM pgsemaphore.rate_trim(p_kinds[v_i], p_limiters[v_i], p_keys[v_i],
+                                          v_seq[v_i] + 1 - 128, v_seq[v_i] + 1 - 64);
         END IF;
     END LOOP;
     RETURN NEXT;
+END;
+$$;
+
+
+--
+-- Name: rate_trim(text, text, text, bigint, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.rate_trim(p_kind text, p_limiter text, p_key text, p_from bigint, p_to bigint) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    DELETE FROM pgsemaphore.rate_ledger l
+     WHERE l.ctid = ANY (ARRAY(
+            SELECT d.ctid
+              FROM pgsemaphore.rate_ledger d
+             WHERE d.kind = p_kind AND d.limiter = p_limiter AND d.key = p_key
+               AND d.seq >= p_from AND d.seq < p_to
+               FOR UPDATE SKIP LOCKED));
 END;
 $$;
 
@@ -5337,6 +5327,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key 
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.rate_take_all(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval, p_order integer[]) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION rate_trim(p_kind text, p_limiter text, p_key text, p_from bigint, p_to bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.rate_trim(p_kind text, p_limiter text, p_key text, p_from bigint, p_to bigint) FROM PUBLIC;
 
 
 --
