@@ -454,8 +454,8 @@ async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
 /// Pruning, on keys of every kind: keys at rest lose every row; a key whose
 /// check is in an open transaction is skipped (its rows kept, and the prune
 /// does not wait for it), and once that commits its state is the check's;
-/// a live key with a hundred rows is trimmed to exactly one, its state
-/// unchanged, so the next check decides as it would have.
+/// a live key with many rows (a hundred admissions) is trimmed to exactly
+/// one, its state unchanged, so the next check decides as it would have.
 #[tokio::test]
 async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> TestResult {
     const LIVE_CHECKS: i64 = 100;
@@ -486,9 +486,10 @@ async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> T
         for _ in 0..LIVE_CHECKS {
             assert!(check(pool, kind, "live", "k", LIMIT).await?.0);
         }
-        assert_eq!(
-            ledger_rows(pool, kind.name(), "live", "k").await?,
-            LIVE_CHECKS
+        let rows = ledger_rows(pool, kind.name(), "live", "k").await?;
+        assert!(
+            rows > 1,
+            "{kind:?}: {LIVE_CHECKS} admissions left {rows} rows"
         );
     }
     // Windows of 20 ms at most 40 ms after their last check; full buckets 10 ms.
