@@ -574,6 +574,48 @@ async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> T
     Ok(())
 }
 
+/// Pruning never waits for an application's open transaction, even one
+/// whose check trimmed the key's old rows (an admission trims every so
+/// often, and its deletes stay uncommitted with the transaction): a live
+/// key of 1,000 per hour with 127 admissions, and its 128th in a
+/// transaction left open; the prune returns while that transaction is open,
+/// and once it commits the key's state counts all 128.
+#[tokio::test]
+async fn prune_never_waits_for_an_open_check_that_trimmed_its_key() -> TestResult {
+    const BEFORE: i64 = 127;
+    const LIMIT: i64 = 1_000;
+    let db = support::migrated_db().await;
+    let pool = &db.pool;
+    for kind in Kind::ALL {
+        for _ in 0..BEFORE {
+            assert!(check(pool, kind, "trimming", "k", LIMIT).await?.0);
+        }
+    }
+    let mut holder = connect(&db).await?;
+    sqlx::raw_sql("BEGIN").execute(&mut holder).await?;
+    for kind in Kind::ALL {
+        assert!(check(&mut holder, kind, "trimming", "k", LIMIT).await?.0);
+    }
+    timeout(
+        PATIENCE,
+        pg_semaphore::prune_rate_limits(pool, Duration::ZERO),
+    )
+    .await
+    .expect("the prune waited for the open transaction")?;
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await?;
+    for kind in Kind::ALL {
+        let state = view_rows(pool, kind.name(), "trimming", "k").await?;
+        assert_eq!(state.len(), 1, "{kind:?}");
+        // The next check is the 129th.
+        assert_eq!(
+            check(pool, kind, "trimming", "k", LIMIT).await?,
+            (true, LIMIT - BEFORE - 2),
+            "{kind:?}: {state:?}"
+        );
+    }
+    Ok(())
+}
+
 /// The hard limit while another session holds the xmin horizon (a
 /// REPEATABLE READ transaction that read the state and stays open, as a
 /// long report or `pg_dump` would): 4 connections make 400 checks of one
