@@ -336,6 +336,50 @@ $$;
 
 
 --
+-- Name: bucket_step(double precision, timestamp with time zone, timestamp with time zone, timestamp with time zone, double precision, double precision, double precision, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_tokens double precision, OUT o_stamp timestamp with time zone, OUT o_idle_at timestamp with time zone) RETURNS record
+    LANGUAGE plpgsql IMMUTABLE
+    AS $$
+DECLARE
+    v_wait double precision;
+BEGIN
+    -- Refill (from below zero too: what is owed is paid first); the clock
+    -- a key sees never goes back.
+    IF p_stamp IS NULL THEN
+        o_tokens := p_burst;
+        o_stamp := p_now;
+    ELSE
+        o_tokens := least(p_burst,
+                          p_tokens + greatest(0, extract(epoch FROM p_now - p_stamp)::double precision) * p_rate);
+        o_stamp := greatest(p_stamp, p_now);
+    END IF;
+    -- The seconds until p_n tokens are there, and not before p_from.
+    v_wait := greatest(0, (p_n - o_tokens) / p_rate,
+                       extract(epoch FROM p_from - p_now)::double precision);
+    o_wait_us := ceil(v_wait * 1e6)::bigint;
+    o_allowed := v_wait <= extract(epoch FROM p_max_wait)::double precision;
+    IF o_allowed THEN
+        -- Taken at the admission instant, now + v_wait, as GCRA books it
+        -- (the theoretical arrival time, stamp + (p_burst - tokens) /
+        -- p_rate, moves to the later of itself and that instant, plus p_n /
+        -- p_rate): the level left is the lesser of the level now and what a
+        -- full bucket would hold minus the refill until that instant. With
+        -- p_from = p_now this is the level minus p_n, as in versions 1 to
+        -- 11; with a later p_from it holds back what that admission will
+        -- spend from every check before it, so over any interval of length
+        -- d the admissions, at their instants and in whatever order they
+        -- were decided, take at most p_burst + p_rate x d.
+        o_tokens := least(o_tokens, p_burst - p_rate * v_wait) - p_n;
+    END IF;
+    o_remaining := floor(o_tokens)::bigint;
+    o_idle_at := o_stamp + make_interval(secs => (p_burst - o_tokens) / p_rate);
+END;
+$$;
+
+
+--
 -- Name: check_bucket(double precision, double precision); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -381,151 +425,73 @@ CREATE FUNCTION pgsemaphore.check_limits(p_kinds text[], p_limiters text[], p_ke
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- SEVERAL LIMITS IN ONE CHECK: p_n permits against limit i = (p_kinds[i],
--- p_limiters[i], p_keys[i]) for every i, admitted only if every limit
--- admits, and then charged to every one; refused if any refuses, and then
--- charged to none. Each limit is checked by its kind's own function
--- (token_bucket with p_rates[i], p_bursts[i]; fixed_window or
--- sliding_window with p_limits[i], p_windows[i]), so stored limits and
--- pauses apply as there, and the arithmetic is theirs.
+-- SEVERAL LIMITS IN ONE CHECK (version 9): p_n permits against limit i =
+-- (p_kinds[i], p_limiters[i], p_keys[i]) for every i, admitted only if every
+-- limit admits now, and then charged to every one; refused if any refuses,
+-- and then charged to none. Each limit decides as its kind's check would
+-- (stored limits and pauses apply). The steps, the invariant and what it
+-- meets: pgsemaphore.rate_take_all (version 12: one statement locks every
+-- key, one reads them, one writes them, where version 9 called each
+-- limit's function in a subtransaction).
 --   p_kinds: a one-dimensional array of 1 to 16 kinds, from index 1, no
 --   NULL; the six other arrays: one-dimensional, from index 1, as long
 --   (elements as each kind's function takes them; the other kind's may be
 --   NULL); no (kind, limiter, key) twice (22023 p_limiters); p_n at least 1
---   and at most every limit (22023 p_n, from the limit's function)
+--   and at most every limit (pgsemaphore.checked_limits)
 -- Returns one row:
 --   o_allowed        every limit admitted (and all are charged)
---   o_remaining      the fewest permits any limit has left after the
---                    decision (refused: as each limit answered)
---   o_retry_after_us refused: the longest retry-after of the refusing
---                    limits; 0 when admitted
+--   o_remaining      the fewest permits any limit has left after its own
+--                    decision
+--   o_retry_after_us refused: the longest wait of the refusing limits (a
+--                    pause: until it ends); 0 when admitted
 --   o_deciding       the index (from 1, in the caller's order) of the limit
 --                    that decided: refused, the refusing one with the
---                    longest retry-after; admitted, the one with the fewest
---                    left
---
--- Invariant: no limit admits more than its function allows alone, and the
--- permits of a refused check are counted by none. Every limit's row is
--- locked by its function (FOR UPDATE) and kept until this transaction ends,
--- and the rows are locked in one canonical order (kind, limiter, key, by
--- byte), so two multi-limit checks never wait on each other in a cycle; a
--- single check locks one row, so it cannot close a cycle either.
--- Meets:
---   * single checks and reservations of any of the keys: they queue on the
---     row's lock in either direction; each sees the state the one before
---     left. A refused multi-check's charges are undone (a subtransaction
---     rolled back) before its row locks are released, so no one ever sees
---     them;
---   * other multi-limit checks sharing some keys: the canonical order;
---   * a stored limit's change or a pause committed while we run: each
---     limit's function reads the settings in its own statement, so limit i
---     may be decided under the old pair and limit j under the new one; each
---     under a pair that was in force during the check;
---   * prune_rate_limits: as for each function (it skips locked rows).
+--                    longest wait; admitted, the one with the fewest left
 DECLARE
-    v_count    integer;
-    v_order    integer[];
-    v_i        integer;
-    v_ok       boolean;
-    v_left     bigint;
-    v_retry    bigint;
-    v_refused  boolean := false;
-    v_best     bigint;
+    v_order integer[];
 BEGIN
-    -- 1. The arrays: shapes first, then the elements that pick the rows.
-    IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1 OR array_lower(p_kinds, 1) <> 1
-       OR array_length(p_kinds, 1) > 16 THEN
-        PERFORM pgsemaphore.refuse('p_kinds', 'a one-dimensional array of 1 to 16 kinds, from index 1');
+    v_order := pgsemaphore.checked_limits(p_kinds, p_limiters, p_keys, p_rates, p_bursts, p_limits, p_windows, p_n);
+    RETURN QUERY
+        SELECT t.o_allowed, t.o_remaining, CASE WHEN t.o_allowed THEN 0::bigint ELSE t.o_wait_us END, t.o_deciding
+          FROM pgsemaphore.rate_take_all(p_kinds, p_limiters, p_keys, p_rates, p_bursts, p_limits, p_windows,
+                                         p_n, interval '0', v_order) t;
+END;
+$$;
+
+
+--
+-- Name: check_limits_reserve(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.check_limits_reserve(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint, o_deciding integer)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- SEVERAL LIMITS THAT WAIT (version 12): books p_n permits in every limit
+-- at one instant, the earliest at which all admit them, if it is within
+-- p_max_wait; the caller waits o_wait_us, then acts: that instant is its
+-- admission in every limit. As check_limits, and p_max_wait 0 to 366 days,
+-- not NULL. Each limit books as its kind's reservation would at that
+-- instant (a bucket takes the tokens at once, a window books the window of
+-- that instant); the steps, the invariant and what it meets:
+-- pgsemaphore.rate_take_all.
+-- Returns one row: o_allowed (false: nothing booked anywhere), o_wait_us
+-- (until the instant; refused, the wait of the limit that refused, or until
+-- a pause ends: a refusal with o_wait_us within p_max_wait is a pause, or
+-- limits that did not settle on an instant, and the caller may call again
+-- then), o_remaining (the fewest left), o_deciding (as in check_limits;
+-- admitted, the limit with the fewest left).
+DECLARE
+    v_order integer[];
+BEGIN
+    v_order := pgsemaphore.checked_limits(p_kinds, p_limiters, p_keys, p_rates, p_bursts, p_limits, p_windows, p_n);
+    IF p_max_wait IS NULL OR p_max_wait < interval '0' OR p_max_wait > interval '366 days' THEN
+        PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
-    v_count := array_length(p_kinds, 1);
-    IF p_limiters IS NULL OR array_ndims(p_limiters) IS DISTINCT FROM 1 OR array_lower(p_limiters, 1) <> 1
-       OR array_length(p_limiters, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_limiters', format('a one-dimensional array of %s names, from index 1', v_count));
-    END IF;
-    IF p_keys IS NULL OR array_ndims(p_keys) IS DISTINCT FROM 1 OR array_lower(p_keys, 1) <> 1
-       OR array_length(p_keys, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_keys', format('a one-dimensional array of %s keys, from index 1', v_count));
-    END IF;
-    IF p_rates IS NULL OR array_ndims(p_rates) IS DISTINCT FROM 1 OR array_lower(p_rates, 1) <> 1
-       OR array_length(p_rates, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_rates', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_bursts IS NULL OR array_ndims(p_bursts) IS DISTINCT FROM 1 OR array_lower(p_bursts, 1) <> 1
-       OR array_length(p_bursts, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_bursts', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_limits IS NULL OR array_ndims(p_limits) IS DISTINCT FROM 1 OR array_lower(p_limits, 1) <> 1
-       OR array_length(p_limits, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_limits', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_windows IS NULL OR array_ndims(p_windows) IS DISTINCT FROM 1 OR array_lower(p_windows, 1) <> 1
-       OR array_length(p_windows, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_windows', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_n IS NULL OR p_n < 1 THEN
-        PERFORM pgsemaphore.refuse('p_n', format('at least 1, got %s', coalesce(p_n::text, 'NULL')));
-    END IF;
-    FOR v_i IN 1 .. v_count LOOP
-        IF p_kinds[v_i] IS NULL OR p_kinds[v_i] NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
-            PERFORM pgsemaphore.refuse('p_kinds', format('element %s: token_bucket, fixed_window or sliding_window', v_i));
-        END IF;
-        PERFORM pgsemaphore.check_limiter_key(p_limiters[v_i], p_keys[v_i]);
-    END LOOP;
-    -- 2. The canonical order, and no row twice.
-    SELECT array_agg(i ORDER BY p_kinds[i] COLLATE "C", p_limiters[i] COLLATE "C", p_keys[i] COLLATE "C")
-      INTO v_order
-      FROM generate_subscripts(p_kinds, 1) i;
-    FOR v_i IN 2 .. v_count LOOP
-        IF p_kinds[v_order[v_i]] = p_kinds[v_order[v_i - 1]]
-           AND p_limiters[v_order[v_i]] = p_limiters[v_order[v_i - 1]]
-           AND p_keys[v_order[v_i]] = p_keys[v_order[v_i - 1]] THEN
-            PERFORM pgsemaphore.refuse('p_limiters',
-                format('limit %s and limit %s are the same key of the same limiter', v_order[v_i - 1], v_order[v_i]));
-        END IF;
-    END LOOP;
-    o_allowed := true;
-    o_retry_after_us := 0;
-    -- 3. Every limit, in that order, inside a subtransaction (one limit: none
-    -- is needed, a refused check charges nothing by itself). A refusal does
-    -- not stop the walk: the caller is told the longest retry-after.
-    BEGIN
-        FOREACH v_i IN ARRAY v_order LOOP
-            CASE p_kinds[v_i]
-            WHEN 'token_bucket' THEN
-                SELECT c.o_allowed, c.o_remaining, c.o_retry_after_us INTO v_ok, v_left, v_retry
-                  FROM pgsemaphore.token_bucket(p_limiters[v_i], p_keys[v_i], p_rates[v_i], p_bursts[v_i],
-                                                p_n::double precision) c;
-            WHEN 'fixed_window' THEN
-                SELECT c.o_allowed, c.o_remaining, c.o_retry_after_us INTO v_ok, v_left, v_retry
-                  FROM pgsemaphore.fixed_window(p_limiters[v_i], p_keys[v_i], p_limits[v_i], p_windows[v_i], p_n) c;
-            ELSE
-                SELECT c.o_allowed, c.o_remaining, c.o_retry_after_us INTO v_ok, v_left, v_retry
-                  FROM pgsemaphore.sliding_window(p_limiters[v_i], p_keys[v_i], p_limits[v_i], p_windows[v_i], p_n) c;
-            END CASE;
-            IF o_remaining IS NULL OR v_left < o_remaining THEN
-                o_remaining := v_left;
-                IF NOT v_refused AND v_ok THEN
-                    o_deciding := v_i;
-                END IF;
-            END IF;
-            IF NOT v_ok AND (NOT v_refused OR v_retry > v_best) THEN
-                v_refused := true;
-                v_best := v_retry;
-                o_deciding := v_i;
-            END IF;
-        END LOOP;
-        IF v_refused AND v_count > 1 THEN
-            -- 4. Refused: undo every charge (caught just below).
-            RAISE EXCEPTION 'refused' USING ERRCODE = 'PSRL0';
-        END IF;
-    EXCEPTION WHEN SQLSTATE 'PSRL0' THEN
-        NULL;
-    END;
-    IF v_refused THEN
-        o_allowed := false;
-        o_retry_after_us := v_best;
-    END IF;
-    RETURN NEXT;
+    RETURN QUERY
+        SELECT * FROM pgsemaphore.rate_take_all(p_kinds, p_limiters, p_keys, p_rates, p_bursts, p_limits,
+                                                p_windows, p_n, p_max_wait, v_order);
 END;
 $$;
 
@@ -638,6 +604,90 @@ BEGIN
         PERFORM pgsemaphore.refuse(p_argument, format('%s to %s, got %s', p_min, p_max, p_value));
     END IF;
     RETURN p_value;
+END;
+$$;
+
+
+--
+-- Name: checked_limits(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.checked_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint) RETURNS integer[]
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_count integer;
+    v_order integer[];
+    v_i     integer;
+BEGIN
+    IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1 OR array_lower(p_kinds, 1) <> 1
+       OR array_length(p_kinds, 1) > 16 THEN
+        PERFORM pgsemaphore.refuse('p_kinds', 'a one-dimensional array of 1 to 16 kinds, from index 1');
+    END IF;
+    v_count := array_length(p_kinds, 1);
+    IF p_limiters IS NULL OR array_ndims(p_limiters) IS DISTINCT FROM 1 OR array_lower(p_limiters, 1) <> 1
+       OR array_length(p_limiters, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_limiters', format('a one-dimensional array of %s names, from index 1', v_count));
+    END IF;
+    IF p_keys IS NULL OR array_ndims(p_keys) IS DISTINCT FROM 1 OR array_lower(p_keys, 1) <> 1
+       OR array_length(p_keys, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_keys', format('a one-dimensional array of %s keys, from index 1', v_count));
+    END IF;
+    IF p_rates IS NULL OR array_ndims(p_rates) IS DISTINCT FROM 1 OR array_lower(p_rates, 1) <> 1
+       OR array_length(p_rates, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_rates', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_bursts IS NULL OR array_ndims(p_bursts) IS DISTINCT FROM 1 OR array_lower(p_bursts, 1) <> 1
+       OR array_length(p_bursts, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_bursts', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_limits IS NULL OR array_ndims(p_limits) IS DISTINCT FROM 1 OR array_lower(p_limits, 1) <> 1
+       OR array_length(p_limits, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_limits', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_windows IS NULL OR array_ndims(p_windows) IS DISTINCT FROM 1 OR array_lower(p_windows, 1) <> 1
+       OR array_length(p_windows, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_windows', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_n IS NULL OR p_n < 1 THEN
+        PERFORM pgsemaphore.refuse('p_n', format('at least 1, got %s', coalesce(p_n::text, 'NULL')));
+    END IF;
+    FOR v_i IN 1 .. v_count LOOP
+        IF p_kinds[v_i] IS NULL OR p_kinds[v_i] NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
+            PERFORM pgsemaphore.refuse('p_kinds', format('element %s: token_bucket, fixed_window or sliding_window', v_i));
+        END IF;
+        -- (Plain expressions; a helper is called only to raise.)
+        IF p_limiters[v_i] IS NULL OR char_length(p_limiters[v_i]) NOT BETWEEN 1 AND 200
+           OR p_keys[v_i] IS NULL OR char_length(p_keys[v_i]) NOT BETWEEN 1 AND 256 THEN
+            PERFORM pgsemaphore.check_limiter_key(p_limiters[v_i], p_keys[v_i]);
+        END IF;
+        IF p_kinds[v_i] = 'token_bucket' THEN
+            IF p_rates[v_i] IS NULL OR NOT (p_rates[v_i] > 0 AND p_rates[v_i] <= 1e9)
+               OR p_bursts[v_i] IS NULL OR NOT (p_bursts[v_i] >= 1 AND p_bursts[v_i] <= 1e15)
+               OR p_bursts[v_i] / p_rates[v_i] > 366 * 86400 THEN
+                PERFORM pgsemaphore.check_bucket(p_rates[v_i], p_bursts[v_i]);
+            END IF;
+            IF NOT (p_n <= p_bursts[v_i]) THEN
+                PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_bursts[v_i], p_n));
+            END IF;
+        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] < 1 OR p_windows[v_i] IS NULL
+              OR p_windows[v_i] < interval '1 ms' OR p_windows[v_i] > interval '366 days'
+              OR p_n NOT BETWEEN 1 AND p_limits[v_i] THEN
+            PERFORM pgsemaphore.check_window(p_limits[v_i], p_windows[v_i], p_n);
+        END IF;
+    END LOOP;
+    SELECT array_agg(i ORDER BY p_kinds[i] COLLATE "C", p_limiters[i] COLLATE "C", p_keys[i] COLLATE "C")
+      INTO v_order
+      FROM generate_subscripts(p_kinds, 1) i;
+    FOR v_i IN 2 .. v_count LOOP
+        IF p_kinds[v_order[v_i]] = p_kinds[v_order[v_i - 1]]
+           AND p_limiters[v_order[v_i]] = p_limiters[v_order[v_i - 1]]
+           AND p_keys[v_order[v_i]] = p_keys[v_order[v_i - 1]] THEN
+            PERFORM pgsemaphore.refuse('p_limiters',
+                format('limit %s and limit %s are the same key of the same limiter', v_order[v_i - 1], v_order[v_i]));
+        END IF;
+    END LOOP;
+    RETURN v_order;
 END;
 $$;
 
@@ -1739,6 +1789,58 @@ $$;
 
 
 --
+-- Name: fixed_step(bigint, timestamp with time zone, timestamp with time zone, timestamp with time zone, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) RETURNS record
+    LANGUAGE plpgsql IMMUTABLE
+    AS $$
+DECLARE
+    v_at      timestamptz;
+    v_b_start timestamptz;
+    v_b_hits  bigint;
+BEGIN
+    -- stamp's window, rolled forward to the window containing now once it
+    -- has ended (the key's own grid).
+    IF p_start IS NULL THEN
+        o_hits := 0;
+        o_start := p_now;
+    ELSIF p_now >= p_start + p_window THEN
+        o_start := date_bin(p_window, p_now, p_start);
+        o_hits := 0;
+    ELSE
+        o_start := p_start;
+        o_hits := p_hits;
+    END IF;
+    -- The first window, from p_from's, with room: stamp's window if it has
+    -- room, else the next (empty) one; admitted when it opens.
+    IF p_from >= o_start + p_window THEN
+        v_b_start := date_bin(p_window, p_from, o_start);
+        v_b_hits := 0;
+    ELSE
+        v_b_start := o_start;
+        v_b_hits := o_hits;
+    END IF;
+    IF v_b_hits <= p_limit - p_n THEN  -- (no sum that could overflow)
+        v_at := greatest(p_from, v_b_start);
+    ELSE
+        v_b_start := v_b_start + p_window;
+        v_b_hits := 0;
+        v_at := v_b_start;
+    END IF;
+    o_wait_us := ceil(extract(epoch FROM v_at - p_now) * 1e6)::bigint;
+    o_allowed := v_at - p_now <= p_max_wait;
+    IF o_allowed THEN
+        o_start := v_b_start;
+        o_hits := v_b_hits + p_n;
+    END IF;
+    o_remaining := CASE WHEN o_start > p_now THEN 0 ELSE greatest(0, p_limit - o_hits) END;
+    o_idle_at := o_start + p_window;
+END;
+$$;
+
+
+--
 -- Name: fixed_window(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -1747,35 +1849,32 @@ CREATE FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit big
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- FIXED WINDOW, per key: a booking that may not wait, see
--- pgsemaphore.fixed_window_book for the arithmetic and its invariant.
+-- FIXED WINDOW, per key: at most p_limit permits per window of p_window, on
+-- the key's own grid (windows back to back from its first check); a check
+-- is a booking that may not wait. The arithmetic and its invariant:
+-- pgsemaphore.fixed_step (version 12; version 10's fixed_window_book); the
+-- steps and what it meets: pgsemaphore.rate_take.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
--- Since version 9: p_limit and p_window are defaults, the stored pair (key,
--- else limiter) applies instead, and a pause refuses, as in token_bucket
--- (migrations/20261129000003_pgsemaphore_limiter_settings.sql: the
--- settings are read by their own statement before the key's row is
--- locked, and the whole pair read applies).
-DECLARE
-    v record;
+-- Every bad argument raises 22023 naming it in COLUMN; outside READ
+-- COMMITTED, 0A000. p_limit and p_window are defaults, the stored pair (key,
+-- else limiter) applies instead, and a pause refuses, as in token_bucket.
+-- Returns o_allowed, o_remaining (left in the window open now; 0 while a
+-- later window has bookings), o_retry_after_us (refused: until a window
+-- has room; 0 when admitted).
 BEGIN
-    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    -- The limits in force (version 9): the pair stored for the key, else
-    -- for the limiter, else the caller's; a pause refuses, nothing booked.
-    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('fixed_window', p_limiter, p_key);
-    IF v.o_paused_until > clock_timestamp() THEN
-        RETURN QUERY SELECT false, 0::bigint, pgsemaphore.us_until(v.o_paused_until);
-        RETURN;
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200
+       OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF v.o_limit IS NOT NULL THEN
-        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
-        p_limit := v.o_limit;
-        p_window := v.o_window;
+    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+       OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
+        PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
     RETURN QUERY
-        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
-          FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
+        SELECT t.o_allowed, t.o_remaining, CASE WHEN t.o_allowed THEN 0::bigint ELSE t.o_wait_us END
+          FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                     p_n, interval '0', true) t;
 END;
 $$;
 
@@ -1785,105 +1884,10 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
-    LANGUAGE plpgsql
+    LANGUAGE sql
     AS $$
--- FIXED WINDOW BOOKING: p_n permits of key p_key of the fixed window
--- p_limiter, in the first window of the key's grid (windows of p_window
--- back to back from the key's first check) that has room for them and opens
--- within p_max_wait of the database's clock, read after the key's row lock.
--- The arguments are checked by the caller (fixed_window, fixed_window_reserve).
--- Returns one row:
---   o_allowed   true: booked; false: the first window with room opens after
---               p_max_wait, and nothing is booked
---   o_wait_us   microseconds from the decision until the booked window
---               opens (0: the current window, at once); refused, until the
---               window with room would have opened
---   o_remaining the permits left in the window containing now (0 while a
---               later window has bookings)
---
--- The row: stamp, the start of the latest window with bookings (in the
--- past: the current window or an ended one; in the future: a window booked
--- ahead); hits, the permits booked in it. Every window before stamp's is
--- closed: nothing is booked in it any more.
--- Invariant: at most p_limit permits are admitted in any one window of the
--- key's grid, counting each booking in the window it was booked in, where it
--- is admitted (at the later of the decision and the window's start, both
--- within that window). A booking goes only into stamp's window (if it has
--- room and has not ended) or the one after it (which is empty: p_n <=
--- p_limit fits), so the count of every window is the sum of the hits it was
--- given, each time checked against p_limit under the row lock.
--- Meets:
---   * plain checks (fixed_window, a booking with p_max_wait 0) and other
---     bookings of the key: they queue on the key's row lock and each sees
---     the row the one before left; while stamp is in the future a plain
---     check is refused (it could only be admitted in a closed window);
---   * the key's first use by anyone: a concurrent insert of the row makes
---     our insert do nothing, and the loop's next SELECT waits for it;
---   * prune_rate_limits: it deletes only a row at rest (idle_at, the end of
---     stamp's window, booked ones included) and skips a row we hold; a row it
---     deleted before our lock is gone, and our booking starts a new grid at
---     now, in which nothing was admitted yet;
---   * a caller that abandons a booking (its process stops waiting): the
---     permits stay booked, so the window admits less, never more.
-DECLARE
-    v_hits  bigint;
-    v_start timestamptz;
-    v_now   timestamptz;
-    v_found boolean;
-    v_at    timestamptz;
-BEGIN
-    LOOP
-        -- 1. The key's row, locked; then the clock.
-        SELECT r.hits, r.stamp INTO v_hits, v_start
-          FROM pgsemaphore.rate_limits r
-         WHERE r.kind = 'fixed_window' AND r.limiter = p_limiter AND r.key = p_key
-           FOR UPDATE;
-        v_found := FOUND;
-        v_now := clock_timestamp();
-        -- 2. The window to book in: stamp's, rolled forward to the window
-        -- containing now once stamp's has ended.
-        IF NOT v_found THEN
-            v_hits := 0;
-            v_start := v_now;
-        ELSIF v_now >= v_start + p_window THEN
-            v_start := date_bin(p_window, v_now, v_start);
-            v_hits := 0;
-        END IF;
-        -- 3. Decide: stamp's window if it has room, else the next (empty)
-        -- one; admitted when that window opens (now, if it is open).
-        IF v_hits <= p_limit - p_n THEN  -- (no sum that could overflow)
-            v_at := greatest(v_now, v_start);
-        ELSE
-            v_at := v_start + p_window;
-        END IF;
-        o_wait_us := ceil(extract(epoch FROM v_at - v_now) * 1e6)::bigint;
-        o_allowed := v_at - v_now <= p_max_wait;
-        IF o_allowed THEN
-            IF v_at >= v_start + p_window THEN
-                v_start := v_start + p_window;
-                v_hits := 0;
-            END IF;
-            v_hits := v_hits + p_n;
-        END IF;
-        o_remaining := CASE WHEN v_start > v_now THEN 0 ELSE greatest(0, p_limit - v_hits) END;
-        -- 4. Write the row back (refused: only the roll forward).
-        IF v_found THEN
-            UPDATE pgsemaphore.rate_limits r
-               SET hits = v_hits, stamp = v_start, idle_at = v_start + p_window
-             WHERE r.kind = 'fixed_window' AND r.limiter = p_limiter AND r.key = p_key;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        INSERT INTO pgsemaphore.rate_limits (kind, limiter, key, hits, stamp, idle_at)
-        VALUES ('fixed_window', p_limiter, p_key, v_hits, v_start, v_start + p_window)
-        ON CONFLICT DO NOTHING;
-        IF FOUND THEN
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        -- A concurrent first use inserted the row: the next SELECT waits for it.
-    END LOOP;
-END;
+    SELECT * FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                        p_n, p_max_wait, false)
 $$;
 
 
@@ -1896,44 +1900,29 @@ CREATE FUNCTION pgsemaphore.fixed_window_reserve(p_limiter text, p_key text, p_l
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- FIXED WINDOW RESERVATION: books p_n permits of key p_key in the first
+-- FIXED WINDOW RESERVATION (version 10): books p_n permits in the first
 -- window of the key's grid with room for them, if it opens within
--- p_max_wait; the caller waits o_wait_us, then acts. The invariant, the
--- transactions it meets and the steps: pgsemaphore.fixed_window_book.
---   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
---   1; p_window 1 ms..366 days; p_n 1 to p_limit (as fixed_window);
---   p_max_wait 0 to 366 days, not NULL
--- Every bad argument raises 22023 naming it in COLUMN.
--- Returns one row: o_allowed (false: nothing booked), o_wait_us (until the
--- booked window opens; refused, until the window with room would have),
--- o_remaining (the permits left in the window open now).
--- As the plain check, the limits stored in pgsemaphore.rate_limit_settings
--- (key, else limiter) apply instead of p_limit and p_window; while the key
--- or the limiter is paused the booking is refused, nothing booked, with
--- o_wait_us the time until the pause ends and o_remaining 0 (a refusal
--- with o_wait_us within p_max_wait is a pause: call again when it ends).
-DECLARE
-    v record;
+-- p_max_wait; the caller waits o_wait_us, then acts. As fixed_window, and
+-- p_max_wait 0 to 366 days, not NULL. Returns o_allowed (false: nothing
+-- booked), o_wait_us (until the booked window opens; refused, until the
+-- window with room would have), o_remaining (left in the window open now).
+-- Stored limits and pauses as in fixed_window; a pause refuses with
+-- o_wait_us until it ends and o_remaining 0.
 BEGIN
-    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
-    -- The limits in force (version 9): the pair stored for the key, else
-    -- for the limiter, else the caller's; a pause refuses, nothing booked.
-    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('fixed_window', p_limiter, p_key);
-    IF v.o_paused_until > clock_timestamp() THEN
-        o_allowed := false;
-        o_wait_us := pgsemaphore.us_until(v.o_paused_until);
-        o_remaining := 0;
-        RETURN NEXT;
-        RETURN;
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200
+       OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF v.o_limit IS NOT NULL THEN
-        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
-        p_limit := v.o_limit;
-        p_window := v.o_window;
+    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+       OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
+        PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
-    RETURN QUERY SELECT * FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, p_max_wait);
+    IF p_max_wait IS NULL OR p_max_wait < interval '0' OR p_max_wait > interval '366 days' THEN
+        PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    END IF;
+    RETURN QUERY
+        SELECT * FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                            p_n, p_max_wait, true);
 END;
 $$;
 
@@ -2574,39 +2563,82 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.prune_rate_limits_unchecked(p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer) RETURNS TABLE(o_deleted bigint, o_kind text, o_limiter text, o_key text)
-    LANGUAGE sql
+    LANGUAGE plpgsql
     AS $$
-    WITH scanned AS (
-        SELECT r.kind, r.limiter, r.key
-          FROM pgsemaphore.rate_limits r
-         WHERE (r.kind, r.limiter, r.key) > (p_kind, p_limiter, p_key)
-         ORDER BY r.kind, r.limiter, r.key
-         LIMIT p_batch
-    ), doomed AS (
-        -- The idle test is re-evaluated on the row as locked: a check that
-        -- committed meanwhile keeps its key.
-        SELECT r.kind, r.limiter, r.key
-          FROM pgsemaphore.rate_limits r
-          JOIN scanned s ON (r.kind, r.limiter, r.key) = (s.kind, s.limiter, s.key)
-         WHERE r.idle_at <= clock_timestamp() - p_idle_for
-           FOR UPDATE OF r SKIP LOCKED
-    ), deleted AS (
-        DELETE FROM pgsemaphore.rate_limits r
-         USING doomed d
-         WHERE (r.kind, r.limiter, r.key) = (d.kind, d.limiter, d.key)
-        RETURNING 1
-    ), last AS (
-        SELECT s.kind, s.limiter, s.key, count(*) OVER () AS scanned
-          FROM scanned s
-         ORDER BY s.kind DESC, s.limiter DESC, s.key DESC
-         LIMIT 1
-    )
-    SELECT (SELECT count(*) FROM deleted),
-           CASE WHEN l.scanned >= p_batch THEN l.kind END,
-           CASE WHEN l.scanned >= p_batch THEN l.limiter END,
-           CASE WHEN l.scanned >= p_batch THEN l.key END
-      FROM (SELECT 1) AS one
-      LEFT JOIN last l ON true
+-- Looks at up to p_batch keys after the cursor (p_kind, p_limiter, p_key)
+-- (three NULLs or empty strings: from the first), in key order. Of each, it
+-- reads the newest row, then deletes the rows up to and including it if it
+-- is at rest since at least p_idle_for (the key is gone: counted in
+-- o_deleted), else the rows behind it. Returns the keys deleted, and the
+-- cursor to pass next (NULLs: the end was reached).
+-- It takes no lock of a key and never waits for a check: it deletes only
+-- rows up to the newest it read, so whatever a check commits after that
+-- read (a row seq + 1) stays, and is the key's state.
+-- Meets:
+--   * a check of the key, committed before our read: we see its row (a key
+--     at rest is deleted only if that row is); committed after: its row
+--     stays, and it decided either on the row we delete (at rest: a full
+--     bucket, ended windows) or on none (the same for what it admits);
+--   * a check's own trim deleting some of the same rows: one delete waits
+--     for the other's row lock and then skips the rows already gone;
+--   * another prune: the same;
+--   * any isolation level: a stale read only deletes less.
+DECLARE
+    v_key     record;
+    v_idle    timestamptz;
+    v_newest  bigint;
+    v_scanned integer := 0;
+    v_last    record;
+    v_cut     timestamptz := clock_timestamp() - p_idle_for;
+BEGIN
+    o_deleted := 0;
+    FOR v_key IN
+        -- The distinct keys after the cursor: a walk of the primary key, one
+        -- key at a time.
+        WITH RECURSIVE k AS (
+            (SELECT l.kind, l.limiter, l.key
+               FROM pgsemaphore.rate_ledger l
+              WHERE (l.kind, l.limiter, l.key) > (coalesce(p_kind, ''), coalesce(p_limiter, ''), coalesce(p_key, ''))
+              ORDER BY l.kind, l.limiter, l.key
+              LIMIT 1)
+            UNION ALL
+            SELECT n.kind, n.limiter, n.key
+              FROM k
+             CROSS JOIN LATERAL (
+                    SELECT l.kind, l.limiter, l.key
+                      FROM pgsemaphore.rate_ledger l
+                     WHERE (l.kind, l.limiter, l.key) > (k.kind, k.limiter, k.key)
+                     ORDER BY l.kind, l.limiter, l.key
+                     LIMIT 1) n
+        )
+        SELECT * FROM k LIMIT p_batch
+    LOOP
+        v_scanned := v_scanned + 1;
+        v_last := v_key;
+        SELECT l.seq, l.idle_at INTO v_newest, v_idle
+          FROM pgsemaphore.rate_ledger l
+         WHERE l.kind = v_key.kind AND l.limiter = v_key.limiter AND l.key = v_key.key
+         ORDER BY l.seq DESC
+         LIMIT 1;
+        CONTINUE WHEN NOT FOUND;
+        IF v_idle <= v_cut THEN
+            DELETE FROM pgsemaphore.rate_ledger l
+             WHERE l.kind = v_key.kind AND l.limiter = v_key.limiter AND l.key = v_key.key
+               AND l.seq <= v_newest;
+            o_deleted := o_deleted + 1;
+        ELSE
+            DELETE FROM pgsemaphore.rate_ledger l
+             WHERE l.kind = v_key.kind AND l.limiter = v_key.limiter AND l.key = v_key.key
+               AND l.seq < v_newest;
+        END IF;
+    END LOOP;
+    IF v_scanned >= p_batch THEN
+        o_kind := v_last.kind;
+        o_limiter := v_last.limiter;
+        o_key := v_last.key;
+    END IF;
+    RETURN NEXT;
+END;
 $$;
 
 
@@ -2682,6 +2714,404 @@ BEGIN
       INTO o_rate, o_burst, o_limit, o_window, o_paused_until
       FROM pgsemaphore.rate_limit_settings s
      WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key IN (p_key, '');
+END;
+$$;
+
+
+--
+-- Name: rate_take(text, text, text, double precision, double precision, bigint, interval, double precision, interval, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval, p_n double precision, p_max_wait interval, p_stored boolean) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+    LANGUAGE plpgsql
+    AS $$
+-- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
+-- kind's limits (p_rate, p_burst for a token bucket; p_limit, p_window for a
+-- window), admitted at once or within p_max_wait; p_stored: the stored
+-- limits and pauses of version 9 apply (false only for the _unchecked
+-- functions). The arguments were checked by the caller.
+-- Steps:
+--   1. READ COMMITTED, or 0A000;
+--   2. one statement: the key's advisory lock, and the stored limits and
+--      pause (read with that statement's snapshot, taken before the lock:
+--      the pair in force when the check began); a pause refuses, taking
+--      nothing; a stored pair replaces the caller's (p_n above it: 22023);
+--   3. a new statement, so a new snapshot: the key's newest row, as its
+--      previous holder committed it (none: a full bucket, empty windows);
+--   4. the kind's step function decides, with the clock read after the lock;
+--   5. admitted: the new state as row seq + 1; refused: nothing written.
+--      Steps 3 to 5 are one statement (a read, the step, an INSERT).
+--      On a seq divisible by 64, the rows 64 to 128 behind it go.
+-- Invariant: the decisions are those of the row-locked versions (the same
+-- step, on the state the previous decision left, in the order the lock
+-- serves them); a refused decision's writes there (refill, roll forward)
+-- are recomputed here by the next decision from the same row, with the same
+-- result, since both are functions of the row, the clock and the limits.
+-- Meets:
+--   * checks, reservations and multi-limit checks of the key: they queue on
+--     the advisory lock (a multi-limit check holds it to its end, as a
+--     caller's open transaction does); each reads the state the one before
+--     left. A rolled-back holder's row was never committed: the next one
+--     reads the row before it, so nothing was charged;
+--   * a check in another isolation level: refused in step 1;
+--   * the key's first use by two callers: the lock orders them; the second
+--     reads the first's row;
+--   * the trim of step 5 or prune_rate_limits deleting old rows: never the
+--     newest, which is all a check reads; prune deleting a key at rest: it
+--     deletes only up to the newest row it read, so a check reads that row
+--     (at rest) or none (a full bucket, empty windows: the same admissions),
+--     and a row a check commits after prune's read stays, as the state;
+--   * a stored limit's change or a pause committed after step 2's snapshot:
+--     this check applies the pair read there, in force when it began
+--     (tests/isolation/specs/limits-multi-settings.spec);
+--   * a reader of the ledger under a held xmin horizon: the newest row is
+--     the first entry of a backward scan; the dead versions behind it are
+--     never visited.
+DECLARE
+    v_rate   double precision;
+    v_burst  double precision;
+    v_limit  bigint;
+    v_window interval;
+    v_paused timestamptz;
+    v_seq    bigint;
+BEGIN
+    -- 1.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM pgsemaphore.refuse_isolation();
+    END IF;
+    -- 2. (Two primary-key lookups: the key's row, the limiter's row.)
+    SELECT CASE WHEN k.rate IS NOT NULL THEN k.rate ELSE l.rate END,
+           CASE WHEN k.rate IS NOT NULL THEN k.burst ELSE l.burst END,
+           CASE WHEN k.permit_limit IS NOT NULL THEN k.permit_limit ELSE l.permit_limit END,
+           CASE WHEN k.permit_limit IS NOT NULL THEN k.window_length ELSE l.window_length END,
+           greatest(k.paused_until, l.paused_until)
+      INTO v_rate, v_burst, v_limit, v_window, v_paused
+      FROM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key)) AS lock
+      LEFT JOIN pgsemaphore.rate_limit_settings k
+        ON p_stored AND k.kind = p_kind AND k.limiter = p_limiter AND k.key = p_key
+      LEFT JOIN pgsemaphore.rate_limit_settings l
+        ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = '';
+    IF v_paused > clock_timestamp() THEN
+        o_allowed := false;
+        o_wait_us := pgsemaphore.us_until(v_paused);
+        o_remaining := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF v_rate IS NOT NULL AND p_kind = 'token_bucket' THEN
+        IF p_n > v_burst THEN
+            PERFORM pgsemaphore.check_n_stored(p_n, v_burst);
+        END IF;
+        p_rate := v_rate;
+        p_burst := v_burst;
+    ELSIF v_limit IS NOT NULL AND p_kind <> 'token_bucket' THEN
+        IF p_n > v_limit THEN
+            PERFORM pgsemaphore.check_n_stored(p_n, v_limit);
+        END IF;
+        p_limit := v_limit;
+        p_window := v_window;
+    END IF;
+    -- 3. to 5., one statement per kind: the newest row (a new snapshot,
+    -- after the lock), the step with the clock read now, and when admitted
+    -- the new state as row seq + 1.
+    IF p_kind = 'token_bucket' THEN
+        WITH cur AS (
+            SELECT l.seq, l.tokens, l.stamp
+              FROM pgsemaphore.rate_ledger l
+             WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+             ORDER BY l.seq DESC
+             LIMIT 1
+        ), d AS (
+            SELECT coalesce(c.seq, 0) + 1 AS seq, s.*
+              FROM (SELECT clock_timestamp() AS now) AS t
+              LEFT JOIN cur c ON true
+             CROSS JOIN LATERAL pgsemaphore.bucket_step(c.tokens, c.stamp, t.now, t.now,
+                                                         p_rate, p_burst, p_n, p_max_wait) AS s
+        ), ins AS (
+            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, stamp, idle_at)
+            SELECT p_kind, p_limiter, p_key, d.seq, d.o_tokens, d.o_stamp, d.o_idle_at
+              FROM d
+             WHERE d.o_allowed
+        )
+        SELECT d.o_allowed, d.o_wait_us, d.o_remaining, d.seq
+          INTO o_allowed, o_wait_us, o_remaining, v_seq
+          FROM d;
+    ELSIF p_kind = 'fixed_window' THEN
+        WITH cur AS (
+            SELECT l.seq, l.hits, l.stamp
+              FROM pgsemaphore.rate_ledger l
+             WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+             ORDER BY l.seq DESC
+             LIMIT 1
+        ), d AS (
+            SELECT coalesce(c.seq, 0) + 1 AS seq, s.*
+              FROM (SELECT clock_timestamp() AS now) AS t
+              LEFT JOIN cur c ON true
+             CROSS JOIN LATERAL pgsemaphore.fixed_step(c.hits, c.stamp, t.now, t.now,
+                                                        p_limit, p_window, p_n::bigint, p_max_wait) AS s
+        ), ins AS (
+            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, stamp, idle_at)
+            SELECT p_kind, p_limiter, p_key, d.seq, d.o_hits, d.o_start, d.o_idle_at
+              FROM d
+             WHERE d.o_allowed
+        )
+        SELECT d.o_allowed, d.o_wait_us, d.o_remaining, d.seq
+          INTO o_allowed, o_wait_us, o_remaining, v_seq
+          FROM d;
+    ELSE
+        WITH cur AS (
+            SELECT l.seq, l.hits, l.previous_hits, l.stamp
+              FROM pgsemaphore.rate_ledger l
+             WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+             ORDER BY l.seq DESC
+             LIMIT 1
+        ), d AS (
+            SELECT coalesce(c.seq, 0) + 1 AS seq, s.*
+              FROM (SELECT clock_timestamp() AS now) AS t
+              LEFT JOIN cur c ON true
+             CROSS JOIN LATERAL pgsemaphore.sliding_step(c.hits, c.previous_hits, c.stamp, t.now, t.now,
+                                                          p_limit, p_window, p_n::bigint, p_max_wait) AS s
+        ), ins AS (
+            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, previous_hits, stamp, idle_at)
+            SELECT p_kind, p_limiter, p_key, d.seq, d.o_hits, d.o_previous, d.o_start, d.o_idle_at
+              FROM d
+             WHERE d.o_allowed
+        )
+        SELECT d.o_allowed, d.o_wait_us, d.o_remaining, d.seq
+          INTO o_allowed, o_wait_us, o_remaining, v_seq
+          FROM d;
+    END IF;
+    -- The trim: every 64th row of a key.
+    IF o_allowed AND v_seq % 64 = 0 THEN
+        DELETE FROM pgsemaphore.rate_ledger l
+         WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+           AND l.seq >= v_seq - 128 AND l.seq < v_seq - 64;
+    END IF;
+    RETURN NEXT;
+END;
+$$;
+
+
+--
+-- Name: rate_take_all(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint, interval, integer[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.rate_take_all(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval, p_order integer[]) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint, o_deciding integer)
+    LANGUAGE plpgsql
+    AS $$
+-- SEVERAL LIMITS: p_n permits against limit i = (p_kinds[i], p_limiters[i],
+-- p_keys[i]) with its kind's limits (p_rates[i], p_bursts[i] or p_limits[i],
+-- p_windows[i]) for every i, at one instant, the earliest at or after the
+-- clock at which every limit admits them, provided it is within p_max_wait;
+-- then charged to every limit, else to none. The arguments were checked by
+-- the caller (pgsemaphore.checked_limits: shapes, elements, no key twice;
+-- p_order, the limits' indexes in the canonical order it returns).
+-- Steps:
+--   1. READ COMMITTED, or 0A000;
+--   2. one statement: every key's advisory lock, in the order of the lock's
+--      hash (the same order for every caller, so two of these never wait on
+--      each other in a cycle; a single check holds one lock and cannot close
+--      a cycle either), and each limit's stored limits and pause, read with
+--      that statement's snapshot; any pause refuses, taking nothing;
+--   3. one statement: every key's newest row (new snapshot, after the locks);
+--   4. the step functions decide at an instant t: from the clock, t moves to
+--      the latest instant any limit needs, and the limits decide again from
+--      there, until all admit at t (at most 8 rounds; each round only moves
+--      t later, and a bucket or a fixed window that admits at t admits at
+--      any later instant, so only a sliding window's previous window can
+--      make a round more);
+--   5. admitted: every new state in one INSERT; refused: nothing written.
+-- Invariant: each limit admits only what its own step admits on the state
+-- the previous decision on its key left (as a single check would, at the
+-- instant t), and a refused call writes nothing, so no limit counts a
+-- refused call.
+-- Meets: what rate_take meets, for every key; a multi-limit check holding
+-- some of our keys: it holds their locks, we wait in hash order.
+DECLARE
+    v_count   integer := cardinality(p_kinds);
+    v_paused  timestamptz[];
+    v_srates  double precision[];
+    v_sbursts double precision[];
+    v_slimits bigint[];
+    v_swins   interval[];
+    v_seq     bigint[];
+    v_tokens  double precision[];
+    v_hits    bigint[];
+    v_prev    bigint[];
+    v_stamp   timestamptz[];
+    n_tokens  double precision[];
+    n_hits    bigint[];
+    n_prev    bigint[];
+    n_stamp   timestamptz[];
+    n_idle    timestamptz[];
+    v_now     timestamptz;
+    v_from    timestamptz;
+    v_at_us   bigint;
+    v_latest  bigint;
+    v_refused bigint;
+    v_all     boolean;
+    v_ok      boolean;
+    v_wait    bigint;
+    v_left    bigint;
+    v_i       integer;
+    b         record;
+    f         record;
+    w         record;
+BEGIN
+    -- 1.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM pgsemaphore.refuse_isolation();
+    END IF;
+    -- 2.
+    SELECT array_agg(st.rate ORDER BY o.i), array_agg(st.burst ORDER BY o.i),
+           array_agg(st.lim ORDER BY o.i), array_agg(st.win ORDER BY o.i),
+           array_agg(st.paused ORDER BY o.i)
+      INTO v_srates, v_sbursts, v_slimits, v_swins, v_paused
+      FROM (SELECT g.i, hashtext(p_kinds[g.i] || '/' || p_limiters[g.i] || '/' || p_keys[g.i]) AS h
+              FROM generate_subscripts(p_kinds, 1) AS g(i)
+             ORDER BY 2
+            OFFSET 0) AS o
+     CROSS JOIN LATERAL pg_advisory_xact_lock(1885828967, o.h) AS lock
+      LEFT JOIN LATERAL (
+            SELECT (array_agg(s.rate ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1] AS rate,
+                   (array_agg(s.burst ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1] AS burst,
+                   (array_agg(s.permit_limit ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1] AS lim,
+                   (array_agg(s.window_length ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1] AS win,
+                   max(s.paused_until) AS paused
+              FROM pgsemaphore.rate_limit_settings s
+             WHERE s.kind = p_kinds[o.i] AND s.limiter = p_limiters[o.i] AND s.key IN (p_keys[o.i], '')) AS st
+        ON true;
+    v_now := clock_timestamp();
+    o_allowed := true;
+    o_wait_us := 0;
+    FOR v_i IN 1 .. v_count LOOP
+        IF v_paused[v_i] > v_now THEN
+            -- Refused: the longest pause decides.
+            v_at_us := pgsemaphore.us_until(v_paused[v_i]);
+            IF o_allowed OR v_at_us > o_wait_us THEN
+                o_wait_us := v_at_us;
+                o_deciding := v_i;
+            END IF;
+            o_allowed := false;
+        ELSIF p_kinds[v_i] = 'token_bucket' THEN
+            IF v_srates[v_i] IS NOT NULL THEN
+                PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                p_rates[v_i] := v_srates[v_i];
+                p_bursts[v_i] := v_sbursts[v_i];
+            END IF;
+        ELSIF v_slimits[v_i] IS NOT NULL THEN
+            PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+            p_limits[v_i] := v_slimits[v_i];
+            p_windows[v_i] := v_swins[v_i];
+        END IF;
+    END LOOP;
+    IF NOT o_allowed THEN
+        o_remaining := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    -- 3.
+    SELECT array_agg(l.seq ORDER BY g.i), array_agg(l.tokens ORDER BY g.i), array_agg(l.hits ORDER BY g.i),
+           array_agg(l.previous_hits ORDER BY g.i), array_agg(l.stamp ORDER BY g.i)
+      INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
+      FROM generate_subscripts(p_kinds, 1) AS g(i)
+      LEFT JOIN LATERAL (
+            SELECT r.seq, r.tokens, r.hits, r.previous_hits, r.stamp
+              FROM pgsemaphore.rate_ledger r
+             WHERE r.kind = p_kinds[g.i] AND r.limiter = p_limiters[g.i] AND r.key = p_keys[g.i]
+             ORDER BY r.seq DESC
+             LIMIT 1) AS l
+        ON true;
+    -- 4.
+    v_now := clock_timestamp();
+    v_from := v_now;
+    v_at_us := 0;
+    FOR v_round IN 1 .. 8 LOOP
+        v_all := true;
+        v_latest := v_at_us;
+        v_refused := 0;
+        o_remaining := NULL;
+        o_deciding := NULL;
+        -- In the canonical order, as version 9 did: ties decide the same.
+        FOREACH v_i IN ARRAY p_order LOOP
+            IF p_kinds[v_i] = 'token_bucket' THEN
+                b := pgsemaphore.bucket_step(v_tokens[v_i], v_stamp[v_i], v_now, v_from,
+                                             p_rates[v_i], p_bursts[v_i], p_n, p_max_wait);
+                v_ok := b.o_allowed;
+                v_wait := b.o_wait_us;
+                v_left := b.o_remaining;
+                n_tokens[v_i] := b.o_tokens;
+                n_stamp[v_i] := b.o_stamp;
+                n_idle[v_i] := b.o_idle_at;
+            ELSIF p_kinds[v_i] = 'fixed_window' THEN
+                f := pgsemaphore.fixed_step(v_hits[v_i], v_stamp[v_i], v_now, v_from,
+                                            p_limits[v_i], p_windows[v_i], p_n, p_max_wait);
+                v_ok := f.o_allowed;
+                v_wait := f.o_wait_us;
+                v_left := f.o_remaining;
+                n_hits[v_i] := f.o_hits;
+                n_stamp[v_i] := f.o_start;
+                n_idle[v_i] := f.o_idle_at;
+            ELSE
+                w := pgsemaphore.sliding_step(v_hits[v_i], v_prev[v_i], v_stamp[v_i], v_now, v_from,
+                                              p_limits[v_i], p_windows[v_i], p_n, p_max_wait);
+                v_ok := w.o_allowed;
+                v_wait := w.o_wait_us;
+                v_left := w.o_remaining;
+                n_hits[v_i] := w.o_hits;
+                n_prev[v_i] := w.o_previous;
+                n_stamp[v_i] := w.o_start;
+                n_idle[v_i] := w.o_idle_at;
+            END IF;
+            -- The fewest left (admitted: that limit decides); refused, the
+            -- refusing limit with the longest wait decides.
+            IF o_remaining IS NULL OR v_left < o_remaining THEN
+                o_remaining := v_left;
+                IF v_all AND v_ok THEN
+                    o_deciding := v_i;
+                END IF;
+            END IF;
+            IF NOT v_ok AND (v_all OR v_wait > v_refused) THEN
+                v_all := false;
+                v_refused := v_wait;
+                o_deciding := v_i;
+            END IF;
+            IF v_ok AND v_wait > v_latest THEN
+                v_latest := v_wait;
+            END IF;
+        END LOOP;
+        EXIT WHEN NOT v_all OR v_latest <= v_at_us;
+        -- Some limit admits only later: every limit again, from there.
+        v_at_us := v_latest;
+        v_from := v_now + make_interval(secs => v_latest / 1e6);
+    END LOOP;
+    IF NOT v_all THEN
+        o_allowed := false;
+        o_wait_us := v_refused;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    -- Not settled in 8 rounds: refused with the latest instant found (the
+    -- caller may try again then).
+    o_allowed := v_latest <= v_at_us;
+    o_wait_us := v_latest;
+    IF NOT o_allowed THEN
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    -- 5.
+    INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)
+    SELECT p_kinds[g.i], p_limiters[g.i], p_keys[g.i], coalesce(v_seq[g.i], 0) + 1,
+           n_tokens[g.i], n_hits[g.i], n_prev[g.i], n_stamp[g.i], n_idle[g.i]
+      FROM generate_subscripts(p_kinds, 1) AS g(i);
+    FOR v_i IN 1 .. v_count LOOP
+        IF (coalesce(v_seq[v_i], 0) + 1) % 64 = 0 THEN
+            DELETE FROM pgsemaphore.rate_ledger l
+             WHERE l.kind = p_kinds[v_i] AND l.limiter = p_limiters[v_i] AND l.key = p_keys[v_i]
+               AND l.seq >= v_seq[v_i] + 1 - 128 AND l.seq < v_seq[v_i] + 1 - 64;
+        END IF;
+    END LOOP;
+    RETURN NEXT;
 END;
 $$;
 
@@ -2878,6 +3308,23 @@ CREATE FUNCTION pgsemaphore.refuse(p_argument text, p_message text) RETURNS void
 BEGIN
     RAISE EXCEPTION 'invalid %: %', p_argument, p_message
         USING ERRCODE = 'invalid_parameter_value', COLUMN = p_argument;
+END;
+$$;
+
+
+--
+-- Name: refuse_isolation(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.refuse_isolation() RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    RAISE EXCEPTION 'rate limiter checks need READ COMMITTED, this transaction is %',
+        upper(current_setting('transaction_isolation'))
+        USING ERRCODE = 'feature_not_supported',
+              HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
+                     'its snapshot could not see the previous check''s state';
 END;
 $$;
 
@@ -3364,7 +3811,7 @@ $$;
 CREATE FUNCTION pgsemaphore.schema_version() RETURNS TABLE(o_version integer, o_compatible_from integer)
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$ SELECT 11, 2 $$;
+    AS $$ SELECT 12, 2 $$;
 
 
 --
@@ -3557,6 +4004,94 @@ $$;
 
 
 --
+-- Name: sliding_step(bigint, bigint, timestamp with time zone, timestamp with time zone, timestamp with time zone, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) RETURNS record
+    LANGUAGE plpgsql IMMUTABLE
+    AS $$
+DECLARE
+    v_window  double precision := extract(epoch FROM p_window)::double precision;
+    v_elapsed double precision;
+    v_need    double precision;
+    v_b_start timestamptz;
+    v_b_hits  bigint;
+    v_b_prev  bigint;
+    v_wait    double precision;
+BEGIN
+    -- Roll stamp's window forward to the one containing now, once it has ended.
+    IF p_start IS NULL THEN
+        o_hits := 0;
+        o_previous := 0;
+        o_start := p_now;
+    ELSIF p_now >= p_start + 2 * p_window THEN
+        o_start := date_bin(p_window, p_now, p_start);
+        o_previous := 0;
+        o_hits := 0;
+    ELSIF p_now >= p_start + p_window THEN
+        o_start := p_start + p_window;
+        o_previous := p_hits;
+        o_hits := 0;
+    ELSE
+        o_start := p_start;
+        o_previous := p_previous;
+        o_hits := p_hits;
+    END IF;
+    -- The same roll from there to the window containing p_from.
+    v_b_start := o_start;
+    v_b_hits := o_hits;
+    v_b_prev := o_previous;
+    IF p_from >= v_b_start + 2 * p_window THEN
+        v_b_start := date_bin(p_window, p_from, v_b_start);
+        v_b_prev := 0;
+        v_b_hits := 0;
+    ELSIF p_from >= v_b_start + p_window THEN
+        v_b_start := v_b_start + p_window;
+        v_b_prev := v_b_hits;
+        v_b_hits := 0;
+    END IF;
+    -- The earliest instant, window by window: the elapsed fraction it needs
+    -- (previous x (1 - e) + hits + p_n <= p_limit), no earlier than p_from;
+    -- a window where it is 1 or more has no room.
+    FOR i IN 1..3 LOOP
+        v_elapsed := greatest(0, extract(epoch FROM p_from - v_b_start)::double precision / v_window);
+        IF v_b_hits > p_limit - p_n THEN
+            v_need := 1;
+        ELSIF v_b_prev = 0 THEN
+            v_need := 0;
+        ELSE
+            v_need := greatest(0, 1 - (p_limit - p_n - v_b_hits)::double precision / v_b_prev);
+        END IF;
+        EXIT WHEN greatest(v_need, v_elapsed) < 1;
+        v_b_start := v_b_start + p_window;
+        v_b_prev := v_b_hits;
+        v_b_hits := 0;
+    END LOOP;
+    -- Microseconds from now until that instant, rounded up, never early.
+    IF v_need <= v_elapsed THEN
+        o_wait_us := ceil(greatest(0, extract(epoch FROM greatest(p_from, v_b_start) - p_now)::double precision) * 1e6)::bigint;
+    ELSE
+        v_wait := extract(epoch FROM v_b_start - p_now)::double precision + v_need * v_window;
+        o_wait_us := greatest(1, ceil(v_wait * 1e6))::bigint;
+    END IF;
+    o_allowed := o_wait_us <= extract(epoch FROM p_max_wait) * 1e6;
+    IF o_allowed THEN
+        o_start := v_b_start;
+        o_previous := v_b_prev;
+        o_hits := v_b_hits + p_n;
+    END IF;
+    IF o_start > p_now THEN
+        o_remaining := 0;
+    ELSE
+        v_elapsed := least(1, greatest(0, extract(epoch FROM p_now - o_start)::double precision / v_window));
+        o_remaining := greatest(0, floor(p_limit - (o_previous * (1 - v_elapsed) + o_hits)))::bigint;
+    END IF;
+    o_idle_at := o_start + 2 * p_window;
+END;
+$$;
+
+
+--
 -- Name: sliding_window(text, text, bigint, interval, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -3565,35 +4100,33 @@ CREATE FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit b
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- SLIDING WINDOW, per key: a booking that may not wait, see
--- pgsemaphore.sliding_window_book for the arithmetic and its invariant.
+-- SLIDING WINDOW, per key: the permits of the last p_window, estimated as
+-- previous x (1 - elapsed / p_window) + current (windows on the key's own
+-- grid), at most p_limit; a check is a booking that may not wait. The
+-- arithmetic and its invariant: pgsemaphore.sliding_step (version 12;
+-- version 10's sliding_window_book); the steps and what it meets:
+-- pgsemaphore.rate_take.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
--- Since version 9: p_limit and p_window are defaults, the stored pair (key,
--- else limiter) applies instead, and a pause refuses, as in token_bucket
--- (migrations/20261129000003_pgsemaphore_limiter_settings.sql: the
--- settings are read by their own statement before the key's row is
--- locked, and the whole pair read applies).
-DECLARE
-    v record;
+-- Every bad argument raises 22023 naming it in COLUMN; outside READ
+-- COMMITTED, 0A000. p_limit and p_window are defaults, the stored pair (key,
+-- else limiter) applies instead, and a pause refuses, as in token_bucket.
+-- Returns o_allowed, o_remaining (the floor of p_limit - estimate; 0 while
+-- a later window has bookings), o_retry_after_us (refused: until enough
+-- has slid out; 0 when admitted).
 BEGIN
-    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    -- The limits in force (version 9): the pair stored for the key, else
-    -- for the limiter, else the caller's; a pause refuses, nothing booked.
-    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('sliding_window', p_limiter, p_key);
-    IF v.o_paused_until > clock_timestamp() THEN
-        RETURN QUERY SELECT false, 0::bigint, pgsemaphore.us_until(v.o_paused_until);
-        RETURN;
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200
+       OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF v.o_limit IS NOT NULL THEN
-        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
-        p_limit := v.o_limit;
-        p_window := v.o_window;
+    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+       OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
+        PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
     RETURN QUERY
-        SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0::bigint ELSE b.o_wait_us END
-          FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b;
+        SELECT t.o_allowed, t.o_remaining, CASE WHEN t.o_allowed THEN 0::bigint ELSE t.o_wait_us END
+          FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                     p_n, interval '0', true) t;
 END;
 $$;
 
@@ -3603,148 +4136,10 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
-    LANGUAGE plpgsql
+    LANGUAGE sql
     AS $$
--- SLIDING WINDOW BOOKING: p_n permits of key p_key of the sliding window
--- p_limiter (a weighted previous + current window, as before: the permits of
--- the last p_window are estimated as previous_hits x (1 - elapsed / p_window)
--- + hits, elapsed counted from the start of the current window of the key's
--- grid), admitted at the earliest instant at or after the database's clock
--- (read after the key's row lock) when the estimate plus p_n is within
--- p_limit, provided that instant is within p_max_wait.
--- The arguments are checked by the caller (sliding_window, sliding_window_reserve).
--- Returns one row:
---   o_allowed   true: booked; false: the instant is after p_max_wait, and
---               nothing is booked
---   o_wait_us   microseconds from the decision until that instant (0: at
---               once); refused, until it would have been
---   o_remaining the permits left now, the floor of p_limit - estimate (0
---               while a later window has bookings)
---
--- The row: stamp, the start of the latest window with bookings (past or
--- future); hits, the permits booked in it; previous_hits, those of the window
--- before it. Every window before stamp's is closed.
--- Invariant: at every admission instant t of a booking in window W,
--- previous(W) x (1 - elapsed(t)) + (the permits of W admitted at or before t)
--- <= p_limit; and at most p_limit permits are booked in one window of the
--- grid. Of the bookings of W admitted by t, the one booked last saw all the
--- others in hits (they were booked before it) and checked the estimate at its
--- own instant, no later than t; the weight of previous(W) only falls with
--- time, so the estimate at t is no higher. previous(W) is final when W gets
--- its first booking: bookings go only into stamp's window or later ones.
--- A booking goes into stamp's window, or else the next (previous := hits),
--- or else the one after (previous := 0), where it always fits.
--- Meets:
---   * plain checks (sliding_window, a booking with p_max_wait 0) and other
---     bookings of the key: they queue on the key's row lock and each sees
---     the row the one before left; while stamp is in the future, a plain
---     check is refused (its instant is at stamp or later);
---   * the key's first use by anyone: a concurrent insert of the row makes
---     our insert do nothing, and the loop's next SELECT waits for it;
---   * prune_rate_limits: it deletes only a row at rest (idle_at, the end of
---     the window after stamp's) and skips a row we hold; a row it deleted
---     before our lock is gone, and our booking starts a new grid at now
---     with both windows empty, which is what they were;
---   * a caller that abandons a booking (its process stops waiting): the
---     permits stay booked, so the key admits less, never more.
-DECLARE
-    v_hits     bigint;
-    v_previous bigint;
-    v_start    timestamptz;
-    v_now      timestamptz;
-    v_found    boolean;
-    v_window   double precision := extract(epoch FROM p_window)::double precision;
-    v_elapsed  double precision;
-    v_need     double precision;
-    v_b_start  timestamptz;
-    v_b_hits   bigint;
-    v_b_prev   bigint;
-    v_wait     double precision;
-BEGIN
-    LOOP
-        -- 1. The key's row, locked; then the clock.
-        SELECT r.hits, r.previous_hits, r.stamp INTO v_hits, v_previous, v_start
-          FROM pgsemaphore.rate_limits r
-         WHERE r.kind = 'sliding_window' AND r.limiter = p_limiter AND r.key = p_key
-           FOR UPDATE;
-        v_found := FOUND;
-        v_now := clock_timestamp();
-        -- 2. Roll stamp's window forward to the one containing now, once
-        -- stamp's has ended.
-        IF NOT v_found THEN
-            v_hits := 0;
-            v_previous := 0;
-            v_start := v_now;
-        ELSIF v_now >= v_start + 2 * p_window THEN
-            v_start := date_bin(p_window, v_now, v_start);
-            v_previous := 0;
-            v_hits := 0;
-        ELSIF v_now >= v_start + p_window THEN
-            v_start := v_start + p_window;
-            v_previous := v_hits;
-            v_hits := 0;
-        END IF;
-        -- 3. The earliest instant, window by window from stamp's: the
-        -- elapsed fraction it needs (previous x (1 - e) + hits + p_n <=
-        -- p_limit), no earlier than now; a window where it is 1 or more
-        -- has no room.
-        v_b_start := v_start;
-        v_b_hits := v_hits;
-        v_b_prev := v_previous;
-        FOR i IN 1..3 LOOP
-            v_elapsed := greatest(0, extract(epoch FROM v_now - v_b_start)::double precision / v_window);
-            IF v_b_hits > p_limit - p_n THEN
-                v_need := 1;
-            ELSIF v_b_prev = 0 THEN
-                v_need := 0;
-            ELSE
-                v_need := greatest(0, 1 - (p_limit - p_n - v_b_hits)::double precision / v_b_prev);
-            END IF;
-            EXIT WHEN greatest(v_need, v_elapsed) < 1;
-            v_b_start := v_b_start + p_window;
-            v_b_prev := v_b_hits;
-            v_b_hits := 0;
-        END LOOP;
-        -- Seconds from now until that instant: the window's start plus the
-        -- fraction it needs (none when it is open and has room now), rounded
-        -- up to the microsecond, never early.
-        IF v_need <= v_elapsed THEN
-            o_wait_us := ceil(greatest(0, extract(epoch FROM v_b_start - v_now)::double precision) * 1e6)::bigint;
-        ELSE
-            v_wait := extract(epoch FROM v_b_start - v_now)::double precision + v_need * v_window;
-            o_wait_us := greatest(1, ceil(v_wait * 1e6))::bigint;
-        END IF;
-        o_allowed := o_wait_us <= extract(epoch FROM p_max_wait) * 1e6;
-        IF o_allowed THEN
-            v_start := v_b_start;
-            v_previous := v_b_prev;
-            v_hits := v_b_hits + p_n;
-        END IF;
-        IF v_start > v_now THEN
-            o_remaining := 0;
-        ELSE
-            v_elapsed := least(1, greatest(0, extract(epoch FROM v_now - v_start)::double precision / v_window));
-            o_remaining := greatest(0, floor(p_limit - (v_previous * (1 - v_elapsed) + v_hits)))::bigint;
-        END IF;
-        -- 4. Write the row back (refused: only the roll forward).
-        IF v_found THEN
-            UPDATE pgsemaphore.rate_limits r
-               SET hits = v_hits, previous_hits = v_previous, stamp = v_start,
-                   idle_at = v_start + 2 * p_window
-             WHERE r.kind = 'sliding_window' AND r.limiter = p_limiter AND r.key = p_key;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        INSERT INTO pgsemaphore.rate_limits (kind, limiter, key, hits, previous_hits, stamp, idle_at)
-        VALUES ('sliding_window', p_limiter, p_key, v_hits, v_previous, v_start, v_start + 2 * p_window)
-        ON CONFLICT DO NOTHING;
-        IF FOUND THEN
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        -- A concurrent first use inserted the row: the next SELECT waits for it.
-    END LOOP;
-END;
+    SELECT * FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                        p_n, p_max_wait, false)
 $$;
 
 
@@ -3757,44 +4152,28 @@ CREATE FUNCTION pgsemaphore.sliding_window_reserve(p_limiter text, p_key text, p
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- SLIDING WINDOW RESERVATION: books p_n permits of key p_key at the earliest
+-- SLIDING WINDOW RESERVATION (version 10): books p_n permits at the earliest
 -- instant the weighted estimate admits them, if that is within p_max_wait;
--- the caller waits o_wait_us, then acts. The invariant, the transactions it
--- meets and the steps: pgsemaphore.sliding_window_book.
---   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
---   1; p_window 1 ms..366 days; p_n 1 to p_limit (as sliding_window);
---   p_max_wait 0 to 366 days, not NULL
--- Every bad argument raises 22023 naming it in COLUMN.
--- Returns one row: o_allowed (false: nothing booked), o_wait_us (until the
--- booked instant; refused, until it would have been), o_remaining (the
--- permits left now).
--- As the plain check, the limits stored in pgsemaphore.rate_limit_settings
--- (key, else limiter) apply instead of p_limit and p_window; while the key
--- or the limiter is paused the booking is refused, nothing booked, with
--- o_wait_us the time until the pause ends and o_remaining 0 (a refusal
--- with o_wait_us within p_max_wait is a pause: call again when it ends).
-DECLARE
-    v record;
+-- the caller waits o_wait_us, then acts. As sliding_window, and p_max_wait
+-- 0 to 366 days, not NULL. Returns o_allowed (false: nothing booked),
+-- o_wait_us (until the booked instant; refused, until it would have been),
+-- o_remaining (left now). Stored limits and pauses as in sliding_window; a
+-- pause refuses with o_wait_us until it ends and o_remaining 0.
 BEGIN
-    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
-    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
-    -- The limits in force (version 9): the pair stored for the key, else
-    -- for the limiter, else the caller's; a pause refuses, nothing booked.
-    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('sliding_window', p_limiter, p_key);
-    IF v.o_paused_until > clock_timestamp() THEN
-        o_allowed := false;
-        o_wait_us := pgsemaphore.us_until(v.o_paused_until);
-        o_remaining := 0;
-        RETURN NEXT;
-        RETURN;
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200
+       OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF v.o_limit IS NOT NULL THEN
-        PERFORM pgsemaphore.check_n_stored(p_n, v.o_limit);
-        p_limit := v.o_limit;
-        p_window := v.o_window;
+    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+       OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
+        PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
-    RETURN QUERY SELECT * FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, p_max_wait);
+    IF p_max_wait IS NULL OR p_max_wait < interval '0' OR p_max_wait > interval '366 days' THEN
+        PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
+    END IF;
+    RETURN QUERY
+        SELECT * FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                            p_n, p_max_wait, true);
 END;
 $$;
 
@@ -3848,41 +4227,37 @@ CREATE FUNCTION pgsemaphore.token_bucket(p_limiter text, p_key text, p_rate doub
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 -- TOKEN BUCKET (Stripe's request rate limiter, with the database's clock),
--- per key: see pgsemaphore.token_bucket_unchecked for the arithmetic.
+-- per key: p_burst tokens at most, refilled continuously at p_rate per
+-- second; a check of p_n is admitted when p_n tokens are there, and takes
+-- them. The steps, the invariant and what it meets: pgsemaphore.rate_take
+-- (version 12) and pgsemaphore.bucket_step.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_rate finite,
 --   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
 --   refilled from empty within 366 days; p_n finite, 1 to p_burst
--- Every bad argument raises 22023 naming it in COLUMN.
--- Since version 9: p_rate and p_burst are defaults; the pair stored in
--- pgsemaphore.rate_limit_settings for the key, else for the limiter, is
--- applied instead (p_n above a stored burst raises 22023 p_n). While the key
+-- Every bad argument raises 22023 naming it in COLUMN; outside READ
+-- COMMITTED, 0A000. p_rate and p_burst are defaults: the pair stored in
+-- pgsemaphore.rate_limit_settings for the key, else for the limiter,
+-- applies instead (p_n above a stored burst raises 22023 p_n). While the key
 -- or the limiter is paused the check is refused (o_remaining 0,
--- o_retry_after_us until the pause ends) without touching the key's row.
--- Meets (since 9), besides what token_bucket_unchecked meets: a stored
--- limit's change or a pause committed while we run. The settings are read
--- by their own statement before the key's row is locked, so the decision
--- applies the whole pair in force at that read: a check that then waits for
--- the row lock (behind a multi-limit check's open transaction, say) decides
--- under the settings it read before waiting, which were in force during
--- the check (tests/isolation/specs/limits-multi-settings.spec).
-DECLARE
-    v record;
+-- o_retry_after_us until the pause ends), taking nothing.
+-- Returns o_allowed, o_remaining (whole tokens left), o_retry_after_us
+-- (refused: until p_n tokens are there; 0 when admitted).
 BEGIN
-    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    PERFORM pgsemaphore.check_bucket(p_rate, p_burst);
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200
+       OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
+    END IF;
+    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9)
+       OR p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
+        PERFORM pgsemaphore.check_bucket(p_rate, p_burst);
+    END IF;
     IF p_n IS NULL OR NOT (p_n >= 1 AND p_n <= p_burst) THEN
         PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_burst, coalesce(p_n::text, 'NULL')));
     END IF;
-    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('token_bucket', p_limiter, p_key);
-    IF v.o_paused_until > clock_timestamp() THEN
-        RETURN QUERY SELECT false, 0::bigint, pgsemaphore.us_until(v.o_paused_until);
-        RETURN;
-    END IF;
-    IF v.o_rate IS NOT NULL THEN
-        PERFORM pgsemaphore.check_n_stored(p_n, v.o_burst);
-    END IF;
-    RETURN QUERY SELECT * FROM pgsemaphore.token_bucket_unchecked(
-        p_limiter, p_key, coalesce(v.o_rate, p_rate), coalesce(v.o_burst, p_burst), p_n);
+    RETURN QUERY
+        SELECT t.o_allowed, t.o_remaining, CASE WHEN t.o_allowed THEN 0::bigint ELSE t.o_wait_us END
+          FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
+                                     p_n, interval '0', true) t;
 END;
 $$;
 
@@ -3896,151 +4271,38 @@ CREATE FUNCTION pgsemaphore.token_bucket_reserve(p_limiter text, p_key text, p_r
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
--- TOKEN BUCKET RESERVATION: p_n tokens of key p_key of the token bucket
--- p_limiter (the same rows, rules and arithmetic as pgsemaphore.token_bucket:
--- p_burst tokens at most, refilled continuously at p_rate per second, the
--- database's clock read after the key's row lock), taken now even if they
--- are not there yet, provided they will be within p_max_wait. The caller
--- then waits o_wait_us before it acts: that instant is its admission.
---   p_limiter 1..200 characters; p_key 1..256 characters; p_rate finite,
---   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
---   refilled from empty within 366 days; p_n finite, 1 to p_burst (as
---   token_bucket); p_max_wait 0 to 366 days, not NULL
--- Every bad argument raises 22023 naming it in COLUMN.
--- Returns one row:
---   o_allowed   true: the tokens are taken (reserved); false: the wait
---               would pass p_max_wait, and nothing is taken
---   o_wait_us   microseconds from the database's clock at the decision
---               until the tokens are refilled: allowed, when the caller may
---               act (0: at once); refused, how long it would have had to wait
---   o_remaining the whole tokens left after the decision; below zero, the
---               tokens reserved ahead that are not refilled yet
---
--- Invariant: over any interval of length d, the admissions of a key at their
--- admitted instants (decision + o_wait_us), plain checks included, take at
--- most p_burst + p_rate x d tokens. The row's token count is the bucket's
--- level once every reservation made so far has been paid: a reservation
--- takes p_n now and is admitted exactly when the level, refilling, would
--- have reached p_n again had it not taken them. So every admission, plain or
--- reserved, is admitted at an instant when a plain bucket debited at those
--- instants, in the order the row lock served them, would hold its tokens;
--- and such a bucket never passes more than p_burst + p_rate x d in d. A
--- later decision is never admitted before an earlier one: while tokens are
--- owed, the level is below p_n until the last reservation's instant.
--- Meets:
---   * plain checks (token_bucket) and other reservations of the key: they
---     queue on the key's row lock and each sees the level the one before
---     left, negative while reservations are outstanding, so a plain check
---     is refused until every earlier reservation's instant has passed
---     (reservations are served first, in the order they were made);
---   * the key's first use by anyone: a concurrent insert of the row makes
---     our insert do nothing, and the loop's next SELECT waits for it;
---   * prune_rate_limits: it deletes only a row at rest (idle_at, the instant
---     the level is back at p_burst, later by the tokens owed) and skips a
---     row we hold; a row it deleted before our lock is gone, and we start a
---     fresh full bucket, which is what it was;
---   * a caller that abandons a reservation (its process stops waiting):
---     the tokens stay taken, so the key admits less, never more.
---   * a stored limit's change (set_rate_limit, clear_rate_limit): read in
---     step 1b by its own statement, so the reservation applies the pair in
---     force either before or after the change, whole; the key's row carries
---     only the level, so the next decision refills it at the new rate and
---     caps it at the new burst. A waiter that reserved earlier keeps its
---     instant in the books; the crate's waiter, woken by the change's
---     NOTIFY, shortens its own sleep when the rate was raised (never below
---     what the refill at the old rate until the change plus the new rate
---     after it allows);
---   * a pause (pause_rate_limit) committed before step 1b: refused, nothing
---     taken; one committed after it: this reservation was made before the
---     pause and stands (the pause holds back the ones after it).
--- Since version 9 (step 1b): p_rate and p_burst are defaults; the pair
--- stored for the key, else for the limiter, applies instead (p_n above a
--- stored burst raises 22023 p_n). While the key or the limiter is paused the
--- reservation is refused, nothing taken, with o_wait_us the time until the
--- pause ends and o_remaining 0: a refusal with o_wait_us within p_max_wait is
--- a pause, and the caller may call again when it ends.
-DECLARE
-    v_tokens double precision;
-    v_stamp  timestamptz;
-    v_now    timestamptz;
-    v_found  boolean;
-    v_wait   double precision;
-    v        record;
+-- TOKEN BUCKET RESERVATION (version 6): p_n tokens taken now even if they
+-- are not there yet, provided they will be within p_max_wait; the caller
+-- waits o_wait_us, then acts: that instant is its admission. The invariant
+-- (over any interval of length d, the admissions of a key at their admitted
+-- instants, plain checks included, take at most p_burst + p_rate x d tokens):
+-- migrations/20261128000001_pgsemaphore_waiting_bucket.sql; the steps and
+-- what it meets: pgsemaphore.rate_take.
+--   as token_bucket, and p_max_wait 0 to 366 days, not NULL
+-- Returns o_allowed (false: nothing taken), o_wait_us (until the tokens are
+-- there; refused, how long it would have been), o_remaining (whole tokens
+-- left; below zero, the tokens reserved ahead). Stored limits apply as in
+-- token_bucket; while paused it is refused, nothing taken, with o_wait_us
+-- until the pause ends and o_remaining 0 (a refusal with o_wait_us within
+-- p_max_wait is a pause: call again when it ends).
 BEGIN
-    -- 1. The arguments: token_bucket's checks, then p_max_wait.
-    PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
-    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9) THEN
-        PERFORM pgsemaphore.refuse('p_rate', format('above 0 and at most 1e9, got %s', coalesce(p_rate::text, 'NULL')));
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200
+       OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
-        PERFORM pgsemaphore.refuse('p_burst',
-            format('1 to 1e15, refilled within 366 days at the rate, got %s', coalesce(p_burst::text, 'NULL')));
+    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9)
+       OR p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
+        PERFORM pgsemaphore.check_bucket(p_rate, p_burst);
     END IF;
     IF p_n IS NULL OR NOT (p_n >= 1 AND p_n <= p_burst) THEN
         PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_burst, coalesce(p_n::text, 'NULL')));
     END IF;
-    PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
-    -- 1b. The stored pair in force, and a pause.
-    SELECT * INTO v FROM pgsemaphore.rate_limit_stored('token_bucket', p_limiter, p_key);
-    IF v.o_paused_until > clock_timestamp() THEN
-        o_allowed := false;
-        o_wait_us := pgsemaphore.us_until(v.o_paused_until);
-        o_remaining := 0;
-        RETURN NEXT;
-        RETURN;
+    IF p_max_wait IS NULL OR p_max_wait < interval '0' OR p_max_wait > interval '366 days' THEN
+        PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
-    IF v.o_rate IS NOT NULL THEN
-        PERFORM pgsemaphore.check_n_stored(p_n, v.o_burst);
-        p_rate := v.o_rate;
-        p_burst := v.o_burst;
-    END IF;
-    LOOP
-        -- 2. The key's row, locked; then the clock.
-        SELECT r.tokens, r.stamp INTO v_tokens, v_stamp
-          FROM pgsemaphore.rate_limits r
-         WHERE r.kind = 'token_bucket' AND r.limiter = p_limiter AND r.key = p_key
-           FOR UPDATE;
-        v_found := FOUND;
-        v_now := clock_timestamp();
-        -- 3. Refill, as token_bucket does (from below zero too: what is owed
-        -- is paid first).
-        IF v_found THEN
-            v_tokens := least(p_burst,
-                              v_tokens + greatest(0, extract(epoch FROM v_now - v_stamp)::double precision) * p_rate);
-            v_stamp := greatest(v_stamp, v_now);
-        ELSE
-            v_tokens := p_burst;
-            v_stamp := v_now;
-        END IF;
-        -- 4. Decide: the seconds until p_n tokens are there, within p_max_wait?
-        v_wait := greatest(0, (p_n - v_tokens) / p_rate);
-        o_allowed := v_wait <= extract(epoch FROM p_max_wait)::double precision;
-        o_wait_us := ceil(v_wait * 1e6)::bigint;
-        IF o_allowed THEN
-            v_tokens := v_tokens - p_n;
-        END IF;
-        o_remaining := floor(v_tokens)::bigint;
-        -- 5. Write the level back (refused: only the refill), and when the
-        -- row will be at rest.
-        IF v_found THEN
-            UPDATE pgsemaphore.rate_limits r
-               SET tokens = v_tokens,
-                   stamp = v_stamp,
-                   idle_at = v_stamp + make_interval(secs => (p_burst - v_tokens) / p_rate)
-             WHERE r.kind = 'token_bucket' AND r.limiter = p_limiter AND r.key = p_key;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        INSERT INTO pgsemaphore.rate_limits (kind, limiter, key, tokens, stamp, idle_at)
-        VALUES ('token_bucket', p_limiter, p_key, v_tokens, v_stamp,
-                v_stamp + make_interval(secs => (p_burst - v_tokens) / p_rate))
-        ON CONFLICT DO NOTHING;
-        IF FOUND THEN
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        -- A concurrent first use inserted the row: the next SELECT waits for it.
-    END LOOP;
+    RETURN QUERY
+        SELECT * FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
+                                            p_n, p_max_wait, true);
 END;
 $$;
 
@@ -4050,61 +4312,11 @@ $$;
 --
 
 CREATE FUNCTION pgsemaphore.token_bucket_unchecked(p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision) RETURNS TABLE(o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
-    LANGUAGE plpgsql
+    LANGUAGE sql
     AS $$
-DECLARE
-    v_tokens double precision;
-    v_stamp  timestamptz;
-    v_now    timestamptz;
-    v_found  boolean;
-BEGIN
-    IF NOT (p_rate > 0 AND p_burst >= 1 AND p_n >= 1 AND p_n <= p_burst) THEN
-        RAISE EXCEPTION 'token bucket: need rate > 0 and 1 <= n <= burst (rate %, burst %, n %)',
-            p_rate, p_burst, p_n USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    LOOP
-        SELECT r.tokens, r.stamp INTO v_tokens, v_stamp
-          FROM pgsemaphore.rate_limits r
-         WHERE r.kind = 'token_bucket' AND r.limiter = p_limiter AND r.key = p_key
-           FOR UPDATE;
-        v_found := FOUND;
-        v_now := clock_timestamp();
-        IF v_found THEN
-            v_tokens := least(p_burst,
-                              v_tokens + greatest(0, extract(epoch FROM v_now - v_stamp)::double precision) * p_rate);
-            v_stamp := greatest(v_stamp, v_now);
-        ELSE
-            v_tokens := p_burst;
-            v_stamp := v_now;
-        END IF;
-        o_allowed := v_tokens >= p_n;
-        IF o_allowed THEN
-            v_tokens := v_tokens - p_n;
-            o_retry_after_us := 0;
-        ELSE
-            o_retry_after_us := ceil((p_n - v_tokens) / p_rate * 1e6)::bigint;
-        END IF;
-        o_remaining := floor(v_tokens)::bigint;
-        IF v_found THEN
-            UPDATE pgsemaphore.rate_limits r
-               SET tokens = v_tokens,
-                   stamp = v_stamp,
-                   idle_at = v_stamp + make_interval(secs => (p_burst - v_tokens) / p_rate)
-             WHERE r.kind = 'token_bucket' AND r.limiter = p_limiter AND r.key = p_key;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        INSERT INTO pgsemaphore.rate_limits (kind, limiter, key, tokens, stamp, idle_at)
-        VALUES ('token_bucket', p_limiter, p_key, v_tokens, v_stamp,
-                v_stamp + make_interval(secs => (p_burst - v_tokens) / p_rate))
-        ON CONFLICT DO NOTHING;
-        IF FOUND THEN
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        -- A concurrent first check inserted the row: the next SELECT waits for it.
-    END LOOP;
-END;
+    SELECT t.o_allowed, t.o_remaining, CASE WHEN t.o_allowed THEN 0::bigint ELSE t.o_wait_us END
+      FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
+                                 p_n, interval '0', false) t
 $$;
 
 
@@ -4359,6 +4571,27 @@ CREATE VIEW pgsemaphore.live_slots AS
 
 
 --
+-- Name: rate_ledger; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.rate_ledger (
+    kind text NOT NULL,
+    limiter text NOT NULL,
+    key text NOT NULL,
+    seq bigint NOT NULL,
+    tokens double precision,
+    hits bigint,
+    previous_hits bigint,
+    stamp timestamp with time zone NOT NULL,
+    idle_at timestamp with time zone NOT NULL,
+    CONSTRAINT rate_ledger_key_length CHECK (((char_length(key) >= 1) AND (char_length(key) <= 256))),
+    CONSTRAINT rate_ledger_kind CHECK ((kind = ANY (ARRAY['token_bucket'::text, 'fixed_window'::text, 'sliding_window'::text]))),
+    CONSTRAINT rate_ledger_limiter_length CHECK (((char_length(limiter) >= 1) AND (char_length(limiter) <= 200)))
+)
+WITH (autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_insert_scale_factor='0.02', autovacuum_analyze_scale_factor='0.02');
+
+
+--
 -- Name: rate_limit_settings; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -4386,23 +4619,20 @@ END),
 
 
 --
--- Name: rate_limits; Type: TABLE; Schema: pgsemaphore; Owner: -
+-- Name: rate_limits; Type: VIEW; Schema: pgsemaphore; Owner: -
 --
 
-CREATE TABLE pgsemaphore.rate_limits (
-    kind text NOT NULL,
-    limiter text NOT NULL,
-    key text NOT NULL,
-    tokens double precision,
-    hits bigint,
-    previous_hits bigint,
-    stamp timestamp with time zone NOT NULL,
-    idle_at timestamp with time zone NOT NULL,
-    CONSTRAINT rate_limits_key_length CHECK (((char_length(key) >= 1) AND (char_length(key) <= 256))),
-    CONSTRAINT rate_limits_kind CHECK ((kind = ANY (ARRAY['token_bucket'::text, 'fixed_window'::text, 'sliding_window'::text]))),
-    CONSTRAINT rate_limits_limiter_length CHECK (((char_length(limiter) >= 1) AND (char_length(limiter) <= 200)))
-)
-WITH (fillfactor='80', autovacuum_vacuum_scale_factor='0.02', autovacuum_analyze_scale_factor='0.02');
+CREATE VIEW pgsemaphore.rate_limits AS
+ SELECT DISTINCT ON (l.kind, l.limiter, l.key) l.kind,
+    l.limiter,
+    l.key,
+    l.tokens,
+    l.hits,
+    l.previous_hits,
+    l.stamp,
+    l.idle_at
+   FROM pgsemaphore.rate_ledger l
+  ORDER BY l.kind, l.limiter, l.key, l.seq DESC;
 
 
 --
@@ -4550,19 +4780,19 @@ ALTER TABLE ONLY pgsemaphore.family_tiers
 
 
 --
+-- Name: rate_ledger rate_ledger_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.rate_ledger
+    ADD CONSTRAINT rate_ledger_pkey PRIMARY KEY (kind, limiter, key, seq);
+
+
+--
 -- Name: rate_limit_settings rate_limit_settings_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
 --
 
 ALTER TABLE ONLY pgsemaphore.rate_limit_settings
     ADD CONSTRAINT rate_limit_settings_pkey PRIMARY KEY (kind, limiter, key);
-
-
---
--- Name: rate_limits rate_limits_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
---
-
-ALTER TABLE ONLY pgsemaphore.rate_limits
-    ADD CONSTRAINT rate_limits_pkey PRIMARY KEY (kind, limiter, key);
 
 
 --
@@ -4753,6 +4983,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key 
 
 
 --
+-- Name: FUNCTION bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_tokens double precision, OUT o_stamp timestamp with time zone, OUT o_idle_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_tokens double precision, OUT o_stamp timestamp with time zone, OUT o_idle_at timestamp with time zone) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION check_bucket(p_rate double precision, p_burst double precision); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -4771,6 +5008,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.check_limiter_key(p_limiter text, p_key text)
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.check_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION check_limits_reserve(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.check_limits_reserve(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval) FROM PUBLIC;
 
 
 --
@@ -4813,6 +5057,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.checked_ids(p_ids bigint[]) FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.checked_interval(p_value interval, p_argument text, p_min interval, p_max interval, p_nullable boolean) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION checked_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.checked_limits(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint) FROM PUBLIC;
 
 
 --
@@ -4918,6 +5169,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.fast_commit() FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.fence(p_ids bigint[], p_token bytea) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) FROM PUBLIC;
 
 
 --
@@ -5068,6 +5326,20 @@ REVOKE ALL ON FUNCTION pgsemaphore.rate_limit_stored(p_kind text, p_limiter text
 
 
 --
+-- Name: FUNCTION rate_take(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval, p_n double precision, p_max_wait interval, p_stored boolean); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval, p_n double precision, p_max_wait interval, p_stored boolean) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION rate_take_all(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval, p_order integer[]); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.rate_take_all(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval, p_order integer[]) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION reap(); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -5086,6 +5358,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.reap_family_keys(p_batch integer) FROM PUBLIC
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.refuse(p_argument text, p_message text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION refuse_isolation(); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.refuse_isolation() FROM PUBLIC;
 
 
 --
@@ -5170,6 +5449,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.set_family_tier(p_family text, p_key text, p_
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.set_rate_limit(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) FROM PUBLIC;
 
 
 --

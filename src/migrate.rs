@@ -38,7 +38,7 @@ pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 /// The schema version this version of the crate builds and uses: what
 /// `pgsemaphore.schema_version()` returns once every file of `migrations/`
 /// is applied (one version per file).
-pub const SCHEMA_VERSION: i32 = 11;
+pub const SCHEMA_VERSION: i32 = 12;
 
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
@@ -775,7 +775,8 @@ mod tests {
                 "20261129000002_pgsemaphore_claim_all.sql",
                 "20261129000003_pgsemaphore_limiter_settings.sql",
                 "20261129000004_pgsemaphore_limiter_ledger.sql",
-                "20261129000005_pgsemaphore_fair_weights.sql"
+                "20261129000005_pgsemaphore_fair_weights.sql",
+                "20261129000006_pgsemaphore_rate_ledger.sql"
             ],
             "pending files are named as in migrations/"
         );
@@ -790,7 +791,8 @@ mod tests {
                 "20261129000002_pgsemaphore_claim_all.sql",
                 "20261129000003_pgsemaphore_limiter_settings.sql",
                 "20261129000004_pgsemaphore_limiter_ledger.sql",
-                "20261129000005_pgsemaphore_fair_weights.sql"
+                "20261129000005_pgsemaphore_fair_weights.sql",
+                "20261129000006_pgsemaphore_rate_ledger.sql"
             ]
         );
         assert!(pending_files(SCHEMA_VERSION).is_empty());

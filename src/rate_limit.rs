@@ -49,8 +49,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
 
-use crate::db::Db;
+use crate::db::{Db, Statement};
 use crate::error::{Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::LimiterMetrics;
@@ -268,34 +269,52 @@ impl Limiter {
         }
     }
 
-    async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
-        self.request(key, permits)?;
-        let limit = self.policy.limit();
-        let (name, key) = (self.name.clone(), key.to_owned());
-        let db = &self.db;
+    /// The statement of one request for `permits` of `key`: the kind's
+    /// check, or with `max_wait` its reservation (each answers three
+    /// columns: allowed, then remaining and retry-after for a check, wait
+    /// and remaining for a reservation).
+    fn statement(
+        &self,
+        key: &str,
+        permits: u32,
+        max_wait: Option<PgInterval>,
+    ) -> Result<Statement<(bool, i64, i64)>> {
+        let sql = match (self.policy, max_wait.is_some()) {
+            (Policy::TokenBucket { .. }, false) => TOKEN_BUCKET,
+            (Policy::TokenBucket { .. }, true) => TOKEN_BUCKET_RESERVE,
+            (Policy::FixedWindow { .. }, false) => FIXED_WINDOW,
+            (Policy::FixedWindow { .. }, true) => FIXED_WINDOW_RESERVE,
+            (Policy::SlidingWindow { .. }, false) => SLIDING_WINDOW,
+            (Policy::SlidingWindow { .. }, true) => SLIDING_WINDOW_RESERVE,
+        };
+        let query = self
+            .db
+            .query_as(sql)
+            .bind(self.name.clone())
+            .bind(key.to_owned());
         let query = match self.policy {
-            Policy::TokenBucket { rate, burst } => db
-                .query_as::<(bool, i64, i64)>(TOKEN_BUCKET)
-                .bind(name)
-                .bind(key)
+            Policy::TokenBucket { rate, burst } => query
                 .bind(rate)
                 .bind(f64::from(burst))
                 .bind(f64::from(permits)),
-            Policy::FixedWindow { limit, window } => db
-                .query_as(FIXED_WINDOW)
-                .bind(name)
-                .bind(key)
-                .bind(i64::from(limit))
-                .bind(validate::window(window)?)
-                .bind(i64::from(permits)),
-            Policy::SlidingWindow { limit, window } => db
-                .query_as(SLIDING_WINDOW)
-                .bind(name)
-                .bind(key)
-                .bind(i64::from(limit))
-                .bind(validate::window(window)?)
-                .bind(i64::from(permits)),
+            Policy::FixedWindow { limit, window } | Policy::SlidingWindow { limit, window } => {
+                query
+                    .bind(i64::from(limit))
+                    .bind(validate::window(window)?)
+                    .bind(i64::from(permits))
+            }
         };
+        Ok(match max_wait {
+            Some(max_wait) => query.bind(max_wait),
+            None => query,
+        })
+    }
+
+    async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
+        self.request(key, permits)?;
+        let limit = self.policy.limit();
+        let db = &self.db;
+        let query = self.statement(key, permits, None)?;
         match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us)) => {
                 self.metrics.decided(allowed);
@@ -337,32 +356,8 @@ impl Limiter {
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let max_wait = validate::rate_wait(left)?;
-            let (name, owned_key) = (self.name.clone(), key.to_owned());
             let db = &self.db;
-            let query = match self.policy {
-                Policy::TokenBucket { rate, burst } => db
-                    .query_as::<(bool, i64, i64)>(TOKEN_BUCKET_RESERVE)
-                    .bind(name)
-                    .bind(owned_key)
-                    .bind(rate)
-                    .bind(f64::from(burst))
-                    .bind(f64::from(permits)),
-                Policy::FixedWindow { limit, window } => db
-                    .query_as(FIXED_WINDOW_RESERVE)
-                    .bind(name)
-                    .bind(owned_key)
-                    .bind(i64::from(limit))
-                    .bind(validate::window(window)?)
-                    .bind(i64::from(permits)),
-                Policy::SlidingWindow { limit, window } => db
-                    .query_as(SLIDING_WINDOW_RESERVE)
-                    .bind(name)
-                    .bind(owned_key)
-                    .bind(i64::from(limit))
-                    .bind(validate::window(window)?)
-                    .bind(i64::from(permits)),
-            }
-            .bind(max_wait);
+            let query = self.statement(key, permits, Some(max_wait))?;
             let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
                 Ok(reply) => reply,
                 Err(error) => return self.failed(error).await,

@@ -418,8 +418,8 @@ async fn prune_walks_every_batch() -> TestResult {
     let db = support::migrated_db().await;
     // 12,000 keys at rest for a day, 3,000 not at rest for another hour.
     sqlx::query(
-        "INSERT INTO pgsemaphore.rate_limits (kind, limiter, key, tokens, stamp, idle_at) \
-         SELECT 'token_bucket', 'bulk', 'k' || i, 1, now() - interval '1 day', \
+        "INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, stamp, idle_at) \
+         SELECT 'token_bucket', 'bulk', 'k' || i, 1, 1, now() - interval '1 day', \
                 CASE WHEN i % 5 = 0 THEN now() + interval '1 hour' ELSE now() - interval '1 day' END \
            FROM generate_series(1, 15000) AS i",
     )

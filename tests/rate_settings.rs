@@ -127,15 +127,18 @@ async fn a_stored_limit_beats_the_code_s_in_every_process_with_no_extra_statemen
     let calls: Vec<(String, i64)> = sqlx::query_as(
         "SELECT funcname::text, calls FROM pg_stat_user_functions \
          WHERE schemaname = 'pgsemaphore' \
-           AND funcname IN ('token_bucket', 'rate_limit_stored', 'rate_limit_in_force', 'check_limits') \
+           AND funcname IN ('token_bucket', 'rate_take', 'rate_limit_stored', \
+                            'rate_limit_in_force', 'check_limits') \
          ORDER BY funcname",
     )
     .fetch_all(&db.pool)
     .await?;
+    // Since schema version 12 the settings are read by the engine's first
+    // statement (rate_take, once per check), with no function of their own.
     assert_eq!(
         calls,
         vec![
-            ("rate_limit_stored".to_owned(), 10),
+            ("rate_take".to_owned(), 10),
             ("token_bucket".to_owned(), 10)
         ],
         "10 checks: 10 calls of token_bucket, each reading the settings once inside it"
@@ -613,5 +616,138 @@ async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
         asked.elapsed() < Duration::from_secs(2),
         "the stored limit of 1 an hour was not applied: the code's 100 would admit at once"
     );
+    Ok(())
+}
+
+/// A set's waiting acquire (schema version 12) is admitted at one instant
+/// that every limit allows: 30 waiters against a token bucket of 10/s
+/// (burst 2) and a fixed window of 8 per second are admitted no faster than
+/// either allows. (A booking at a later instant must hold the bucket's
+/// tokens back from the checks before it: taking them at the decision let
+/// 4 through within 4 ms here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_s_waiting_acquires_never_pass_any_of_its_limits() -> TestResult {
+    const WAITERS: usize = 30;
+    let db = support::migrated_db().await;
+    let pools = [
+        support::another_pool(&db, 4).await,
+        support::another_pool(&db, 4).await,
+    ];
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..WAITERS)
+        .map(|i| {
+            let pool = &pools[i % pools.len()];
+            let fast = TokenBucket::builder("set-wait-bucket")
+                .rate(10.0)
+                .burst(2)
+                .build(pool)
+                .expect("valid bucket");
+            let slow = FixedWindow::builder("set-wait-window")
+                .permit_limit(8)
+                .window(Duration::from_secs(1))
+                .build(pool)
+                .expect("valid window");
+            tokio::spawn(async move {
+                let set = LimiterSet::new().with(&fast).with(&slow);
+                let decision = set.acquire("k", 1).await?;
+                assert!(decision.allowed && !decision.failed_open, "{decision:?}");
+                Ok::<_, Error>(Instant::now())
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for task in tasks {
+        admitted.push(task.await??);
+    }
+    admitted.sort();
+    let slack = Duration::from_millis(20);
+    for (i, first) in admitted.iter().enumerate() {
+        for (j, last) in admitted.iter().enumerate().skip(i) {
+            let span = *last - *first + slack;
+            let count = (j - i + 1) as f64;
+            // The bucket: burst + rate x span (+1 for the span's edges).
+            let bucket = 2.0 + 10.0 * span.as_secs_f64() + 1.0;
+            // The window: 8 per window of the key's grid, so at most 8 x
+            // (the windows a span touches).
+            let window = 8.0 * (span.as_secs_f64().floor() + 2.0);
+            assert!(
+                count <= bucket && count <= window,
+                "{count} admissions within {:?}",
+                *last - *first
+            );
+        }
+    }
+    // 30 permits at 8 per second: the last needs the fourth window.
+    let took = admitted[WAITERS - 1] - start;
+    assert!(
+        took >= Duration::from_secs(3) - slack,
+        "30 admitted in {took:?}: faster than 8 per second"
+    );
+    // Every limit counted every admission, and nothing more.
+    let hits: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(l.hits), 0)::bigint FROM pgsemaphore.rate_ledger l \
+          WHERE l.kind = 'fixed_window' AND l.limiter = 'set-wait-window' \
+            AND l.seq = (SELECT max(m.seq) FROM pgsemaphore.rate_ledger m \
+                          WHERE m.kind = l.kind AND m.limiter = l.limiter AND m.key = l.key)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(
+        (1..=8).contains(&hits),
+        "the window's last window has {hits}"
+    );
+    Ok(())
+}
+
+/// A set's waiting acquire that would wait past its timeout is refused at
+/// once, books nothing in any limit, and names the limit that decided; a
+/// pause of one limit is waited out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_s_acquire_times_out_at_once_taking_nothing_and_waits_out_a_pause() -> TestResult {
+    let db = support::migrated_db().await;
+    let roomy = bucket(&db.pool, "set-timeout-bucket", 5);
+    let full = window(&db.pool, "set-timeout-window", 1);
+    let set = LimiterSet::new().with(&roomy).with(&full);
+    assert!(set.acquire_timeout("k", 1, Duration::ZERO).await?.allowed);
+    let asked = Instant::now();
+    match set.acquire_timeout("k", 1, Duration::from_secs(60)).await {
+        Err(Error::Timeout {
+            waited_for: pg_semaphore::WaitedFor::RateLimit { limiter, key },
+            ..
+        }) => {
+            assert_eq!(
+                (limiter.as_str(), key.as_str()),
+                ("set-timeout-window", "k")
+            );
+        }
+        other => panic!("expected a timeout naming the window, got {other:?}"),
+    }
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "refused only after waiting"
+    );
+    // The bucket was charged once (the first acquire), not by the refusal.
+    assert_eq!(roomy.check("k", 1).await?.remaining, 3);
+
+    let other = bucket(&db.pool, "set-pause-bucket", 5);
+    let open = window(&db.pool, "set-pause-window", 5);
+    open.pause("k", Duration::from_millis(800)).await?;
+    let set = LimiterSet::new().with(&other).with(&open);
+    let asked = Instant::now();
+    assert!(
+        set.acquire_timeout("k", 1, Duration::from_secs(10))
+            .await?
+            .allowed
+    );
+    assert!(
+        asked.elapsed() >= Duration::from_millis(750),
+        "admitted during the pause, after {:?}",
+        asked.elapsed()
+    );
+    // An empty set is an argument error, before anything is sent.
+    assert!(matches!(
+        LimiterSet::new().acquire("k", 1).await,
+        Err(Error::InvalidArgument { .. })
+    ));
     Ok(())
 }

@@ -368,7 +368,10 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
             "INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease) VALUES ('x', 1, '1 s')",
             "DELETE FROM pgsemaphore.waiters",
             "DELETE FROM pgsemaphore.wakeups",
-            "UPDATE pgsemaphore.rate_limits SET tokens = 1000",
+            "UPDATE pgsemaphore.rate_ledger SET tokens = 1000",
+            "DELETE FROM pgsemaphore.rate_ledger",
+            "INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, stamp, idle_at) \
+             VALUES ('token_bucket', 'l', 'k', 1000000, 1000, now(), now())",
             "SELECT pgsemaphore.reap()",
             "SELECT * FROM pgsemaphore.force_release(1)",
             "SELECT * FROM pgsemaphore.configure('guarded', 100, NULL)",

@@ -9,8 +9,9 @@ use std::time::Duration;
 use sqlx::postgres::types::PgInterval;
 
 use super::{Decision, FixedWindow, Limiter, Policy, SlidingWindow, TokenBucket};
-use crate::error::{Error, Result};
-use crate::validate::{self, MAX_LIMITS};
+use crate::db::Statement;
+use crate::error::{Error, Result, WaitedFor};
+use crate::validate::{self, MAX_LIMITS, MAX_RATE_WAIT};
 
 /// `$8` permits against every limit `i` (kind `$1[i]`, limiter `$2[i]`, key
 /// `$3[i]`, with the token bucket's `$4[i]`, `$5[i]` or the window's `$6[i]`,
@@ -19,6 +20,15 @@ const CHECK_LIMITS: &str = "SELECT o_allowed, o_remaining, o_retry_after_us, o_d
                             FROM pgsemaphore.check_limits(p_kinds => $1, p_limiters => $2, \
                                 p_keys => $3, p_rates => $4, p_bursts => $5, p_limits => $6, \
                                 p_windows => $7, p_n => $8)";
+
+/// [`CHECK_LIMITS`] that waits: books `$8` permits in every limit at the
+/// earliest instant all admit them, provided it is within `$9`; answers how
+/// long to wait before acting (schema version 12).
+const CHECK_LIMITS_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining, o_deciding \
+                                    FROM pgsemaphore.check_limits_reserve(p_kinds => $1, \
+                                        p_limiters => $2, p_keys => $3, p_rates => $4, \
+                                        p_bursts => $5, p_limits => $6, p_windows => $7, \
+                                        p_n => $8, p_max_wait => $9)";
 
 mod sealed {
     /// The limiters a [`LimiterSet`](super::LimiterSet) takes.
@@ -140,12 +150,189 @@ impl LimiterSet {
     /// One statement: if cancelled, the check either happened (every limit
     /// charged) or did not.
     pub async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
+        let first = self.first()?;
+        let query = self.statement(CHECK_LIMITS, key, permits)?;
+        let db = &first.db;
+        match db.fetch_one(query).await {
+            Ok((allowed, remaining, retry_after_us, deciding)) => {
+                for (limiter, _) in &self.limits {
+                    limiter.metrics.decided(allowed);
+                }
+                Ok(Decision {
+                    allowed,
+                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                    retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
+                    limit: self.decider(deciding).0.policy.limit(),
+                    failed_open: false,
+                })
+            }
+            Err(error) if self.fails_open() => first.failed(error).await,
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Waits until every limit admits `permits` for `key` at the same
+    /// instant, then returns the admitting [`Decision`]:
+    /// [`acquire_timeout`](Self::acquire_timeout) with the longest wait that
+    /// can be booked, [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_timeout`](Self::acquire_timeout).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire_timeout`](Self::acquire_timeout).
+    pub async fn acquire(&self, key: &str, permits: u32) -> Result<Decision> {
+        self.acquire_within(key, permits, None).await
+    }
+
+    /// Waits until every limit admits `permits` for `key` at the same
+    /// instant, if that takes at most `timeout`, then returns the admitting
+    /// [`Decision`]; if it would take longer, returns [`Error::Timeout`] at
+    /// once, without waiting and without taking anything.
+    ///
+    /// One round trip per call (`pgsemaphore.check_limits_reserve`): the
+    /// database finds the earliest instant at which every limit admits the
+    /// permits, books them there in every limit (all or none, as
+    /// [`check`](Self::check) charges), and answers when that is; this
+    /// process sleeps until then. Each limit counts the admission at that
+    /// instant, so acting then never exceeds any of them. While a limit is
+    /// paused the call sleeps until the pause ends and books again.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use pg_semaphore::{FixedWindow, LimiterSet, TokenBucket};
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// let per_second = TokenBucket::builder("sms-s").rate(10.0).burst(10).build(&pool)?;
+    /// let per_day = FixedWindow::builder("sms-day")
+    ///     .permit_limit(1_000)
+    ///     .window(Duration::from_secs(86_400))
+    ///     .build(&pool)?;
+    /// let limits = LimiterSet::new().with(&per_second).with(&per_day);
+    /// limits.acquire_timeout("tenant-7", 1, Duration::from_secs(30)).await?;
+    /// // ... send the message ...
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`] naming
+    ///   the limiter that decided) at once when the permits would not be
+    ///   admitted within `timeout`; nothing was booked.
+    /// - [`Error::InvalidArgument`] as for [`check`](Self::check).
+    /// - [`Error::MigrationsMissing`] when the schema is older than version
+    ///   12 (no `check_limits_reserve`) or missing.
+    /// - [`Error::Database`] otherwise, unless every limiter of the set
+    ///   fails open (then an unreachable database admits at once).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future while the booking's statement is in flight
+    /// either books or does not; dropping it while it sleeps **forfeits the
+    /// booked permits** in every limit (they stay counted: the limits admit
+    /// less, never more).
+    pub async fn acquire_timeout(
+        &self,
+        key: &str,
+        permits: u32,
+        timeout: Duration,
+    ) -> Result<Decision> {
+        self.acquire_within(key, permits, Some(timeout)).await
+    }
+
+    async fn acquire_within(
+        &self,
+        key: &str,
+        permits: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Decision> {
+        let first = self.first()?;
+        let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
+        let started = tokio::time::Instant::now();
+        loop {
+            let left = budget.saturating_sub(started.elapsed());
+            let query = self
+                .statement(CHECK_LIMITS_RESERVE, key, permits)?
+                .bind(validate::rate_wait(left)?);
+            let (allowed, wait_us, remaining, deciding) = match first.db.fetch_one(query).await {
+                Ok(reply) => reply,
+                Err(error) if self.fails_open() => return first.failed(error).await,
+                Err(error) => return Err(error),
+            };
+            let wait = Duration::from_micros(wait_us.max(0) as u64);
+            let (decider, decider_key) = self.decider(deciding);
+            if allowed {
+                for (limiter, _) in &self.limits {
+                    limiter.metrics.decided(true);
+                }
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+                return Ok(Decision {
+                    allowed: true,
+                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                    retry_after: Duration::ZERO,
+                    limit: decider.policy.limit(),
+                    failed_open: false,
+                });
+            }
+            if wait.is_zero() || wait > left {
+                for (limiter, _) in &self.limits {
+                    limiter.metrics.decided(false);
+                }
+                return Err(Error::Timeout {
+                    waited_for: WaitedFor::RateLimit {
+                        limiter: decider.name.clone(),
+                        key: decider_key.unwrap_or(key).to_owned(),
+                    },
+                    timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+                });
+            }
+            // Refused within the caller's wait: a limit is paused until
+            // then (or the limits did not settle on an instant): again then.
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// The set's first limiter: its pool carries the statement.
+    fn first(&self) -> Result<&Arc<Limiter>> {
         let Some((first, _)) = self.limits.first() else {
             return Err(Error::invalid(
                 "limits",
                 "the set is empty: add limits with `.with(&limiter)`",
             ));
         };
+        Ok(first)
+    }
+
+    /// Whether an unreachable database admits: only if every limiter fails open.
+    fn fails_open(&self) -> bool {
+        self.limits.iter().all(|(l, _)| l.fail_open)
+    }
+
+    /// The limiter that decided (`deciding`, from 1, as the database
+    /// answers), and its own key if it has one.
+    fn decider(&self, deciding: i32) -> (&Arc<Limiter>, Option<&str>) {
+        usize::try_from(deciding - 1)
+            .ok()
+            .and_then(|i| self.limits.get(i))
+            .or_else(|| self.limits.first())
+            .map(|(limiter, own_key)| (limiter, own_key.as_deref()))
+            .expect("a set is checked only when it has limits")
+    }
+
+    /// `sql` (check_limits, or check_limits_reserve without its last
+    /// argument) with the set's arrays and `permits` bound.
+    fn statement(
+        &self,
+        sql: &'static str,
+        key: &str,
+        permits: u32,
+    ) -> Result<Statement<(bool, i64, i64, i32)>> {
+        let first = self.first()?;
         if self.limits.len() > MAX_LIMITS {
             return Err(Error::invalid(
                 "limits",
@@ -190,9 +377,9 @@ impl LimiterSet {
             limits.push(limit);
             windows.push(window);
         }
-        let db = &first.db;
-        let query = db
-            .query_as::<(bool, i64, i64, i32)>(CHECK_LIMITS)
+        Ok(first
+            .db
+            .query_as::<(bool, i64, i64, i32)>(sql)
             .bind(kinds)
             .bind(names)
             .bind(keys)
@@ -200,26 +387,6 @@ impl LimiterSet {
             .bind(bursts)
             .bind(limits)
             .bind(windows)
-            .bind(i64::from(permits));
-        match db.fetch_one(query).await {
-            Ok((allowed, remaining, retry_after_us, deciding)) => {
-                for (limiter, _) in &self.limits {
-                    limiter.metrics.decided(allowed);
-                }
-                let decider = usize::try_from(deciding - 1)
-                    .ok()
-                    .and_then(|i| self.limits.get(i))
-                    .map_or(first, |(limiter, _)| limiter);
-                Ok(Decision {
-                    allowed,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
-                    limit: decider.policy.limit(),
-                    failed_open: false,
-                })
-            }
-            Err(error) if self.limits.iter().all(|(l, _)| l.fail_open) => first.failed(error).await,
-            Err(error) => Err(error),
-        }
+            .bind(i64::from(permits)))
     }
 }
