@@ -10,10 +10,11 @@
 //! until it ends (a commit charges, a rollback charges nothing); every check
 //! refuses to run under REPEATABLE READ or SERIALIZABLE, whose snapshot
 //! could miss the previous holder's row; a key keeps a bounded number of
-//! rows whatever its traffic; pruning deletes keys at rest, skips a key in
-//! use and trims a live key to its state without changing it; the hard limit
-//! holds while another session holds the xmin horizon; and a key's state
-//! survives the upgrade from version 11.
+//! rows whatever its traffic; pruning deletes keys at rest, trims a live key
+//! to its state without changing it, never waits for a check in an open
+//! transaction and loses none; the hard limit holds while another session
+//! holds the xmin horizon; and a key's state survives the upgrade from
+//! version 11.
 //!
 //! Refill over a test's run is negligible where counts must be exact (a rate
 //! of one token per thousand seconds, windows of an hour); the tests that
@@ -298,9 +299,12 @@ async fn a_check_in_an_open_transaction_holds_back_no_other_key() -> TestResult 
     Ok(())
 }
 
-/// Every check function, with a capacity of 2 (bucket: burst 2, windows: 2
-/// per hour), asking for both permits of key `$1`: `(o_allowed, o_remaining)`.
-const CHECKS: [(&str, &str); 7] = [
+/// Every check function (the three checks, their reservations, and the
+/// multi-limit check and its reservation, version 12's
+/// `check_limits_reserve`), with a capacity of 2 (bucket: burst 2, windows:
+/// 2 per hour), asking for both permits of key `$1`: `(o_allowed,
+/// o_remaining)`.
+const CHECKS: [(&str, &str); 8] = [
     (
         "token_bucket",
         "SELECT o_allowed, o_remaining FROM pgsemaphore.token_bucket('iso', $1, 0.001, 2, 2)",
@@ -334,6 +338,13 @@ const CHECKS: [(&str, &str); 7] = [
              ARRAY['token_bucket', 'fixed_window'], ARRAY['iso', 'iso'], ARRAY[$1, $1], \
              ARRAY[0.001, NULL]::float8[], ARRAY[2, NULL]::float8[], \
              ARRAY[NULL, 2]::bigint[], ARRAY[NULL, '1 hour']::interval[], 2)",
+    ),
+    (
+        "check_limits_reserve",
+        "SELECT o_allowed, o_remaining FROM pgsemaphore.check_limits_reserve(\
+             ARRAY['token_bucket', 'fixed_window'], ARRAY['iso', 'iso'], ARRAY[$1, $1], \
+             ARRAY[0.001, NULL]::float8[], ARRAY[2, NULL]::float8[], \
+             ARRAY[NULL, 2]::bigint[], ARRAY[NULL, '1 hour']::interval[], 2, '1 s')",
     ),
 ];
 
@@ -451,36 +462,43 @@ async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
     Ok(())
 }
 
-/// Pruning, on keys of every kind: keys at rest lose every row; a key whose
-/// check is in an open transaction is skipped (its rows kept, and the prune
-/// does not wait for it), and once that commits its state is the check's;
-/// a live key with many rows (a hundred admissions) is trimmed to exactly
+/// Pruning, on keys of every kind: keys at rest lose every row; a key at
+/// rest whose next check is in an open transaction does not hold the prune
+/// up, and that check is not lost (once it commits, the key counts it); a
+/// live key with many rows (a hundred admissions) is trimmed to exactly
 /// one, its state unchanged, so the next check decides as it would have.
+/// The last prune is the SQL function's own walk, from a cursor of NULLs.
 #[tokio::test]
-async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> TestResult {
+async fn prune_deletes_keys_at_rest_loses_no_check_and_trims_live_keys() -> TestResult {
     const LIVE_CHECKS: i64 = 100;
     const LIMIT: i64 = 150;
     let db = support::migrated_db().await;
     let pool = &db.pool;
 
     // At rest within milliseconds: buckets refilling 1,000 tokens a second,
-    // windows of 20 ms (a few admissions each, so a few rows).
+    // windows of 20 ms; `$2` permits. Keys rest-1 and rest-2 take three
+    // single permits (three rows each); key held takes three at once (the
+    // bucket's level is then exactly 7, with no refill between checks).
     let quick = |kind: Kind| match kind {
-        Kind::Bucket => "SELECT o_allowed FROM pgsemaphore.token_bucket('quick', $1, 1000, 10, 1)",
+        Kind::Bucket => {
+            "SELECT o_allowed FROM pgsemaphore.token_bucket('quick', $1, 1000, 10, $2::float8)"
+        }
         Kind::Fixed => {
-            "SELECT o_allowed FROM pgsemaphore.fixed_window('quick', $1, 10, '20 ms', 1)"
+            "SELECT o_allowed FROM pgsemaphore.fixed_window('quick', $1, 10, '20 ms', $2)"
         }
         Kind::Sliding => {
-            "SELECT o_allowed FROM pgsemaphore.sliding_window('quick', $1, 10, '20 ms', 1)"
+            "SELECT o_allowed FROM pgsemaphore.sliding_window('quick', $1, 10, '20 ms', $2)"
         }
     };
     for kind in Kind::ALL {
-        for key in ["rest-1", "rest-2", "held"] {
-            for _ in 0..3 {
-                let _: bool = sqlx::query_scalar(quick(kind))
+        for (key, checks, permits) in [("rest-1", 3, 1), ("rest-2", 3, 1), ("held", 1, 3)] {
+            for _ in 0..checks {
+                let allowed: bool = sqlx::query_scalar(quick(kind))
                     .bind(key)
+                    .bind(permits as i64)
                     .fetch_one(pool)
                     .await?;
+                assert!(allowed, "{kind:?} {key}");
             }
         }
         for _ in 0..LIVE_CHECKS {
@@ -495,21 +513,21 @@ async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> T
     // Windows of 20 ms at most 40 ms after their last check; full buckets 10 ms.
     sleep(Duration::from_millis(200)).await;
 
-    // A check of each "held" key in a transaction left open.
+    // A check of each "held" key, at rest, in a transaction left open, with
+    // limits that keep it from rest for an hour: a rate of 0.001 (the
+    // bucket's level of 7 refills nothing worth a token), windows of an hour
+    // (the window that began with the first check, 3 permits in it).
     let mut holder = connect(&db).await?;
     sqlx::raw_sql("BEGIN").execute(&mut holder).await?;
     for kind in Kind::ALL {
-        assert!(
-            sqlx::query_scalar::<_, bool>(quick(kind))
-                .bind("held")
-                .fetch_one(&mut holder)
-                .await?
+        assert_eq!(
+            check(&mut holder, kind, "quick", "held", 10).await?,
+            (true, 6),
+            "{kind:?}"
         );
     }
-    let mut held_rows = Vec::new();
     let mut live_before = Vec::new();
     for kind in Kind::ALL {
-        held_rows.push(ledger_rows(pool, kind.name(), "quick", "held").await?);
         live_before.push(view_rows(pool, kind.name(), "live", "k").await?);
     }
 
@@ -529,12 +547,6 @@ async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> T
             );
             assert!(view_rows(pool, kind.name(), "quick", key).await?.is_empty());
         }
-        assert!(held_rows[i] >= 1);
-        assert_eq!(
-            ledger_rows(pool, kind.name(), "quick", "held").await?,
-            held_rows[i],
-            "{kind:?}: the prune did not skip the key in use"
-        );
         assert_eq!(
             ledger_rows(pool, kind.name(), "live", "k").await?,
             1,
@@ -553,24 +565,44 @@ async fn prune_deletes_keys_at_rest_skips_keys_in_use_and_trims_live_keys() -> T
         );
     }
 
-    // The open transaction commits: its checks are the keys' state.
+    // The open transaction commits: its checks are the keys' state. The
+    // next is the fifth permit of ten (3 before, the open one, this one).
     sqlx::raw_sql("COMMIT").execute(&mut holder).await?;
-    for (i, kind) in Kind::ALL.into_iter().enumerate() {
+    for kind in Kind::ALL {
         assert_eq!(
-            ledger_rows(pool, kind.name(), "quick", "held").await?,
-            held_rows[i] + 1,
+            view_rows(pool, kind.name(), "quick", "held").await?.len(),
+            1,
+            "{kind:?}"
+        );
+        assert_eq!(
+            check(pool, kind, "quick", "held", 10).await?,
+            (true, 5),
             "{kind:?}: the open check's admission was lost"
         );
-        let state = view_rows(pool, kind.name(), "quick", "held").await?;
-        assert_eq!(state.len(), 1, "{kind:?}");
     }
-    // At rest again, and no longer in use: the next prune deletes them.
-    sleep(Duration::from_millis(200)).await;
-    pg_semaphore::prune_rate_limits(pool, Duration::ZERO).await?;
-    for kind in Kind::ALL {
-        assert_eq!(ledger_rows(pool, kind.name(), "quick", "held").await?, 0);
-        assert_eq!(ledger_rows(pool, kind.name(), "live", "k").await?, 1);
-    }
+    // The SQL function from a cursor of three NULLs (from the first key):
+    // nothing else is at rest; every key is trimmed to its newest row.
+    let (deleted, cursor): (i64, Option<String>) = sqlx::query_as(
+        "SELECT o_deleted, o_kind FROM pgsemaphore.prune_rate_limits(interval '0', NULL, NULL, NULL, 1000)",
+    )
+    .fetch_one(pool)
+    .await?;
+    assert_eq!((deleted, cursor), (0, None));
+    let keys: Vec<(String, String, String, i64)> = sqlx::query_as(
+        "SELECT kind, limiter, key, count(*) FROM pgsemaphore.rate_ledger \
+          GROUP BY kind, limiter, key ORDER BY kind, limiter, key",
+    )
+    .fetch_all(pool)
+    .await?;
+    let expected: Vec<(String, String, String, i64)> =
+        ["fixed_window", "sliding_window", "token_bucket"]
+            .into_iter()
+            .flat_map(|kind| {
+                [("live", "k"), ("quick", "held")]
+                    .map(|(limiter, key)| (kind.to_owned(), limiter.to_owned(), key.to_owned(), 1))
+            })
+            .collect();
+    assert_eq!(keys, expected);
     Ok(())
 }
 
@@ -592,16 +624,30 @@ async fn prune_never_waits_for_an_open_check_that_trimmed_its_key() -> TestResul
         }
     }
     let mut holder = connect(&db).await?;
+    let holder_pid = backend_pid(&mut holder).await?;
     sqlx::raw_sql("BEGIN").execute(&mut holder).await?;
     for kind in Kind::ALL {
         assert!(check(&mut holder, kind, "trimming", "k", LIMIT).await?.0);
     }
-    timeout(
-        PATIENCE,
-        pg_semaphore::prune_rate_limits(pool, Duration::ZERO),
-    )
-    .await
-    .expect("the prune waited for the open transaction")?;
+    let prune = tokio::spawn({
+        let pool = pool.clone();
+        async move { pg_semaphore::prune_rate_limits(&pool, Duration::ZERO).await }
+    });
+    let pruning = &prune;
+    if !support::eventually(PATIENCE, || async move { pruning.is_finished() }).await {
+        // What it waits for, for the failure message.
+        let waits: Vec<(Option<String>, Option<String>, bool)> = sqlx::query_as(
+            "SELECT wait_event_type, wait_event, $1 = ANY (pg_blocking_pids(pid)) \
+               FROM pg_stat_activity \
+              WHERE query LIKE '%prune_rate_limits%' AND pid <> pg_backend_pid()",
+        )
+        .bind(holder_pid)
+        .fetch_all(pool)
+        .await?;
+        sqlx::raw_sql("COMMIT").execute(&mut holder).await?;
+        panic!("the prune waited for the open transaction (wait event, blocked by it): {waits:?}");
+    }
+    prune.await??;
     sqlx::raw_sql("COMMIT").execute(&mut holder).await?;
     for kind in Kind::ALL {
         let state = view_rows(pool, kind.name(), "trimming", "k").await?;
