@@ -120,7 +120,7 @@
 //!
 //! [`TokenBucket`] (Stripe's semantics), [`FixedWindow`] and [`SlidingWindow`]
 //! limit how many requests *start* per unit of time, per key (a user, an IP).
-//! Each check is one round trip to a SQL function that locks the key's row,
+//! Each check is one round trip to a SQL function that locks the key,
 //! reads the database clock and returns a [`Decision`] (`allowed`,
 //! `remaining`, `retry_after`), so concurrent processes never admit more than
 //! the limit. Keys are created on first use; [`prune_rate_limits`] (or a

@@ -1,31 +1,27 @@
 //! Rate limiters on PostgreSQL: token bucket, fixed window, sliding window.
 //!
-//! The state of every key lives in one row of `pgsemaphore.rate_limits`,
-//! created by the key's first check. A check is one call of one SQL function
-//! (one round trip) that locks the key's row, reads the database clock and
-//! decides, so concurrent checks from any number of processes never admit
-//! more than the limit. The functions are `pgsemaphore.token_bucket`,
-//! `fixed_window` and `sliding_window`: their argument checks open their
-//! bodies in `migrations/20261124000001_pgsemaphore_validated_api.sql`; the
-//! arithmetic they call (`token_bucket_unchecked`, ...) and the rules of the
-//! `rate_limits` table (one row lock per key, the database's clock, rows at
-//! rest) are the comments above `CREATE TABLE pgsemaphore.rate_limits` and
-//! above each limiter in `migrations/20261122000001_pgsemaphore.sql`, where
-//! they were created under their first names (the schema dump keeps no
-//! comment outside a function body).
+//! The state of every key is the newest of its rows in
+//! `pgsemaphore.rate_ledger` (schema version 12), created by the key's first
+//! check. A check is one call of one SQL function (one round trip) that
+//! takes the key's transaction-level advisory lock, reads the key's newest
+//! row, reads the database clock, decides, and when it admits inserts the
+//! next state as a new row (a refusal writes nothing; no row is ever
+//! updated, so a long transaction elsewhere does not slow it). Concurrent
+//! checks from any number of processes queue on the key's lock and never
+//! admit more than the limit. The functions are `pgsemaphore.token_bucket`,
+//! `fixed_window` and `sliding_window`; they and their reservations run on
+//! one engine, `rate_take`, with the arithmetic of each kind in a pure
+//! function (`bucket_step`, `fixed_step`, `sliding_step`), all in
+//! `migrations/20261129000006_pgsemaphore_rate_ledger.sql`, whose header and
+//! function comments state the invariants and the transactions each meets.
 //!
-//! A token bucket can also wait ([`TokenBucket::acquire`]): one call of
-//! `pgsemaphore.token_bucket_reserve` (schema version 6,
-//! `migrations/20261128000001_pgsemaphore_waiting_bucket.sql`, whose header
-//! states its invariant) reserves the tokens, even ahead of the refill, and
-//! answers when they will be there; the caller sleeps until then. The
-//! windows wait the same way ([`FixedWindow::acquire`],
-//! [`SlidingWindow::acquire`]): `pgsemaphore.fixed_window_reserve` and
-//! `sliding_window_reserve` (schema version 10,
-//! `migrations/20261129000004_pgsemaphore_limiter_ledger.sql`) book the
-//! permits in the first window with room and answer when it opens; the
-//! windows' arithmetic, plain checks included, is `fixed_window_book` and
-//! `sliding_window_book` there, whose headers state their invariants.
+//! Every limiter can also wait ([`TokenBucket::acquire`],
+//! [`FixedWindow::acquire`], [`SlidingWindow::acquire`]): one call of the
+//! kind's reservation (`token_bucket_reserve`, schema version 6;
+//! `fixed_window_reserve` and `sliding_window_reserve`, version 10) books
+//! the permits at the earliest instant the limit admits them, even ahead of
+//! a refill or in a later window, and answers when that is; the caller
+//! sleeps until then.
 //!
 //! Since schema version 9 the limits a handle is built with are
 //! **defaults**: an operator may store a limiter's limits, or one key's, in
@@ -610,7 +606,7 @@ macro_rules! window_limiter {
             /// clock, so it is admitted no earlier than the database allows
             /// (later by the reply's latency). Waiters are admitted in the
             /// order they reserved, with no polling and no stampede on the
-            /// key's row when a window opens, and never more than
+            /// key's lock when a window opens, and never more than
             /// [`permit_limit`](Self::permit_limit) permits in one window of
             /// the key's grid, plain [`check`](Self::check)s included. A
             /// `check` is refused while permits are booked in a window that
@@ -689,7 +685,7 @@ macro_rules! window_limiter {
 /// `rate` tokens per second; a check takes `permits` tokens if the bucket has
 /// them and takes nothing otherwise. A key's first check finds a full bucket,
 /// so a burst of `burst` requests passes at once, then `rate` per second.
-/// Time is the database's clock, read after the key's row is locked.
+/// Time is the database's clock, read after the key's lock is taken.
 ///
 /// A cheap handle (an [`Arc`] inside): clone it freely. The rate and burst
 /// it is built with are defaults: a rate and burst an operator stored for
@@ -742,7 +738,7 @@ impl TokenBucketBuilder {
 
     common_builder_methods!();
 
-    /// Validates the settings. Nothing is written: each key's row is created
+    /// Validates the settings. Nothing is written: each key's state is created
     /// by its first check.
     ///
     /// # Errors
@@ -864,7 +860,7 @@ impl TokenBucket {
     /// that instant, counted from the reply on its own clock, so it is
     /// admitted no earlier than the database allows (later by the reply's
     /// latency). Waiters are admitted in the order they reserved, at the
-    /// bucket's rate, with no polling and no stampede on the key's row when
+    /// bucket's rate, with no polling and no stampede on the key's lock when
     /// tokens come back; over any interval of length `d` a key admits at most
     /// `burst + rate × d` tokens, plain [`check`](Self::check)s included. A
     /// `check` is refused while reservations are outstanding: reservations
@@ -1089,7 +1085,7 @@ impl<L> WindowBuilder<L> {
 
 #[allow(private_bounds)]
 impl<L: WindowLimiter> WindowBuilder<L> {
-    /// Validates the settings. Nothing is written: each key's row is created
+    /// Validates the settings. Nothing is written: each key's state is created
     /// by its first check.
     ///
     /// # Errors

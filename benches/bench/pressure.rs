@@ -34,7 +34,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Semaphore, SlidingWindow, TokenBucket};
+use pg_semaphore::{
+    AdvisorySemaphore, Error, FixedWindow, Mutex, Semaphore, SlidingWindow, TokenBucket,
+};
 use serde_json::json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::io::AsyncReadExt;
@@ -68,6 +70,7 @@ pub const P_RAW: &str = "raw advisory-lock cycle";
 pub const P_UPDATE_HOT: &str = "bare UPDATE counter row (hot key)";
 pub const P_BUCKET_HOT: &str = "TokenBucket (hot key)";
 pub const P_SLIDING_HOT: &str = "SlidingWindow (hot key)";
+pub const P_FIXED_HOT: &str = "FixedWindow (hot key)";
 pub const P_GCRA_ROW: &str = "prototype: GCRA, one row (hot key)";
 pub const P_GCRA_LEDGER: &str = "prototype: GCRA ledger (hot key)";
 pub const P_SLIDING_LEDGER: &str = "prototype: sliding window ledger (hot key)";
@@ -75,7 +78,7 @@ pub const P_SLIDING_LEDGER: &str = "prototype: sliding window ledger (hot key)";
 /// named in `--designs`).
 const DESIGNS: [&str; 6] = [P_LEASE, P_ADVISORY, P_MUTEX, P_BUCKET, P_COUNTER, P_RAW];
 /// Every design and the short name `--designs` takes, in the order they run.
-const ALL_DESIGNS: [(&str, &str); 12] = [
+const ALL_DESIGNS: [(&str, &str); 13] = [
     (P_LEASE, "lease"),
     (P_ADVISORY, "advisory"),
     (P_MUTEX, "mutex"),
@@ -85,6 +88,7 @@ const ALL_DESIGNS: [(&str, &str); 12] = [
     (P_UPDATE_HOT, "update-hot"),
     (P_BUCKET_HOT, "bucket-hot"),
     (P_SLIDING_HOT, "sliding-hot"),
+    (P_FIXED_HOT, "fixed-hot"),
     (P_GCRA_ROW, "gcra-row"),
     (P_GCRA_LEDGER, "gcra-ledger"),
     (P_SLIDING_LEDGER, "sliding-ledger"),
@@ -650,6 +654,19 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
         }
         P_SLIDING_HOT => {
             let limiter = SlidingWindow::builder(unique("bench-pressure-sliding-hot"))
+                .permit_limit(1_000_000_000)
+                .window(Duration::from_secs(1))
+                .build(pool)?;
+            Arc::new(move |_, _| {
+                let limiter = limiter.clone();
+                Box::pin(async move {
+                    let _allowed = limiter.check("hot", 1).await?.allowed;
+                    Ok(Outcome::Done)
+                })
+            })
+        }
+        P_FIXED_HOT => {
+            let limiter = FixedWindow::builder(unique("bench-pressure-fixed-hot"))
                 .permit_limit(1_000_000_000)
                 .window(Duration::from_secs(1))
                 .build(pool)?;

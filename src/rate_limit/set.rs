@@ -1,7 +1,8 @@
 //! Several limits in one check ([`LimiterSet`]): one call of
-//! `pgsemaphore.check_limits`, which checks each limit with its own
-//! function, in a canonical order, and charges all or none (its header
-//! states the invariant and what it meets).
+//! `pgsemaphore.check_limits` (or, waiting, `check_limits_reserve`), which
+//! locks every key in one order for every caller, decides each limit as its
+//! kind's check would, and charges all or none (the engine,
+//! `pgsemaphore.rate_take_all`, states the invariant and what it meets).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,10 +67,11 @@ set_member!(SlidingWindow);
 /// For example 100 per second, 1,000 per hour and 10,000 per day on the
 /// same key, or a per-key limit and a global one (a limit added with
 /// [`with_key`](Self::with_key) always checks that key). One round trip:
-/// the database locks the limits' rows in one canonical order (two sets
-/// never deadlock, whatever order they list their limits in) and checks
-/// each with its own limiter's function, so stored limits and pauses apply
-/// as in a single [`check`](TokenBucket::check).
+/// the database locks the limits' keys in one order for every caller (two
+/// sets never deadlock, whatever order they list their limits in) and
+/// decides each as its own limiter's check would, so stored limits and
+/// pauses apply as in a single [`check`](TokenBucket::check). A set can
+/// wait too ([`acquire`](Self::acquire)).
 ///
 /// ```no_run
 /// use std::time::Duration;
