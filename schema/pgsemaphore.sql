@@ -2737,7 +2737,7 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --      previous holder committed it (none: a full bucket, empty windows);
 --   4. the kind's step function decides, with the clock read after the lock;
 --   5. admitted: the new state as row seq + 1; refused: nothing written.
---      On a seq divisible by 64, the rows 64 to 128 behind it go.
+--      On a seq divisible by 16, the rows 16 to 32 behind it go.
 -- Invariant: the decisions are those of the row-locked versions (the same
 -- step, on the state the previous decision left, in the order the lock
 -- serves them); a refused decision's writes there (refill, roll forward)
@@ -2855,9 +2855,9 @@ BEGIN
             VALUES (p_kind, p_limiter, p_key, v_seq, w.o_hits, w.o_previous, w.o_start, w.o_idle_at);
         END IF;
     END IF;
-    -- The trim: every 64th row of a key.
-    IF o_allowed AND v_seq % 64 = 0 THEN
-        PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 128, v_seq - 64);
+    -- The trim: every 16th row of a key.
+    IF o_allowed AND v_seq % 16 = 0 THEN
+        PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 32, v_seq - 16);
     END IF;
     RETURN NEXT;
 END;
@@ -3077,9 +3077,9 @@ BEGIN
            n_tokens[g.i], n_hits[g.i], n_prev[g.i], n_stamp[g.i], n_idle[g.i]
       FROM generate_subscripts(p_kinds, 1) AS g(i);
     FOR v_i IN 1 .. v_count LOOP
-        IF (coalesce(v_seq[v_i], 0) + 1) % 64 = 0 THEN
+        IF (coalesce(v_seq[v_i], 0) + 1) % 16 = 0 THEN
             PERFORM pgsemaphore.rate_trim(p_kinds[v_i], p_limiters[v_i], p_keys[v_i],
-                                          v_seq[v_i] + 1 - 128, v_seq[v_i] + 1 - 64);
+                                          v_seq[v_i] + 1 - 32, v_seq[v_i] + 1 - 16);
         END IF;
     END LOOP;
     RETURN NEXT;

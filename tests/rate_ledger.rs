@@ -409,12 +409,12 @@ async fn every_check_refuses_a_snapshot_older_than_its_statement() -> TestResult
 }
 
 /// A key keeps a bounded number of rows whatever its traffic: 1,000
-/// admitted checks of one key leave at most 130 of its rows in the ledger
+/// admitted checks of one key leave at most 34 of its rows in the ledger
 /// (and never more along the way), and the view shows one row, its state.
 #[tokio::test]
 async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
     const CHECKS: u32 = 1_000;
-    const BOUND: i64 = 130;
+    const BOUND: i64 = 34;
     let db = support::migrated_db().await;
     let fixed = FixedWindow::builder("busy")
         .permit_limit(10 * CHECKS)
@@ -437,7 +437,7 @@ async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
                 Kind::Sliding => sliding.check("k", 1).await?,
             };
             assert!(decision.allowed, "{kind:?}: check {i} refused");
-            if i % 16 == 0 {
+            if i % 4 == 0 {
                 most = most.max(ledger_rows(&db.pool, kind.name(), "busy", "k").await?);
             }
         }
