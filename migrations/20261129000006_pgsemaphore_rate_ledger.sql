@@ -583,6 +583,7 @@ DECLARE
     v_wait    bigint;
     v_left    bigint;
     v_i       integer;
+    r         record;
     b         record;
     f         record;
     w         record;
@@ -591,25 +592,34 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM pgsemaphore.refuse_isolation();
     END IF;
-    -- 2.
-    SELECT array_agg(st.rate ORDER BY o.i), array_agg(st.burst ORDER BY o.i),
-           array_agg(st.lim ORDER BY o.i), array_agg(st.win ORDER BY o.i),
-           array_agg(st.paused ORDER BY o.i)
-      INTO v_srates, v_sbursts, v_slimits, v_swins, v_paused
-      FROM (SELECT g.i, hashtext(p_kinds[g.i] || '/' || p_limiters[g.i] || '/' || p_keys[g.i]) AS h
-              FROM generate_subscripts(p_kinds, 1) AS g(i)
-             ORDER BY 2
-            OFFSET 0) AS o
-     CROSS JOIN LATERAL pg_advisory_xact_lock(1885828967, o.h) AS lock
-      LEFT JOIN LATERAL (
-            SELECT (array_agg(s.rate ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1] AS rate,
-                   (array_agg(s.burst ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1] AS burst,
-                   (array_agg(s.permit_limit ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1] AS lim,
-                   (array_agg(s.window_length ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1] AS win,
-                   max(s.paused_until) AS paused
-              FROM pgsemaphore.rate_limit_settings s
-             WHERE s.kind = p_kinds[o.i] AND s.limiter = p_limiters[o.i] AND s.key IN (p_keys[o.i], '')) AS st
-        ON true;
+    -- 2. (A loop over the statement's rows, each put at its limit's index:
+    -- no aggregate, whose sorts cost more than the rows.)
+    FOR r IN
+        SELECT o.i, st.rate, st.burst, st.lim, st.win, st.paused
+          FROM (SELECT g.i, hashtext(p_kinds[g.i] || '/' || p_limiters[g.i] || '/' || p_keys[g.i]) AS h
+                  FROM generate_subscripts(p_kinds, 1) AS g(i)
+                 ORDER BY 2
+                OFFSET 0) AS o
+         CROSS JOIN LATERAL pg_advisory_xact_lock(1885828967, o.h) AS lock
+          LEFT JOIN LATERAL (
+                SELECT CASE WHEN k.rate IS NOT NULL THEN k.rate ELSE l.rate END AS rate,
+                       CASE WHEN k.rate IS NOT NULL THEN k.burst ELSE l.burst END AS burst,
+                       CASE WHEN k.permit_limit IS NOT NULL THEN k.permit_limit ELSE l.permit_limit END AS lim,
+                       CASE WHEN k.permit_limit IS NOT NULL THEN k.window_length ELSE l.window_length END AS win,
+                       greatest(k.paused_until, l.paused_until) AS paused
+                  FROM (SELECT 1) AS one
+                  LEFT JOIN pgsemaphore.rate_limit_settings k
+                    ON k.kind = p_kinds[o.i] AND k.limiter = p_limiters[o.i] AND k.key = p_keys[o.i]
+                  LEFT JOIN pgsemaphore.rate_limit_settings l
+                    ON l.kind = p_kinds[o.i] AND l.limiter = p_limiters[o.i] AND l.key = '') AS st
+            ON true
+    LOOP
+        v_srates[r.i] := r.rate;
+        v_sbursts[r.i] := r.burst;
+        v_slimits[r.i] := r.lim;
+        v_swins[r.i] := r.win;
+        v_paused[r.i] := r.paused;
+    END LOOP;
     v_now := clock_timestamp();
     o_allowed := true;
     o_wait_us := 0;
@@ -639,18 +649,24 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    -- 3.
-    SELECT array_agg(l.seq ORDER BY g.i), array_agg(l.tokens ORDER BY g.i), array_agg(l.hits ORDER BY g.i),
-           array_agg(l.previous_hits ORDER BY g.i), array_agg(l.stamp ORDER BY g.i)
-      INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
-      FROM generate_subscripts(p_kinds, 1) AS g(i)
-      LEFT JOIN LATERAL (
-            SELECT r.seq, r.tokens, r.hits, r.previous_hits, r.stamp
-              FROM pgsemaphore.rate_ledger r
-             WHERE r.kind = p_kinds[g.i] AND r.limiter = p_limiters[g.i] AND r.key = p_keys[g.i]
-             ORDER BY r.seq DESC
-             LIMIT 1) AS l
-        ON true;
+    -- 3. (The same kind of loop.)
+    FOR r IN
+        SELECT g.i, l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
+          FROM generate_subscripts(p_kinds, 1) AS g(i)
+          JOIN LATERAL (
+                SELECT q.seq, q.tokens, q.hits, q.previous_hits, q.stamp
+                  FROM pgsemaphore.rate_ledger q
+                 WHERE q.kind = p_kinds[g.i] AND q.limiter = p_limiters[g.i] AND q.key = p_keys[g.i]
+                 ORDER BY q.seq DESC
+                 LIMIT 1) AS l
+            ON true
+    LOOP
+        v_seq[r.i] := r.seq;
+        v_tokens[r.i] := r.tokens;
+        v_hits[r.i] := r.hits;
+        v_prev[r.i] := r.previous_hits;
+        v_stamp[r.i] := r.stamp;
+    END LOOP;
     -- 4.
     v_now := clock_timestamp();
     v_from := v_now;
