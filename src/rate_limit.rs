@@ -981,7 +981,7 @@ window_limiter!(
 /// [`FixedWindow`]). A check estimates the permits of the last window's length
 /// as `previous × (1 − elapsed / window) + current`, assuming the previous
 /// window's permits were spread evenly over it, and admits when the estimate
-/// plus `permits` stays within the limit. This needs one row per key and O(1)
+/// plus `permits` stays within the limit. This needs one state per key and O(1)
 /// work per check (the .NET limiter divides the window into segments
 /// instead). Never more than `permit_limit` are granted in one window of the
 /// grid, and a burst right after a boundary is held back by the previous
