@@ -6,7 +6,7 @@
 -- leaves a dead version behind, and while any transaction holds the xmin
 -- horizon back (a long query, pg_dump, a replica's hot_standby_feedback)
 -- none of them can be removed: a hot key's checks walked an ever longer
--- chain of versions and fell to 0.08x-0.13x of their rate within minutes
+-- chain of versions and fell to 0.08x-0.14x of their rate within minutes
 -- (BENCHMARKS.md, the pressure workload). Now:
 --   * table pgsemaphore.rate_ledger holds a key's states as rows numbered by
 --     seq; the newest (highest seq) is the key's state. An admitted check
@@ -30,11 +30,11 @@
 --   * old rows go in batches: the admission that writes a seq divisible by
 --     16 deletes the key's rows 16 to 32 behind it (the range, not "all
 --     older": under a held horizon the older ones are deleted but not yet
---     removed, and a range scan over them is what collapsed). A key keeps at
---     most 32 rows whatever its traffic (a smaller table is a faster one: 128
---     rows per key measured about a fifth slower in pgbench); prune_rate_limits deletes the
---     rest of every key it scans, and keys at rest entirely, as before (it
---     takes no lock: it deletes only up to the newest row it read);
+--     removed, and a scan of "all older" would visit every one of them). A
+--     key keeps at most 32 rows whatever its traffic; prune_rate_limits
+--     deletes the rest of every key it scans, and keys at rest entirely, as
+--     before (it takes no lock: it deletes only up to the newest row it
+--     read);
 --   * pgsemaphore.rate_limits becomes a view of the newest row per key, with
 --     the table's columns; the table's rows are moved into the ledger (seq
 --     1), so every key keeps its state across the upgrade;
@@ -396,7 +396,10 @@ AS $$
 -- step, on the state the previous decision left, in the order the lock
 -- serves them); a refused decision's writes there (refill, roll forward)
 -- are recomputed here by the next decision from the same row, with the same
--- result, since both are functions of the row, the clock and the limits.
+-- result, since both are functions of the row, the clock and the limits (a
+-- stored limit changed in between applies from the row's instant rather
+-- than from the refused check's: the difference is the refill of that
+-- interval at the old rate or the new one).
 -- Meets:
 --   * checks, reservations and multi-limit checks of the key: they queue on
 --     the advisory lock (a multi-limit check holds it to its end, as a
@@ -408,8 +411,9 @@ AS $$
 --     reads the first's row;
 --   * the trim of step 5 or prune_rate_limits deleting old rows: never the
 --     newest, which is all a check reads; neither waits for the other
---     (rate_trim skips rows another transaction is deleting); prune deleting a key at rest: it
---     deletes only up to the newest row it read, so a check reads that row
+--     (rate_trim skips rows another transaction is deleting). Prune
+--     deleting a key at rest deletes only up to the newest row it read, so
+--     a check reads that row
 --     (at rest) or none (a full bucket, empty windows: the same admissions),
 --     and a row a check commits after prune's read stays, as the state;
 --   * a stored limit's change or a pause committed after step 2's snapshot:

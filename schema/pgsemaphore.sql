@@ -2742,7 +2742,10 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 -- step, on the state the previous decision left, in the order the lock
 -- serves them); a refused decision's writes there (refill, roll forward)
 -- are recomputed here by the next decision from the same row, with the same
--- result, since both are functions of the row, the clock and the limits.
+-- result, since both are functions of the row, the clock and the limits (a
+-- stored limit changed in between applies from the row's instant rather
+-- than from the refused check's: the difference is the refill of that
+-- interval at the old rate or the new one).
 -- Meets:
 --   * checks, reservations and multi-limit checks of the key: they queue on
 --     the advisory lock (a multi-limit check holds it to its end, as a
@@ -2754,8 +2757,9 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --     reads the first's row;
 --   * the trim of step 5 or prune_rate_limits deleting old rows: never the
 --     newest, which is all a check reads; neither waits for the other
---     (rate_trim skips rows another transaction is deleting); prune deleting a key at rest: it
---     deletes only up to the newest row it read, so a check reads that row
+--     (rate_trim skips rows another transaction is deleting). Prune
+--     deleting a key at rest deletes only up to the newest row it read, so
+--     a check reads that row
 --     (at rest) or none (a full bucket, empty windows: the same admissions),
 --     and a row a check commits after prune's read stays, as the state;
 --   * a stored limit's change or a pause committed after step 2's snapshot:
