@@ -1,8 +1,9 @@
 //! What holds back VACUUM on the database's tables: the oldest snapshot or
 //! transaction id still needed, and who holds it ([`horizon`]).
 //!
-//! The lease semaphore and the rate limiters update rows on every call; the
-//! row versions they leave behind can only be removed once no transaction
+//! The lease semaphore updates rows on every call (the rate limiters, since
+//! schema version 12, only insert, and read each key's newest row); the
+//! row versions it leaves behind can only be removed once no transaction
 //! that might still see them is running. One long query, an `idle in
 //! transaction` session, a `pg_dump`, a prepared transaction or a
 //! replication slot holds that *xmin horizon* for the whole database, and
@@ -173,7 +174,7 @@ struct Row {
 /// Every session running a statement holds the horizon for that statement:
 /// a young holder is normal. What matters is `held_for` (or, when it is not
 /// visible, an `age_xids` that keeps growing): minutes mean the lease
-/// semaphore and the rate limiters are slowing down by the second.
+/// semaphore is slowing down by the second.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {

@@ -181,9 +181,8 @@ impl ReaperBuilder {
     /// Warn (`tracing` WARN, target `pg_semaphore::reaper`) when one session,
     /// replication slot or prepared transaction has held back VACUUM's xmin
     /// horizon for longer than `after` (default [`DEFAULT_HORIZON_WARNING`],
-    /// five minutes): while it does, every row the lease semaphore and the
-    /// rate limiters update leaves a version nobody can remove, and they slow
-    /// down by the minute. The warning names the holder (pid, user,
+    /// five minutes): while it does, every row the lease semaphore updates
+    /// leaves a version nobody can remove, and it slows down by the minute. The warning names the holder (pid, user,
     /// application, state) and repeats at most once per `after` while the
     /// same holder stays. `None` turns the check off.
     ///
@@ -365,9 +364,8 @@ fn warn_horizon(holder: &HorizonHolder, held_for: Duration) {
         name = holder.name.as_deref(),
         held_for_s = held_for.as_secs(),
         age_xids = holder.age_xids,
-        "VACUUM has been held back for {} s by {}: the lease semaphore and the rate limiters \
-         slow down until it ends (pg-semaphore doctor names it; see the README, \
-         \"Two semaphores\")",
+        "VACUUM has been held back for {} s by {}: the lease semaphore slows down until it \
+         ends (pg-semaphore doctor names it; see the README, \"Two semaphores\")",
         held_for.as_secs(),
         holder,
     );

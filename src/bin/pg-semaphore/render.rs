@@ -379,8 +379,9 @@ pub(crate) fn doctor_text(holder: Option<&HorizonHolder>) -> String {
         }
     );
     out.push_str(
-        "  while a holder stays for minutes, the lease semaphore and the rate limiters slow \
-         down (AdvisorySemaphore and Mutex write no rows: they do not)\n",
+        "  while a holder stays for minutes, the lease semaphore slows down (AdvisorySemaphore \
+         and Mutex write no rows, the rate limiters read only each key's newest row: they do \
+         not)\n",
     );
     out
 }
