@@ -258,6 +258,7 @@ RETURNS TABLE (o_capacity integer, o_default_lease interval, o_created boolean,
                o_queue_lifo boolean)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Opens a semaphore: creates it with this capacity, default lease and queue
@@ -267,6 +268,9 @@ AS $$
 -- force.
 -- Arguments: p_name 1..200 characters; p_capacity 1..100000; p_lease
 -- 10 ms..366 days; p_queue_lifo not NULL.
+-- Waits: the name's creation lock (one_kind_per_name, an advisory key any
+-- role can take) and the row of a concurrent creator, each at most
+-- lock_timeout (2 s), then 55P03 and nothing created.
 BEGIN
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
@@ -1397,6 +1401,7 @@ RETURNS TABLE (o_capacity integer, o_default_lease interval, o_previous_capacity
                o_queue_lifo boolean)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Creates a semaphore or changes its capacity, default lease and queue
@@ -1473,6 +1478,7 @@ CREATE OR REPLACE FUNCTION pgsemaphore.force_release(p_id bigint)
 RETURNS TABLE (o_outcome text, o_semaphore text, o_at timestamptz)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Ends a claim by id, whoever holds it (an operator freeing a stuck slot).
@@ -1519,6 +1525,7 @@ CREATE FUNCTION pgsemaphore.clear_queue(p_semaphore text)
 RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Removes every waiter of p_semaphore's queue (a waiter that blocks the

@@ -50,18 +50,47 @@ AS $$ SELECT 3, 2 $$;
 --   peak_capacity > capacity, a claim counts every held slot below
 --   peak_capacity (see advisory_claim), and the claim that finds all of
 --   them above capacity free lowers it back.
+--   highest_capacity: the highest capacity the semaphore has had, kept by a
+--   trigger (advisory_highest_capacity): every slot ever held lies below
+--   it, so the audit log (advisory_log) accepts only slots below it. A
+--   holder's row may be written after a drop has ended (peak_capacity
+--   lowered again), so peak_capacity alone would refuse an honest row.
 CREATE TABLE pgsemaphore.advisory_semaphores (
     name          text        PRIMARY KEY,
     capacity      integer     NOT NULL,
     peak_capacity integer     NOT NULL,
+    highest_capacity integer  NOT NULL DEFAULT 1,
     key_base      bigint      NOT NULL GENERATED ALWAYS AS
                   (hashtextextended(name, 0) & ~1048575::bigint) STORED,
     created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
     updated_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
     CONSTRAINT advisory_semaphores_name_length CHECK (char_length(name) BETWEEN 1 AND 200),
     CONSTRAINT advisory_semaphores_capacity_range CHECK (capacity BETWEEN 1 AND 100000),
-    CONSTRAINT advisory_semaphores_peak CHECK (peak_capacity BETWEEN capacity AND 100000)
+    CONSTRAINT advisory_semaphores_peak CHECK (peak_capacity BETWEEN capacity AND 100000),
+    CONSTRAINT advisory_semaphores_highest CHECK (highest_capacity BETWEEN peak_capacity AND 100000)
 );
+
+-- Keeps advisory_semaphores.highest_capacity, whoever writes the row
+-- (open_advisory creates it, configure_advisory changes the capacity,
+-- advisory_drained lowers the peak): it is raised to the peak, never
+-- lowered.
+CREATE FUNCTION pgsemaphore.advisory_highest_capacity()
+RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        NEW.highest_capacity := greatest(OLD.highest_capacity, NEW.peak_capacity);
+    ELSE
+        NEW.highest_capacity := NEW.peak_capacity;
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+CREATE TRIGGER advisory_semaphores_highest_capacity
+    BEFORE INSERT OR UPDATE ON pgsemaphore.advisory_semaphores
+    FOR EACH ROW EXECUTE FUNCTION pgsemaphore.advisory_highest_capacity();
 
 -- The audit log of advisory semaphores: one row per finished permit,
 -- written by the holder's process in batches after the release (never on
@@ -171,6 +200,7 @@ CREATE FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer)
 RETURNS TABLE (o_capacity integer, o_created boolean, o_key_base bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Opens an advisory semaphore: creates it with this capacity if it does
@@ -179,6 +209,9 @@ AS $$
 -- was created, and the base of its advisory keys.
 --   p_name 1..200 characters, not the name of a lease semaphore (22023,
 --   p_name); p_capacity 1..100000
+-- Waits: the name's creation lock (one_kind_per_name, an advisory key any
+-- role can take) and the row of a concurrent creator, each at most
+-- lock_timeout (2 s), then 55P03 and nothing created.
 BEGIN
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
@@ -460,33 +493,133 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Appends finished permits of advisory semaphores to the audit log
--- (pgsemaphore.advisory_claims), a batch at a time: a JSON array of
--- objects {semaphore, slots, holder, metadata, acquired_at, ended_at,
--- outcome}, at most 10000, each checked as the table's columns are (a bad
--- entry refuses the batch: 22023, p_claims). Insert-only: nothing it writes
--- is ever updated. Returns how many rows it wrote. A fast commit: losing a
--- batch in a crash loses audit rows, never a slot.
+-- (pgsemaphore.advisory_claims), a batch at a time: a JSON array of at most
+-- 1000 objects {semaphore, slots, holder, metadata, acquired_at, ended_at,
+-- outcome}. Insert-only: nothing it writes is ever updated. Returns how many
+-- rows it wrote. A fast commit: losing a batch in a crash loses audit rows,
+-- never a slot.
+-- The log records what holders reported: any role granted this function
+-- can write a row for a permit it never held. What it checks is what a
+-- holder could have reported; a batch with one entry that fails a check is
+-- refused whole (22023, p_claims, naming the entry's position from 1 and
+-- the check), writing nothing:
+--   semaphore  an advisory semaphore that exists;
+--   slots      1 or more distinct slots, each in [0, highest_capacity) of
+--              that semaphore (every slot ever held lies there);
+--   holder     1..1000 characters;
+--   metadata   NULL or jsonb of at most 64 kB (as pgsemaphore.claim);
+--   acquired_at not after ended_at;
+--   ended_at   not later than the database's clock plus one minute (the
+--              crate writes acquired_at, the database's clock at the claim,
+--              plus the hold its process measured on a monotonic clock);
+--   outcome    'released', 'lost' or 'dropped'.
+-- Bounded: at most 1000 rows per call, each at most 64 kB of metadata. The
+-- log is pruned with the lease semaphore's history (pgsemaphore.prune, the
+-- reaper's retention).
 DECLARE
     v_count integer;
+    v_bad   record;
 BEGIN
-    IF p_claims IS NULL OR jsonb_typeof(p_claims) <> 'array' OR jsonb_array_length(p_claims) > 10000 THEN
-        PERFORM pgsemaphore.refuse('p_claims', 'a JSON array of at most 10000 claims');
+    IF p_claims IS NULL OR jsonb_typeof(p_claims) <> 'array' OR jsonb_array_length(p_claims) > 1000 THEN
+        PERFORM pgsemaphore.refuse('p_claims', 'a JSON array of at most 1000 claims');
     END IF;
     PERFORM pgsemaphore.fast_commit();
     BEGIN
-        INSERT INTO pgsemaphore.advisory_claims
-               (semaphore, slots, holder, metadata, acquired_at, ended_at, outcome)
-        SELECT c.semaphore, c.slots, c.holder, c.metadata, c.acquired_at, c.ended_at, c.outcome
-          FROM jsonb_to_recordset(p_claims) AS c(semaphore text, slots integer[], holder text,
-                                                 metadata jsonb, acquired_at timestamptz,
-                                                 ended_at timestamptz, outcome text)
-         WHERE pgsemaphore.checked_text(c.semaphore, 'p_claims', 200) IS NOT NULL
-           AND pgsemaphore.checked_text(c.holder, 'p_claims', 1000) IS NOT NULL;
-    EXCEPTION WHEN not_null_violation OR check_violation OR invalid_text_representation
-                   OR datetime_field_overflow OR invalid_datetime_format THEN
+        -- The first entry that fails a check, and which check.
+        SELECT e.n, e.why INTO v_bad
+          FROM (SELECT j.n,
+                       CASE
+                       WHEN c.semaphore IS NULL OR char_length(c.semaphore) NOT BETWEEN 1 AND 200
+                           THEN 'semaphore: 1 to 200 characters'
+                       WHEN a.name IS NULL
+                           THEN format('semaphore %s: no such advisory semaphore', quote_literal(c.semaphore))
+                       WHEN c.slots IS NULL OR cardinality(c.slots) = 0 OR array_ndims(c.slots) <> 1
+                            OR array_position(c.slots, NULL) IS NOT NULL
+                           THEN 'slots: one or more slots, in a one-dimensional array without NULLs'
+                       WHEN cardinality(c.slots) > a.highest_capacity
+                            OR EXISTS (SELECT 1 FROM unnest(c.slots) AS t(slot)
+                                        WHERE t.slot NOT BETWEEN 0 AND a.highest_capacity - 1)
+                           THEN format('slots: each 0 to %s (below the highest capacity %s has had)',
+                                       a.highest_capacity - 1, quote_literal(a.name))
+                       WHEN (SELECT count(DISTINCT t.slot) FROM unnest(c.slots) AS t(slot)) <> cardinality(c.slots)
+                           THEN 'slots: a slot appears twice'
+                       WHEN c.holder IS NULL OR char_length(c.holder) NOT BETWEEN 1 AND 1000
+                           THEN 'holder: 1 to 1000 characters'
+                       WHEN c.metadata IS NOT NULL AND pg_column_size(c.metadata) > 65536
+                           THEN format('metadata: at most 64 kB of jsonb, got %s bytes', pg_column_size(c.metadata))
+                       WHEN c.acquired_at IS NULL OR c.ended_at IS NULL
+                           THEN 'acquired_at and ended_at: timestamps, got NULL'
+                       WHEN c.ended_at < c.acquired_at
+                           THEN 'ended_at: not before acquired_at'
+                       WHEN c.ended_at > clock_timestamp() + interval '1 minute'
+                           THEN 'ended_at: in the future'
+                       WHEN c.outcome IS NULL OR c.outcome NOT IN ('released', 'lost', 'dropped')
+                           THEN 'outcome: released, lost or dropped'
+                       END AS why
+                  FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS j(entry, n)
+                 CROSS JOIN LATERAL jsonb_to_record(j.entry) AS c(semaphore text, slots integer[], holder text,
+                                                                  metadata jsonb, acquired_at timestamptz,
+                                                                  ended_at timestamptz, outcome text)
+                  LEFT JOIN pgsemaphore.advisory_semaphores a ON a.name = c.semaphore) e
+         WHERE e.why IS NOT NULL
+         ORDER BY e.n
+         LIMIT 1;
+    EXCEPTION WHEN data_exception THEN
+        -- Not an object, or a field of the wrong type.
         PERFORM pgsemaphore.refuse('p_claims', 'an entry does not fit the audit log: ' || SQLERRM);
     END;
+    IF v_bad.n IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_claims', format('entry %s: %s', v_bad.n, v_bad.why));
+    END IF;
+    INSERT INTO pgsemaphore.advisory_claims
+           (semaphore, slots, holder, metadata, acquired_at, ended_at, outcome)
+    SELECT c.semaphore, c.slots, c.holder, c.metadata, c.acquired_at, c.ended_at, c.outcome
+      FROM jsonb_to_recordset(p_claims) AS c(semaphore text, slots integer[], holder text,
+                                             metadata jsonb, acquired_at timestamptz,
+                                             ended_at timestamptz, outcome text);
     GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+-- Retention (version 2's prune, which the reaper's retention and
+-- pg_semaphore::prune_claims call), now of both audit logs: deletes
+-- finished claims of lease semaphores (pgsemaphore.prune_unchecked), then,
+-- with what is left of the batch, finished permits of advisory semaphores
+-- (pgsemaphore.advisory_claims) that ended before now - p_older_than, at
+-- most p_batch rows in all per call; a caller repeats it until it returns
+-- less than p_batch. The advisory log is read through its BRIN index
+-- (acquired_at, which precedes ended_at), skipping rows another prune is
+-- deleting, so two prunes never wait for each other.
+--   p_older_than 0..100 years; p_batch 1..1000000
+CREATE OR REPLACE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_count    bigint;
+    v_advisory bigint;
+    v_cutoff   timestamptz;
+BEGIN
+    PERFORM pgsemaphore.checked_interval(p_older_than, 'p_older_than', interval '0', interval '100 years');
+    IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
+        PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
+    END IF;
+    v_count := pgsemaphore.prune_unchecked(p_older_than, p_batch);
+    IF v_count < p_batch THEN
+        v_cutoff := clock_timestamp() - p_older_than;
+        DELETE FROM pgsemaphore.advisory_claims c
+         WHERE c.ctid = ANY (ARRAY(
+                SELECT d.ctid
+                  FROM pgsemaphore.advisory_claims d
+                 WHERE d.acquired_at < v_cutoff AND d.ended_at < v_cutoff
+                 LIMIT p_batch - v_count
+                   FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_advisory = ROW_COUNT;
+        v_count := v_count + v_advisory;
+    END IF;
     RETURN v_count;
 END;
 $$;

@@ -437,6 +437,7 @@ RETURNS TABLE (o_capacity integer, o_default_lease interval, o_idle_after interv
                o_keys_changed bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Creates a family or changes its default capacity, lease and idle_after
@@ -507,6 +508,7 @@ CREATE FUNCTION pgsemaphore.set_family_rule(
 RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Sets (p_capacity not NULL) or removes (NULL) the capacity rule of kind
@@ -552,6 +554,7 @@ CREATE FUNCTION pgsemaphore.set_family_tier(p_family text, p_key text, p_tier te
 RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Puts key p_key of family p_family in tier p_tier (NULL: in no tier), and

@@ -155,10 +155,13 @@ pub enum Error {
     /// it (one `WARN`); a fail-fast claim returns it. The culprit shows in
     /// `pg_stat_activity` (`idle in transaction`, its query a
     /// `pgsemaphore.claim`); `idle_in_transaction_session_timeout` on the
-    /// application's role bounds how long one can last.
+    /// application's role bounds how long one can last. The operator's
+    /// changes (capacity, queue, force release, a family's rules and tiers)
+    /// wait for the same rows, as long, and answer the same: nothing was
+    /// changed; run them again.
     #[error(
-        "claims on semaphore {semaphore:?} waited 2 s for its row, which another transaction holds \
-         (a claim or an enqueue left uncommitted in an open transaction?): nothing was claimed"
+        "{semaphore:?} waited 2 s for a row another transaction holds \
+         (a claim or an enqueue left uncommitted in an open transaction?): nothing was changed"
     )]
     Stalled {
         /// The semaphore's name.
@@ -588,23 +591,30 @@ pub(crate) fn sqlstate(error: &Error) -> Option<Cow<'_, str>> {
 /// P0002 (no_data_found) for a family no family has, as
 /// [`Error::FamilyNotFound`]; any other error as it is.
 pub(crate) fn family_not_found(error: Error, family: &str) -> Error {
-    if sqlstate(&error).as_deref() == Some("P0002") {
-        return Error::FamilyNotFound {
+    match sqlstate(&error).as_deref() {
+        Some("P0002") => Error::FamilyNotFound {
             family: family.to_owned(),
-        };
+        },
+        Some("55P03") => Error::Stalled {
+            semaphore: family.to_owned(),
+        },
+        _ => error,
     }
-    error
 }
 
 /// P0002 (no_data_found), which the crate's functions raise for a name no
 /// semaphore has, as [`Error::SemaphoreNotFound`]; any other error as it is.
 pub(crate) fn semaphore_not_found(error: Error, semaphore: &str) -> Error {
-    if sqlstate(&error).as_deref() == Some("P0002") {
-        return Error::SemaphoreNotFound {
+    match sqlstate(&error).as_deref() {
+        Some("P0002") => Error::SemaphoreNotFound {
             semaphore: semaphore.to_owned(),
-        };
+        },
+        // A row held past lock_timeout (2 s) by another transaction.
+        Some("55P03") => Error::Stalled {
+            semaphore: semaphore.to_owned(),
+        },
+        _ => error,
     }
-    error
 }
 
 #[cfg(test)]

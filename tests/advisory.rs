@@ -711,3 +711,36 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
     assert!(logged, "the audit log went through the bouncer");
     Ok(())
 }
+
+/// The audit log refuses a record whose semaphore an operator removed
+/// meanwhile; the writer drops that one record (with a warning) and writes
+/// the permits queued with it, instead of retrying the batch forever.
+#[tokio::test]
+async fn a_record_the_audit_log_refuses_never_holds_up_the_others() -> TestResult {
+    let db = support::migrated_db().await;
+    let kept = AdvisorySemaphore::builder("log-kept", 2)
+        .build(&db.pool)
+        .await?;
+    let removed = AdvisorySemaphore::builder("log-removed", 1)
+        .build(&db.pool)
+        .await?;
+    let first = kept.try_acquire().await?;
+    let doomed = removed.try_acquire().await?;
+    sqlx::query("DELETE FROM pgsemaphore.advisory_semaphores WHERE name = 'log-removed'")
+        .execute(&db.pool)
+        .await?;
+    doomed.release().await?;
+    first.release().await?;
+    kept.try_acquire().await?.release().await?;
+    assert!(
+        support::advisory_rows_logged(&db.pool, "log-kept", 2).await,
+        "the permits queued with a refused record were not written"
+    );
+    let logged_removed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pgsemaphore.advisory_claims WHERE semaphore = 'log-removed'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(logged_removed, 0);
+    Ok(())
+}

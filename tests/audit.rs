@@ -408,6 +408,9 @@ async fn an_advisory_semaphore_s_finished_permits_are_its_history_and_its_report
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
     log_lost_permit(&db, "exports", 2, "10 minutes").await?;
+    AdvisorySemaphore::builder("another", 1)
+        .build(&db.pool)
+        .await?;
     log_lost_permit(&db, "another", 0, "10 minutes").await?; // another semaphore's
     log_lost_permit(&db, "exports", 1, "3 hours").await?; // before the window
     let logged = support::advisory_rows_logged(&db.pool, "exports", 4).await;

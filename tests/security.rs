@@ -1175,6 +1175,236 @@ async fn privileges_no_table_is_writable() -> TestResult {
     .await
 }
 
+/// A role with no grants at all (PUBLIC's only: it may connect and take
+/// advisory locks), as any other user of the database is; dropped by the
+/// returned guard's `drop_role`.
+async fn no_grants_pool(db: &support::TestDb) -> TestResult<(String, PgPool)> {
+    let role = format!("{}_none", db.name);
+    sqlx::query(AssertSqlSafe(format!(
+        r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
+    )))
+    .execute(&db.pool)
+    .await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.options.clone().username(&role).password(PASSWORD))
+        .await?;
+    Ok((role, pool))
+}
+
+/// Drops a role made by [`no_grants_pool`], after closing its pool.
+async fn drop_no_grants(db: &support::TestDb, role: &str, pool: PgPool) -> TestResult {
+    pool.close().await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
+    )))
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
+/// README: "Write rows of the advisory semaphores' audit log, which records
+/// what holders reported: only of advisory semaphores that exist, with
+/// distinct slots below the highest capacity the semaphore has had, an end
+/// neither before its start nor in the future, at most 64 kB of metadata
+/// each and at most 1,000 rows a call; the operator's retention prunes
+/// them." A role with no grants writes none.
+#[tokio::test]
+async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report() -> TestResult {
+    as_roles(|db, app, operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open_advisory('audited', 4)")
+            .execute(&app)
+            .await?;
+        let log = "SELECT pgsemaphore.advisory_log($1)";
+        let entry = |changes: serde_json::Value| {
+            let mut entry = serde_json::json!({
+                "semaphore": "audited", "slots": [0, 3], "holder": "worker-1",
+                "metadata": {"job": 7},
+                "acquired_at": (Utc::now() - chrono::Duration::seconds(5)).to_rfc3339(),
+                "ended_at": Utc::now().to_rfc3339(), "outcome": "released",
+            });
+            for (key, value) in changes.as_object().unwrap() {
+                entry[key] = value.clone();
+            }
+            entry
+        };
+        let rows = || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pgsemaphore.advisory_claims")
+                .fetch_one(&db.pool)
+                .await
+        };
+        // What a holder reports is written.
+        let written: i32 = sqlx::query_scalar(log)
+            .bind(serde_json::json!([entry(serde_json::json!({}))]))
+            .fetch_one(&app)
+            .await?;
+        assert_eq!((written, rows().await?), (1, 1));
+
+        // What no holder could report is refused, the whole batch with it.
+        let in_an_hour = (Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
+        let an_hour_ago = (Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+        let big = "x".repeat(70_000);
+        for (forged, what) in [
+            (
+                serde_json::json!({"semaphore": "nobody-made-it"}),
+                "a semaphore that does not exist",
+            ),
+            (
+                serde_json::json!({"slots": [99999, -5]}),
+                "slots outside the capacity",
+            ),
+            (serde_json::json!({"slots": [4]}), "a slot at the capacity"),
+            (serde_json::json!({"slots": [1, 1]}), "a slot twice"),
+            (serde_json::json!({"slots": []}), "no slot"),
+            (
+                serde_json::json!({"ended_at": an_hour_ago}),
+                "an end before the start",
+            ),
+            (
+                serde_json::json!({"ended_at": in_an_hour}),
+                "an end in the future",
+            ),
+            (
+                serde_json::json!({"metadata": {"blob": big}}),
+                "more than 64 kB of metadata",
+            ),
+            (
+                serde_json::json!({"outcome": "stolen"}),
+                "an outcome no holder reports",
+            ),
+            (
+                serde_json::json!({"slots": "not slots"}),
+                "slots of the wrong type",
+            ),
+        ] {
+            let batch = serde_json::json!([entry(serde_json::json!({})), entry(forged)]);
+            let result = sqlx::query_scalar::<_, i32>(log)
+                .bind(batch)
+                .fetch_one(&app)
+                .await;
+            assert_eq!(
+                refusal(result),
+                ("22023".to_owned(), Some("p_claims".to_owned())),
+                "{what} was accepted"
+            );
+            assert_eq!(rows().await?, 1, "{what}: a refused batch wrote rows");
+        }
+        let too_many: Vec<_> = (0..1001).map(|_| entry(serde_json::json!({}))).collect();
+        let result = sqlx::query_scalar::<_, i32>(log)
+            .bind(serde_json::Value::Array(too_many))
+            .fetch_one(&app)
+            .await;
+        assert_eq!(
+            refusal(result),
+            ("22023".to_owned(), Some("p_claims".to_owned()))
+        );
+        assert_eq!(rows().await?, 1);
+
+        // A row of a permit held before a capacity drop is still accepted
+        // once the drop is over: its slot lies below the highest capacity.
+        sqlx::query("SELECT * FROM pgsemaphore.configure_advisory('audited', 2)")
+            .execute(&operator)
+            .await?;
+        sqlx::query("SELECT pgsemaphore.advisory_drained('audited')")
+            .execute(&app)
+            .await?;
+        let peak: i32 = sqlx::query_scalar(
+            "SELECT peak_capacity FROM pgsemaphore.advisory_semaphores WHERE name = 'audited'",
+        )
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(peak, 2, "the drop is over");
+        sqlx::query(log)
+            .bind(serde_json::json!([entry(
+                serde_json::json!({"slots": [3]})
+            )]))
+            .execute(&app)
+            .await?;
+        assert_eq!(rows().await?, 2);
+
+        // A role with no grants writes nothing.
+        let (role, nobody) = no_grants_pool(&db).await?;
+        let result = sqlx::query(log)
+            .bind(serde_json::json!([entry(serde_json::json!({}))]))
+            .execute(&nobody)
+            .await;
+        drop_no_grants(&db, &role, nobody).await?;
+        assert!(denied(result), "a role with no grants wrote the audit log");
+        assert_eq!(rows().await?, 2);
+
+        // The operator's retention prunes the log (the application cannot).
+        assert!(denied(
+            sqlx::query("SELECT pgsemaphore.prune('0', 100)")
+                .execute(&app)
+                .await
+        ));
+        pg_semaphore::prune_claims(&operator, Duration::ZERO).await?;
+        assert_eq!(rows().await?, 0, "prune_claims left advisory rows");
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Any role that can connect, even one with no grants, can take the
+/// advisory keys that the functions lock (a name's creation key, a rate
+/// limiter key's lock): each function waits for one at most 2 seconds,
+/// then fails with SQLSTATE 55P03 (`Error::Stalled`) having changed
+/// nothing, and `pg_locks` shows the holder."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_any_role_delays_through_advisory_keys_by_at_most_the_bound() -> TestResult {
+    as_roles(|db, app, _operator| async move {
+        let (role, nobody) = no_grants_pool(&db).await?;
+        let outcome = async {
+            // The creation key of a name (class 1885828966, the name's
+            // hashtext), held by a role with no grants.
+            let mut squatter = nobody.acquire().await?;
+            sqlx::query("SELECT pg_advisory_lock(1885828966, hashtext($1))")
+                .bind("squatted")
+                .execute(&mut *squatter)
+                .await?;
+            for advisory in [false, true] {
+                let started = std::time::Instant::now();
+                let build = async {
+                    if advisory {
+                        pg_semaphore::AdvisorySemaphore::builder("squatted", 2)
+                            .build(&app)
+                            .await
+                            .map(drop)
+                    } else {
+                        Semaphore::builder("squatted", 2).build(&app).await.map(drop)
+                    }
+                };
+                let built = tokio::time::timeout(Duration::from_secs(10), build)
+                    .await
+                    .expect("opening waited on the key without bound");
+                let waited = started.elapsed();
+                assert!(matches!(built, Err(Error::Stalled { .. })), "{built:?}");
+                assert!(
+                    waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+                    "{waited:?}"
+                );
+            }
+            let created: i64 = sqlx::query_scalar(
+                "SELECT (SELECT count(*) FROM pgsemaphore.semaphores WHERE name = 'squatted')
+                      + (SELECT count(*) FROM pgsemaphore.advisory_semaphores WHERE name = 'squatted')",
+            )
+            .fetch_one(&app)
+            .await?;
+            assert_eq!(created, 0, "a stalled open created its semaphore");
+            sqlx::query("SELECT pg_advisory_unlock(1885828966, hashtext($1))")
+                .bind("squatted")
+                .execute(&mut *squatter)
+                .await?;
+            Semaphore::builder("squatted", 2).build(&app).await?;
+            TestResult::Ok(())
+        }
+        .await;
+        drop_no_grants(&db, &role, nobody).await?;
+        outcome
+    })
+    .await
+}
+
 /// README: "Run the operator functions or the internal helpers."
 #[tokio::test]
 async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
@@ -1256,12 +1486,12 @@ async fn privileges_arguments_out_of_range_are_refused() -> TestResult {
 }
 
 /// README: "Holding a semaphore's row in an open transaction delays every
-/// other claim of that semaphore by at most 2 seconds each, which then
-/// fails with SQLSTATE 55P03 (`Error::Stalled`), while waiting acquires
-/// keep retrying."
+/// other claim of that semaphore, and every operator change of it, by at
+/// most 2 seconds each, which then fails with SQLSTATE 55P03
+/// (`Error::Stalled`), while waiting acquires keep retrying."
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResult {
-    as_roles(|_db, app, _operator| async move {
+    as_roles(|_db, app, operator| async move {
         let sem = Semaphore::builder("held-row", 2).build(&app).await?;
         let mut squatter = app.acquire().await?;
         sqlx::query("BEGIN").execute(&mut *squatter).await?;
@@ -1283,6 +1513,14 @@ async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResul
             sem.try_acquire().await,
             Err(Error::Stalled { .. })
         ));
+        // The operator's changes wait as long, and change nothing.
+        let started = std::time::Instant::now();
+        let resized = pg_semaphore::set_capacity(&operator, "held-row", 5).await;
+        let waited = started.elapsed();
+        assert!(matches!(resized, Err(Error::Stalled { .. })), "{resized:?}");
+        assert!(waited < Duration::from_secs(4), "{waited:?}");
+        let cleared = pg_semaphore::clear_queue(&operator, "held-row").await;
+        assert!(matches!(cleared, Err(Error::Stalled { .. })), "{cleared:?}");
         let waiter = {
             let sem = sem.clone();
             tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })

@@ -30,7 +30,7 @@ use tokio::time::Instant;
 
 use crate::audit::{AuditLog, Holder, Summary};
 use crate::db::Db;
-use crate::error::{Error, Result, WaitedFor};
+use crate::error::{self, Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::SemaphoreMetrics;
 use crate::validate;
@@ -375,7 +375,10 @@ impl SemaphoreBuilder {
             .bind(self.capacity as i32)
             .bind(lease)
             .bind(requested_order.is_lifo());
-        let (capacity, stored_lease, created, lifo) = db.fetch_one(query).await?;
+        let (capacity, stored_lease, created, lifo) = db
+            .fetch_one(query)
+            .await
+            .map_err(|error| error::semaphore_not_found(error, &self.name))?;
         // The queue's order is the semaphore's: the stored one is in force.
         let stored_order = QueueOrder::from_lifo(lifo);
         let queue = self.queue.map(|q| QueueOptions {

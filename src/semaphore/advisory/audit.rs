@@ -10,6 +10,13 @@
 //! unreachable are retried until the queue holds [`MAX_QUEUED`] of them,
 //! then dropped with a `WARN`; a process that dies loses its queue. The
 //! live holders are in `pg_locks`, never only here.
+//!
+//! The function checks every entry (the semaphore exists, the slots lie
+//! below the highest capacity it has had, the times are ordered) and refuses
+//! a batch with one entry that fails (SQLSTATE 22023): the batch is then
+//! written one entry at a time, and an entry refused on its own is dropped
+//! with a `WARN` (say, a semaphore an operator removed meanwhile), so one
+//! record never holds up the others.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,13 +25,14 @@ use chrono::{DateTime, Utc};
 use tokio::sync::mpsc;
 
 use crate::db::Db;
+use crate::error::Error;
 use crate::per_pool::PerPool;
 
 /// How often queued permits are written.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
-/// Rows per statement (the function accepts 10,000).
-const BATCH: usize = 5_000;
+/// Rows per statement (the function accepts at most 1,000).
+const BATCH: usize = 1_000;
 
 /// Permits kept in memory while the database is unreachable.
 const MAX_QUEUED: usize = 100_000;
@@ -136,6 +144,32 @@ async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Record>) {
                 Ok(_) => {
                     pending.drain(..take);
                     warned = false;
+                }
+                Err(Error::InvalidArgument { .. }) => {
+                    // One entry of the batch does not fit: write them one by
+                    // one. A failure other than a refusal keeps the rest
+                    // queued for the next round.
+                    let mut written = 0;
+                    for record in &pending[..take] {
+                        let one = db
+                            .query_as::<(i32,)>(LOG)
+                            .bind(serde_json::Value::Array(vec![record.json()]));
+                        match db.fetch_one(one).await {
+                            Ok(_) => {}
+                            Err(Error::InvalidArgument { reason, .. }) => tracing::warn!(
+                                semaphore = %record.semaphore,
+                                %reason,
+                                "advisory audit log refused a record: dropped"
+                            ),
+                            Err(_) => break,
+                        }
+                        written += 1;
+                    }
+                    pending.drain(..written);
+                    if written < take {
+                        tokio::time::sleep(FLUSH_EVERY * 4).await;
+                        break;
+                    }
                 }
                 Err(error) => {
                     if !warned {

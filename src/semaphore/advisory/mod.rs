@@ -266,7 +266,10 @@ impl AdvisorySemaphoreBuilder {
             .query_as::<(i32, bool, i64)>(OPEN)
             .bind(self.name.clone())
             .bind(self.capacity as i32);
-        let (capacity, created, key_base) = db.fetch_one(query).await?;
+        let (capacity, created, key_base) = db
+            .fetch_one(query)
+            .await
+            .map_err(|error| semaphore_not_found(error, &self.name))?;
         if created {
             tracing::debug!(semaphore = %self.name, capacity, "advisory semaphore created");
         } else if capacity as u32 != self.capacity {
