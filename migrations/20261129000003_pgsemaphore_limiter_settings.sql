@@ -619,6 +619,7 @@ CREATE FUNCTION pgsemaphore.pause_rate_limit(p_kind text, p_limiter text, p_key 
 RETURNS timestamptz
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- PAUSE: refuses every check (and reservation) of key p_key of limiter
 -- (p_kind, p_limiter), or of all its keys when p_key is NULL, for p_for
@@ -683,6 +684,7 @@ CREATE FUNCTION pgsemaphore.set_rate_limit(
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- STORES the limits of limiter (p_kind, p_limiter), or of its key p_key's
 -- override when p_key is not NULL: a token bucket's p_rate and p_burst (p_limit
@@ -725,6 +727,7 @@ CREATE FUNCTION pgsemaphore.clear_rate_limit(p_kind text, p_limiter text, p_key 
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- FORGETS the stored limits of limiter (p_kind, p_limiter) (p_key NULL) or
 -- of its key p_key's override: the next checks apply the limiter's stored
@@ -754,6 +757,7 @@ CREATE FUNCTION pgsemaphore.resume_rate_limit(p_kind text, p_limiter text, p_key
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- ENDS the pause of limiter (p_kind, p_limiter) (p_key NULL) or of its key
 -- p_key, now. Returns whether one was running. NOTIFY as set_rate_limit, so

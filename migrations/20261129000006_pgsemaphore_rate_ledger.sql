@@ -166,8 +166,12 @@ BEGIN
         o_tokens := p_burst;
         o_stamp := p_now;
     ELSE
-        o_tokens := least(p_burst,
-                          p_tokens + greatest(0, extract(epoch FROM p_now - p_stamp)::double precision) * p_rate);
+        -- Never below -p_burst: no reservation books deeper (rate_take
+        -- bounds it to burst / rate ahead); a deeper level was booked under
+        -- a larger pair an operator has since lowered, and keeping it would
+        -- put every later wait beyond any bound (22003 in the microseconds).
+        o_tokens := least(p_burst, greatest(-p_burst,
+                          p_tokens + greatest(0, extract(epoch FROM p_now - p_stamp)::double precision) * p_rate));
         o_stamp := greatest(p_stamp, p_now);
     END IF;
     -- The seconds until p_n tokens are there, and not before p_from.
@@ -365,6 +369,51 @@ BEGIN
 END;
 $$;
 
+-- FIRST USE: stores the caller's pair (p_rate, p_burst for a token bucket;
+-- p_limit, p_window for a window) as the limiter's (key ''), unless a pair
+-- is stored already, and returns the limiter's stored pair. Called by the
+-- engine, as the owner, when a check finds no pair in force: a limiter's
+-- limits then belong to the database, as a semaphore's capacity does, and
+-- no later caller's arguments redefine the state every caller of a key
+-- shares. A pause-only row gets the pair; a stored pair is never replaced.
+-- Meets: another first use of the limiter (any key): the upsert waits for
+-- its uncommitted row (lock_timeout of the calling function: 2 s, 55P03),
+-- then keeps the committed one, and the re-read, a new statement, returns
+-- it: both decide under the same pair; the operator's set_rate_limit: the
+-- same, whichever commits first stays until the operator's own write;
+-- clear_rate_limit committed between the upsert and the re-read: NULLs, and
+-- the caller's pair applies to this one check (the next stores it again).
+CREATE FUNCTION pgsemaphore.rate_limit_first_use(
+    p_kind text, p_limiter text,
+    p_rate double precision, p_burst double precision, p_limit bigint, p_window interval,
+    OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_bucket boolean := p_kind = 'token_bucket';
+BEGIN
+    INSERT INTO pgsemaphore.rate_limit_settings AS s
+           (kind, limiter, key, rate, burst, permit_limit, window_length, updated_at)
+    VALUES (p_kind, p_limiter, '',
+            CASE WHEN v_bucket THEN p_rate END, CASE WHEN v_bucket THEN p_burst END,
+            CASE WHEN NOT v_bucket THEN p_limit END, CASE WHEN NOT v_bucket THEN p_window END, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET rate = excluded.rate, burst = excluded.burst,
+           permit_limit = excluded.permit_limit, window_length = excluded.window_length,
+           updated_at = now()
+     WHERE s.rate IS NULL AND s.permit_limit IS NULL
+    RETURNING s.rate, s.burst, s.permit_limit, s.window_length
+         INTO o_rate, o_burst, o_limit, o_window;
+    IF NOT FOUND THEN
+        -- Another first use or the operator stored one first: that one.
+        SELECT s.rate, s.burst, s.permit_limit, s.window_length
+          INTO o_rate, o_burst, o_limit, o_window
+          FROM pgsemaphore.rate_limit_settings s
+         WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = '';
+    END IF;
+END;
+$$;
+
 -- ---------------------------------------------------------------------------
 -- The engine (caller's rights, no grants): one key
 -- ---------------------------------------------------------------------------
@@ -461,6 +510,13 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
+    -- 2b. No pair in force: the first use stores the caller's as the
+    -- limiter's (or finds the one a concurrent first use stored).
+    IF p_stored AND (CASE WHEN p_kind = 'token_bucket' THEN v_rate IS NULL ELSE v_limit IS NULL END) THEN
+        SELECT u.o_rate, u.o_burst, u.o_limit, u.o_window
+          INTO v_rate, v_burst, v_limit, v_window
+          FROM pgsemaphore.rate_limit_first_use(p_kind, p_limiter, p_rate, p_burst, p_limit, p_window) u;
+    END IF;
     IF v_rate IS NOT NULL AND p_kind = 'token_bucket' THEN
         IF p_n > v_burst THEN
             PERFORM pgsemaphore.check_n_stored(p_n, v_burst);
@@ -473,6 +529,14 @@ BEGIN
         END IF;
         p_limit := v_limit;
         p_window := v_window;
+    END IF;
+    -- 2c. The reservation bound: no further ahead than burst / rate (a
+    -- bucket) or one window, under the limits in force; a longer p_max_wait
+    -- is clamped to it.
+    IF p_max_wait > interval '0' THEN
+        p_max_wait := least(p_max_wait,
+                            CASE WHEN p_kind = 'token_bucket' THEN make_interval(secs => p_burst / p_rate)
+                                 ELSE p_window END);
     END IF;
     -- 3. A new statement: the newest row (a new snapshot, after the lock).
     SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
@@ -562,6 +626,7 @@ AS $$
 -- some of our keys: it holds their locks, we wait in hash order.
 DECLARE
     v_count   integer := cardinality(p_kinds);
+    v_bound   interval := interval '366 days';
     v_paused  timestamptz[];
     v_srates  double precision[];
     v_sbursts double precision[];
@@ -588,6 +653,7 @@ DECLARE
     v_left    bigint;
     v_i       integer;
     r         record;
+    u         record;
     b         record;
     f         record;
     w         record;
@@ -636,18 +702,37 @@ BEGIN
                 o_deciding := v_i;
             END IF;
             o_allowed := false;
-        ELSIF p_kinds[v_i] = 'token_bucket' THEN
-            IF v_srates[v_i] IS NOT NULL THEN
-                PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
-                p_rates[v_i] := v_srates[v_i];
-                p_bursts[v_i] := v_sbursts[v_i];
+        ELSE
+            -- No pair in force: the first use stores the caller's (as in
+            -- rate_take).
+            IF (CASE WHEN p_kinds[v_i] = 'token_bucket' THEN v_srates[v_i] IS NULL ELSE v_slimits[v_i] IS NULL END) THEN
+                u := pgsemaphore.rate_limit_first_use(p_kinds[v_i], p_limiters[v_i], p_rates[v_i], p_bursts[v_i],
+                                                      p_limits[v_i], p_windows[v_i]);
+                v_srates[v_i] := u.o_rate;
+                v_sbursts[v_i] := u.o_burst;
+                v_slimits[v_i] := u.o_limit;
+                v_swins[v_i] := u.o_window;
             END IF;
-        ELSIF v_slimits[v_i] IS NOT NULL THEN
-            PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
-            p_limits[v_i] := v_slimits[v_i];
-            p_windows[v_i] := v_swins[v_i];
+            IF p_kinds[v_i] = 'token_bucket' THEN
+                IF v_srates[v_i] IS NOT NULL THEN
+                    PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                    p_rates[v_i] := v_srates[v_i];
+                    p_bursts[v_i] := v_sbursts[v_i];
+                END IF;
+                v_bound := least(v_bound, make_interval(secs => p_bursts[v_i] / p_rates[v_i]));
+            ELSE
+                IF v_slimits[v_i] IS NOT NULL THEN
+                    PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+                    p_limits[v_i] := v_slimits[v_i];
+                    p_windows[v_i] := v_swins[v_i];
+                END IF;
+                v_bound := least(v_bound, p_windows[v_i]);
+            END IF;
         END IF;
     END LOOP;
+    -- The reservation bound: no further ahead than every limit in force
+    -- allows (burst / rate, one window); a longer p_max_wait is clamped.
+    p_max_wait := least(p_max_wait, v_bound);
     IF NOT o_allowed THEN
         o_remaining := 0;
         RETURN NEXT;
@@ -831,7 +916,7 @@ BEGIN
             IF NOT (p_n <= p_bursts[v_i]) THEN
                 PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_bursts[v_i], p_n));
             END IF;
-        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] < 1 OR p_windows[v_i] IS NULL
+        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] NOT BETWEEN 1 AND 1000000000000000 OR p_windows[v_i] IS NULL
               OR p_windows[v_i] < interval '1 ms' OR p_windows[v_i] > interval '366 days'
               OR p_n NOT BETWEEN 1 AND p_limits[v_i] THEN
             PERFORM pgsemaphore.check_window(p_limits[v_i], p_windows[v_i], p_n);
@@ -864,6 +949,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- TOKEN BUCKET (Stripe's request rate limiter, with the database's clock),
 -- per key: p_burst tokens at most, refilled continuously at p_rate per
@@ -907,6 +993,7 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- TOKEN BUCKET RESERVATION (version 6): p_n tokens taken now even if they
 -- are not there yet, provided they will be within p_max_wait; the caller
@@ -949,6 +1036,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- FIXED WINDOW, per key: at most p_limit permits per window of p_window, on
 -- the key's own grid (windows back to back from its first check); a check
@@ -968,7 +1056,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -985,6 +1073,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SLIDING WINDOW, per key: the permits of the last p_window, estimated as
 -- previous x (1 - elapsed / p_window) + current (windows on the key's own
@@ -1005,7 +1094,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -1022,6 +1111,7 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- FIXED WINDOW RESERVATION (version 10): books p_n permits in the first
 -- window of the key's grid with room for them, if it opens within
@@ -1036,7 +1126,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -1055,6 +1145,7 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SLIDING WINDOW RESERVATION (version 10): books p_n permits at the earliest
 -- instant the weighted estimate admits them, if that is within p_max_wait;
@@ -1068,7 +1159,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -1089,6 +1180,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint, o
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SEVERAL LIMITS IN ONE CHECK (version 9): p_n permits against limit i =
 -- (p_kinds[i], p_limiters[i], p_keys[i]) for every i, admitted only if every
@@ -1131,6 +1223,7 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint, o_decidi
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SEVERAL LIMITS THAT WAIT (version 12): books p_n permits in every limit
 -- at one instant, the earliest at which all admit them, if it is within
