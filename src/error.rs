@@ -147,21 +147,26 @@ pub enum Error {
         family: String,
     },
 
-    /// A claim (or a queue join) waited longer than the database's bound
-    /// (2 s of `lock_timeout`, inside `pgsemaphore.claim` and
-    /// `pgsemaphore.enqueue`) for the semaphore's row: another transaction
-    /// holds it, typically a claim or an enqueue left uncommitted in an
-    /// open transaction. Nothing was claimed. Waiting acquires retry through
-    /// it (one `WARN`); a fail-fast claim returns it. The culprit shows in
-    /// `pg_stat_activity` (`idle in transaction`, its query a
-    /// `pgsemaphore.claim`); `idle_in_transaction_session_timeout` on the
+    /// A claim (or a queue join, or a rate limiter's check) waited longer
+    /// than the database's bound (2 s of `lock_timeout`, inside
+    /// `pgsemaphore.claim`, `pgsemaphore.enqueue` and every rate limiter
+    /// function) for a lock another transaction holds: the semaphore's row,
+    /// typically a claim or an enqueue left uncommitted in an open
+    /// transaction, or a rate limiter key's advisory lock, held by a check
+    /// left in an open transaction or by any session that took
+    /// `pg_advisory_lock(1885828967, …)` on it. Nothing was claimed or
+    /// taken. Waiting acquires retry through it (one `WARN`) until their
+    /// timeout; a fail-fast claim or a plain rate check returns it. The
+    /// culprit shows in `pg_stat_activity` (`idle in transaction`) and
+    /// `pg_locks`; `idle_in_transaction_session_timeout` on the
     /// application's role bounds how long one can last.
     #[error(
-        "claims on semaphore {semaphore:?} waited 2 s for its row, which another transaction holds \
-         (a claim or an enqueue left uncommitted in an open transaction?): nothing was claimed"
+        "{semaphore:?} waited 2 s for a lock that another transaction holds \
+         (a claim, an enqueue or a rate check left uncommitted in an open transaction?): nothing was taken"
     )]
     Stalled {
-        /// The semaphore's name.
+        /// The semaphore's name (or the rate limiter's, or a set's
+        /// limiters', joined by `", "`).
         semaphore: String,
     },
 

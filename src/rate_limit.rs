@@ -193,6 +193,9 @@ struct Limiter {
     /// waiting acquire for as long as the handle lives (so that waiting
     /// acquires do not each open and close a connection).
     wakeups: std::sync::OnceLock<Arc<settings::RateWakeups>>,
+    /// Whether this handle compared its limits with the stored ones
+    /// ([`Limiter::note_stored_limits`]).
+    stored_noted: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Limiter {
@@ -232,6 +235,7 @@ impl Common {
             policy,
             fail_open: self.fail_open,
             wakeups: std::sync::OnceLock::new(),
+            stored_noted: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 }
@@ -254,6 +258,7 @@ impl Limiter {
     /// What a database error becomes: an admitting decision when the limiter
     /// fails open and the database is unreachable, else the error.
     async fn failed(&self, error: Error) -> Result<Decision> {
+        let error = self.stalled(error);
         let unchecked = Unchecked::Check {
             limiter: &self.name,
             metrics: &self.metrics,
@@ -263,6 +268,18 @@ impl Limiter {
         } else {
             Err(error)
         }
+    }
+
+    /// 55P03 from a rate function: the key's lock was held past the
+    /// functions' `lock_timeout` (2 s), as [`Error::Stalled`] naming the
+    /// limiter; any other error as it is.
+    fn stalled(&self, error: Error) -> Error {
+        if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+            return Error::Stalled {
+                semaphore: self.name.clone(),
+            };
+        }
+        error
     }
 
     /// The statement of one request for `permits` of `key`: the kind's
@@ -314,6 +331,7 @@ impl Limiter {
         match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us)) => {
                 self.metrics.decided(allowed);
+                self.note_stored_limits().await;
                 Ok(Decision {
                     allowed,
                     remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
@@ -349,6 +367,7 @@ impl Limiter {
         // heard. Behind a transaction pooler nothing can listen.
         let mut wake = self.subscribe();
         let topic = self.topic();
+        let mut stalled_warned = false;
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let max_wait = validate::rate_wait(left)?;
@@ -356,8 +375,35 @@ impl Limiter {
             let query = self.statement(key, permits, Some(max_wait))?;
             let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
                 Ok(reply) => reply,
-                Err(error) => return self.failed(error).await,
+                Err(error) => match self.stalled(error) {
+                    // The key's lock held past 2 s (a check left in an open
+                    // transaction, a session holding the advisory key):
+                    // again, within the caller's wait.
+                    Error::Stalled { .. } if started.elapsed() < budget => {
+                        if !stalled_warned {
+                            stalled_warned = true;
+                            tracing::warn!(
+                                limiter = %self.name,
+                                key,
+                                "the rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
+                            );
+                        }
+                        continue;
+                    }
+                    Error::Stalled { .. } => {
+                        self.metrics.decided(false);
+                        return Err(Error::Timeout {
+                            waited_for: WaitedFor::RateLimit {
+                                limiter: self.name.clone(),
+                                key: key.to_owned(),
+                            },
+                            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+                        });
+                    }
+                    error => return self.failed(error).await,
+                },
             };
+            self.note_stored_limits().await;
             let wait = Duration::from_micros(wait_us.max(0) as u64);
             if allowed {
                 self.metrics.decided(true);
