@@ -57,19 +57,29 @@ const RATE_IN_FORCE: &str = "SELECT o_rate FROM pgsemaphore.rate_limit_in_force(
 const LIMITER_IN_FORCE: &str = "SELECT o_rate, o_burst, o_limit, o_window \
                                 FROM pgsemaphore.rate_limit_in_force(p_kind => $1, p_limiter => $2, p_key => NULL)";
 
-/// The limiters (kind, name) this process has warned about: once each.
-static WARNED: Mutex<BTreeSet<(&'static str, String)>> = Mutex::new(BTreeSet::new());
+/// The limiters (kind, name, the code's pair) this process has compared
+/// with their stored pair: once each, however many handles it builds.
+static NOTED: Mutex<BTreeSet<(&'static str, String, String)>> = Mutex::new(BTreeSet::new());
 
 impl Limiter {
-    /// Once per handle, after its first decision: compares the handle's
-    /// limits with the limiter's stored pair, which every check applies
-    /// (the first use of a limiter stores its caller's pair; only the
-    /// operator changes it), and says so once per limiter and process with
-    /// a `WARN` when they differ: a deploy that changed the limits in code
-    /// must store them (`set_rate_limit`, `pg-semaphore limits set`). One
-    /// extra round trip per handle; the checks themselves are unchanged.
+    /// Once per limiter and process (per pair the code gives it), after
+    /// its first decision: compares the handle's limits with the limiter's
+    /// stored pair, which every check applies (the first use of a limiter
+    /// stores its caller's pair; only the operator changes it), and says so
+    /// with a `WARN` when they differ: a deploy that changed the limits in
+    /// code must store them (`set_rate_limit`, `pg-semaphore limits set`).
+    /// One extra round trip per limiter and process; the checks themselves
+    /// are unchanged.
     pub(super) async fn note_stored_limits(&self) {
         if self.stored_noted.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let code_pair = format!("{:?}", self.policy);
+        let first = NOTED
+            .lock()
+            .map(|mut noted| noted.insert((self.policy.kind(), self.name.clone(), code_pair)))
+            .unwrap_or(true);
+        if !first {
             return;
         }
         let query = self
@@ -115,11 +125,7 @@ impl Limiter {
                 )
             }
         };
-        let first = WARNED
-            .lock()
-            .map(|mut warned| warned.insert((self.policy.kind(), self.name.clone())))
-            .unwrap_or(true);
-        if first {
+        {
             tracing::warn!(
                 limiter = %self.name,
                 kind = self.policy.kind(),
