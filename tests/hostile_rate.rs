@@ -197,7 +197,8 @@ async fn a_caller_passing_other_limits_cannot_reset_another_tenants_key_as_the_a
             "an attacker's limits rolled the window or filled the bucket"
         );
         // The limits stored by the first use are the honest tenant's.
-        let stored: Vec<(String, Option<f64>, Option<f64>, Option<i64>)> = sqlx::query_as(
+        type Pair = (String, Option<f64>, Option<f64>, Option<i64>);
+        let stored: Vec<Pair> = sqlx::query_as(
             "SELECT kind, rate, burst, permit_limit FROM pgsemaphore.rate_limit_settings
               WHERE key = '' ORDER BY kind",
         )
@@ -224,7 +225,11 @@ async fn a_role_without_grants_cannot_reset_another_tenants_key() -> TestResult 
             let result = sqlx::query_as::<_, (bool,)>(AssertSqlSafe(attack))
                 .fetch_one(&p.nobody)
                 .await;
-            assert_eq!(sqlstate(&result).as_deref(), Some("42501"), "{attack}: {result:?}");
+            assert_eq!(
+                sqlstate(&result).as_deref(),
+                Some("42501"),
+                "{attack}: {result:?}"
+            );
         }
         // Nor store limits of its own for a limiter nobody used yet.
         let result = sqlx::query_as::<_, (bool,)>(
@@ -389,7 +394,11 @@ async fn a_role_without_grants_cannot_book_another_tenants_key() -> TestResult {
             let result = sqlx::query_as::<_, (bool,)>(AssertSqlSafe(booking))
                 .fetch_one(&p.nobody)
                 .await;
-            assert_eq!(sqlstate(&result).as_deref(), Some("42501"), "{booking}: {result:?}");
+            assert_eq!(
+                sqlstate(&result).as_deref(),
+                Some("42501"),
+                "{booking}: {result:?}"
+            );
         }
         // The fixed window's next window is free: a check waits for it.
         let wait = honest.0.check("acme", 1).await?.retry_after;
@@ -591,7 +600,10 @@ async fn hold_key_lock(
     Ok(session)
 }
 
-async fn a_held_key_lock_stalls_checks_for_at_most_the_bound(holder: &PgPool, app: &PgPool) -> TestResult {
+async fn a_held_key_lock_stalls_checks_for_at_most_the_bound(
+    holder: &PgPool,
+    app: &PgPool,
+) -> TestResult {
     let bucket = TokenBucket::builder("stalled")
         .rate(100.0)
         .burst(100)
@@ -655,19 +667,24 @@ async fn a_held_key_lock_stalls_checks_for_at_most_the_bound(holder: &PgPool, ap
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_role_without_grants_stalls_a_keys_checks_for_at_most_the_bound() -> TestResult {
-    with_roles(|p| async move { a_held_key_lock_stalls_checks_for_at_most_the_bound(&p.nobody, &p.app).await })
-        .await
+    with_roles(|p| async move {
+        a_held_key_lock_stalls_checks_for_at_most_the_bound(&p.nobody, &p.app).await
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_application_holding_a_key_lock_stalls_its_checks_for_at_most_the_bound() -> TestResult {
+async fn the_application_holding_a_key_lock_stalls_its_checks_for_at_most_the_bound() -> TestResult
+{
     with_roles(|p| async move {
         a_held_key_lock_stalls_checks_for_at_most_the_bound(&p.app, &p.app).await?;
         // A check left in an open transaction holds its key's lock too.
         let mut open = p.app.begin().await?;
-        sqlx::query("SELECT * FROM pgsemaphore.fixed_window('stalled-window', 'k', 100, '60 s', 1)")
-            .execute(&mut *open)
-            .await?;
+        sqlx::query(
+            "SELECT * FROM pgsemaphore.fixed_window('stalled-window', 'k', 100, '60 s', 1)",
+        )
+        .execute(&mut *open)
+        .await?;
         let window = FixedWindow::builder("stalled-window")
             .permit_limit(100)
             .window(Duration::from_secs(60))

@@ -535,14 +535,16 @@ async fn prune_deletes_keys_at_rest_loses_no_check_and_trims_live_keys() -> Test
             Kind::Bucket => (Some(0.001), Some(10.0), None, None),
             Kind::Fixed | Kind::Sliding => (None, None, Some(10_i64), Some("1 hour")),
         };
-        sqlx::query("SELECT pgsemaphore.set_rate_limit($1, 'quick', 'held', $2, $3, $4, $5::interval)")
-            .bind(kind.name())
-            .bind(rate)
-            .bind(burst)
-            .bind(limit)
-            .bind(window)
-            .execute(pool)
-            .await?;
+        sqlx::query(
+            "SELECT pgsemaphore.set_rate_limit($1, 'quick', 'held', $2, $3, $4, $5::interval)",
+        )
+        .bind(kind.name())
+        .bind(rate)
+        .bind(burst)
+        .bind(limit)
+        .bind(window)
+        .execute(pool)
+        .await?;
     }
     let mut holder = connect(&db).await?;
     sqlx::raw_sql("BEGIN").execute(&mut holder).await?;

@@ -1115,7 +1115,10 @@ async fn each_waiting_window_acquire_costs_one_reservation() -> TestResult {
         pool.close().await;
     }
     let calls = reservations_counted(&db.options, APPLICATION, "fixed_window_reserve").await?;
-    assert_eq!(calls, WAITERS as i64, "fixed_window_reserve calls for {WAITERS} waiters");
+    assert_eq!(
+        calls, WAITERS as i64,
+        "fixed_window_reserve calls for {WAITERS} waiters"
+    );
     let calls = reservations_counted(&db.options, APPLICATION, "sliding_window_reserve").await?;
     assert!(
         (WAITERS as i64..=4 * WAITERS as i64).contains(&calls),

@@ -1111,7 +1111,10 @@ async fn privileges_rate_limits_are_the_stored_ones() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestResult {
     as_roles(|_db, app, _operator| async move {
-        let limiter = TokenBucket::builder("held-key").rate(10.0).burst(10).build(&app)?;
+        let limiter = TokenBucket::builder("held-key")
+            .rate(10.0)
+            .burst(10)
+            .build(&app)?;
         assert!(limiter.check("k", 1).await?.allowed);
         let mut holder = app.acquire().await?;
         sqlx::query("SELECT pg_advisory_lock(1885828967, hashtext('token_bucket/held-key/k'))")
@@ -1123,10 +1126,16 @@ async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestRes
         assert!(matches!(stalled, Err(Error::Stalled { .. })), "{stalled:?}");
         let waiter = {
             let limiter = limiter.clone();
-            tokio::spawn(async move { limiter.acquire_timeout("k", 1, Duration::from_secs(30)).await })
+            tokio::spawn(async move {
+                limiter
+                    .acquire_timeout("k", 1, Duration::from_secs(30))
+                    .await
+            })
         };
         tokio::time::sleep(Duration::from_millis(2500)).await;
-        sqlx::query("SELECT pg_advisory_unlock_all()").execute(&mut *holder).await?;
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *holder)
+            .await?;
         assert!(waiter.await??.allowed, "the waiting acquire did not retry");
         // A check left in an open transaction holds the key the same way.
         let mut open = app.begin().await?;

@@ -238,8 +238,16 @@ async fn a_handle_whose_limits_differ_from_the_stored_ones_is_warned_once_naming
         .collect();
     assert_eq!(warnings.len(), 1, "{events:#?}");
     let warning = warnings[0];
-    assert_eq!(warning.field("code_limits"), Some("50 per 60s"), "{warning:?}");
-    assert_eq!(warning.field("stored_limits"), Some("3 per 3600s"), "{warning:?}");
+    assert_eq!(
+        warning.field("code_limits"),
+        Some("50 per 60s"),
+        "{warning:?}"
+    );
+    assert_eq!(
+        warning.field("stored_limits"),
+        Some("3 per 3600s"),
+        "{warning:?}"
+    );
     let message = warning.field("message").unwrap_or_default();
     assert!(message.contains("set_rate_limit"), "{message}");
     assert!(message.contains("pg-semaphore limits"), "{message}");

@@ -84,7 +84,9 @@ impl Limiter {
         }
         let query = self
             .db
-            .query_as::<(Option<f64>, Option<f64>, Option<i64>, Option<PgInterval>)>(LIMITER_IN_FORCE)
+            .query_as::<(Option<f64>, Option<f64>, Option<i64>, Option<PgInterval>)>(
+                LIMITER_IN_FORCE,
+            )
             .bind(self.policy.kind())
             .bind(self.name.clone());
         let (rate, burst, limit, window) = match self.db.fetch_one(query).await {
@@ -95,7 +97,10 @@ impl Limiter {
             }
         };
         let (code, stored) = match self.policy {
-            Policy::TokenBucket { rate: own, burst: own_burst } => {
+            Policy::TokenBucket {
+                rate: own,
+                burst: own_burst,
+            } => {
                 let (Some(rate), Some(burst)) = (rate, burst) else {
                     return;
                 };
@@ -107,8 +112,14 @@ impl Limiter {
                     format!("rate {rate}/s, burst {burst}"),
                 )
             }
-            Policy::FixedWindow { limit: own, window: own_window }
-            | Policy::SlidingWindow { limit: own, window: own_window } => {
+            Policy::FixedWindow {
+                limit: own,
+                window: own_window,
+            }
+            | Policy::SlidingWindow {
+                limit: own,
+                window: own_window,
+            } => {
                 let (Some(limit), Some(window)) = (limit, window) else {
                     return;
                 };
