@@ -23,11 +23,17 @@
 //! a refill or in a later window, and answers when that is; the caller
 //! sleeps until then.
 //!
-//! Since schema version 9 the limits a handle is built with are
-//! **defaults**: an operator may store a limiter's limits, or one key's, in
-//! `pgsemaphore.rate_limit_settings` (`pg-semaphore limits set`,
-//! [`set_rate_limit`](crate::set_rate_limit)), and every check, of every
-//! process, applies the stored ones in the same statement; any process may
+//! A limiter's limits belong to the database (schema version 9; stored on
+//! first use since version 12): the first check of a limiter stores the
+//! limits its handle was built with in `pgsemaphore.rate_limit_settings`,
+//! and every later check, of every process, is decided under the stored
+//! ones in the same statement, whatever its handle says; only an operator
+//! changes them, per limiter or per key (`pg-semaphore limits set`,
+//! [`set_rate_limit`](crate::set_rate_limit)). A handle whose limits differ
+//! from the stored ones logs one `WARN` per limiter and process naming
+//! both. A reservation books at most `burst / rate` (a window: one window)
+//! ahead; a key's lock held elsewhere for 2 s answers
+//! [`Error::Stalled`]. Any process may
 //! [`pause`](TokenBucket::pause) a key or a whole limiter after an
 //! upstream's 429; and a [`LimiterSet`] checks several limits at once, all
 //! or none. How (and the wake-ups of waiting acquires when an operator
@@ -526,6 +532,10 @@ macro_rules! common_limiter_methods {
         ///   and for `permits` of 0 or above the limit (it could never be
         ///   granted). Nothing is sent.
         /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+        /// - [`Error::Stalled`] (naming the limiter) when the key's lock was
+        ///   held by another transaction for 2 s (a check left in an open
+        ///   transaction, or a session holding the key's advisory lock):
+        ///   nothing was taken.
         /// - [`Error::Database`] for connection and other database errors,
         ///   unless the limiter fails open (see `fail_open` on its builder).
         ///
@@ -682,7 +692,9 @@ macro_rules! window_limiter {
             ///
             /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at
             ///   once when the permits would not be admitted within
-            ///   `timeout`; nothing was taken.
+            ///   `timeout`, or when the key's lock stayed held
+            ///   ([`Error::Stalled`], retried) until `timeout`; nothing was
+            ///   taken.
             /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
             ///   [`Error::Database`] as for [`check`](Self::check) (a schema
             #[doc = concat!("  older than version 10 has no `", $sql, "_reserve`:")]
@@ -950,7 +962,8 @@ impl TokenBucket {
     ///
     /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at once
     ///   when the tokens would not be there within `timeout`, or the key is
-    ///   paused beyond it; nothing was taken.
+    ///   paused beyond it, or when the key's lock stayed held
+    ///   ([`Error::Stalled`], retried) until `timeout`; nothing was taken.
     /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
     ///   [`Error::Database`] as for [`check`](Self::check) (a schema older
     ///   than version 6 has no `token_bucket_reserve`:

@@ -144,6 +144,8 @@ impl LimiterSet {
     ///   [`check`](TokenBucket::check) for the key and `permits`.
     /// - [`Error::MigrationsMissing`] when the schema is older than version
     ///   9 (no `check_limits`) or missing.
+    /// - [`Error::Stalled`] (naming the set's limiters) when a key's lock
+    ///   was held by another transaction for 2 s: nothing was charged.
     /// - [`Error::Database`] otherwise, unless every limiter of the set
     ///   fails open (then an unreachable database admits, as `check` does).
     ///
@@ -224,7 +226,8 @@ impl LimiterSet {
     ///
     /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`] naming
     ///   the limiter that decided) at once when the permits would not be
-    ///   admitted within `timeout`; nothing was booked.
+    ///   admitted within `timeout`, or when a key's lock stayed held
+    ///   ([`Error::Stalled`], retried) until `timeout`; nothing was booked.
     /// - [`Error::InvalidArgument`] as for [`check`](Self::check).
     /// - [`Error::MigrationsMissing`] when the schema is older than version
     ///   12 (no `check_limits_reserve`) or missing.

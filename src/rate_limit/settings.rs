@@ -4,12 +4,15 @@
 //! header writes down the decisions).
 //!
 //! - **Stored limits.** `pgsemaphore.rate_limit_settings` holds, per limiter
-//!   and optionally per key, a pair an operator stored (rate and burst, or
-//!   permit limit and window). Every check function reads it in its own
-//!   statement: the key's pair, else the limiter's, else the one the code
-//!   passed. So a handle's builder values are defaults, and every process
-//!   (of any crate version from schema 2 on) applies the stored ones, with
-//!   no extra round trip.
+//!   and optionally per key, a pair (rate and burst, or permit limit and
+//!   window): the limiter's is stored by its first check (schema version
+//!   12), a key's only by an operator, who alone changes either. Every
+//!   check function reads it in its own statement: the key's pair, else the
+//!   limiter's. So a handle's builder values count only at a limiter's
+//!   first use, and every process (of any crate version from schema 2 on)
+//!   applies the stored ones, with no extra round trip per check;
+//!   [`Limiter::note_stored_limits`] warns once per limiter and process
+//!   when the handle's pair differs.
 //! - **Pauses.** [`Limiter::pause`] (the application: an upstream answered
 //!   429 with `Retry-After`) refuses a key's, or a whole limiter's, checks
 //!   until then in every process; it only ever extends a pause, by at most
