@@ -740,6 +740,29 @@ async fn an_operator_change_waits_at_most_the_bound_for_an_applications_open_tra
         .await
         .expect("a pause waited without bound");
         assert_eq!(sqlstate(&result).as_deref(), Some("55P03"), "{result:?}");
+        // Through the crate: Error::Stalled, naming the limiter.
+        let error = tokio::time::timeout(
+            LIVENESS,
+            pg_semaphore::set_rate_limit(
+                &p.operator,
+                pg_semaphore::LimiterKind::TokenBucket,
+                "paused",
+                None,
+                pg_semaphore::StoredLimit::TokenBucket { rate: 2.0, burst: 5 },
+            ),
+        )
+        .await
+        .expect("set_rate_limit waited without bound")
+        .expect_err("the settings row is held");
+        assert!(
+            matches!(&error, Error::Stalled { semaphore } if semaphore == "paused"),
+            "{error:?}"
+        );
+        let error = tokio::time::timeout(LIVENESS, bucket.pause_all(Duration::from_secs(1)))
+            .await
+            .expect("a pause waited without bound")
+            .expect_err("the settings row is held");
+        assert!(matches!(error, Error::Stalled { .. }), "{error:?}");
         // A resume finds no committed pause to end, so it locks nothing:
         // it answers at once (or, had it to wait, within the bound).
         let resume = "SELECT pgsemaphore.resume_rate_limit('token_bucket', 'paused', NULL)";

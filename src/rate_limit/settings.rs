@@ -166,7 +166,10 @@ impl Limiter {
             .bind(self.name.clone())
             .bind(key.map(str::to_owned))
             .bind(duration);
-        self.db.fetch_one(query).await?;
+        self.db
+            .fetch_one(query)
+            .await
+            .map_err(|e| self.stalled(e))?;
         Ok(())
     }
 

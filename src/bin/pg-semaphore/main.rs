@@ -333,7 +333,7 @@ enum LimitsCommand {
         #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "permit_limit")]
         window: Option<Duration>,
     },
-    /// Forget a limiter's (or a key's) stored limits: the code's apply again.
+    /// Forget a limiter's (or a key's) stored limits: a key's limiter's apply again; a limiter's next check stores its code's.
     Clear {
         #[command(flatten)]
         target: LimitTarget,
