@@ -746,11 +746,11 @@ macro_rules! window_limiter {
 /// Time is the database's clock, read after the key's lock is taken.
 ///
 /// A cheap handle (an [`Arc`] inside): clone it freely. The rate and burst
-/// it is built with are defaults: a rate and burst an operator stored for
-/// the limiter, or for one key ([`set_rate_limit`](crate::set_rate_limit)),
-/// apply instead, in every process. Without stored limits, every handle
-/// with the same name should use the same rate and burst: each check applies
-/// its own to the shared state.
+/// it is built with are stored as the limiter's by its first check; from
+/// then on the stored ones apply, in every process, whatever a handle says,
+/// and only an operator changes them, for the limiter or for one key
+/// ([`set_rate_limit`](crate::set_rate_limit)). A handle built with other
+/// limits logs one `WARN` naming both pairs.
 ///
 /// ```no_run
 /// use pg_semaphore::TokenBucket;

@@ -286,9 +286,10 @@ enum Command {
 
     /// Rate limiters' stored limits and pauses: list, set, clear, pause, resume.
     ///
-    /// A limit stored here applies instead of the one the code builds its
-    /// limiter with, in every process, from each key's next check (a key's
-    /// own limit beats its limiter's). A paused limiter or key refuses
+    /// A limiter's first check stores the limits its code builds it with;
+    /// a limit set here replaces the stored one, in every process, from
+    /// each key's next check (a key's own limit beats its limiter's). A
+    /// deploy that changes a limiter's limits in code must set them here. A paused limiter or key refuses
     /// every check until the pause ends; waiting acquires sleep until then.
     #[command(
         subcommand,
