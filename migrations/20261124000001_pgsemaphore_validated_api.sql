@@ -1315,8 +1315,10 @@ RETURNS void
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    IF p_limit IS NULL OR p_limit < 1 THEN
-        PERFORM pgsemaphore.refuse('p_limit', format('at least 1, got %s', coalesce(p_limit::text, 'NULL')));
+    -- (At most 1e15, as a bucket's burst: every count and every sum of two
+    -- stays exact in a double and far inside a bigint.)
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 THEN
+        PERFORM pgsemaphore.refuse('p_limit', format('1 to 1e15, got %s', coalesce(p_limit::text, 'NULL')));
     END IF;
     PERFORM pgsemaphore.checked_interval(p_window, 'p_window', interval '1 ms', interval '366 days');
     IF p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN

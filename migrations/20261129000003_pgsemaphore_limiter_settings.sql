@@ -619,8 +619,10 @@ CREATE FUNCTION pgsemaphore.pause_rate_limit(p_kind text, p_limiter text, p_key 
 RETURNS timestamptz
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
--- PAUSE: refuses every check (and reservation) of key p_key of limiter
+-- PAUSE (waits at most lock_timeout, 2 s, for the row, then 55P03): refuses
+-- every check (and reservation) of key p_key of limiter
 -- (p_kind, p_limiter), or of all its keys when p_key is NULL, for p_for
 -- from now, in every process; for an upstream that answered 429 with
 -- Retry-After. Only ever extends the pause in force (never shortens one set
@@ -683,6 +685,7 @@ CREATE FUNCTION pgsemaphore.set_rate_limit(
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- STORES the limits of limiter (p_kind, p_limiter), or of its key p_key's
 -- override when p_key is not NULL: a token bucket's p_rate and p_burst (p_limit
@@ -690,7 +693,11 @@ AS $$
 -- NULL), validated as the checks validate passed ones. Applies from each
 -- key's next check (see the migration's header for how it meets a key's
 -- state) and sends NOTIFY pgsemaphore_rate 'kind/limiter' at commit, so that
--- waiting acquires re-read it.
+-- waiting acquires re-read it. Since version 12 a limiter's first check
+-- stores its caller's pair (migrations/20261129000006_pgsemaphore_rate_ledger.sql):
+-- this function is how that pair changes. The row is waited for at most
+-- lock_timeout, 2 s (an application's pause or first use left in an open
+-- transaction holds it), then 55P03.
 BEGIN
     PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
     IF p_kind = 'token_bucket' THEN
@@ -725,11 +732,14 @@ CREATE FUNCTION pgsemaphore.clear_rate_limit(p_kind text, p_limiter text, p_key 
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- FORGETS the stored limits of limiter (p_kind, p_limiter) (p_key NULL) or
 -- of its key p_key's override: the next checks apply the limiter's stored
--- pair (for a key) or the code's. A pause stays. Returns whether a pair was
--- stored. NOTIFY as set_rate_limit.
+-- pair (for a key) or, for the limiter, the next check is a first use
+-- again and stores its caller's pair (version 12). A pause stays. Returns
+-- whether a pair was stored. NOTIFY as set_rate_limit. The row is waited
+-- for at most lock_timeout, 2 s, then 55P03.
 DECLARE
     v_had boolean;
 BEGIN
@@ -754,9 +764,10 @@ CREATE FUNCTION pgsemaphore.resume_rate_limit(p_kind text, p_limiter text, p_key
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 -- ENDS the pause of limiter (p_kind, p_limiter) (p_key NULL) or of its key
--- p_key, now. Returns whether one was running. NOTIFY as set_rate_limit, so
+-- p_key, now (the row waited for at most lock_timeout, 2 s, then 55P03). Returns whether one was running. NOTIFY as set_rate_limit, so
 -- that acquires waiting for the pause's end retry at once.
 DECLARE
     v_had boolean;

@@ -49,7 +49,40 @@
 --     for LimiterSet::acquire (granted to whoever may run check_limits);
 --   * schema_version() returns (12, 2): code built for versions 2 to 11
 --     works against it unchanged (it calls the same functions).
--- The stored limits, pauses and their functions (version 9) are unchanged.
+-- Hostile callers (issue 32), decided in this version:
+--   * a limiter's limits belong to the database, never to one caller: a
+--     check that finds no stored pair in force (key's, else limiter's)
+--     stores its caller's pair as the limiter's (rate_limit_settings, key
+--     '', by rate_limit_first_use under the functions' owner: INSERT ... ON
+--     CONFLICT, then a re-read, so two racing first uses decide under the
+--     same pair); from then on every check, whatever it passes, is decided
+--     under the stored pair, which only the operator changes
+--     (set_rate_limit, clear_rate_limit, per limiter or per key). A deploy
+--     that changes limits in code must store them (set_rate_limit, or the
+--     CLI's `pg-semaphore limits set`); the crate warns once per limiter
+--     and process when its pair differs from the stored one. After
+--     clear_rate_limit of a limiter, its next check is a first use again
+--     and stores its caller's pair. Keys of earlier versions keep their
+--     state; their limiter's first check afterwards stores its pair;
+--   * a reservation books no further ahead than the limits in force allow:
+--     p_max_wait is clamped to burst / rate (a bucket) or one window (a
+--     window; for several limits, the least of theirs), never refused, so
+--     callers passing a longer wait (up to 366 days) keep working and are
+--     refused with the instant when it lies beyond. A bucket's level
+--     therefore never goes below -burst, and the refill clamps it there
+--     (a deeper level can only come from an operator lowering the pair
+--     under bookings of the old one): every wait stays within 2 x 366 days
+--     and no arithmetic on a key overflows. A window's permit limit is at
+--     most 1e15, as a bucket's burst (check_window; the p_n casts and the
+--     remaining counts stay exact);
+--   * every wait is bounded: each rate check, reservation, check_limits
+--     (_reserve), and the settings functions (set_rate_limit,
+--     clear_rate_limit, pause_rate_limit, resume_rate_limit) run with SET
+--     lock_timeout = '2s', as the semaphore functions: a key's advisory lock
+--     held by a check left in an open transaction, or by any role (PUBLIC
+--     may call pg_advisory_lock on the documented key), a settings row held
+--     by an open pause or first use, answer 55P03 after 2 s (the crate's
+--     Error::Stalled; waiting acquires retry within their deadline).
 
 CREATE OR REPLACE FUNCTION pgsemaphore.schema_version()
 RETURNS TABLE (o_version integer, o_compatible_from integer)
@@ -166,8 +199,12 @@ BEGIN
         o_tokens := p_burst;
         o_stamp := p_now;
     ELSE
-        o_tokens := least(p_burst,
-                          p_tokens + greatest(0, extract(epoch FROM p_now - p_stamp)::double precision) * p_rate);
+        -- Never below -p_burst: no reservation books deeper (rate_take
+        -- bounds it to burst / rate ahead); a deeper level was booked under
+        -- a larger pair an operator has since lowered, and keeping it would
+        -- put every later wait beyond any bound (22003 in the microseconds).
+        o_tokens := least(p_burst, greatest(-p_burst,
+                          p_tokens + greatest(0, extract(epoch FROM p_now - p_stamp)::double precision) * p_rate));
         o_stamp := greatest(p_stamp, p_now);
     END IF;
     -- The seconds until p_n tokens are there, and not before p_from.
@@ -365,6 +402,51 @@ BEGIN
 END;
 $$;
 
+-- FIRST USE: stores the caller's pair (p_rate, p_burst for a token bucket;
+-- p_limit, p_window for a window) as the limiter's (key ''), unless a pair
+-- is stored already, and returns the limiter's stored pair. Called by the
+-- engine, as the owner, when a check finds no pair in force: a limiter's
+-- limits then belong to the database, as a semaphore's capacity does, and
+-- no later caller's arguments redefine the state every caller of a key
+-- shares. A pause-only row gets the pair; a stored pair is never replaced.
+-- Meets: another first use of the limiter (any key): the upsert waits for
+-- its uncommitted row (lock_timeout of the calling function: 2 s, 55P03),
+-- then keeps the committed one, and the re-read, a new statement, returns
+-- it: both decide under the same pair; the operator's set_rate_limit: the
+-- same, whichever commits first stays until the operator's own write;
+-- clear_rate_limit committed between the upsert and the re-read: NULLs, and
+-- the caller's pair applies to this one check (the next stores it again).
+CREATE FUNCTION pgsemaphore.rate_limit_first_use(
+    p_kind text, p_limiter text,
+    p_rate double precision, p_burst double precision, p_limit bigint, p_window interval,
+    OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_bucket boolean := p_kind = 'token_bucket';
+BEGIN
+    INSERT INTO pgsemaphore.rate_limit_settings AS s
+           (kind, limiter, key, rate, burst, permit_limit, window_length, updated_at)
+    VALUES (p_kind, p_limiter, '',
+            CASE WHEN v_bucket THEN p_rate END, CASE WHEN v_bucket THEN p_burst END,
+            CASE WHEN NOT v_bucket THEN p_limit END, CASE WHEN NOT v_bucket THEN p_window END, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET rate = excluded.rate, burst = excluded.burst,
+           permit_limit = excluded.permit_limit, window_length = excluded.window_length,
+           updated_at = now()
+     WHERE s.rate IS NULL AND s.permit_limit IS NULL
+    RETURNING s.rate, s.burst, s.permit_limit, s.window_length
+         INTO o_rate, o_burst, o_limit, o_window;
+    IF NOT FOUND THEN
+        -- Another first use or the operator stored one first: that one.
+        SELECT s.rate, s.burst, s.permit_limit, s.window_length
+          INTO o_rate, o_burst, o_limit, o_window
+          FROM pgsemaphore.rate_limit_settings s
+         WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = '';
+    END IF;
+END;
+$$;
+
 -- ---------------------------------------------------------------------------
 -- The engine (caller's rights, no grants): one key
 -- ---------------------------------------------------------------------------
@@ -383,16 +465,24 @@ AS $$
 -- functions). The arguments were checked by the caller.
 -- Steps:
 --   1. READ COMMITTED, or 0A000;
---   2. one statement: the key's advisory lock, and the stored limits and
---      pause (read with that statement's snapshot, taken before the lock:
---      the pair in force when the check began); a pause refuses, taking
---      nothing; a stored pair replaces the caller's (p_n above it: 22023);
+--   2. one statement: the key's advisory lock (waited for at most the
+--      calling function's lock_timeout, 2 s, then 55P03), and the stored
+--      limits and pause (read with that statement's snapshot, taken before
+--      the lock: the pair in force when the check began); a pause refuses,
+--      taking nothing; no stored pair: the first use stores the caller's as
+--      the limiter's (rate_limit_first_use); the stored pair replaces the
+--      caller's (p_n above it: 22023); p_max_wait is clamped to what the
+--      pair allows ahead: burst / rate, or one window;
 --   3. a new statement, so a new snapshot: the key's newest row, as its
 --      previous holder committed it (none: a full bucket, empty windows);
 --   4. the kind's step function decides, with the clock read after the lock;
 --   5. admitted: the new state as row seq + 1; refused: nothing written.
 --      On a seq divisible by 16, the rows 16 to 32 behind it go.
--- Invariant: the decisions are those of the row-locked versions (the same
+-- Invariant: once a limiter has been used, every decision of its keys is
+-- made under its stored pair (or a key's override), never under a
+-- caller's own; a booking lies at most burst / rate or one window ahead,
+-- so a bucket's level stays within [-burst, burst]; the decisions are
+-- those of the row-locked versions (the same
 -- step, on the state the previous decision left, in the order the lock
 -- serves them); a refused decision's writes there (refill, roll forward)
 -- are recomputed here by the next decision from the same row, with the same
@@ -409,6 +499,17 @@ AS $$
 --   * a check in another isolation level: refused in step 1;
 --   * the key's first use by two callers: the lock orders them; the second
 --     reads the first's row;
+--   * the limiter's first use by two callers with different pairs (any
+--     keys): the second's insert of the limiter's pair waits for the
+--     first's uncommitted one (at most 2 s, then 55P03), then keeps it, and
+--     the re-read returns it: both decide under one pair; after a rollback
+--     the second stores its own (tests/isolation/specs/rate-first-use.spec).
+--     A first use left in an open transaction so holds back the limiter's
+--     other first checks, for at most 2 s each;
+--   * a session holding the key's advisory lock (a check left in an open
+--     transaction; any role's pg_advisory_lock(1885828967, hashtext(...)),
+--     which PUBLIC may call): we wait at most 2 s, then 55P03, having
+--     taken nothing (tests/isolation/specs/rate-key-lock-held.spec);
 --   * the trim of step 5 or prune_rate_limits deleting old rows: never the
 --     newest, which is all a check reads; neither waits for the other
 --     (rate_trim skips rows another transaction is deleting). Prune
@@ -461,6 +562,13 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
+    -- 2b. No pair in force: the first use stores the caller's as the
+    -- limiter's (or finds the one a concurrent first use stored).
+    IF p_stored AND (CASE WHEN p_kind = 'token_bucket' THEN v_rate IS NULL ELSE v_limit IS NULL END) THEN
+        SELECT u.o_rate, u.o_burst, u.o_limit, u.o_window
+          INTO v_rate, v_burst, v_limit, v_window
+          FROM pgsemaphore.rate_limit_first_use(p_kind, p_limiter, p_rate, p_burst, p_limit, p_window) u;
+    END IF;
     IF v_rate IS NOT NULL AND p_kind = 'token_bucket' THEN
         IF p_n > v_burst THEN
             PERFORM pgsemaphore.check_n_stored(p_n, v_burst);
@@ -473,6 +581,14 @@ BEGIN
         END IF;
         p_limit := v_limit;
         p_window := v_window;
+    END IF;
+    -- 2c. The reservation bound: no further ahead than burst / rate (a
+    -- bucket) or one window, under the limits in force; a longer p_max_wait
+    -- is clamped to it.
+    IF p_max_wait > interval '0' THEN
+        p_max_wait := least(p_max_wait,
+                            CASE WHEN p_kind = 'token_bucket' THEN make_interval(secs => p_burst / p_rate)
+                                 ELSE p_window END);
     END IF;
     -- 3. A new statement: the newest row (a new snapshot, after the lock).
     SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
@@ -558,10 +674,16 @@ AS $$
 -- the previous decision on its key left (as a single check would, at the
 -- instant t), and a refused call writes nothing, so no limit counts a
 -- refused call.
--- Meets: what rate_take meets, for every key; a multi-limit check holding
--- some of our keys: it holds their locks, we wait in hash order.
+-- Step 2 also stores, for every limit with no pair in force, the caller's
+-- pair as its limiter's (as rate_take), and clamps p_max_wait to the least
+-- of what the limits in force allow ahead (burst / rate, one window).
+-- Meets: what rate_take meets, for every key (each lock waited for at most
+-- 2 s, then 55P03: the whole call fails, nothing charged); a multi-limit
+-- check holding some of our keys: it holds their locks, we wait in hash
+-- order.
 DECLARE
     v_count   integer := cardinality(p_kinds);
+    v_bound   interval := interval '366 days';
     v_paused  timestamptz[];
     v_srates  double precision[];
     v_sbursts double precision[];
@@ -588,6 +710,7 @@ DECLARE
     v_left    bigint;
     v_i       integer;
     r         record;
+    u         record;
     b         record;
     f         record;
     w         record;
@@ -636,18 +759,37 @@ BEGIN
                 o_deciding := v_i;
             END IF;
             o_allowed := false;
-        ELSIF p_kinds[v_i] = 'token_bucket' THEN
-            IF v_srates[v_i] IS NOT NULL THEN
-                PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
-                p_rates[v_i] := v_srates[v_i];
-                p_bursts[v_i] := v_sbursts[v_i];
+        ELSE
+            -- No pair in force: the first use stores the caller's (as in
+            -- rate_take).
+            IF (CASE WHEN p_kinds[v_i] = 'token_bucket' THEN v_srates[v_i] IS NULL ELSE v_slimits[v_i] IS NULL END) THEN
+                u := pgsemaphore.rate_limit_first_use(p_kinds[v_i], p_limiters[v_i], p_rates[v_i], p_bursts[v_i],
+                                                      p_limits[v_i], p_windows[v_i]);
+                v_srates[v_i] := u.o_rate;
+                v_sbursts[v_i] := u.o_burst;
+                v_slimits[v_i] := u.o_limit;
+                v_swins[v_i] := u.o_window;
             END IF;
-        ELSIF v_slimits[v_i] IS NOT NULL THEN
-            PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
-            p_limits[v_i] := v_slimits[v_i];
-            p_windows[v_i] := v_swins[v_i];
+            IF p_kinds[v_i] = 'token_bucket' THEN
+                IF v_srates[v_i] IS NOT NULL THEN
+                    PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                    p_rates[v_i] := v_srates[v_i];
+                    p_bursts[v_i] := v_sbursts[v_i];
+                END IF;
+                v_bound := least(v_bound, make_interval(secs => p_bursts[v_i] / p_rates[v_i]));
+            ELSE
+                IF v_slimits[v_i] IS NOT NULL THEN
+                    PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+                    p_limits[v_i] := v_slimits[v_i];
+                    p_windows[v_i] := v_swins[v_i];
+                END IF;
+                v_bound := least(v_bound, p_windows[v_i]);
+            END IF;
         END IF;
     END LOOP;
+    -- The reservation bound: no further ahead than every limit in force
+    -- allows (burst / rate, one window); a longer p_max_wait is clamped.
+    p_max_wait := least(p_max_wait, v_bound);
     IF NOT o_allowed THEN
         o_remaining := 0;
         RETURN NEXT;
@@ -831,7 +973,7 @@ BEGIN
             IF NOT (p_n <= p_bursts[v_i]) THEN
                 PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_bursts[v_i], p_n));
             END IF;
-        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] < 1 OR p_windows[v_i] IS NULL
+        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] NOT BETWEEN 1 AND 1000000000000000 OR p_windows[v_i] IS NULL
               OR p_windows[v_i] < interval '1 ms' OR p_windows[v_i] > interval '366 days'
               OR p_n NOT BETWEEN 1 AND p_limits[v_i] THEN
             PERFORM pgsemaphore.check_window(p_limits[v_i], p_windows[v_i], p_n);
@@ -864,6 +1006,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- TOKEN BUCKET (Stripe's request rate limiter, with the database's clock),
 -- per key: p_burst tokens at most, refilled continuously at p_rate per
@@ -874,11 +1017,15 @@ AS $$
 --   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
 --   refilled from empty within 366 days; p_n finite, 1 to p_burst
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
--- COMMITTED, 0A000. p_rate and p_burst are defaults: the pair stored in
+-- COMMITTED, 0A000; the key's lock held by another transaction for more
+-- than 2 s (lock_timeout), 55P03, nothing taken. p_rate and p_burst are
+-- stored by the limiter's first use (when no pair is stored for the key or
+-- the limiter, they become the limiter's); after that the stored pair in
 -- pgsemaphore.rate_limit_settings for the key, else for the limiter,
--- applies instead (p_n above a stored burst raises 22023 p_n). While the key
--- or the limiter is paused the check is refused (o_remaining 0,
--- o_retry_after_us until the pause ends), taking nothing.
+-- applies whatever is passed (p_n above a stored burst raises 22023 p_n),
+-- and only the operator changes it. While the key or the limiter is paused
+-- the check is refused (o_remaining 0, o_retry_after_us until the pause
+-- ends), taking nothing.
 -- Returns o_allowed, o_remaining (whole tokens left), o_retry_after_us
 -- (refused: until p_n tokens are there; 0 when admitted).
 BEGIN
@@ -907,6 +1054,7 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- TOKEN BUCKET RESERVATION (version 6): p_n tokens taken now even if they
 -- are not there yet, provided they will be within p_max_wait; the caller
@@ -915,7 +1063,9 @@ AS $$
 -- instants, plain checks included, take at most p_burst + p_rate x d tokens):
 -- migrations/20261128000001_pgsemaphore_waiting_bucket.sql; the steps and
 -- what it meets: pgsemaphore.rate_take.
---   as token_bucket, and p_max_wait 0 to 366 days, not NULL
+--   as token_bucket, and p_max_wait 0 to 366 days, not NULL; a p_max_wait
+--   beyond burst / rate of the pair in force is clamped to it (a
+--   reservation books at most that far ahead)
 -- Returns o_allowed (false: nothing taken), o_wait_us (until the tokens are
 -- there; refused, how long it would have been), o_remaining (whole tokens
 -- left; below zero, the tokens reserved ahead). Stored limits apply as in
@@ -949,6 +1099,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- FIXED WINDOW, per key: at most p_limit permits per window of p_window, on
 -- the key's own grid (windows back to back from its first check); a check
@@ -958,8 +1109,10 @@ AS $$
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
--- COMMITTED, 0A000. p_limit and p_window are defaults, the stored pair (key,
--- else limiter) applies instead, and a pause refuses, as in token_bucket.
+-- COMMITTED, 0A000; a held key lock, 55P03 after 2 s. p_limit and p_window
+-- are stored by the limiter's first use, after which the stored pair (key,
+-- else limiter) applies whatever is passed, and a pause refuses, as in
+-- token_bucket.
 -- Returns o_allowed, o_remaining (left in the window open now; 0 while a
 -- later window has bookings), o_retry_after_us (refused: until a window
 -- has room; 0 when admitted).
@@ -968,7 +1121,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -985,6 +1138,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SLIDING WINDOW, per key: the permits of the last p_window, estimated as
 -- previous x (1 - elapsed / p_window) + current (windows on the key's own
@@ -995,8 +1149,10 @@ AS $$
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
--- COMMITTED, 0A000. p_limit and p_window are defaults, the stored pair (key,
--- else limiter) applies instead, and a pause refuses, as in token_bucket.
+-- COMMITTED, 0A000; a held key lock, 55P03 after 2 s. p_limit and p_window
+-- are stored by the limiter's first use, after which the stored pair (key,
+-- else limiter) applies whatever is passed, and a pause refuses, as in
+-- token_bucket.
 -- Returns o_allowed, o_remaining (the floor of p_limit - estimate; 0 while
 -- a later window has bookings), o_retry_after_us (refused: until enough
 -- has slid out; 0 when admitted).
@@ -1005,7 +1161,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -1022,11 +1178,13 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- FIXED WINDOW RESERVATION (version 10): books p_n permits in the first
 -- window of the key's grid with room for them, if it opens within
 -- p_max_wait; the caller waits o_wait_us, then acts. As fixed_window, and
--- p_max_wait 0 to 366 days, not NULL. Returns o_allowed (false: nothing
+-- p_max_wait 0 to 366 days, not NULL, clamped to one window of the pair in
+-- force (a booking is at most one window ahead). Returns o_allowed (false: nothing
 -- booked), o_wait_us (until the booked window opens; refused, until the
 -- window with room would have), o_remaining (left in the window open now).
 -- Stored limits and pauses as in fixed_window; a pause refuses with
@@ -1036,7 +1194,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -1055,11 +1213,13 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SLIDING WINDOW RESERVATION (version 10): books p_n permits at the earliest
 -- instant the weighted estimate admits them, if that is within p_max_wait;
 -- the caller waits o_wait_us, then acts. As sliding_window, and p_max_wait
--- 0 to 366 days, not NULL. Returns o_allowed (false: nothing booked),
+-- 0 to 366 days, not NULL, clamped to one window of the pair in force.
+-- Returns o_allowed (false: nothing booked),
 -- o_wait_us (until the booked instant; refused, until it would have been),
 -- o_remaining (left now). Stored limits and pauses as in sliding_window; a
 -- pause refuses with o_wait_us until it ends and o_remaining 0.
@@ -1068,7 +1228,7 @@ BEGIN
        OR p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
         PERFORM pgsemaphore.check_limiter_key(p_limiter, p_key);
     END IF;
-    IF p_limit IS NULL OR p_limit < 1 OR p_window IS NULL OR p_window < interval '1 ms'
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 OR p_window IS NULL OR p_window < interval '1 ms'
        OR p_window > interval '366 days' OR p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
         PERFORM pgsemaphore.check_window(p_limit, p_window, p_n);
     END IF;
@@ -1089,6 +1249,7 @@ RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint, o
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SEVERAL LIMITS IN ONE CHECK (version 9): p_n permits against limit i =
 -- (p_kinds[i], p_limiters[i], p_keys[i]) for every i, admitted only if every
@@ -1131,12 +1292,14 @@ RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint, o_decidi
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- SEVERAL LIMITS THAT WAIT (version 12): books p_n permits in every limit
 -- at one instant, the earliest at which all admit them, if it is within
 -- p_max_wait; the caller waits o_wait_us, then acts: that instant is its
 -- admission in every limit. As check_limits, and p_max_wait 0 to 366 days,
--- not NULL. Each limit books as its kind's reservation would at that
+-- not NULL, clamped to the least of the limits' bounds (burst / rate, one
+-- window). Each limit books as its kind's reservation would at that
 -- instant (a bucket takes the tokens at once, a window books the window of
 -- that instant); the steps, the invariant and what it meets:
 -- pgsemaphore.rate_take_all.

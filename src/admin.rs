@@ -986,8 +986,10 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 /// permit limit of 0, a window outside
 /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW); a
 /// bucket refilled in more than 366 days: `p_burst`, from the database);
-/// [`Error::MigrationsMissing`] before schema version 9; [`Error::Database`]
-/// (the operator's grants).
+/// [`Error::MigrationsMissing`] before schema version 9; [`Error::Stalled`]
+/// when an application's pause or a limiter's first check left in an open
+/// transaction held the limiter's settings row for 2 s (nothing stored);
+/// [`Error::Database`] (the operator's grants).
 ///
 /// # Cancel safety
 ///
@@ -1046,7 +1048,9 @@ pub async fn set_rate_limit(
         .bind(burst)
         .bind(permit_limit)
         .bind(window);
-    db.fetch_one(query).await?;
+    db.fetch_one(query)
+        .await
+        .map_err(|e| rate_settings_stalled(e, limiter))?;
     tracing::info!(
         kind = kind.as_str(),
         limiter,
@@ -1058,13 +1062,16 @@ pub async fn set_rate_limit(
 }
 
 /// Forgets the stored limits of `limiter` (`key` `None`) or of its key
-/// `key`: checks apply the limiter's stored limits (for a key) or their
-/// handles' own again. A pause stays. Returns whether limits were stored.
+/// `key`: a key's checks apply the limiter's stored limits again; a
+/// limiter's next check is a first use again and stores its handle's
+/// limits (schema version 12). A pause stays. Returns whether limits were
+/// stored.
 ///
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name or key,
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::MigrationsMissing`], [`Error::Stalled`] (the limiter's
+/// settings row held by an open transaction for 2 s), [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -1082,7 +1089,23 @@ pub async fn clear_rate_limit(
         .bind(kind.as_str())
         .bind(limiter.to_owned())
         .bind(key.map(str::to_owned));
-    Ok(db.fetch_one(query).await?.0)
+    Ok(db
+        .fetch_one(query)
+        .await
+        .map_err(|e| rate_settings_stalled(e, limiter))?
+        .0)
+}
+
+/// 55P03 from a rate settings function: the limiter's settings row was held
+/// by another transaction for the functions' `lock_timeout` (2 s), as
+/// [`Error::Stalled`] naming the limiter; any other error as it is.
+fn rate_settings_stalled(error: Error, limiter: &str) -> Error {
+    if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+        return Error::Stalled {
+            semaphore: limiter.to_owned(),
+        };
+    }
+    error
 }
 
 /// Pauses `limiter` (`key` `None`: every key) or its key `key` for
@@ -1094,7 +1117,8 @@ pub async fn clear_rate_limit(
 ///
 /// [`Error::InvalidArgument`] for a bad name or key, a `duration` below 1 ms
 /// or above [`MAX_PAUSE`](crate::MAX_PAUSE); [`Error::MigrationsMissing`],
-/// [`Error::Database`].
+/// [`Error::Stalled`] (the settings row held by an open transaction for 2
+/// s), [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -1115,7 +1139,11 @@ pub async fn pause_rate_limit(
         .bind(limiter.to_owned())
         .bind(key.map(str::to_owned))
         .bind(duration);
-    Ok(db.fetch_one(query).await?.0)
+    Ok(db
+        .fetch_one(query)
+        .await
+        .map_err(|e| rate_settings_stalled(e, limiter))?
+        .0)
 }
 
 /// Ends the pause of `limiter` (`key` `None`) or of its key `key` now,
@@ -1143,7 +1171,11 @@ pub async fn resume_rate_limit(
         .bind(kind.as_str())
         .bind(limiter.to_owned())
         .bind(key.map(str::to_owned));
-    Ok(db.fetch_one(query).await?.0)
+    Ok(db
+        .fetch_one(query)
+        .await
+        .map_err(|e| rate_settings_stalled(e, limiter))?
+        .0)
 }
 
 #[cfg(all(test, feature = "serde"))]

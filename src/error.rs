@@ -147,24 +147,27 @@ pub enum Error {
         family: String,
     },
 
-    /// A claim (or a queue join) waited longer than the database's bound
-    /// (2 s of `lock_timeout`, inside `pgsemaphore.claim` and
-    /// `pgsemaphore.enqueue`) for the semaphore's row: another transaction
-    /// holds it, typically a claim or an enqueue left uncommitted in an
-    /// open transaction. Nothing was claimed. Waiting acquires retry through
-    /// it (one `WARN`); a fail-fast claim returns it. The culprit shows in
-    /// `pg_stat_activity` (`idle in transaction`, its query a
-    /// `pgsemaphore.claim`); `idle_in_transaction_session_timeout` on the
-    /// application's role bounds how long one can last. The operator's
-    /// changes (capacity, queue, force release, a family's rules and tiers)
-    /// wait for the same rows, as long, and answer the same: nothing was
-    /// changed; run them again.
+    /// A claim (or a queue join, a rate limiter's check, or an operator's
+    /// change) waited longer than the database's bound (2 s of
+    /// `lock_timeout`, inside `pgsemaphore.claim`, `pgsemaphore.enqueue`,
+    /// every rate limiter function and every operator function) for a lock
+    /// another transaction holds: the semaphore's row, typically a claim or
+    /// an enqueue left uncommitted in an open transaction, or an advisory
+    /// key (a rate limiter key's lock, a name's creation key) held by a check
+    /// left in an open transaction or by any session that took it with
+    /// `pg_advisory_lock`. Nothing was claimed, taken or changed. Waiting
+    /// acquires retry through it (one `WARN`) until their timeout; a
+    /// fail-fast claim, a plain rate check or an operator's change returns
+    /// it: run it again. The culprit shows in `pg_stat_activity` (`idle in
+    /// transaction`) and `pg_locks`; `idle_in_transaction_session_timeout`
+    /// on the application's role bounds how long one can last.
     #[error(
-        "{semaphore:?} waited 2 s for a row another transaction holds \
-         (a claim or an enqueue left uncommitted in an open transaction?): nothing was changed"
+        "{semaphore:?} waited 2 s for a lock that another transaction holds \
+         (a claim, an enqueue or a rate check left uncommitted in an open transaction?): nothing was changed"
     )]
     Stalled {
-        /// The semaphore's name.
+        /// The semaphore's name (or the rate limiter's, or a set's
+        /// limiters', joined by `", "`).
         semaphore: String,
     },
 

@@ -126,9 +126,11 @@
 //! the limit. Keys are created on first use; [`prune_rate_limits`] (or a
 //! [`Reaper`] with [`ReaperBuilder::rate_limits`]) deletes keys at rest. With
 //! `fail_open(true)`, an unreachable database admits instead of failing.
-//! The limits a handle is built with are defaults: an operator may store a
-//! limiter's (or a key's) in the database ([`set_rate_limit`]), and every
-//! process applies them, read inside the same check. [`TokenBucket::pause`]
+//! A limiter's limits belong to the database: its first check stores the
+//! limits its handle was built with, every process is decided under the
+//! stored ones, read inside the same check, and only an operator changes
+//! them, per limiter or per key ([`set_rate_limit`]; a process whose code
+//! says otherwise logs one `WARN`). [`TokenBucket::pause`]
 //! holds back a key (or [`pause_all`](TokenBucket::pause_all), a limiter)
 //! in every process after an upstream's 429, and a [`LimiterSet`] checks
 //! several limits at once, charging all or none.

@@ -23,11 +23,17 @@
 //! a refill or in a later window, and answers when that is; the caller
 //! sleeps until then.
 //!
-//! Since schema version 9 the limits a handle is built with are
-//! **defaults**: an operator may store a limiter's limits, or one key's, in
-//! `pgsemaphore.rate_limit_settings` (`pg-semaphore limits set`,
-//! [`set_rate_limit`](crate::set_rate_limit)), and every check, of every
-//! process, applies the stored ones in the same statement; any process may
+//! A limiter's limits belong to the database (schema version 9; stored on
+//! first use since version 12): the first check of a limiter stores the
+//! limits its handle was built with in `pgsemaphore.rate_limit_settings`,
+//! and every later check, of every process, is decided under the stored
+//! ones in the same statement, whatever its handle says; only an operator
+//! changes them, per limiter or per key (`pg-semaphore limits set`,
+//! [`set_rate_limit`](crate::set_rate_limit)). A handle whose limits differ
+//! from the stored ones logs one `WARN` per limiter and process naming
+//! both. A reservation books at most `burst / rate` (a window: one window)
+//! ahead; a key's lock held elsewhere for 2 s answers
+//! [`Error::Stalled`]. Any process may
 //! [`pause`](TokenBucket::pause) a key or a whole limiter after an
 //! upstream's 429; and a [`LimiterSet`] checks several limits at once, all
 //! or none. How (and the wake-ups of waiting acquires when an operator
@@ -193,6 +199,9 @@ struct Limiter {
     /// waiting acquire for as long as the handle lives (so that waiting
     /// acquires do not each open and close a connection).
     wakeups: std::sync::OnceLock<Arc<settings::RateWakeups>>,
+    /// Whether this handle compared its limits with the stored ones
+    /// ([`Limiter::note_stored_limits`]).
+    stored_noted: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Limiter {
@@ -232,6 +241,7 @@ impl Common {
             policy,
             fail_open: self.fail_open,
             wakeups: std::sync::OnceLock::new(),
+            stored_noted: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 }
@@ -254,6 +264,7 @@ impl Limiter {
     /// What a database error becomes: an admitting decision when the limiter
     /// fails open and the database is unreachable, else the error.
     async fn failed(&self, error: Error) -> Result<Decision> {
+        let error = self.stalled(error);
         let unchecked = Unchecked::Check {
             limiter: &self.name,
             metrics: &self.metrics,
@@ -263,6 +274,18 @@ impl Limiter {
         } else {
             Err(error)
         }
+    }
+
+    /// 55P03 from a rate function: the key's lock was held past the
+    /// functions' `lock_timeout` (2 s), as [`Error::Stalled`] naming the
+    /// limiter; any other error as it is.
+    fn stalled(&self, error: Error) -> Error {
+        if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+            return Error::Stalled {
+                semaphore: self.name.clone(),
+            };
+        }
+        error
     }
 
     /// The statement of one request for `permits` of `key`: the kind's
@@ -314,6 +337,7 @@ impl Limiter {
         match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us)) => {
                 self.metrics.decided(allowed);
+                self.note_stored_limits().await;
                 Ok(Decision {
                     allowed,
                     remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
@@ -349,6 +373,7 @@ impl Limiter {
         // heard. Behind a transaction pooler nothing can listen.
         let mut wake = self.subscribe();
         let topic = self.topic();
+        let mut stalled_warned = false;
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let max_wait = validate::rate_wait(left)?;
@@ -356,8 +381,35 @@ impl Limiter {
             let query = self.statement(key, permits, Some(max_wait))?;
             let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
                 Ok(reply) => reply,
-                Err(error) => return self.failed(error).await,
+                Err(error) => match self.stalled(error) {
+                    // The key's lock held past 2 s (a check left in an open
+                    // transaction, a session holding the advisory key):
+                    // again, within the caller's wait.
+                    Error::Stalled { .. } if started.elapsed() < budget => {
+                        if !stalled_warned {
+                            stalled_warned = true;
+                            tracing::warn!(
+                                limiter = %self.name,
+                                key,
+                                "the rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
+                            );
+                        }
+                        continue;
+                    }
+                    Error::Stalled { .. } => {
+                        self.metrics.decided(false);
+                        return Err(Error::Timeout {
+                            waited_for: WaitedFor::RateLimit {
+                                limiter: self.name.clone(),
+                                key: key.to_owned(),
+                            },
+                            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+                        });
+                    }
+                    error => return self.failed(error).await,
+                },
             };
+            self.note_stored_limits().await;
             let wait = Duration::from_micros(wait_us.max(0) as u64);
             if allowed {
                 self.metrics.decided(true);
@@ -480,6 +532,10 @@ macro_rules! common_limiter_methods {
         ///   and for `permits` of 0 or above the limit (it could never be
         ///   granted). Nothing is sent.
         /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+        /// - [`Error::Stalled`] (naming the limiter) when the key's lock was
+        ///   held by another transaction for 2 s (a check left in an open
+        ///   transaction, or a session holding the key's advisory lock):
+        ///   nothing was taken.
         /// - [`Error::Database`] for connection and other database errors,
         ///   unless the limiter fails open (see `fail_open` on its builder).
         ///
@@ -636,7 +692,9 @@ macro_rules! window_limiter {
             ///
             /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at
             ///   once when the permits would not be admitted within
-            ///   `timeout`; nothing was taken.
+            ///   `timeout`, or when the key's lock stayed held
+            ///   ([`Error::Stalled`], retried) until `timeout`; nothing was
+            ///   taken.
             /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
             ///   [`Error::Database`] as for [`check`](Self::check) (a schema
             #[doc = concat!("  older than version 10 has no `", $sql, "_reserve`:")]
@@ -688,11 +746,11 @@ macro_rules! window_limiter {
 /// Time is the database's clock, read after the key's lock is taken.
 ///
 /// A cheap handle (an [`Arc`] inside): clone it freely. The rate and burst
-/// it is built with are defaults: a rate and burst an operator stored for
-/// the limiter, or for one key ([`set_rate_limit`](crate::set_rate_limit)),
-/// apply instead, in every process. Without stored limits, every handle
-/// with the same name should use the same rate and burst: each check applies
-/// its own to the shared state.
+/// it is built with are stored as the limiter's by its first check; from
+/// then on the stored ones apply, in every process, whatever a handle says,
+/// and only an operator changes them, for the limiter or for one key
+/// ([`set_rate_limit`](crate::set_rate_limit)). A handle built with other
+/// limits logs one `WARN` naming both pairs.
 ///
 /// ```no_run
 /// use pg_semaphore::TokenBucket;
@@ -904,7 +962,8 @@ impl TokenBucket {
     ///
     /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`]) at once
     ///   when the tokens would not be there within `timeout`, or the key is
-    ///   paused beyond it; nothing was taken.
+    ///   paused beyond it, or when the key's lock stayed held
+    ///   ([`Error::Stalled`], retried) until `timeout`; nothing was taken.
     /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
     ///   [`Error::Database`] as for [`check`](Self::check) (a schema older
     ///   than version 6 has no `token_bucket_reserve`:

@@ -279,6 +279,17 @@ async fn a_check_in_an_open_transaction_holds_back_its_key_until_it_ends() -> Te
 #[tokio::test]
 async fn a_check_in_an_open_transaction_holds_back_no_other_key() -> TestResult {
     let db = support::migrated_db().await;
+    // The limiters' first uses, committed: they store the pairs. (A first
+    // use left open would hold the limiter's settings row it inserted, and
+    // another key's first check would wait for it, at most 2 s: 55P03.)
+    for (kind, limiter) in [
+        (Kind::Bucket, "busy"),
+        (Kind::Bucket, "other-limiter"),
+        (Kind::Fixed, "busy"),
+        (Kind::Sliding, "busy"),
+    ] {
+        assert!(check(&db.pool, kind, limiter, "first", 1).await?.0);
+    }
     let mut holder = connect(&db).await?;
     sqlx::raw_sql("BEGIN").execute(&mut holder).await?;
     assert!(check(&mut holder, Kind::Bucket, "busy", "k", 1).await?.0);
@@ -517,6 +528,24 @@ async fn prune_deletes_keys_at_rest_loses_no_check_and_trims_live_keys() -> Test
     // limits that keep it from rest for an hour: a rate of 0.001 (the
     // bucket's level of 7 refills nothing worth a token), windows of an hour
     // (the window that began with the first check, 3 permits in it).
+    // (Since the first use stores a limiter's pair, "quick" keeps its own:
+    // the key's slower pair is stored by the operator, as an override.)
+    for kind in Kind::ALL {
+        let (rate, burst, limit, window) = match kind {
+            Kind::Bucket => (Some(0.001), Some(10.0), None, None),
+            Kind::Fixed | Kind::Sliding => (None, None, Some(10_i64), Some("1 hour")),
+        };
+        sqlx::query(
+            "SELECT pgsemaphore.set_rate_limit($1, 'quick', 'held', $2, $3, $4, $5::interval)",
+        )
+        .bind(kind.name())
+        .bind(rate)
+        .bind(burst)
+        .bind(limit)
+        .bind(window)
+        .execute(pool)
+        .await?;
+    }
     let mut holder = connect(&db).await?;
     sqlx::raw_sql("BEGIN").execute(&mut holder).await?;
     for kind in Kind::ALL {

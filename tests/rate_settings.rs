@@ -134,14 +134,19 @@ async fn a_stored_limit_beats_the_code_s_in_every_process_with_no_extra_statemen
     .fetch_all(&db.pool)
     .await?;
     // Since schema version 12 the settings are read by the engine's first
-    // statement (rate_take, once per check), with no function of their own.
+    // statement (rate_take, once per check), with no function of their own;
+    // the crate compares its pair with the stored one once per limiter and
+    // process (rate_limit_in_force, which reads rate_limit_stored).
     assert_eq!(
         calls,
         vec![
+            ("rate_limit_in_force".to_owned(), 1),
+            ("rate_limit_stored".to_owned(), 1),
             ("rate_take".to_owned(), 10),
             ("token_bucket".to_owned(), 10)
         ],
-        "10 checks: 10 calls of token_bucket, each reading the settings once inside it"
+        "10 checks: 10 calls of token_bucket, each reading the settings once inside it, \
+         and one comparison of the limiter's pair"
     );
 
     assert!(
@@ -196,7 +201,9 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
     ));
     assert_eq!(win.check("other", 10).await?.remaining, 0);
     let listed = pg_semaphore::rate_limit_settings(&db.pool).await?;
-    assert_eq!(listed.len(), 3, "{listed:?}");
+    // The operator's three rows, and "win"'s own pair, stored by its first
+    // check of a key with no override ("other").
+    assert_eq!(listed.len(), 4, "{listed:?}");
     Ok(())
 }
 

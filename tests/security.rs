@@ -1040,12 +1040,15 @@ async fn privileges_rate_limits_are_checked_and_spent() -> TestResult {
         }
         assert_eq!(allowed, [true, true, false]);
         // Waiting is spending too: a booking takes a later window's budget
-        // (1 per hour: the fixed window's next booking is an hour away, the
-        // sliding window's two, once the first has slid out).
+        // (1 per hour: the fixed window's next booking is an hour away), but
+        // never more than one window ahead, whatever wait is asked for (the
+        // sliding window's next room is two windows away, once the first
+        // has slid out: refused).
         for (function, max_wait) in [
             ("fixed_window_reserve", "90 minutes"),
             ("sliding_window_reserve", "150 minutes"),
         ] {
+            let sliding = function.starts_with("sliding");
             let reserve = format!(
                 "SELECT o_allowed, o_wait_us > 0 FROM pgsemaphore.{function}('booked', 'k', 1, '1 hour', 1, '{max_wait}')"
             );
@@ -1058,9 +1061,92 @@ async fn privileges_rate_limits_are_checked_and_spent() -> TestResult {
                 );
             }
             assert_eq!(booked[0], (true, false), "{function}: the first at once");
-            assert_eq!(booked[1], (true, true), "{function}: the next later");
+            assert_eq!(booked[1], (!sliding, true), "{function}: the next later, within one window");
             assert!(!booked[2].0, "{function}: past the longest wait: {booked:?}");
         }
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Check rate limits only under the limits stored in the
+/// database: the first check of a limiter stores its limits, and no later
+/// caller's limits reset or fill another key's window or bucket, nor book
+/// it more than one window, or burst / rate, ahead."
+#[tokio::test]
+async fn privileges_rate_limits_are_the_stored_ones() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let first = "SELECT o_allowed FROM pgsemaphore.fixed_window('stored-first', 'k', 1, '1 hour', 1)";
+        assert!(sqlx::query_scalar::<_, bool>(first).fetch_one(&app).await?);
+        // Another caller's limits: a 1 ms window would have rolled the key.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let reset = "SELECT o_allowed FROM pgsemaphore.fixed_window('stored-first', 'k', 1000000, '1 ms', 1)";
+        assert!(!sqlx::query_scalar::<_, bool>(reset).fetch_one(&app).await?);
+        let fill = "SELECT o_allowed FROM pgsemaphore.token_bucket('stored-bucket', 'k', 1, 1, 1)";
+        assert!(sqlx::query_scalar::<_, bool>(fill).fetch_one(&app).await?);
+        let refill = "SELECT o_allowed FROM pgsemaphore.token_bucket('stored-bucket', 'k', 1e9, 1e15, 1)";
+        assert!(!sqlx::query_scalar::<_, bool>(refill).fetch_one(&app).await?);
+        // Bookings: the next window at most, and a bucket's one burst.
+        let book = "SELECT o_allowed FROM pgsemaphore.fixed_window_reserve('stored-first', 'k', 1000000, '366 days', 1, '366 days')";
+        let mut booked = Vec::new();
+        for _ in 0..3 {
+            booked.push(sqlx::query_scalar::<_, bool>(book).fetch_one(&app).await?);
+        }
+        assert_eq!(booked, [true, false, false], "booked beyond one window");
+        let reserve = "SELECT o_allowed FROM pgsemaphore.token_bucket_reserve('stored-bucket', 'k', 1e9, 1e15, 1, '366 days')";
+        let mut reserved = Vec::new();
+        for _ in 0..3 {
+            reserved.push(sqlx::query_scalar::<_, bool>(reserve).fetch_one(&app).await?);
+        }
+        assert_eq!(reserved, [true, false, false], "reserved beyond one burst");
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Holding a rate limiter key's advisory lock, which any role may
+/// take, or leaving a check in an open transaction, delays that key's
+/// checks by at most 2 seconds each, which then fail with SQLSTATE 55P03
+/// (`Error::Stalled`), while waiting acquires keep retrying."
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let limiter = TokenBucket::builder("held-key")
+            .rate(10.0)
+            .burst(10)
+            .build(&app)?;
+        assert!(limiter.check("k", 1).await?.allowed);
+        let mut holder = app.acquire().await?;
+        sqlx::query("SELECT pg_advisory_lock(1885828967, hashtext('token_bucket/held-key/k'))")
+            .execute(&mut *holder)
+            .await?;
+        let stalled = tokio::time::timeout(Duration::from_secs(30), limiter.check("k", 1))
+            .await
+            .expect("a check waited for a held key without bound");
+        assert!(matches!(stalled, Err(Error::Stalled { .. })), "{stalled:?}");
+        let waiter = {
+            let limiter = limiter.clone();
+            tokio::spawn(async move {
+                limiter
+                    .acquire_timeout("k", 1, Duration::from_secs(30))
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *holder)
+            .await?;
+        assert!(waiter.await??.allowed, "the waiting acquire did not retry");
+        // A check left in an open transaction holds the key the same way.
+        let mut open = app.begin().await?;
+        sqlx::query("SELECT * FROM pgsemaphore.token_bucket('held-key', 'k', 10, 10, 1)")
+            .execute(&mut *open)
+            .await?;
+        let stalled = tokio::time::timeout(Duration::from_secs(30), limiter.check("k", 1))
+            .await
+            .expect("a check waited for an open transaction without bound");
+        assert!(matches!(stalled, Err(Error::Stalled { .. })), "{stalled:?}");
+        open.rollback().await?;
         Ok(())
     })
     .await

@@ -202,3 +202,54 @@ async fn the_reaper_warns_about_a_session_holding_back_vacuum_naming_it() -> Tes
     reaper.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_handle_whose_limits_differ_from_the_stored_ones_is_warned_once_naming_both_pairs()
+-> TestResult {
+    use pg_semaphore::FixedWindow;
+    let db = support::migrated_db().await;
+    let capture = Capture::default();
+    let _default = tracing::subscriber::set_default(capture.clone());
+
+    // The first use stores 3 per hour; a handle with the same pair says nothing.
+    let stored = FixedWindow::builder("deployed")
+        .permit_limit(3)
+        .window(Duration::from_secs(3600))
+        .build(&db.pool)?;
+    assert_eq!(stored.check("k", 1).await?.remaining, 2);
+    // A later deploy's code says 50 per minute: decided under the stored
+    // pair, and told so once.
+    let newer = FixedWindow::builder("deployed")
+        .permit_limit(50)
+        .window(Duration::from_secs(60))
+        .build(&db.pool)?;
+    assert_eq!(newer.check("k", 1).await?.remaining, 1);
+    assert!(newer.check("k", 1).await?.allowed);
+    let again = FixedWindow::builder("deployed")
+        .permit_limit(50)
+        .window(Duration::from_secs(60))
+        .build(&db.pool)?;
+    assert!(!again.check("k", 1).await?.allowed);
+
+    let events = capture.events();
+    let warnings: Vec<&Captured> = events
+        .iter()
+        .filter(|e| e.level == Level::WARN && e.field("limiter") == Some("deployed"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{events:#?}");
+    let warning = warnings[0];
+    assert_eq!(
+        warning.field("code_limits"),
+        Some("50 per 60s"),
+        "{warning:?}"
+    );
+    assert_eq!(
+        warning.field("stored_limits"),
+        Some("3 per 3600s"),
+        "{warning:?}"
+    );
+    let message = warning.field("message").unwrap_or_default();
+    assert!(message.contains("set_rate_limit"), "{message}");
+    assert!(message.contains("pg-semaphore limits"), "{message}");
+    Ok(())
+}

@@ -144,6 +144,8 @@ impl LimiterSet {
     ///   [`check`](TokenBucket::check) for the key and `permits`.
     /// - [`Error::MigrationsMissing`] when the schema is older than version
     ///   9 (no `check_limits`) or missing.
+    /// - [`Error::Stalled`] (naming the set's limiters) when a key's lock
+    ///   was held by another transaction for 2 s: nothing was charged.
     /// - [`Error::Database`] otherwise, unless every limiter of the set
     ///   fails open (then an unreachable database admits, as `check` does).
     ///
@@ -159,6 +161,7 @@ impl LimiterSet {
             Ok((allowed, remaining, retry_after_us, deciding)) => {
                 for (limiter, _) in &self.limits {
                     limiter.metrics.decided(allowed);
+                    limiter.note_stored_limits().await;
                 }
                 Ok(Decision {
                     allowed,
@@ -169,7 +172,7 @@ impl LimiterSet {
                 })
             }
             Err(error) if self.fails_open() => first.failed(error).await,
-            Err(error) => Err(error),
+            Err(error) => Err(self.stalled(error)),
         }
     }
 
@@ -223,7 +226,8 @@ impl LimiterSet {
     ///
     /// - [`Error::Timeout`] (waiting for [`WaitedFor::RateLimit`] naming
     ///   the limiter that decided) at once when the permits would not be
-    ///   admitted within `timeout`; nothing was booked.
+    ///   admitted within `timeout`, or when a key's lock stayed held
+    ///   ([`Error::Stalled`], retried) until `timeout`; nothing was booked.
     /// - [`Error::InvalidArgument`] as for [`check`](Self::check).
     /// - [`Error::MigrationsMissing`] when the schema is older than version
     ///   12 (no `check_limits_reserve`) or missing.
@@ -254,6 +258,7 @@ impl LimiterSet {
         let first = self.first()?;
         let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
         let started = tokio::time::Instant::now();
+        let mut stalled_warned = false;
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let query = self
@@ -261,9 +266,40 @@ impl LimiterSet {
                 .bind(validate::rate_wait(left)?);
             let (allowed, wait_us, remaining, deciding) = match first.db.fetch_one(query).await {
                 Ok(reply) => reply,
-                Err(error) if self.fails_open() => return first.failed(error).await,
-                Err(error) => return Err(error),
+                Err(error) => match self.stalled(error) {
+                    // A key's lock held past 2 s (a check left in an open
+                    // transaction, a session holding the advisory key):
+                    // again, within the caller's wait.
+                    Error::Stalled { .. } if started.elapsed() < budget => {
+                        if !stalled_warned {
+                            stalled_warned = true;
+                            tracing::warn!(
+                                limiter = %first.name,
+                                key,
+                                "a rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
+                            );
+                        }
+                        continue;
+                    }
+                    Error::Stalled { .. } => {
+                        for (limiter, _) in &self.limits {
+                            limiter.metrics.decided(false);
+                        }
+                        return Err(Error::Timeout {
+                            waited_for: WaitedFor::RateLimit {
+                                limiter: first.name.clone(),
+                                key: key.to_owned(),
+                            },
+                            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+                        });
+                    }
+                    error if self.fails_open() => return first.failed(error).await,
+                    error => return Err(error),
+                },
             };
+            for (limiter, _) in &self.limits {
+                limiter.note_stored_limits().await;
+            }
             let wait = Duration::from_micros(wait_us.max(0) as u64);
             let (decider, decider_key) = self.decider(deciding);
             if allowed {
@@ -308,6 +344,18 @@ impl LimiterSet {
             ));
         };
         Ok(first)
+    }
+
+    /// 55P03 (a key's lock held past the functions' 2 s `lock_timeout`) as
+    /// [`Error::Stalled`] naming the set's limiters; any other error as it is.
+    fn stalled(&self, error: Error) -> Error {
+        if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+            let names: Vec<&str> = self.limits.iter().map(|(l, _)| l.name.as_str()).collect();
+            return Error::Stalled {
+                semaphore: names.join(", "),
+            };
+        }
+        error
     }
 
     /// Whether an unreachable database admits: only if every limiter fails open.

@@ -4,12 +4,15 @@
 //! header writes down the decisions).
 //!
 //! - **Stored limits.** `pgsemaphore.rate_limit_settings` holds, per limiter
-//!   and optionally per key, a pair an operator stored (rate and burst, or
-//!   permit limit and window). Every check function reads it in its own
-//!   statement: the key's pair, else the limiter's, else the one the code
-//!   passed. So a handle's builder values are defaults, and every process
-//!   (of any crate version from schema 2 on) applies the stored ones, with
-//!   no extra round trip.
+//!   and optionally per key, a pair (rate and burst, or permit limit and
+//!   window): the limiter's is stored by its first check (schema version
+//!   12), a key's only by an operator, who alone changes either. Every
+//!   check function reads it in its own statement: the key's pair, else the
+//!   limiter's. So a handle's builder values count only at a limiter's
+//!   first use, and every process (of any crate version from schema 2 on)
+//!   applies the stored ones, with no extra round trip per check;
+//!   [`Limiter::note_stored_limits`] warns once per limiter and process
+//!   when the handle's pair differs.
 //! - **Pauses.** [`Limiter::pause`] (the application: an upstream answered
 //!   429 with `Retry-After`) refuses a key's, or a whole limiter's, checks
 //!   until then in every process; it only ever extends a pause, by at most
@@ -23,15 +26,18 @@
 //!   force. The notification is a hint: a waiter that misses one
 //!   is admitted at the instant it was told, never earlier than allowed.
 
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::Limiter;
+use super::{Limiter, Policy};
 use crate::error::Result;
 use crate::per_pool::{PerPool, lock};
 use crate::validate;
@@ -50,7 +56,102 @@ const PAUSE: &str = "SELECT pgsemaphore.pause_rate_limit(p_kind => $1, p_limiter
 const RATE_IN_FORCE: &str = "SELECT o_rate FROM pgsemaphore.rate_limit_in_force(p_kind => $1, \
                              p_limiter => $2, p_key => $3)";
 
+/// The limiter's stored pair (key `''`): rate, burst, permit limit, window.
+const LIMITER_IN_FORCE: &str = "SELECT o_rate, o_burst, o_limit, o_window \
+                                FROM pgsemaphore.rate_limit_in_force(p_kind => $1, p_limiter => $2, p_key => NULL)";
+
+/// The limiters (kind, name, the code's pair) this process has compared
+/// with their stored pair: once each, however many handles it builds.
+static NOTED: Mutex<BTreeSet<(&'static str, String, String)>> = Mutex::new(BTreeSet::new());
+
 impl Limiter {
+    /// Once per limiter and process (per pair the code gives it), after
+    /// its first decision: compares the handle's limits with the limiter's
+    /// stored pair, which every check applies (the first use of a limiter
+    /// stores its caller's pair; only the operator changes it), and says so
+    /// with a `WARN` when they differ: a deploy that changed the limits in
+    /// code must store them (`set_rate_limit`, `pg-semaphore limits set`).
+    /// One extra round trip per limiter and process; the checks themselves
+    /// are unchanged.
+    pub(super) async fn note_stored_limits(&self) {
+        if self.stored_noted.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let code_pair = format!("{:?}", self.policy);
+        let first = NOTED
+            .lock()
+            .map(|mut noted| noted.insert((self.policy.kind(), self.name.clone(), code_pair)))
+            .unwrap_or(true);
+        if !first {
+            return;
+        }
+        let query = self
+            .db
+            .query_as::<(Option<f64>, Option<f64>, Option<i64>, Option<PgInterval>)>(
+                LIMITER_IN_FORCE,
+            )
+            .bind(self.policy.kind())
+            .bind(self.name.clone());
+        let (rate, burst, limit, window) = match self.db.fetch_one(query).await {
+            Ok(row) => row,
+            Err(error) => {
+                tracing::debug!(%error, limiter = %self.name, "cannot read the limiter's stored limits");
+                return;
+            }
+        };
+        let (code, stored) = match self.policy {
+            Policy::TokenBucket {
+                rate: own,
+                burst: own_burst,
+            } => {
+                let (Some(rate), Some(burst)) = (rate, burst) else {
+                    return;
+                };
+                if rate == own && burst == f64::from(own_burst) {
+                    return;
+                }
+                (
+                    format!("rate {own}/s, burst {own_burst}"),
+                    format!("rate {rate}/s, burst {burst}"),
+                )
+            }
+            Policy::FixedWindow {
+                limit: own,
+                window: own_window,
+            }
+            | Policy::SlidingWindow {
+                limit: own,
+                window: own_window,
+            } => {
+                let (Some(limit), Some(window)) = (limit, window) else {
+                    return;
+                };
+                // (A stored window is microseconds, or days from an
+                // operator's '1 day'; never months: at most 366 days.)
+                let micros = i64::from(window.days) * 86_400_000_000 + window.microseconds;
+                let window = Duration::from_micros(micros.max(0) as u64);
+                if limit == i64::from(own) && window == own_window {
+                    return;
+                }
+                (
+                    format!("{own} per {own_window:?}"),
+                    format!("{limit} per {window:?}"),
+                )
+            }
+        };
+        {
+            tracing::warn!(
+                limiter = %self.name,
+                kind = self.policy.kind(),
+                code_limits = %code,
+                stored_limits = %stored,
+                "rate limiter {:?} is decided under its stored limits ({stored}), not this code's ({code}): \
+                 to apply the code's, run `pgsemaphore.set_rate_limit` (or `pg-semaphore limits set`)",
+                self.name,
+            );
+        }
+    }
+
     /// Pauses `key` (`None`: every key) for `duration` from now, on the
     /// database's clock.
     pub(super) async fn pause(&self, key: Option<&str>, duration: Duration) -> Result<()> {
@@ -65,7 +166,10 @@ impl Limiter {
             .bind(self.name.clone())
             .bind(key.map(str::to_owned))
             .bind(duration);
-        self.db.fetch_one(query).await?;
+        self.db
+            .fetch_one(query)
+            .await
+            .map_err(|e| self.stalled(e))?;
         Ok(())
     }
 

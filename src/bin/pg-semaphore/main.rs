@@ -286,9 +286,10 @@ enum Command {
 
     /// Rate limiters' stored limits and pauses: list, set, clear, pause, resume.
     ///
-    /// A limit stored here applies instead of the one the code builds its
-    /// limiter with, in every process, from each key's next check (a key's
-    /// own limit beats its limiter's). A paused limiter or key refuses
+    /// A limiter's first check stores the limits its code builds it with;
+    /// a limit set here replaces the stored one, in every process, from
+    /// each key's next check (a key's own limit beats its limiter's). A
+    /// deploy that changes a limiter's limits in code must set them here. A paused limiter or key refuses
     /// every check until the pause ends; waiting acquires sleep until then.
     #[command(
         subcommand,
@@ -333,7 +334,7 @@ enum LimitsCommand {
         #[arg(long, value_name = "DURATION", value_parser = parse_duration, requires = "permit_limit")]
         window: Option<Duration>,
     },
-    /// Forget a limiter's (or a key's) stored limits: the code's apply again.
+    /// Forget a limiter's (or a key's) stored limits: a key's limiter's apply again; a limiter's next check stores its code's.
     Clear {
         #[command(flatten)]
         target: LimitTarget,
