@@ -59,8 +59,9 @@ pub const DEFAULT_ADVISORY_CONNECTIONS: usize = 4;
 const OPEN: &str = "SELECT o_capacity, o_created, o_key_base \
                     FROM pgsemaphore.open_advisory(p_name => $1, p_capacity => $2)";
 
-/// Free slots right now: the capacity less the slots held (from pg_locks).
-const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(*)::int FROM pgsemaphore.advisory_holders h \
+/// Free slots right now: the capacity less the slots held (from pg_locks;
+/// a slot held in shared mode by several sessions counts once).
+const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(DISTINCT h.slot)::int FROM pgsemaphore.advisory_holders h \
                                               WHERE h.semaphore = a.name) \
                          FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
 
