@@ -523,6 +523,8 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 /// [`Error::InvalidArgument`] for a capacity of 0 or above
 /// [`MAX_CAPACITY`](crate::MAX_CAPACITY) or a bad name (nothing is
 /// written); [`Error::SemaphoreNotFound`] when no semaphore has this name;
+/// [`Error::Stalled`] when an advisory semaphore's row stayed locked by
+/// another transaction for 2 s (nothing was changed; retry);
 /// [`Error::MigrationsMissing`], [`Error::Database`].
 ///
 /// # Cancel safety
@@ -540,10 +542,17 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
                 .query_as::<(i32,)>(CONFIGURE_ADVISORY)
                 .bind(name.to_owned())
                 .bind(capacity as i32);
-            let (previous,) = db
-                .fetch_one(query)
-                .await
-                .map_err(|error| semaphore_not_found(error, name))?;
+            let (previous,) = db.fetch_one(query).await.map_err(|error| {
+                // The semaphore's row stayed locked past the function's
+                // lock_timeout (2 s): an advisory_drained or another change
+                // left in an open transaction. Nothing was changed.
+                if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+                    return Error::Stalled {
+                        semaphore: name.to_owned(),
+                    };
+                }
+                semaphore_not_found(error, name)
+            })?;
             previous.max(0) as u32
         }
         Err(error) => return Err(error),
