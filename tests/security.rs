@@ -1612,24 +1612,28 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         .await;
         assert_eq!(refusal(claim).0, "0A000");
         sqlx::query("ROLLBACK").execute(&mut *stale).await?;
+        assert_eq!(advisory_locks_held(&mut stale).await?, 0);
+        assert_eq!(exclusive_holders(&app, "adv-drop").await?, 2);
+
+        // The one-statement claim in REPEATABLE READ, on a free slot: its
+        // re-check gives the slot back and refuses.
+        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 1)
+            .audit(false)
+            .build(&app)
+            .await?;
         sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *stale)
             .await?;
         let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
-            .bind("adv-drop")
+            .bind("adv-drop-rr")
             .fetch_one(&mut *stale)
             .await;
         assert_eq!(refusal(fast).0, "0A000");
         sqlx::query("ROLLBACK").execute(&mut *stale).await?;
         assert_eq!(advisory_locks_held(&mut stale).await?, 0);
-        assert_eq!(exclusive_holders(&app, "adv-drop").await?, 2);
 
         // The crate's own sessions claim in READ COMMITTED whatever the
         // role's default isolation says.
-        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 1)
-            .audit(false)
-            .build(&app)
-            .await?;
         let mut admin = PgConnection::connect_with(&db.options).await?;
         let app_role = app_role(&app).await?;
         admin
@@ -1648,13 +1652,15 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         // A role without grants claims nothing, and holds nothing after.
         let bare = extra_role(&db, "bare", "").await?;
         let mut conn = bare.acquire().await?;
-        for sql in [
-            "SELECT o_status FROM pgsemaphore.advisory_claim('adv-drop', 1, '{}')",
-            FAST_CLAIM,
-        ] {
-            let refused = sqlx::query(sql).bind("adv-drop").execute(&mut *conn).await;
-            assert!(denied(refused), "{sql}");
-        }
+        let refused = sqlx::query("SELECT o_status FROM pgsemaphore.advisory_claim('adv-drop', 1, '{}')")
+            .execute(&mut *conn)
+            .await;
+        assert!(denied(refused));
+        let refused = sqlx::query(FAST_CLAIM)
+            .bind("adv-drop")
+            .execute(&mut *conn)
+            .await;
+        assert!(denied(refused));
         assert_eq!(advisory_locks_held(&mut conn).await?, 0);
         drop(conn);
         drop_extra_role(&db, "bare", bare).await?;
