@@ -9,7 +9,11 @@
 --   * pgsemaphore.advisory_drained kept a capacity drop in force while the
 --     other database held keys above the new capacity (safe, never over:
 --     claims kept counting those keys, but the drop never ended).
--- Both now read this database's locks only. Nothing else changes;
+-- Both now read this database's locks only. (Since schema version 12,
+-- edited in place: advisory_holders lists shared holds too, with a mode
+-- column; advisory_drained refuses isolation levels but READ COMMITTED
+-- and never waits for the semaphore's row, see its comment.) Nothing else
+-- changes;
 -- schema_version() returns (4, 2): code built for version 2 or 3 works
 -- against it unchanged. Grants are kept (CREATE OR REPLACE keeps them).
 
