@@ -43,7 +43,7 @@ const ADVISORY_STATUS: &str = "\
 SELECT a.name, a.capacity, a.created_at, a.updated_at,
        statement_timestamp() AS as_of,
        h.slot, h.pid, h.application_name, host(h.client_addr) AS client_addr,
-       h.backend_start
+       h.backend_start, h.mode = 'shared' AS shared
   FROM pgsemaphore.advisory_semaphores a
   LEFT JOIN pgsemaphore.advisory_holders h ON h.semaphore = a.name
  ORDER BY a.name, h.slot, h.pid";
@@ -211,7 +211,7 @@ impl serde::Serialize for AdvisorySemaphoreInfo {
         s.serialize_field("kind", "advisory")?;
         s.serialize_field("name", &self.name)?;
         s.serialize_field("capacity", &self.capacity)?;
-        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("held", &self.held())?;
         s.serialize_field("created_at", &self.created_at)?;
         s.serialize_field("updated_at", &self.updated_at)?;
         s.serialize_field("as_of", &self.as_of)?;
@@ -237,7 +237,8 @@ impl serde::Serialize for AdvisorySemaphoreInfo {
 /// application name are always there.
 ///
 /// With the `serde` feature it serializes as `{"slot", "pid",
-/// "application_name", "client_addr", "backend_start"}`, times in RFC 3339.
+/// "application_name", "client_addr", "backend_start", "shared"}`, times in
+/// RFC 3339.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -259,6 +260,21 @@ pub struct AdvisoryHolder {
     /// reuses its sessions for many permits); `None` when not visible to
     /// this role.
     pub backend_start: Option<DateTime<Utc>>,
+    /// The key is held in shared mode (`pg_advisory_lock_shared`), which no
+    /// claim takes: not a permit, but the slot cannot be claimed while it
+    /// lasts (several sessions may hold one slot so, each listed).
+    pub shared: bool,
+}
+
+impl AdvisorySemaphoreInfo {
+    /// How many of its slots are held, in either mode (a slot held by
+    /// several sessions in shared mode counts once).
+    pub fn held(&self) -> u32 {
+        let mut slots: Vec<u32> = self.holders.iter().map(|h| h.slot).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots.len() as u32
+    }
 }
 
 /// What [`force_release`] found.
@@ -388,6 +404,7 @@ struct AdvisoryStatusRow {
     application_name: Option<String>,
     client_addr: Option<String>,
     backend_start: Option<DateTime<Utc>>,
+    shared: Option<bool>,
 }
 
 /// Every advisory semaphore in the database, by name, each with the
@@ -446,6 +463,7 @@ pub async fn advisory_semaphores(pool: &PgPool) -> Result<Vec<AdvisorySemaphoreI
                 application_name: row.application_name,
                 client_addr: row.client_addr,
                 backend_start: row.backend_start,
+                shared: row.shared.unwrap_or(false),
             });
         }
     }
@@ -1207,6 +1225,7 @@ mod serialize_tests {
                     application_name: Some("pg-semaphore advisory".into()),
                     client_addr: Some("10.0.0.7".into()),
                     backend_start: Some(at("2026-11-21T07:59:00Z")),
+                    shared: false,
                 },
                 AdvisoryHolder {
                     slot: 2,
@@ -1214,6 +1233,7 @@ mod serialize_tests {
                     application_name: Some("pg-semaphore advisory".into()),
                     client_addr: None,
                     backend_start: None,
+                    shared: false,
                 },
             ],
             as_of: at("2026-11-21T08:00:00Z"),
@@ -1235,6 +1255,7 @@ mod serialize_tests {
                         "application_name": "pg-semaphore advisory",
                         "client_addr": "10.0.0.7",
                         "backend_start": "2026-11-21T07:59:00Z",
+                        "shared": false,
                     },
                     {
                         "slot": 2,
@@ -1242,6 +1263,7 @@ mod serialize_tests {
                         "application_name": "pg-semaphore advisory",
                         "client_addr": null,
                         "backend_start": null,
+                        "shared": false,
                     },
                 ],
             })

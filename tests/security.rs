@@ -1822,6 +1822,10 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
             listed,
             [(0, "shared".to_owned()), (99_999, "shared".to_owned())]
         );
+        let info = pg_semaphore::advisory_semaphores(&app).await?;
+        let wide = info.iter().find(|s| s.name == "adv-wide").expect("listed");
+        assert_eq!(wide.held(), 2);
+        assert!(wide.holders.iter().all(|h| h.shared), "{wide:?}");
         // Two keys held of a capacity of 2: full, and the claim holds
         // nothing after.
         assert!(matches!(
