@@ -1516,7 +1516,9 @@ async fn extra_role(db: &support::TestDb, suffix: &str, grants: &str) -> TestRes
         .await?;
     if !grants.is_empty() {
         admin
-            .execute(AssertSqlSafe(grants.replace("{role}", &format!(r#""{role}""#))))
+            .execute(AssertSqlSafe(
+                grants.replace("{role}", &format!(r#""{role}""#)),
+            ))
             .await?;
     }
     Ok(PgPoolOptions::new()
@@ -1749,16 +1751,16 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
         .await
         .map_err(|_| "configure_advisory waited for an open advisory_drained")?;
         let waited = started.elapsed();
-        assert!(
-            matches!(changed, Err(Error::Stalled { .. })),
-            "{changed:?}"
-        );
+        assert!(matches!(changed, Err(Error::Stalled { .. })), "{changed:?}");
         assert!(
             waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
             "{waited:?}"
         );
         sqlx::query("ROLLBACK").execute(&mut *squatter).await?;
-        assert_eq!(pg_semaphore::set_capacity(&operator, "adv-open", 3).await?, 2);
+        assert_eq!(
+            pg_semaphore::set_capacity(&operator, "adv-open", 3).await?,
+            2
+        );
 
         // A role without grants cannot hold the row.
         let bare = extra_role(&db, "bare", "").await?;

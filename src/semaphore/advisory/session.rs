@@ -360,7 +360,10 @@ impl Session {
                     );
                 }
             }
-            Ok(Err(error)) => self.lose(guard, &format!("giving back a failed claim's slots: {error}")),
+            Ok(Err(error)) => self.lose(
+                guard,
+                &format!("giving back a failed claim's slots: {error}"),
+            ),
             Err(_) => self.lose(guard, "giving back a failed claim's slots did not answer"),
         }
     }
