@@ -32,6 +32,15 @@
 //!   heartbeats later: as late as the server freed its slots.) A killed
 //!   process's session ends at once (its socket closes).
 //!
+//! Each session runs in READ COMMITTED whatever the role's or database's
+//! default (it sets `default_transaction_isolation` when it connects): a
+//! claim decides on a snapshot taken after its locks, which only READ
+//! COMMITTED gives, and the SQL refuses any other level. A claim that fails
+//! with an error that leaves the session usable gives back, before it
+//! answers, any slot of the semaphore the session holds beyond its permits'
+//! ([`GIVE_BACK`]): what the session believes it holds and what the server
+//! holds for it stay the same.
+//!
 //! [`Sessions`] is the set a pool's advisory semaphores share: a claim goes
 //! to an idle session that holds no permit (so that its release does not
 //! wait for someone else's claim), a new one is opened when there is none,
