@@ -442,7 +442,8 @@ $$;
 -- returns -1 (the caller then sends advisory_claim). STRICT: a NULL slot
 -- (nothing taken) is not checked. With the caller's rights: it reads the
 -- semaphore's row and frees only the caller's own lock, p_key_base +
--- p_slot for a slot in 0..1048559 (anything else is left alone: -1).
+-- p_slot for a slot in 0..1048559 (anything else, or a key base whose sum
+-- would overflow, is left alone: -1).
 CREATE FUNCTION pgsemaphore.advisory_claim_check(p_semaphore text, p_key_base bigint, p_slot integer)
 RETURNS integer
 LANGUAGE plpgsql VOLATILE STRICT
@@ -451,7 +452,7 @@ DECLARE
     v_capacity integer;
     v_peak     integer;
 BEGIN
-    IF p_slot NOT BETWEEN 0 AND 1048559 THEN
+    IF p_slot NOT BETWEEN 0 AND 1048559 OR p_key_base > 9223372036854775807 - 1048560 THEN
         RETURN -1;
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN

@@ -276,7 +276,7 @@ DECLARE
     v_capacity integer;
     v_peak     integer;
 BEGIN
-    IF p_slot NOT BETWEEN 0 AND 1048559 THEN
+    IF p_slot NOT BETWEEN 0 AND 1048559 OR p_key_base > 9223372036854775807 - 1048560 THEN
         RETURN -1;
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
