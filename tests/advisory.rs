@@ -711,3 +711,52 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
     assert!(logged, "the audit log went through the bouncer");
     Ok(())
 }
+
+/// A claim that fails after its statement took a slot's lock (here: the
+/// one-statement claim's re-check raises, through a function that a
+/// database-wide `search_path` puts before `pg_catalog`) answers the error
+/// holding nothing: the session gives the slot back before it answers, so
+/// what it believes it holds and what the server holds for it agree, and
+/// its next claim takes the slot.
+#[tokio::test]
+async fn a_claim_that_fails_after_taking_a_lock_leaves_nothing_held() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "fails-late", 1).await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA evil; \
+         CREATE FUNCTION evil.current_setting(text) RETURNS text LANGUAGE plpgsql \
+             AS $$ BEGIN RAISE EXCEPTION 'boom after the lock'; END $$; \
+         ALTER DATABASE \"{}\" SET search_path = evil, pg_catalog, public",
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let held = || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_semaphores a JOIN pg_locks l \
+                ON l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+               AND ((l.classid::bigint << 32) | l.objid::bigint) \
+                   BETWEEN a.key_base AND a.key_base + 1048559 \
+             WHERE a.name = 'fails-late'",
+        )
+        .fetch_one(&db.pool)
+    };
+    // The session opens now, with the database's search_path.
+    let failed = sem.try_acquire().await;
+    assert!(
+        matches!(&failed, Err(Error::Database(e)) if e.to_string().contains("boom")),
+        "{failed:?}"
+    );
+    assert_eq!(held().await?, 0, "the failed claim's slot stayed locked");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA evil CASCADE; ALTER DATABASE \"{}\" RESET search_path",
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let permit = sem.try_acquire().await?;
+    assert_eq!(permit.slot(), 0);
+    assert_eq!(held().await?, 1);
+    permit.release().await?;
+    Ok(())
+}
