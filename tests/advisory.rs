@@ -760,3 +760,35 @@ async fn a_claim_that_fails_after_taking_a_lock_leaves_nothing_held() -> TestRes
     permit.release().await?;
     Ok(())
 }
+
+/// A claim behind a lock on the semaphores' table (a migration's DDL
+/// waiting, or holding it) waits at most the session's lock_timeout and
+/// answers `Error::Stalled`, holding nothing, and the session stays usable;
+/// a waiting acquire keeps waiting through it and gets the slot once the
+/// table is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_behind_a_table_lock_is_stalled_not_stuck() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "behind-ddl", 1).await?;
+    sem.try_acquire().await?.release().await?;
+    let mut ddl = db.pool.acquire().await?;
+    sqlx::query("BEGIN").execute(&mut *ddl).await?;
+    sqlx::query("LOCK TABLE pgsemaphore.advisory_semaphores IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *ddl)
+        .await?;
+    let refused = tokio::time::timeout(Duration::from_secs(10), sem.try_acquire())
+        .await
+        .map_err(|_| "a claim waited for the table's lock without bound")?;
+    assert!(matches!(refused, Err(Error::Stalled { .. })), "{refused:?}");
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished());
+    sqlx::query("ROLLBACK").execute(&mut *ddl).await?;
+    let permit = waiter.await??;
+    assert_eq!(permit.slot(), 0);
+    permit.release().await?;
+    Ok(())
+}

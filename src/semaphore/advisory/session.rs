@@ -674,9 +674,21 @@ impl Sessions {
         let mut conn = self.options.connect().await?;
         // READ COMMITTED whatever the role's or database's default says:
         // a claim needs a snapshot taken after its locks (see
-        // `pgsemaphore.advisory_claim`), and refuses any other level.
+        // `pgsemaphore.advisory_claim`), and refuses any other level. A
+        // claim waits for no row or advisory lock; what is left, the
+        // table's relation lock (queued behind a migration's DDL, say), is
+        // bounded as the lease semaphore's functions bound theirs (55P03:
+        // `Error::Stalled`, retried by waiting acquires): at 2 s, or a
+        // quarter heartbeat if that is shorter, so that the server answers
+        // before the statement's own bound (at least half a heartbeat)
+        // gives the session up.
+        let lock_timeout = (self.heartbeat / 4)
+            .min(Duration::from_secs(2))
+            .as_millis()
+            .max(1);
         sqlx::raw_sql(AssertSqlSafe(format!(
-            "{}; SET default_transaction_isolation = 'read committed'",
+            "{}; SET default_transaction_isolation = 'read committed'; \
+             SET lock_timeout = '{lock_timeout}ms'",
             dead_man_sql(self.heartbeat)
         )))
         .execute(&mut conn)
