@@ -2472,6 +2472,7 @@ CREATE FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer) RETUR
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET lock_timeout TO '2s'
     AS $$
 -- Opens an advisory semaphore: creates it with this capacity if it does
 -- not exist; an existing one keeps its capacity (the operator's
@@ -2479,10 +2480,22 @@ CREATE FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer) RETUR
 -- was created, and the base of its advisory keys.
 --   p_name 1..200 characters, not the name of a lease semaphore (22023,
 --   p_name); p_capacity 1..100000
+-- Opening an existing semaphore reads its row and waits for nothing.
+-- Creating one takes the name's creation lock (one_kind_per_name: the
+-- advisory key (1885828966, hashtext(name)), which any role can also take
+-- with pg_advisory_lock) and may wait for a concurrent creator of the same
+-- name: at most lock_timeout, 2 s, then 55P03, nothing created.
 BEGIN
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
         PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
+    END IF;
+    SELECT a.capacity, a.key_base INTO o_capacity, o_key_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_name;
+    IF FOUND THEN
+        o_created := false;
+        RETURN NEXT;
+        RETURN;
     END IF;
     INSERT INTO pgsemaphore.advisory_semaphores (name, capacity, peak_capacity)
     VALUES (p_name, p_capacity, p_capacity)

@@ -1791,7 +1791,10 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
 /// each key it holds makes the semaphore look one slot fuller and is
 /// listed in `pgsemaphore.advisory_holders` (`mode` exclusive or shared),
 /// and a claim's work stays bounded by the capacity in force, never by the
-/// capacity before a drop."
+/// capacity before a drop. Holding a name's creation key
+/// (`pg_advisory_lock(1885828966, hashtext(name))`) delays the creation of
+/// an advisory semaphore of that name by at most 2 seconds (SQLSTATE
+/// 55P03), and the opening of an existing one not at all."
 /// (Issue 32: a shared hold blocked claims unlisted; after a drop from
 /// 100,000 to 2 with a key held above, every claim walked all 100,000
 /// slots. How long a claim takes is measured in BENCHMARKS.md, not here.)
@@ -1858,6 +1861,35 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
         .fetch_one(&app)
         .await?;
         assert_eq!(peak, 2);
+        // The creation key of a name, held by the role without grants.
+        sqlx::query(
+            "SELECT pg_advisory_lock(1885828966, hashtext('adv-wide')), \
+                    pg_advisory_lock(1885828966, hashtext('adv-unborn'))",
+        )
+        .execute(&mut *squatter)
+        .await?;
+        let reopened = tokio::time::timeout(
+            Duration::from_secs(10),
+            pg_semaphore::AdvisorySemaphore::builder("adv-wide", 2)
+                .audit(false)
+                .build(&app),
+        )
+        .await
+        .map_err(|_| "opening an existing advisory semaphore waited for its creation key")?;
+        reopened?;
+        let started = std::time::Instant::now();
+        let created = tokio::time::timeout(
+            Duration::from_secs(10),
+            sqlx::query("SELECT * FROM pgsemaphore.open_advisory('adv-unborn', 1)").execute(&app),
+        )
+        .await
+        .map_err(|_| "creating an advisory semaphore waited for its creation key without bound")?;
+        let waited = started.elapsed();
+        assert_eq!(refusal(created).0, "55P03");
+        assert!(
+            waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+            "{waited:?}"
+        );
         drop(squatter);
         drop_extra_role(&db, "bare", bare).await?;
         second.release().await?;
