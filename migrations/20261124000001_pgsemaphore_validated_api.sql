@@ -268,9 +268,11 @@ AS $$
 -- force.
 -- Arguments: p_name 1..200 characters; p_capacity 1..100000; p_lease
 -- 10 ms..366 days; p_queue_lifo not NULL.
--- Waits: the name's creation lock (one_kind_per_name, an advisory key any
--- role can take) and the row of a concurrent creator, each at most
--- lock_timeout (2 s), then 55P03 and nothing created.
+-- Opening an existing semaphore reads its row and waits for nothing.
+-- Creating one takes the name's creation lock (one_kind_per_name: the
+-- advisory key (1885828966, hashtext(name)), which any role can also take
+-- with pg_advisory_lock) and may wait for a concurrent creator of the same
+-- name: at most lock_timeout, 2 s, then 55P03, nothing created.
 BEGIN
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
@@ -279,6 +281,12 @@ BEGIN
     PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days');
     IF p_queue_lifo IS NULL THEN
         PERFORM pgsemaphore.refuse('p_queue_lifo', 'true or false, got NULL');
+    END IF;
+    -- An existing semaphore: its row, and no creation lock to wait for.
+    RETURN QUERY SELECT s.capacity, s.default_lease, false, s.queue_lifo
+                   FROM pgsemaphore.semaphores s WHERE s.name = p_name;
+    IF FOUND THEN
+        RETURN;
     END IF;
     INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease, queue_lifo)
     VALUES (p_name, p_capacity, p_lease, p_queue_lifo)

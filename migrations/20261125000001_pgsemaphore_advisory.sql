@@ -200,8 +200,8 @@ CREATE FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer)
 RETURNS TABLE (o_capacity integer, o_created boolean, o_key_base bigint)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- Opens an advisory semaphore: creates it with this capacity if it does
 -- not exist; an existing one keeps its capacity (the operator's
@@ -209,13 +209,22 @@ AS $$
 -- was created, and the base of its advisory keys.
 --   p_name 1..200 characters, not the name of a lease semaphore (22023,
 --   p_name); p_capacity 1..100000
--- Waits: the name's creation lock (one_kind_per_name, an advisory key any
--- role can take) and the row of a concurrent creator, each at most
--- lock_timeout (2 s), then 55P03 and nothing created.
+-- Opening an existing semaphore reads its row and waits for nothing.
+-- Creating one takes the name's creation lock (one_kind_per_name: the
+-- advisory key (1885828966, hashtext(name)), which any role can also take
+-- with pg_advisory_lock) and may wait for a concurrent creator of the same
+-- name: at most lock_timeout, 2 s, then 55P03, nothing created.
 BEGIN
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
         PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
+    END IF;
+    SELECT a.capacity, a.key_base INTO o_capacity, o_key_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_name;
+    IF FOUND THEN
+        o_created := false;
+        RETURN NEXT;
+        RETURN;
     END IF;
     INSERT INTO pgsemaphore.advisory_semaphores (name, capacity, peak_capacity)
     VALUES (p_name, p_capacity, p_capacity)
@@ -247,46 +256,106 @@ AS $$
 -- Returns one row: o_status 'claimed' (o_slots, lowest first, and o_at, the
 -- database clock), 'full' (nothing taken), or 'too_many' (more permits than
 -- the capacity); o_capacity, the capacity in force.
+-- READ COMMITTED only (else 0A000, taking nothing): step 3 needs a
+-- snapshot taken after step 2's locks, which only READ COMMITTED gives a
+-- new statement. Waits for nothing: try-locks, plain reads of the
+-- semaphore's row (never blocked by a row lock) and of pg_locks, and
+-- advisory_drained, which skips a locked row. An error or a cancellation
+-- (statement_timeout, pg_cancel_backend) after step 2 took locks gives
+-- them back before it is raised again (the EXCEPTION block): a claim that
+-- fails holds nothing.
+--
+-- Steps:
+--   1. read capacity, peak_capacity, key_base (one statement);
+--   2. try-lock the lowest free slots below that capacity (none: 'full');
+--   3. in a NEW statement (so a snapshot taken after every lock of step
+--      2), read capacity and peak_capacity again; if p_permits exceed the
+--      new capacity, or a slot taken is at or above it, give everything
+--      back and go to 1 with these values (at most three rounds, then
+--      'full');
+--   4. if a drop is pending (peak_capacity > capacity, as step 3 read
+--      them), count once, from pg_locks of this database, the distinct
+--      keys in [key_base, key_base + peak_capacity) that any session holds
+--      in any mode (this one's included); more than the capacity: give
+--      back, 'full'; none at or above the capacity: the drop is over
+--      (advisory_drained, which checks again itself);
+--   5. 'claimed'.
 --
 -- Invariant: at any instant, the holders of a semaphore's slots that its
--- claims admitted number at most its capacity. Below peak_capacity = the
--- capacity (no drop pending), a claim takes only slots below the capacity,
--- and a slot is one lock: at most one holder each. After a capacity drop
--- (peak_capacity > capacity), holders may still sit on slots at or above
--- the capacity; a claim then locks its slots first, then counts every slot
--- below peak_capacity held by anyone (try-lock and unlock at once: a slot
--- it can lock is free; its own count as held), and keeps its slots only if
--- the count is at most the capacity. Claims never take a slot at or above
--- the capacity, so those only empty. Two claims that overlap each see the
--- other's lock (advisory locks are visible to every session at once): of
--- any set of admitted claims and old holders all holding at one instant,
--- the claim that locked last counted them all, so it was refused if they
--- were too many. (A probe's brief lock can only make a concurrent count
--- higher: a refusal, never an admission.)
+-- claims admitted number at most its capacity C (the committed one).
+-- Proof. A claim is admitted at step 5 only on what step 3 read, with a
+-- snapshot S taken after its last lock L. Take any committed state, and a
+-- holder h admitted by this claim.
+--   (a) No drop seen pending (peak = capacity = C in S): every slot of h is
+--   below C (step 3). Slots below C are C locks, one holder each. A holder
+--   at or above C could only be (i) an old holder of a capacity > C: then
+--   the drop to C ended, i.e. advisory_drained committed before S having
+--   read pg_locks, under the row lock, after that drop committed, and seen
+--   no key in [C, peak) held; so that holder had gone, and (ii) a claim
+--   that locked such a slot after that read: its own step 3 sees either the
+--   drop pending (the drain not yet committed: it counts, (b), and its slot
+--   is at or above C: it gives back) or peak = C (its slot is at or above
+--   C: it gives back). Neither is admitted. If a later drop to C' < C
+--   commits after S, h is linearised before it: h's lock L came before S,
+--   so before the drop's commit, so before the pg_locks read of every
+--   advisory_drained that could end that drop; that drain sees h if h sits
+--   at or above C', and the drop stays pending (case (b) for every later
+--   claim) until h releases.
+--   (b) A drop seen pending in S (capacity C < peak P): h's slots are below
+--   C (step 3), and step 4 counted, after L, every key below P held in this
+--   database. Every admitted holder sits below P: claims take slots only
+--   below a capacity they re-read (step 3), and the drop to C was committed
+--   after every capacity above P had drained. Of any set of admitted
+--   claims and old holders holding at one instant, the claim whose step-4
+--   read came last read after every other one's locks (each claim locks at
+--   step 2, before its own read; old holders locked before the drop):
+--   pg_locks is read as one snapshot of the lock table (every partition
+--   locked at once), so that read counted them all, and the claim was
+--   refused if they were more than C. A lock granted after a claim's read
+--   is either an admitted claim's (which reads after it, and counts this
+--   claim's locks) or a foreign lock, admitted by nobody. Foreign locks
+--   (pg_advisory_lock on these keys, in any mode) and locks of claims that
+--   will give back only raise a count: a refusal, never an admission.
+--   Locks of other databases are on other keys (a key belongs to one
+--   database) and are not counted.
+--   A refusal or a give-back is always safe. Capacity growth: a claim that
+--   read the old capacity is linearised before it.
 -- Meets: other claims (the locks themselves, above); releases (an unlock is
--- seen at once by the next try); a capacity change (configure_advisory: a
--- claim that read the old capacity is linearised before it, and its slots
--- are counted by every later claim); a session that dies (the server frees
--- its locks when it notices); anyone taking these keys with
--- pg_advisory_lock directly (any role may: it only makes the semaphore look
--- fuller).
+-- seen at once by the next try or pg_locks read); configure_advisory (a
+-- capacity change; never waits for it: it reads the row without locking
+-- it); advisory_drained, in any transaction of any role (never waits for
+-- it: step 4 calls it, and it skips a locked row); a session that dies
+-- (the server frees its locks when it notices); anyone taking these keys
+-- with pg_advisory_lock or pg_advisory_lock_shared directly (any role may:
+-- it only makes the semaphore look fuller).
 -- With the caller's rights (SECURITY INVOKER, no SET clause: a SET clause
 -- costs more than the rest of the function): it only reads the semaphore's
--- row (SELECT, which the application's grants give) and takes and frees
--- the caller's own session locks, which any role may. A caller that
--- redirects its own search_path, or skips the claim, can only exceed the
--- limit itself, as any client that does not use a semaphore can; it cannot
--- free or take over another session's slots. The one write, lowering
--- peak_capacity when a drop is over, is pgsemaphore.advisory_drained's.
+-- row (SELECT, which the application's grants give) and pg_locks, and
+-- takes and frees the caller's own session locks, which any role may. A
+-- caller that redirects its own search_path, or skips the claim, can only
+-- exceed the limit itself, as any client that does not use a semaphore
+-- can; it cannot free or take over another session's slots. The one write,
+-- lowering peak_capacity when a drop is over, is
+-- pgsemaphore.advisory_drained's.
 DECLARE
     v_capacity integer;
     v_peak     integer;
     v_base     bigint;
     v_slots    integer[] := '{}';
-    v_held     integer := 0;
-    v_above    boolean := false;
+    v_try      integer;
+    v_held     integer;
+    v_above    integer;
+    v_round    integer := 0;
+    v_again    boolean;
     s          integer;
 BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'advisory claims need READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported',
+                  HINT = 'claim outside the transaction, or in a READ COMMITTED one: '
+                         'an older snapshot could miss a capacity drop';
+    END IF;
     IF p_semaphore IS NULL THEN
         RAISE EXCEPTION 'invalid p_semaphore: %', 'a semaphore name, got NULL'
             USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_semaphore';
@@ -300,64 +369,148 @@ BEGIN
         RAISE EXCEPTION 'invalid p_mine: %', 'zero to 100000 slots, in a one-dimensional array without NULLs'
             USING ERRCODE = 'invalid_parameter_value', COLUMN = 'p_mine';
     END IF;
+    -- 1.
     SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
       FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_semaphore)
             USING ERRCODE = 'no_data_found';
     END IF;
-    o_capacity := v_capacity;
-    IF p_permits > v_capacity THEN
-        o_status := 'too_many';
-        RETURN;
-    END IF;
-    -- 1. The lowest free slots below the capacity. (Nested IFs: SQL does
-    -- not promise the order in which an AND evaluates its operands, and a
-    -- try on a slot this session holds would take it a second time.)
-    FOR s IN 0 .. v_capacity - 1 LOOP
-        IF s <> ALL (p_mine) THEN
-            IF pg_try_advisory_lock(v_base + s) THEN
-                v_slots := v_slots || s;
-                EXIT WHEN cardinality(v_slots) = p_permits;
-            END IF;
+    LOOP
+        v_round := v_round + 1;
+        v_again := false;
+        o_capacity := v_capacity;
+        IF p_permits > v_capacity THEN
+            o_status := 'too_many';
+            RETURN;
         END IF;
-    END LOOP;
-    IF cardinality(v_slots) < p_permits THEN
-        PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
-        o_status := 'full';
-        RETURN;
-    END IF;
-    -- 2. A capacity drop is pending: count every held slot below the peak.
-    IF v_peak > v_capacity THEN
-        FOR s IN 0 .. v_peak - 1 LOOP
-            IF s = ANY (v_slots) OR s = ANY (p_mine) THEN
-                v_held := v_held + 1;
-                IF s >= v_capacity THEN
-                    v_above := true;
+        BEGIN
+            -- 2. The lowest free slots below the capacity. (Nested IFs: SQL
+            -- does not promise the order in which an AND evaluates its
+            -- operands, and a try on a slot this session holds would take
+            -- it a second time.) v_try names the slot being tried, for the
+            -- handler below.
+            FOR s IN 0 .. v_capacity - 1 LOOP
+                IF s <> ALL (p_mine) THEN
+                    v_try := s;
+                    IF pg_try_advisory_lock(v_base + s) THEN
+                        v_slots := v_slots || s;
+                        v_try := NULL;
+                        EXIT WHEN cardinality(v_slots) = p_permits;
+                    END IF;
+                    v_try := NULL;
                 END IF;
-            ELSIF pg_try_advisory_lock(v_base + s) THEN
-                PERFORM pg_advisory_unlock(v_base + s);
-            ELSE
-                v_held := v_held + 1;
-                IF s >= v_capacity THEN
-                    v_above := true;
+            END LOOP;
+            IF cardinality(v_slots) < p_permits THEN
+                PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
+                v_slots := '{}';
+                o_status := 'full';
+                RETURN;
+            END IF;
+            -- 3. A new statement: a snapshot taken after every lock above.
+            SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
+              FROM pgsemaphore.advisory_semaphores a
+             WHERE a.name = p_semaphore AND a.key_base = v_base;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_semaphore)
+                    USING ERRCODE = 'no_data_found';
+            END IF;
+            IF p_permits > v_capacity OR v_slots[cardinality(v_slots)] >= v_capacity THEN
+                -- The capacity dropped under the slots taken (they are in
+                -- ascending order): give them back, and again.
+                PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
+                v_slots := '{}';
+                v_again := true;
+            ELSIF v_peak > v_capacity THEN
+                -- 4. A drop is pending: count the held keys below the peak,
+                -- once.
+                SELECT count(DISTINCT k.key), count(DISTINCT k.key) FILTER (WHERE k.key >= v_base + v_capacity)
+                  INTO v_held, v_above
+                  FROM (SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
+                          FROM pg_catalog.pg_locks l
+                         WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+                           AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                                              WHERE d.datname = pg_catalog.current_database())) k
+                 WHERE k.key >= v_base AND k.key < v_base + v_peak;
+                IF v_held > v_capacity THEN
+                    PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
+                    v_slots := '{}';
+                    o_status := 'full';
+                    RETURN;
+                END IF;
+                -- Every slot above the capacity was free, and no claim keeps
+                -- one again: the drop is over. One write, once per drop.
+                IF v_above = 0 THEN
+                    PERFORM pgsemaphore.advisory_drained(p_semaphore);
                 END IF;
             END IF;
-        END LOOP;
-        IF v_held > v_capacity THEN
+        EXCEPTION WHEN query_canceled OR others THEN
+            -- Nothing taken here stays taken: the slots in v_slots were
+            -- locked by this call; v_try, if set, was being tried, and is
+            -- held only if the try took it (pg_locks says).
             PERFORM pg_advisory_unlock(v_base + t) FROM unnest(v_slots) AS t;
+            IF v_try IS NOT NULL AND EXISTS (
+                   SELECT 1 FROM pg_catalog.pg_locks l
+                    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+                      AND l.pid = pg_catalog.pg_backend_pid() AND l.mode = 'ExclusiveLock'
+                      AND ((l.classid::bigint << 32) | l.objid::bigint) = v_base + v_try) THEN
+                PERFORM pg_advisory_unlock(v_base + v_try);
+            END IF;
+            RAISE;
+        END;
+        EXIT WHEN NOT v_again;
+        IF v_round >= 3 THEN
+            o_capacity := v_capacity;
             o_status := 'full';
             RETURN;
         END IF;
-        -- Every slot above the capacity was free, and none is ever taken
-        -- again: the drop is over. One write, once per drop.
-        IF NOT v_above THEN
-            PERFORM pgsemaphore.advisory_drained(p_semaphore);
-        END IF;
-    END IF;
+    END LOOP;
     o_status := 'claimed';
     o_slots := v_slots;
     o_at := clock_timestamp();
+END;
+$$;
+
+-- The fast path's re-check (the crate's one-statement claim of one slot,
+-- CLAIM_ONE in src/semaphore/advisory/session.rs): called in that
+-- statement after its try-lock took p_slot, when the statement's snapshot,
+-- taken before the lock, showed no drop pending. A VOLATILE PL/pgSQL
+-- function, never inlined: its SELECT runs with a new snapshot, taken
+-- after the lock (READ COMMITTED; any other level: it gives the slot back
+-- and raises 0A000). Keeps the slot (returns p_slot) only if that snapshot
+-- shows the semaphore with this key base, no drop pending, and p_slot
+-- below the capacity: then the claim meets advisory_claim's case (a) with
+-- a snapshot taken after its lock. Otherwise it gives the slot back and
+-- returns -1 (the caller then sends advisory_claim). STRICT: a NULL slot
+-- (nothing taken) is not checked. With the caller's rights: it reads the
+-- semaphore's row and frees only the caller's own lock, p_key_base +
+-- p_slot for a slot in 0..1048559 (anything else, or a key base whose sum
+-- would overflow, is left alone: -1).
+CREATE FUNCTION pgsemaphore.advisory_claim_check(p_semaphore text, p_key_base bigint, p_slot integer)
+RETURNS integer
+LANGUAGE plpgsql VOLATILE STRICT
+AS $$
+DECLARE
+    v_capacity integer;
+    v_peak     integer;
+BEGIN
+    IF p_slot NOT BETWEEN 0 AND 1048559 OR p_key_base > 9223372036854775807 - 1048560 THEN
+        RETURN -1;
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM pg_advisory_unlock(p_key_base + p_slot);
+        RAISE EXCEPTION 'advisory claims need READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
+    SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
+      FROM pgsemaphore.advisory_semaphores a
+     WHERE a.name = p_semaphore AND a.key_base = p_key_base;
+    IF FOUND AND v_peak = v_capacity AND p_slot < v_capacity THEN
+        RETURN p_slot;
+    END IF;
+    PERFORM pg_advisory_unlock(p_key_base + p_slot);
+    RETURN -1;
 END;
 $$;
 
@@ -633,6 +786,7 @@ RETURNS TABLE (o_capacity integer, o_previous_capacity integer)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
 AS $$
 -- Changes the capacity of an existing advisory semaphore (P0002 if there is
 -- none). Holders above a reduced capacity keep their slots until they
@@ -641,9 +795,18 @@ AS $$
 -- semaphore's waiters when the capacity grew (the NOTIFY goes out at this
 -- transaction's commit).
 --   p_name 1..200 characters; p_capacity 1..100000
+-- READ COMMITTED only (else 0A000, changing nothing). The one wait it can
+-- meet is for the semaphore's row (another configure_advisory, or an
+-- advisory_drained ending a drop, in a transaction still open): at most
+-- lock_timeout, 2 s, then 55P03 (Error::Stalled), nothing changed.
 DECLARE
     v_old integer;
 BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'configure_advisory needs READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
         PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));

@@ -43,7 +43,7 @@ const ADVISORY_STATUS: &str = "\
 SELECT a.name, a.capacity, a.created_at, a.updated_at,
        statement_timestamp() AS as_of,
        h.slot, h.pid, h.application_name, host(h.client_addr) AS client_addr,
-       h.backend_start
+       h.backend_start, h.mode = 'shared' AS shared
   FROM pgsemaphore.advisory_semaphores a
   LEFT JOIN pgsemaphore.advisory_holders h ON h.semaphore = a.name
  ORDER BY a.name, h.slot, h.pid";
@@ -211,7 +211,7 @@ impl serde::Serialize for AdvisorySemaphoreInfo {
         s.serialize_field("kind", "advisory")?;
         s.serialize_field("name", &self.name)?;
         s.serialize_field("capacity", &self.capacity)?;
-        s.serialize_field("held", &self.holders.len())?;
+        s.serialize_field("held", &self.held())?;
         s.serialize_field("created_at", &self.created_at)?;
         s.serialize_field("updated_at", &self.updated_at)?;
         s.serialize_field("as_of", &self.as_of)?;
@@ -237,7 +237,8 @@ impl serde::Serialize for AdvisorySemaphoreInfo {
 /// application name are always there.
 ///
 /// With the `serde` feature it serializes as `{"slot", "pid",
-/// "application_name", "client_addr", "backend_start"}`, times in RFC 3339.
+/// "application_name", "client_addr", "backend_start", "shared"}`, times in
+/// RFC 3339.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -259,6 +260,21 @@ pub struct AdvisoryHolder {
     /// reuses its sessions for many permits); `None` when not visible to
     /// this role.
     pub backend_start: Option<DateTime<Utc>>,
+    /// The key is held in shared mode (`pg_advisory_lock_shared`), which no
+    /// claim takes: not a permit, but the slot cannot be claimed while it
+    /// lasts (several sessions may hold one slot so, each listed).
+    pub shared: bool,
+}
+
+impl AdvisorySemaphoreInfo {
+    /// How many of its slots are held, in either mode (a slot held by
+    /// several sessions in shared mode counts once).
+    pub fn held(&self) -> u32 {
+        let mut slots: Vec<u32> = self.holders.iter().map(|h| h.slot).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots.len() as u32
+    }
 }
 
 /// What [`force_release`] found.
@@ -388,6 +404,7 @@ struct AdvisoryStatusRow {
     application_name: Option<String>,
     client_addr: Option<String>,
     backend_start: Option<DateTime<Utc>>,
+    shared: Option<bool>,
 }
 
 /// Every advisory semaphore in the database, by name, each with the
@@ -446,6 +463,7 @@ pub async fn advisory_semaphores(pool: &PgPool) -> Result<Vec<AdvisorySemaphoreI
                 application_name: row.application_name,
                 client_addr: row.client_addr,
                 backend_start: row.backend_start,
+                shared: row.shared.unwrap_or(false),
             });
         }
     }
@@ -523,6 +541,8 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 /// [`Error::InvalidArgument`] for a capacity of 0 or above
 /// [`MAX_CAPACITY`](crate::MAX_CAPACITY) or a bad name (nothing is
 /// written); [`Error::SemaphoreNotFound`] when no semaphore has this name;
+/// [`Error::Stalled`] when an advisory semaphore's row stayed locked by
+/// another transaction for 2 s (nothing was changed; retry);
 /// [`Error::MigrationsMissing`], [`Error::Database`].
 ///
 /// # Cancel safety
@@ -540,10 +560,17 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
                 .query_as::<(i32,)>(CONFIGURE_ADVISORY)
                 .bind(name.to_owned())
                 .bind(capacity as i32);
-            let (previous,) = db
-                .fetch_one(query)
-                .await
-                .map_err(|error| semaphore_not_found(error, name))?;
+            let (previous,) = db.fetch_one(query).await.map_err(|error| {
+                // The semaphore's row stayed locked past the function's
+                // lock_timeout (2 s): an advisory_drained or another change
+                // left in an open transaction. Nothing was changed.
+                if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+                    return Error::Stalled {
+                        semaphore: name.to_owned(),
+                    };
+                }
+                semaphore_not_found(error, name)
+            })?;
             previous.max(0) as u32
         }
         Err(error) => return Err(error),
@@ -1230,6 +1257,7 @@ mod serialize_tests {
                     application_name: Some("pg-semaphore advisory".into()),
                     client_addr: Some("10.0.0.7".into()),
                     backend_start: Some(at("2026-11-21T07:59:00Z")),
+                    shared: false,
                 },
                 AdvisoryHolder {
                     slot: 2,
@@ -1237,6 +1265,7 @@ mod serialize_tests {
                     application_name: Some("pg-semaphore advisory".into()),
                     client_addr: None,
                     backend_start: None,
+                    shared: false,
                 },
             ],
             as_of: at("2026-11-21T08:00:00Z"),
@@ -1258,6 +1287,7 @@ mod serialize_tests {
                         "application_name": "pg-semaphore advisory",
                         "client_addr": "10.0.0.7",
                         "backend_start": "2026-11-21T07:59:00Z",
+                        "shared": false,
                     },
                     {
                         "slot": 2,
@@ -1265,6 +1295,7 @@ mod serialize_tests {
                         "application_name": "pg-semaphore advisory",
                         "client_addr": null,
                         "backend_start": null,
+                        "shared": false,
                     },
                 ],
             })

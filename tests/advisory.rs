@@ -744,3 +744,84 @@ async fn a_record_the_audit_log_refuses_never_holds_up_the_others() -> TestResul
     assert_eq!(logged_removed, 0);
     Ok(())
 }
+
+/// A claim that fails after its statement took a slot's lock (here: the
+/// one-statement claim's re-check raises, through a function that a
+/// database-wide `search_path` puts before `pg_catalog`) answers the error
+/// holding nothing: the session gives the slot back before it answers, so
+/// what it believes it holds and what the server holds for it agree, and
+/// its next claim takes the slot.
+#[tokio::test]
+async fn a_claim_that_fails_after_taking_a_lock_leaves_nothing_held() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "fails-late", 1).await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA evil; \
+         CREATE FUNCTION evil.current_setting(text) RETURNS text LANGUAGE plpgsql \
+             AS $$ BEGIN RAISE EXCEPTION 'boom after the lock'; END $$; \
+         ALTER DATABASE \"{}\" SET search_path = evil, pg_catalog, public",
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let held = || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pgsemaphore.advisory_semaphores a JOIN pg_locks l \
+                ON l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+               AND ((l.classid::bigint << 32) | l.objid::bigint) \
+                   BETWEEN a.key_base AND a.key_base + 1048559 \
+             WHERE a.name = 'fails-late'",
+        )
+        .fetch_one(&db.pool)
+    };
+    // The session opens now, with the database's search_path.
+    let failed = sem.try_acquire().await;
+    assert!(
+        matches!(&failed, Err(Error::Database(e)) if e.to_string().contains("boom")),
+        "{failed:?}"
+    );
+    assert_eq!(held().await?, 0, "the failed claim's slot stayed locked");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA evil CASCADE; ALTER DATABASE \"{}\" RESET search_path",
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let permit = sem.try_acquire().await?;
+    assert_eq!(permit.slot(), 0);
+    assert_eq!(held().await?, 1);
+    permit.release().await?;
+    Ok(())
+}
+
+/// A claim behind a lock on the semaphores' table (a migration's DDL
+/// waiting, or holding it) waits at most the session's lock_timeout and
+/// answers `Error::Stalled`, holding nothing, and the session stays usable;
+/// a waiting acquire keeps waiting through it and gets the slot once the
+/// table is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_behind_a_table_lock_is_stalled_not_stuck() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "behind-ddl", 1).await?;
+    sem.try_acquire().await?.release().await?;
+    let mut ddl = db.pool.acquire().await?;
+    sqlx::query("BEGIN").execute(&mut *ddl).await?;
+    sqlx::query("LOCK TABLE pgsemaphore.advisory_semaphores IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *ddl)
+        .await?;
+    let refused = tokio::time::timeout(Duration::from_secs(10), sem.try_acquire())
+        .await
+        .map_err(|_| "a claim waited for the table's lock without bound")?;
+    assert!(matches!(refused, Err(Error::Stalled { .. })), "{refused:?}");
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished());
+    sqlx::query("ROLLBACK").execute(&mut *ddl).await?;
+    let permit = waiter.await??;
+    assert_eq!(permit.slot(), 0);
+    permit.release().await?;
+    Ok(())
+}

@@ -1431,13 +1431,15 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
     .await
 }
 
-/// README: "Any role that can connect, even one with no grants, can take the
-/// advisory keys that the functions lock (a name's creation key, a rate
-/// limiter key's lock): each function waits for one at most 2 seconds,
-/// then fails with SQLSTATE 55P03 (`Error::Stalled`) having changed
-/// nothing, and `pg_locks` shows the holder."
+/// README: "Any role, even one without grants, can hold a name's creation
+/// key (`pg_advisory_lock(1885828966, hashtext(name))`): it delays the
+/// creation of a lease semaphore of that name by at most 2 seconds, which
+/// then fails with SQLSTATE 55P03 (`Error::Stalled`) having created
+/// nothing, and the opening of an existing one not at all." (The advisory
+/// semaphore's creation too, here; its own sentence is tested by
+/// `privileges_foreign_holds_of_advisory_keys_are_listed_and_counted`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn privileges_any_role_delays_through_advisory_keys_by_at_most_the_bound() -> TestResult {
+async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_bound() -> TestResult {
     as_roles(|db, app, _operator| async move {
         let (role, nobody) = no_grants_pool(&db).await?;
         let outcome = async {
@@ -1482,6 +1484,17 @@ async fn privileges_any_role_delays_through_advisory_keys_by_at_most_the_bound()
                 .execute(&mut *squatter)
                 .await?;
             Semaphore::builder("squatted", 2).build(&app).await?;
+            // An existing semaphore opens at once while its key is held.
+            sqlx::query("SELECT pg_advisory_lock(1885828966, hashtext($1))")
+                .bind("squatted")
+                .execute(&mut *squatter)
+                .await?;
+            let opened = tokio::time::timeout(
+                Duration::from_millis(1500),
+                Semaphore::builder("squatted", 2).build(&app),
+            )
+            .await;
+            assert!(matches!(opened, Ok(Ok(_))), "{opened:?}");
             TestResult::Ok(())
         }
         .await;
@@ -1822,6 +1835,402 @@ async fn privileges_foreign_advisory_locks_only_fill_the_semaphore() -> TestResu
         sqlx::query("SELECT pg_advisory_unlock_all()")
             .execute(&mut *squatter)
             .await?;
+        Ok(())
+    })
+    .await
+}
+
+/// A role with no grants at all (LOGIN only: what PUBLIC may, such as
+/// `pg_advisory_lock`), plus `grants` (`{role}` stands for its name), and
+/// a pool on it. [`drop_extra_role`] drops it.
+async fn extra_role(db: &support::TestDb, suffix: &str, grants: &str) -> TestResult<PgPool> {
+    let role = format!("{}_{suffix}", db.name);
+    let mut admin = PgConnection::connect_with(&db.options).await?;
+    admin
+        .execute(AssertSqlSafe(format!(
+            r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
+        )))
+        .await?;
+    if !grants.is_empty() {
+        admin
+            .execute(AssertSqlSafe(
+                grants.replace("{role}", &format!(r#""{role}""#)),
+            ))
+            .await?;
+    }
+    Ok(PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.options.clone().username(&role).password(PASSWORD))
+        .await?)
+}
+
+async fn drop_extra_role(db: &support::TestDb, suffix: &str, pool: PgPool) -> TestResult {
+    pool.close().await;
+    let role = format!("{}_{suffix}", db.name);
+    let mut admin = PgConnection::connect_with(&db.options).await?;
+    admin
+        .execute(AssertSqlSafe(format!(
+            r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
+        )))
+        .await?;
+    Ok(())
+}
+
+/// The advisory locks a session holds (granted, any mode, any key).
+async fn advisory_locks_held(conn: &mut PgConnection) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+         AND pid = pg_backend_pid()",
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The exclusive holders of an advisory semaphore's keys, from pg_locks
+/// (every key of it, not only those below its peak).
+async fn exclusive_holders(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pgsemaphore.advisory_semaphores a JOIN pg_locks l \
+            ON l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock' \
+           AND ((l.classid::bigint << 32) | l.objid::bigint) BETWEEN a.key_base AND a.key_base + 1048559 \
+         WHERE a.name = $1",
+    )
+    .bind(semaphore)
+    .fetch_one(pool)
+    .await
+}
+
+/// The crate's one-statement claim of one slot (`CLAIM_ONE`), as any
+/// client may send it.
+const FAST_CLAIM: &str = "SELECT pgsemaphore.advisory_claim_check(a.name, a.key_base, \
+     (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
+       WHERE a.peak_capacity = a.capacity AND pg_try_advisory_lock(a.key_base + g.s) LIMIT 1)) \
+     FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
+
+/// README: "Claim slots of an advisory semaphore only in READ COMMITTED
+/// and within the capacity it reads after taking its locks: a claim whose
+/// snapshot predates a capacity drop is refused or gives its slots back,
+/// and a claim that fails after taking locks gives them back before it
+/// answers."
+/// (Issue 32, attack 2: a REPEATABLE READ claim whose snapshot predated a
+/// drop 4 -> 2 was admitted on slot 2 after the drain, 3 holders on
+/// capacity 2.) Also as a role with no grants, and as one granted the
+/// claim but not `advisory_drained`, whose claim fails after its locks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> TestResult {
+    as_roles(|db, app, operator| async move {
+        sqlx::query("SELECT * FROM pgsemaphore.open_advisory('adv-drop', 4)")
+            .execute(&app)
+            .await?;
+        let mut holder = app.acquire().await?;
+        let (status,): (String,) =
+            sqlx::query_as("SELECT o_status FROM pgsemaphore.advisory_claim('adv-drop', 2, '{}')")
+                .fetch_one(&mut *holder)
+                .await?;
+        assert_eq!(status, "claimed");
+        // A snapshot taken before the drop and its drain.
+        let mut stale = app.acquire().await?;
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *stale)
+            .await?;
+        let seen: i32 = sqlx::query_scalar(
+            "SELECT capacity FROM pgsemaphore.advisory_semaphores WHERE name = 'adv-drop'",
+        )
+        .fetch_one(&mut *stale)
+        .await?;
+        assert_eq!(seen, 4);
+        pg_semaphore::set_capacity(&operator, "adv-drop", 2).await?;
+        let drained: bool = sqlx::query_scalar("SELECT pgsemaphore.advisory_drained('adv-drop')")
+            .fetch_one(&app)
+            .await?;
+        assert!(drained, "nothing above the new capacity is held");
+        let claim = sqlx::query_as::<_, (String, Option<Vec<i32>>)>(
+            "SELECT o_status, o_slots FROM pgsemaphore.advisory_claim('adv-drop', 1, '{}')",
+        )
+        .fetch_one(&mut *stale)
+        .await;
+        assert_eq!(refusal(claim).0, "0A000");
+        sqlx::query("ROLLBACK").execute(&mut *stale).await?;
+        assert_eq!(advisory_locks_held(&mut stale).await?, 0);
+        assert_eq!(exclusive_holders(&app, "adv-drop").await?, 2);
+
+        // The one-statement claim in REPEATABLE READ, on a free slot: its
+        // re-check gives the slot back and refuses.
+        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 1)
+            .audit(false)
+            .build(&app)
+            .await?;
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *stale)
+            .await?;
+        let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
+            .bind("adv-drop-rr")
+            .fetch_one(&mut *stale)
+            .await;
+        assert_eq!(refusal(fast).0, "0A000");
+        sqlx::query("ROLLBACK").execute(&mut *stale).await?;
+        assert_eq!(advisory_locks_held(&mut stale).await?, 0);
+
+        // The crate's own sessions claim in READ COMMITTED whatever the
+        // role's default isolation says.
+        let mut admin = PgConnection::connect_with(&db.options).await?;
+        let app_role = app_role(&app).await?;
+        admin
+            .execute(AssertSqlSafe(format!(
+                r#"ALTER ROLE "{app_role}" SET default_transaction_isolation = 'repeatable read'"#
+            )))
+            .await?;
+        let permit = sem.try_acquire().await;
+        admin
+            .execute(AssertSqlSafe(format!(
+                r#"ALTER ROLE "{app_role}" RESET default_transaction_isolation"#
+            )))
+            .await?;
+        permit?.release().await?;
+
+        // A role without grants claims nothing, and holds nothing after.
+        let bare = extra_role(&db, "bare", "").await?;
+        let mut conn = bare.acquire().await?;
+        let refused = sqlx::query("SELECT o_status FROM pgsemaphore.advisory_claim('adv-drop', 1, '{}')")
+            .execute(&mut *conn)
+            .await;
+        assert!(denied(refused));
+        let refused = sqlx::query(FAST_CLAIM)
+            .bind("adv-drop")
+            .execute(&mut *conn)
+            .await;
+        assert!(denied(refused));
+        assert_eq!(advisory_locks_held(&mut conn).await?, 0);
+        drop(conn);
+        drop_extra_role(&db, "bare", bare).await?;
+
+        // A claim that fails after its locks (here: it may not run
+        // advisory_drained, which it calls when a drop is over) gives them
+        // back before it answers.
+        sqlx::query("SELECT * FROM pgsemaphore.open_advisory('adv-fail', 3)")
+            .execute(&app)
+            .await?;
+        pg_semaphore::set_capacity(&operator, "adv-fail", 2).await?;
+        let partial = extra_role(
+            &db,
+            "partial",
+            "GRANT USAGE ON SCHEMA pgsemaphore TO {role}; \
+             GRANT SELECT ON pgsemaphore.advisory_semaphores TO {role}; \
+             GRANT EXECUTE ON FUNCTION pgsemaphore.advisory_claim(text, integer, integer[]) TO {role};",
+        )
+        .await?;
+        let mut conn = partial.acquire().await?;
+        let failed = sqlx::query("SELECT o_status FROM pgsemaphore.advisory_claim('adv-fail', 1, '{}')")
+            .execute(&mut *conn)
+            .await;
+        assert!(denied(failed));
+        assert_eq!(
+            advisory_locks_held(&mut conn).await?,
+            0,
+            "a failed claim kept the slots it had locked"
+        );
+        drop(conn);
+        drop_extra_role(&db, "partial", partial).await?;
+        drop(holder);
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Calling `advisory_drained` in an open transaction delays no
+/// advisory claim, and delays the operator's `configure_advisory` by at
+/// most 2 seconds, which then fails with SQLSTATE 55P03
+/// (`Error::Stalled`)."
+/// (Issue 32, attack 5: the honest claim waited without bound, and kept its
+/// slot when cancelled; `configure_advisory` waited too.) A role without
+/// grants can neither call it nor lock the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_at_most_the_bound()
+-> TestResult {
+    as_roles(|db, app, operator| async move {
+        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-open", 3)
+            .audit(false)
+            .build(&app)
+            .await?;
+        let low = sem.try_acquire().await?;
+        let middle = sem.try_acquire().await?;
+        let high = sem.try_acquire().await?;
+        assert_eq!((low.slot(), middle.slot(), high.slot()), (0, 1, 2));
+        pg_semaphore::set_capacity(&operator, "adv-open", 2).await?;
+        // The drop is pending (slot 2 is held): the drain in an open
+        // transaction says so, and holds the semaphore's row.
+        let mut squatter = app.acquire().await?;
+        sqlx::query("BEGIN").execute(&mut *squatter).await?;
+        let drained: bool = sqlx::query_scalar("SELECT pgsemaphore.advisory_drained('adv-open')")
+            .fetch_one(&mut *squatter)
+            .await?;
+        assert!(!drained);
+        high.release().await?;
+        middle.release().await?;
+        // The honest claim counts, finds the drop over, and does not wait
+        // for the row (its drain is left to a later claim). The 10 s here
+        // is not the bound: before the fix it waited until cancelled.
+        let permit = tokio::time::timeout(Duration::from_secs(10), sem.try_acquire())
+            .await
+            .map_err(|_| "an advisory claim waited for an open advisory_drained")??;
+        assert_eq!(permit.slot(), 1);
+        assert_eq!(exclusive_holders(&app, "adv-open").await?, 2);
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        // The operator waits at most lock_timeout.
+        let started = std::time::Instant::now();
+        let changed = tokio::time::timeout(
+            Duration::from_secs(10),
+            pg_semaphore::set_capacity(&operator, "adv-open", 3),
+        )
+        .await
+        .map_err(|_| "configure_advisory waited for an open advisory_drained")?;
+        let waited = started.elapsed();
+        assert!(matches!(changed, Err(Error::Stalled { .. })), "{changed:?}");
+        assert!(
+            waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+            "{waited:?}"
+        );
+        sqlx::query("ROLLBACK").execute(&mut *squatter).await?;
+        assert_eq!(
+            pg_semaphore::set_capacity(&operator, "adv-open", 3).await?,
+            2
+        );
+
+        // A role without grants cannot hold the row.
+        let bare = extra_role(&db, "bare", "").await?;
+        let mut conn = bare.acquire().await?;
+        sqlx::query("BEGIN").execute(&mut *conn).await?;
+        assert!(denied(
+            sqlx::query("SELECT pgsemaphore.advisory_drained('adv-open')")
+                .execute(&mut *conn)
+                .await
+        ));
+        sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+        assert!(denied(
+            sqlx::query("SELECT 1 FROM pgsemaphore.advisory_semaphores FOR UPDATE")
+                .execute(&mut *conn)
+                .await
+        ));
+        drop(conn);
+        drop_extra_role(&db, "bare", bare).await?;
+        permit.release().await?;
+        low.release().await?;
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Any role, even one without grants, can hold an advisory
+/// semaphore's keys with `pg_advisory_lock` or `pg_advisory_lock_shared`:
+/// each key it holds makes the semaphore look one slot fuller and is
+/// listed in `pgsemaphore.advisory_holders` (`mode` exclusive or shared),
+/// and a claim's work stays bounded by the capacity in force, never by the
+/// capacity before a drop. Holding a name's creation key
+/// (`pg_advisory_lock(1885828966, hashtext(name))`) delays the creation of
+/// an advisory semaphore of that name by at most 2 seconds (SQLSTATE
+/// 55P03), and the opening of an existing one not at all."
+/// (Issue 32: a shared hold blocked claims unlisted; after a drop from
+/// 100,000 to 2 with a key held above, every claim walked all 100,000
+/// slots. How long a claim takes is measured in BENCHMARKS.md, not here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> TestResult {
+    as_roles(|db, app, operator| async move {
+        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-wide", 100_000)
+            .audit(false)
+            .build(&app)
+            .await?;
+        pg_semaphore::set_capacity(&operator, "adv-wide", 2).await?;
+        let base: i64 = sqlx::query_scalar(
+            "SELECT key_base FROM pgsemaphore.advisory_semaphores WHERE name = 'adv-wide'",
+        )
+        .fetch_one(&app)
+        .await?;
+        let bare = extra_role(&db, "bare", "").await?;
+        let mut squatter = bare.acquire().await?;
+        sqlx::query("SELECT pg_advisory_lock_shared($1), pg_advisory_lock_shared($1 + 99999)")
+            .bind(base)
+            .execute(&mut *squatter)
+            .await?;
+        let listed: Vec<(i32, String)> = sqlx::query_as(
+            "SELECT slot, mode FROM pgsemaphore.advisory_holders \
+              WHERE semaphore = 'adv-wide' ORDER BY slot",
+        )
+        .fetch_all(&app)
+        .await?;
+        assert_eq!(
+            listed,
+            [(0, "shared".to_owned()), (99_999, "shared".to_owned())]
+        );
+        let info = pg_semaphore::advisory_semaphores(&app).await?;
+        let wide = info.iter().find(|s| s.name == "adv-wide").expect("listed");
+        assert_eq!(wide.held(), 2);
+        assert!(wide.holders.iter().all(|h| h.shared), "{wide:?}");
+        // Two keys held of a capacity of 2: full, and the claim holds
+        // nothing after.
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        assert_eq!(sem.available_permits().await?, 0);
+        sqlx::query("SELECT pg_advisory_unlock_shared($1)")
+            .bind(base)
+            .execute(&mut *squatter)
+            .await?;
+        // One key above the new capacity still held: counted.
+        let permit = sem.try_acquire().await?;
+        assert_eq!(permit.slot(), 0);
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(Error::NoSlotsAvailable { .. })
+        ));
+        assert_eq!(exclusive_holders(&app, "adv-wide").await?, 1);
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *squatter)
+            .await?;
+        // The key above is gone: the next claim ends the drop.
+        let second = sem.try_acquire().await?;
+        let peak: i32 = sqlx::query_scalar(
+            "SELECT peak_capacity FROM pgsemaphore.advisory_semaphores WHERE name = 'adv-wide'",
+        )
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(peak, 2);
+        // The creation key of a name, held by the role without grants.
+        sqlx::query(
+            "SELECT pg_advisory_lock(1885828966, hashtext('adv-wide')), \
+                    pg_advisory_lock(1885828966, hashtext('adv-unborn'))",
+        )
+        .execute(&mut *squatter)
+        .await?;
+        let reopened = tokio::time::timeout(
+            Duration::from_secs(10),
+            pg_semaphore::AdvisorySemaphore::builder("adv-wide", 2)
+                .audit(false)
+                .build(&app),
+        )
+        .await
+        .map_err(|_| "opening an existing advisory semaphore waited for its creation key")?;
+        reopened?;
+        let started = std::time::Instant::now();
+        let created = tokio::time::timeout(
+            Duration::from_secs(10),
+            sqlx::query("SELECT * FROM pgsemaphore.open_advisory('adv-unborn', 1)").execute(&app),
+        )
+        .await
+        .map_err(|_| "creating an advisory semaphore waited for its creation key without bound")?;
+        let waited = started.elapsed();
+        assert_eq!(refusal(created).0, "55P03");
+        assert!(
+            waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+            "{waited:?}"
+        );
+        drop(squatter);
+        drop_extra_role(&db, "bare", bare).await?;
+        second.release().await?;
+        permit.release().await?;
         Ok(())
     })
     .await

@@ -91,7 +91,7 @@ fn advisory_table(out: &mut String, list: &[AdvisorySemaphoreInfo]) {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|sem| {
-            let held = sem.holders.len() as u32;
+            let held = sem.held();
             vec![
                 sem.name.clone(),
                 sem.capacity.to_string(),
@@ -113,7 +113,11 @@ fn advisory_table(out: &mut String, list: &[AdvisorySemaphoreInfo]) {
             .iter()
             .map(|h| {
                 vec![
-                    h.slot.to_string(),
+                    if h.shared {
+                        format!("{} (shared)", h.slot)
+                    } else {
+                        h.slot.to_string()
+                    },
                     h.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()),
                     client(h),
                     h.backend_start

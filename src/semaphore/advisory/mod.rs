@@ -59,8 +59,9 @@ pub const DEFAULT_ADVISORY_CONNECTIONS: usize = 4;
 const OPEN: &str = "SELECT o_capacity, o_created, o_key_base \
                     FROM pgsemaphore.open_advisory(p_name => $1, p_capacity => $2)";
 
-/// Free slots right now: the capacity less the slots held (from pg_locks).
-const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(*)::int FROM pgsemaphore.advisory_holders h \
+/// Free slots right now: the capacity less the slots held (from pg_locks;
+/// a slot held in shared mode by several sessions counts once).
+const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(DISTINCT h.slot)::int FROM pgsemaphore.advisory_holders h \
                                               WHERE h.semaphore = a.name) \
                          FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
 
@@ -365,9 +366,11 @@ impl AdvisorySemaphore {
     /// # Errors
     ///
     /// [`Error::NoSlotsAvailable`] when every slot is held (answer
-    /// 429/503); [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// 429/503); [`Error::Stalled`] when the claim waited 2 s for a lock on
+    /// the semaphore's table (a migration's DDL queued; nothing was taken);
+    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
     /// [`Error::Database`] (the database cannot be reached, or the session
-    /// was lost).
+    /// was lost, or a claim failed: it then holds nothing).
     ///
     /// # Cancel safety
     ///
@@ -412,7 +415,8 @@ impl AdvisorySemaphore {
     ///
     /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
     /// [`Error::InvalidArgument`] when the capacity shrank below the permits
-    /// asked for; an outage does not end the wait (it retries).
+    /// asked for; neither an outage nor a stalled claim
+    /// ([`Error::Stalled`]) ends the wait (it retries).
     ///
     /// # Cancel safety
     ///
@@ -512,10 +516,15 @@ async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
     let core = core.clone();
     detached(move |_| async move {
         let session = core.sessions.pick().await?;
-        let reply = session
-            .claim(&core.name, n)
-            .await
-            .map_err(|error| semaphore_not_found(error, &core.name))?;
+        let reply = session.claim(&core.name, n).await.map_err(|error| {
+            // The session's lock_timeout (2 s) ran out: nothing was taken.
+            if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+                return Error::Stalled {
+                    semaphore: core.name.clone(),
+                };
+            }
+            semaphore_not_found(error, &core.name)
+        })?;
         Ok(match reply {
             ClaimReply::Claimed { slots, at } => {
                 tracing::debug!(semaphore = %core.name, ?slots, "advisory permit acquired");
@@ -614,6 +623,14 @@ async fn wait(core: &Arc<AdvisoryCore>, n: u32) -> Result<AdvisoryPermit> {
                     ));
                 }
                 Ok(Claim::Full { .. }) => pause = None,
+                // The claim waited its lock_timeout for a lock (the table's,
+                // behind a migration): nothing taken, and no release will
+                // say when the table is free: try again shortly.
+                Err(Error::Stalled { .. }) => {
+                    pause = None;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
                 Err(error) if error.is_unreachable() => {
                     // An outage: retry, pausing longer each time.
                     let next = pause.map_or(Duration::from_millis(50), |p| {

@@ -32,6 +32,15 @@
 //!   heartbeats later: as late as the server freed its slots.) A killed
 //!   process's session ends at once (its socket closes).
 //!
+//! Each session runs in READ COMMITTED whatever the role's or database's
+//! default (it sets `default_transaction_isolation` when it connects): a
+//! claim decides on a snapshot taken after its locks, which only READ
+//! COMMITTED gives, and the SQL refuses any other level. A claim that fails
+//! with an error that leaves the session usable gives back, before it
+//! answers, any slot of the semaphore the session holds beyond its permits'
+//! ([`GIVE_BACK`]): what the session believes it holds and what the server
+//! holds for it stay the same.
+//!
 //! [`Sessions`] is the set a pool's advisory semaphores share: a claim goes
 //! to an idle session that holds no permit (so that its release does not
 //! wait for someone else's claim), a new one is opened when there is none,
@@ -61,18 +70,41 @@ const CLAIM: &str = "SELECT o_status, o_slots, o_capacity, o_at \
 /// The common claim, as one small statement: one permit, on a session that
 /// holds no slot of the semaphore (so no lock it takes can be one it
 /// holds), with no capacity drop pending; what `pgsemaphore.advisory_claim`
-/// does in that case, at the cost of a plain statement (a PL/pgSQL call
-/// rebuilds its expressions in every transaction). The lowest slot it can
-/// lock, or NULL; no row: no such semaphore. A drop pending
-/// (`peak_capacity > capacity`) takes nothing (the gate is a one-time filter
-/// of the subquery), and the caller then sends [`CLAIM`].
+/// does in that case, at the cost of a plain statement and one small
+/// PL/pgSQL call (a PL/pgSQL call rebuilds its expressions in every
+/// transaction: `advisory_claim` whole costs more). The statement's
+/// snapshot is taken before its try-lock, so the slot it locks is checked
+/// again by `pgsemaphore.advisory_claim_check`, a VOLATILE function whose
+/// own statement takes a snapshot after the lock: the slot (kept), -1
+/// (given back: a capacity drop came in between; the caller then sends
+/// [`CLAIM`]), or NULL (nothing was free). No row: no such semaphore. A drop
+/// pending (`peak_capacity > capacity`) as the statement saw it takes
+/// nothing (the gate is a one-time filter of the subquery), and the caller
+/// then sends [`CLAIM`].
 const CLAIM_ONE: &str = "SELECT a.capacity, a.peak_capacity, \
-                                (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
-                                  WHERE a.peak_capacity = a.capacity \
-                                    AND pg_try_advisory_lock(a.key_base + g.s) \
-                                  LIMIT 1) AS slot, \
+                                pgsemaphore.advisory_claim_check(a.name, a.key_base, \
+                                    (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
+                                      WHERE a.peak_capacity = a.capacity \
+                                        AND pg_try_advisory_lock(a.key_base + g.s) \
+                                      LIMIT 1)) AS slot, \
                                 clock_timestamp() AS at \
                          FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
+
+/// After a claim failed with an error (not an outage: the session lives
+/// on), the locks of the semaphore's slots this session holds and its
+/// permits do not: a claim cancelled or failed between its lock and its
+/// answer. `advisory_claim` gives its locks back itself before it raises;
+/// the one-statement [`CLAIM_ONE`] cannot, so this gives back whatever the
+/// session holds beyond `$2` (the slots of its permits). Returns how many.
+const GIVE_BACK: &str = "SELECT count(*) FILTER (WHERE pg_advisory_unlock(k.key))::int \
+                         FROM pgsemaphore.advisory_semaphores a \
+                         JOIN (SELECT (l.classid::bigint << 32) | l.objid::bigint AS key \
+                                 FROM pg_catalog.pg_locks l \
+                                WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+                                  AND l.mode = 'ExclusiveLock' \
+                                  AND l.pid = pg_catalog.pg_backend_pid()) k \
+                           ON k.key >= a.key_base AND k.key < a.key_base + 1048560 \
+                        WHERE a.name = $1 AND (k.key - a.key_base)::int <> ALL ($2)";
 
 /// The release of a one-slot permit (see `pgsemaphore.advisory_release_one`).
 const RELEASE_ONE: &str =
@@ -239,6 +271,8 @@ impl Session {
             let query = sqlx::query_as::<_, (i32, i32, Option<i32>, DateTime<Utc>)>(CLAIM_ONE)
                 .bind(semaphore);
             let outcome = tokio::time::timeout(bound, query.fetch_optional(&mut state.conn)).await;
+            self.give_back_after_error(&mut guard, semaphore, &mine, &outcome)
+                .await;
             let (reply, answered) = self.answered(&mut guard, "a claim", bound, outcome)?;
             state = answered;
             let Some((capacity, peak, slot, at)) = reply else {
@@ -246,7 +280,7 @@ impl Session {
                     semaphore: semaphore.to_owned(),
                 });
             };
-            if peak <= capacity {
+            if peak <= capacity && slot != Some(-1) {
                 let capacity = capacity.max(0) as u32;
                 return Ok(match slot {
                     Some(slot) => {
@@ -264,13 +298,17 @@ impl Session {
                     None => ClaimReply::Full { capacity },
                 });
             }
-            // A capacity drop is pending: the general claim counts.
+            // A capacity drop is pending, or came between the statement's
+            // snapshot and its lock (the slot was given back): the general
+            // claim re-reads and counts.
         }
         let query = sqlx::query_as::<_, ClaimRow>(CLAIM)
             .bind(semaphore)
             .bind(permits as i32)
-            .bind(mine);
+            .bind(&mine);
         let outcome = tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await;
+        self.give_back_after_error(&mut guard, semaphore, &mine, &outcome)
+            .await;
         let (row, state) = self.answered(&mut guard, "a claim", bound, outcome)?;
         let capacity = row.o_capacity.max(0) as u32;
         Ok(match (row.o_status.as_str(), row.o_slots, row.o_at) {
@@ -286,6 +324,57 @@ impl Session {
             ("too_many", _, _) => ClaimReply::TooMany { capacity },
             _ => ClaimReply::Full { capacity },
         })
+    }
+
+    /// When a claim failed with an error that leaves the session usable (a
+    /// cancellation, a statement timeout, a permission or a bug), gives
+    /// back any slot of `semaphore` the session holds beyond `mine` (its
+    /// permits' slots) before the error is answered, so that the session's
+    /// view (`held`) and the server's agree. If that fails too, the session
+    /// is lost (its connection closed: the server frees everything).
+    async fn give_back_after_error<T>(
+        &self,
+        guard: &mut Option<State>,
+        semaphore: &str,
+        mine: &[i32],
+        outcome: &std::result::Result<sqlx::Result<T>, tokio::time::error::Elapsed>,
+    ) {
+        let Ok(Err(error)) = outcome else {
+            return;
+        };
+        if error::unreachable(error) {
+            return;
+        }
+        let Some(state) = guard.as_mut() else {
+            return;
+        };
+        let done = tokio::time::timeout(
+            self.statement_bound(state),
+            sqlx::query_scalar::<_, i32>(GIVE_BACK)
+                .bind(semaphore)
+                .bind(mine)
+                .fetch_optional(&mut state.conn),
+        )
+        .await;
+        match done {
+            Ok(Ok(given)) => {
+                state.answered = Instant::now();
+                if let Some(given @ 1..) = given {
+                    tracing::warn!(
+                        pid = self.pid,
+                        semaphore,
+                        given,
+                        %error,
+                        "an advisory claim failed holding slots: given back"
+                    );
+                }
+            }
+            Ok(Err(error)) => self.lose(
+                guard,
+                &format!("giving back a failed claim's slots: {error}"),
+            ),
+            Err(_) => self.lose(guard, "giving back a failed claim's slots did not answer"),
+        }
     }
 
     /// Unlocks `slots` of `semaphore` on this session: one statement.
@@ -583,9 +672,27 @@ impl Sessions {
     /// dead-man switch set, and its heartbeat.
     async fn connect(&self) -> Result<Arc<Session>> {
         let mut conn = self.options.connect().await?;
-        sqlx::raw_sql(AssertSqlSafe(dead_man_sql(self.heartbeat)))
-            .execute(&mut conn)
-            .await?;
+        // READ COMMITTED whatever the role's or database's default says:
+        // a claim needs a snapshot taken after its locks (see
+        // `pgsemaphore.advisory_claim`), and refuses any other level. A
+        // claim waits for no row or advisory lock; what is left, the
+        // table's relation lock (queued behind a migration's DDL, say), is
+        // bounded as the lease semaphore's functions bound theirs (55P03:
+        // `Error::Stalled`, retried by waiting acquires): at 2 s, or a
+        // quarter heartbeat if that is shorter, so that the server answers
+        // before the statement's own bound (at least half a heartbeat)
+        // gives the session up.
+        let lock_timeout = (self.heartbeat / 4)
+            .min(Duration::from_secs(2))
+            .as_millis()
+            .max(1);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "{}; SET default_transaction_isolation = 'read committed'; \
+             SET lock_timeout = '{lock_timeout}ms'",
+            dead_man_sql(self.heartbeat)
+        )))
+        .execute(&mut conn)
+        .await?;
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
             .fetch_one(&mut conn)
             .await?;
