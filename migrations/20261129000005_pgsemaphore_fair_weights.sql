@@ -131,6 +131,14 @@ DECLARE
     v_at_last integer;
     v_weight  integer;
 BEGIN
+    -- The turn is computed from the queue as committed before the
+    -- semaphore's row lock was granted: READ COMMITTED only (an older
+    -- snapshot could miss a waiter queued meanwhile).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'pg_semaphore.enqueue needs READ COMMITTED isolation, the session uses %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
     PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
     IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
         PERFORM pgsemaphore.refuse('p_permits', format('1 to 100000, got %s', coalesce(p_permits::text, 'NULL')));

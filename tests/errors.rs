@@ -316,6 +316,20 @@ async fn a_non_read_committed_session_is_refused_rather_than_over_admitting() ->
     let err = strict.try_acquire().await.expect_err("must refuse");
     assert!(matches!(err, Error::Database(_)), "{err:?}");
     assert!(err.to_string().contains("READ COMMITTED"), "{err}");
+    // A place in the queue too: its turn is read from the queue as
+    // committed, which an older snapshot could miss.
+    let queued = sqlx::query(
+        "SELECT * FROM pgsemaphore.enqueue('isolation', 1, 1::smallint, 'h', NULL, '10 s', \
+         'sixteen-byte-tok')",
+    )
+    .execute(&repeatable)
+    .await
+    .expect_err("must refuse");
+    assert!(queued.to_string().contains("READ COMMITTED"), "{queued}");
+    let waiters: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(waiters, 0);
     // The normal pool is unaffected.
     sem.try_acquire().await?.release().await?;
     Ok(())
