@@ -283,8 +283,11 @@ BEGIN
         PERFORM pgsemaphore.refuse('p_queue_lifo', 'true or false, got NULL');
     END IF;
     -- An existing semaphore: its row, and no creation lock to wait for.
+    -- (A name beginning with '@' goes on to the insert, whose trigger
+    -- refuses a family key's name: since version 7 they are families'.)
     RETURN QUERY SELECT s.capacity, s.default_lease, false, s.queue_lifo
-                   FROM pgsemaphore.semaphores s WHERE s.name = p_name;
+                   FROM pgsemaphore.semaphores s
+                  WHERE s.name = p_name AND left(p_name, 1) <> '@';
     IF FOUND THEN
         RETURN;
     END IF;

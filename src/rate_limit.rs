@@ -46,8 +46,9 @@
 //! (`window_limiter!`). Their limits and the checks on them are in
 //! `validate`.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -202,6 +203,9 @@ struct Limiter {
     /// Whether this handle compared its limits with the stored ones
     /// ([`Limiter::note_stored_limits`]).
     stored_noted: std::sync::atomic::AtomicBool,
+    /// This handle's waiting acquires, in line per key (see
+    /// [`Limiter::line`]).
+    lines: std::sync::Mutex<HashMap<String, Weak<tokio::sync::Mutex<()>>>>,
 }
 
 impl fmt::Debug for Limiter {
@@ -242,6 +246,7 @@ impl Common {
             fail_open: self.fail_open,
             wakeups: std::sync::OnceLock::new(),
             stored_noted: std::sync::atomic::AtomicBool::new(false),
+            lines: std::sync::Mutex::new(HashMap::new()),
         }))
     }
 }
@@ -279,6 +284,22 @@ impl Limiter {
     /// 55P03 from a rate function: the key's lock was held past the
     /// functions' `lock_timeout` (2 s), as [`Error::Stalled`] naming the
     /// limiter; any other error as it is.
+    /// The line of this handle's waiting acquires of `key`: an async mutex
+    /// (FIFO) that the head holds while it reserves, and while it sleeps
+    /// after a refusal, until it is booked. Lines nobody holds are dropped.
+    pub(crate) fn line(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(line) = lines.get(key).and_then(Weak::upgrade) {
+            return line;
+        }
+        if lines.len() >= 1024 {
+            lines.retain(|_, line| line.strong_count() > 0);
+        }
+        let line = Arc::new(tokio::sync::Mutex::new(()));
+        lines.insert(key.to_owned(), Arc::downgrade(&line));
+        line
+    }
+
     fn stalled(&self, error: Error) -> Error {
         if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
             return Error::Stalled {
@@ -374,6 +395,23 @@ impl Limiter {
         let mut wake = self.subscribe();
         let topic = self.topic();
         let mut stalled_warned = false;
+        // This process's waiters of the key go to the database one at a
+        // time, in arrival order: a reservation books at most burst / rate
+        // (one window) ahead, so waiters beyond that are refused with the
+        // same instant, and without the line all of them would come back at
+        // once, every one a round trip, again and again. In line, only the
+        // head asks; it leaves the line when it is booked.
+        let line = self.line(key);
+        let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
+            self.metrics.decided(false);
+            return Err(Error::Timeout {
+                waited_for: WaitedFor::RateLimit {
+                    limiter: self.name.clone(),
+                    key: key.to_owned(),
+                },
+                timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+            });
+        };
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let max_wait = validate::rate_wait(left)?;
@@ -413,6 +451,8 @@ impl Limiter {
             let wait = Duration::from_micros(wait_us.max(0) as u64);
             if allowed {
                 self.metrics.decided(true);
+                // Booked: the next waiter in line may book behind it.
+                drop(head);
                 match self.policy {
                     Policy::TokenBucket { rate, .. } => {
                         self.sleep_reserved(key, wait, remaining, wake.as_mut(), rate)

@@ -1279,3 +1279,68 @@ fn limiters_are_send_and_sync() {
         send(&pg_semaphore::prune_rate_limits(&pool, HOUR));
     }
 }
+
+/// A queue deeper than a reservation may book (burst / rate, one window):
+/// 40 waiters of one handle (and its clones), 5 per 100 ms, so the last is
+/// admitted about 0.8 s after the first, while a reservation reaches at most
+/// 100 ms ahead. The handle's waiters ask the database one at a time, in
+/// line, so the refused ones do not all come back at each instant: at most
+/// 2 reservations per admission, for the token bucket and the fixed window
+/// (without the line every refused waiter came back at every instant: 149
+/// token bucket reservations for the 40 waiters, in the run that checked
+/// this test fails without it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queue_deeper_than_a_reservation_costs_at_most_two_per_admission() -> TestResult {
+    const WAITERS: usize = 40;
+    const APPLICATION: &str = "deep-queue-counter";
+    let db = support::migrated_db().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let options = db.options.clone().application_name(APPLICATION);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    let bucket = TokenBucket::builder("deep-bucket")
+        .rate(50.0)
+        .burst(5)
+        .build(&pool)?;
+    let window = FixedWindow::builder("deep-window")
+        .permit_limit(5)
+        .window(Duration::from_millis(100))
+        .build(&pool)?;
+    let mut tasks = Vec::new();
+    for _ in 0..WAITERS {
+        let bucket = bucket.clone();
+        tasks.push(tokio::spawn(async move {
+            bucket
+                .acquire_timeout("k", 1, Duration::from_secs(20))
+                .await
+                .map(|d| d.allowed)
+        }));
+        let window = window.clone();
+        tasks.push(tokio::spawn(async move {
+            window
+                .acquire_timeout("k", 1, Duration::from_secs(20))
+                .await
+                .map(|d| d.allowed)
+        }));
+    }
+    for task in tasks {
+        assert!(task.await??);
+    }
+    drop((bucket, window));
+    pool.close().await;
+    for function in ["token_bucket_reserve", "fixed_window_reserve"] {
+        let calls = reservations_counted(&db.options, APPLICATION, function).await?;
+        assert!(
+            (WAITERS as i64..=2 * WAITERS as i64).contains(&calls),
+            "{calls} {function} calls for {WAITERS} waiters"
+        );
+    }
+    Ok(())
+}

@@ -259,6 +259,22 @@ impl LimiterSet {
         let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
         let started = tokio::time::Instant::now();
         let mut stalled_warned = false;
+        // In line with this process's other waiting acquires of the key on
+        // the first limiter (its own included), as `Limiter::acquire` is:
+        // only the head asks the database, and leaves the line when booked.
+        let line = first.line(key);
+        let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
+            for (limiter, _) in &self.limits {
+                limiter.metrics.decided(false);
+            }
+            return Err(Error::Timeout {
+                waited_for: WaitedFor::RateLimit {
+                    limiter: first.name.clone(),
+                    key: key.to_owned(),
+                },
+                timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+            });
+        };
         loop {
             let left = budget.saturating_sub(started.elapsed());
             let query = self
@@ -306,6 +322,7 @@ impl LimiterSet {
                 for (limiter, _) in &self.limits {
                     limiter.metrics.decided(true);
                 }
+                drop(head);
                 if !wait.is_zero() {
                     tokio::time::sleep(wait).await;
                 }
