@@ -21,7 +21,11 @@
 //! `fixed_window_reserve` and `sliding_window_reserve`, version 10) books
 //! the permits at the earliest instant the limit admits them, even ahead of
 //! a refill or in a later window, and answers when that is; the caller
-//! sleeps until then.
+//! sleeps until then. A reservation reaches at most `burst / rate` (a
+//! window: one window) ahead, so a deeper queue is refused with the instant
+//! and tries again then; a handle's waiting acquires of one key wait in line
+//! (FIFO, in the process), and only the head reserves, so that those retries
+//! are one at a time rather than every waiter's at every instant.
 //!
 //! A limiter's limits belong to the database (schema version 9; stored on
 //! first use since version 12): the first check of a limiter stores the
