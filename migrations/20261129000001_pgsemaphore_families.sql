@@ -297,6 +297,7 @@ CREATE FUNCTION pgsemaphore.open_family(
 RETURNS TABLE (o_capacity integer, o_default_lease interval, o_idle_after interval, o_created boolean)
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Opens a family: creates it with this default capacity, lease and
@@ -305,7 +306,9 @@ AS $$
 -- in force.
 --   p_family 1..64 characters of [A-Za-z0-9_.:-]; p_capacity 1..100000;
 --   p_lease 10 ms..366 days; p_idle_after 0..366 days
--- Every bad argument raises 22023 naming it in COLUMN.
+-- Every bad argument raises 22023 naming it in COLUMN. A concurrent
+-- creator of the same family left uncommitted is waited for at most
+-- lock_timeout (2 s), then 55P03, nothing created.
 BEGIN
     PERFORM pgsemaphore.checked_family(p_family);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN

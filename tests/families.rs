@@ -459,3 +459,37 @@ async fn each_reap_examines_a_bounded_batch_of_keys_in_turn() -> TestResult {
     assert_eq!(left, 0);
     Ok(())
 }
+
+/// A family created in a transaction left open (its row not committed)
+/// delays another process's opening of that family by at most the
+/// functions' bound (2 s of `lock_timeout`), which answers
+/// [`Error::Stalled`] having created nothing; after the rollback it opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_left_uncreated_in_an_open_transaction_delays_others_by_at_most_the_bound()
+-> TestResult {
+    let db = support::migrated_db().await;
+    let mut squatter = db.pool.acquire().await?;
+    sqlx::query("BEGIN").execute(&mut *squatter).await?;
+    sqlx::query("SELECT * FROM pgsemaphore.open_family('pending', 2, '10 s', '0')")
+        .execute(&mut *squatter)
+        .await?;
+    let started = std::time::Instant::now();
+    let opened = tokio::time::timeout(
+        Duration::from_secs(10),
+        SemaphoreFamily::builder("pending", 3).build(&db.pool),
+    )
+    .await
+    .expect("opening waited without bound");
+    let waited = started.elapsed();
+    assert!(matches!(opened, Err(Error::Stalled { .. })), "{opened:?}");
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+        "{waited:?}"
+    );
+    sqlx::query("ROLLBACK").execute(&mut *squatter).await?;
+    let family = SemaphoreFamily::builder("pending", 3)
+        .build(&db.pool)
+        .await?;
+    assert_eq!(family.capacity(), 3);
+    Ok(())
+}

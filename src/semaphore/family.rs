@@ -246,7 +246,10 @@ impl SemaphoreFamilyBuilder {
             .bind(self.capacity as i32)
             .bind(lease)
             .bind(idle_after);
-        let (capacity, stored_lease, stored_idle, created) = db.fetch_one(query).await?;
+        let (capacity, stored_lease, stored_idle, created) = db
+            .fetch_one(query)
+            .await
+            .map_err(|error| crate::error::family_not_found(error, &self.name))?;
         let capacity = capacity.max(1) as u32;
         let stored_lease = engine::duration_of(&stored_lease);
         let stored_idle = engine::duration_of(&stored_idle);
