@@ -1261,34 +1261,6 @@ async fn privileges_no_table_is_writable() -> TestResult {
     .await
 }
 
-/// A role with no grants at all (PUBLIC's only: it may connect and take
-/// advisory locks), as any other user of the database is; dropped by the
-/// returned guard's `drop_role`.
-async fn no_grants_pool(db: &support::TestDb) -> TestResult<(String, PgPool)> {
-    let role = format!("{}_none", db.name);
-    sqlx::query(AssertSqlSafe(format!(
-        r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
-    )))
-    .execute(&db.pool)
-    .await?;
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(db.options.clone().username(&role).password(PASSWORD))
-        .await?;
-    Ok((role, pool))
-}
-
-/// Drops a role made by [`no_grants_pool`], after closing its pool.
-async fn drop_no_grants(db: &support::TestDb, role: &str, pool: PgPool) -> TestResult {
-    pool.close().await;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
-    )))
-    .execute(&db.pool)
-    .await?;
-    Ok(())
-}
-
 /// README: "Write rows of the advisory semaphores' audit log, which records
 /// what holders reported: only of advisory semaphores that exist, with
 /// distinct slots below the highest capacity the semaphore has had, an end
@@ -1409,12 +1381,12 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
         assert_eq!(rows().await?, 2);
 
         // A role with no grants writes nothing.
-        let (role, nobody) = no_grants_pool(&db).await?;
+        let nobody = extra_role(&db, "none", "").await?;
         let result = sqlx::query(log)
             .bind(serde_json::json!([entry(serde_json::json!({}))]))
             .execute(&nobody)
             .await;
-        drop_no_grants(&db, &role, nobody).await?;
+        drop_extra_role(&db, "none", nobody).await?;
         assert!(denied(result), "a role with no grants wrote the audit log");
         assert_eq!(rows().await?, 2);
 
@@ -1441,7 +1413,7 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_bound() -> TestResult {
     as_roles(|db, app, _operator| async move {
-        let (role, nobody) = no_grants_pool(&db).await?;
+        let nobody = extra_role(&db, "none", "").await?;
         let outcome = async {
             // The creation key of a name (class 1885828966, the name's
             // hashtext), held by a role with no grants.
@@ -1498,7 +1470,7 @@ async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_boun
             TestResult::Ok(())
         }
         .await;
-        drop_no_grants(&db, &role, nobody).await?;
+        drop_extra_role(&db, "none", nobody).await?;
         outcome
     })
     .await
