@@ -304,6 +304,19 @@ impl Limiter {
         line
     }
 
+    /// A waiting acquire's answer when its wait would pass `timeout` (the
+    /// longest wait when none): counted as refused.
+    pub(crate) fn timed_out(&self, key: &str, timeout: Option<Duration>) -> Error {
+        self.metrics.decided(false);
+        Error::Timeout {
+            waited_for: WaitedFor::RateLimit {
+                limiter: self.name.clone(),
+                key: key.to_owned(),
+            },
+            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
+        }
+    }
+
     fn stalled(&self, error: Error) -> Error {
         if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
             return Error::Stalled {
@@ -407,14 +420,7 @@ impl Limiter {
         // head asks; it leaves the line when it is booked.
         let line = self.line(key);
         let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
-            self.metrics.decided(false);
-            return Err(Error::Timeout {
-                waited_for: WaitedFor::RateLimit {
-                    limiter: self.name.clone(),
-                    key: key.to_owned(),
-                },
-                timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-            });
+            return Err(self.timed_out(key, timeout));
         };
         loop {
             let left = budget.saturating_sub(started.elapsed());
@@ -439,14 +445,7 @@ impl Limiter {
                         continue;
                     }
                     Error::Stalled { .. } => {
-                        self.metrics.decided(false);
-                        return Err(Error::Timeout {
-                            waited_for: WaitedFor::RateLimit {
-                                limiter: self.name.clone(),
-                                key: key.to_owned(),
-                            },
-                            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-                        });
+                        return Err(self.timed_out(key, timeout));
                     }
                     error => return self.failed(error).await,
                 },
@@ -474,14 +473,7 @@ impl Limiter {
                 });
             }
             if wait.is_zero() || wait > left {
-                self.metrics.decided(false);
-                return Err(Error::Timeout {
-                    waited_for: WaitedFor::RateLimit {
-                        limiter: self.name.clone(),
-                        key: key.to_owned(),
-                    },
-                    timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-                });
+                return Err(self.timed_out(key, timeout));
             }
             // Refused within the caller's wait: the key is paused until then.
             match wake.as_mut() {

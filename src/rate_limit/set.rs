@@ -264,16 +264,7 @@ impl LimiterSet {
         // only the head asks the database, and leaves the line when booked.
         let line = first.line(key);
         let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
-            for (limiter, _) in &self.limits {
-                limiter.metrics.decided(false);
-            }
-            return Err(Error::Timeout {
-                waited_for: WaitedFor::RateLimit {
-                    limiter: first.name.clone(),
-                    key: key.to_owned(),
-                },
-                timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-            });
+            return Err(self.timed_out(first, key, timeout));
         };
         loop {
             let left = budget.saturating_sub(started.elapsed());
@@ -298,16 +289,7 @@ impl LimiterSet {
                         continue;
                     }
                     Error::Stalled { .. } => {
-                        for (limiter, _) in &self.limits {
-                            limiter.metrics.decided(false);
-                        }
-                        return Err(Error::Timeout {
-                            waited_for: WaitedFor::RateLimit {
-                                limiter: first.name.clone(),
-                                key: key.to_owned(),
-                            },
-                            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-                        });
+                        return Err(self.timed_out(first, key, timeout));
                     }
                     error if self.fails_open() => return first.failed(error).await,
                     error => return Err(error),
@@ -335,20 +317,27 @@ impl LimiterSet {
                 });
             }
             if wait.is_zero() || wait > left {
-                for (limiter, _) in &self.limits {
-                    limiter.metrics.decided(false);
-                }
-                return Err(Error::Timeout {
-                    waited_for: WaitedFor::RateLimit {
-                        limiter: decider.name.clone(),
-                        key: decider_key.unwrap_or(key).to_owned(),
-                    },
-                    timeout: timeout.unwrap_or(MAX_RATE_WAIT),
-                });
+                return Err(self.timed_out(decider, decider_key.unwrap_or(key), timeout));
             }
             // Refused within the caller's wait: a limit is paused until
             // then (or the limits did not settle on an instant): again then.
             tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// A waiting acquire's answer when its wait would pass `timeout` (the
+    /// longest wait when none), naming `limiter` and its `key`: every limit
+    /// counts it as refused.
+    fn timed_out(&self, limiter: &Limiter, key: &str, timeout: Option<Duration>) -> Error {
+        for (other, _) in &self.limits {
+            other.metrics.decided(false);
+        }
+        Error::Timeout {
+            waited_for: WaitedFor::RateLimit {
+                limiter: limiter.name.clone(),
+                key: key.to_owned(),
+            },
+            timeout: timeout.unwrap_or(MAX_RATE_WAIT),
         }
     }
 
