@@ -5,9 +5,14 @@
 //! For each limiter, `WAITERS` tasks (1,000; 100 with `--quick`) wait at once
 //! on one key of 10 admissions per second (a token bucket of rate 10 and
 //! burst 1; fixed and sliding windows of 10 per second), each doing what
-//! `acquire` does, on a connection of a pool of 16: one call of the
-//! limiter's `*_reserve` function, then a sleep of `o_wait_us` counted from
-//! the reply. The instant the database allows is its decision plus
+//! `acquire` does, on a connection of a pool of 16: in line with the other
+//! waiters (one async mutex, FIFO: only the head reserves), one call of the
+//! limiter's `*_reserve` function; refused (a reservation reaches at most
+//! `burst / rate`, or one window, ahead, so a deep queue is refused with the
+//! instant), the head sleeps `o_wait_us` and reserves again; admitted, it
+//! leaves the line and sleeps `o_wait_us` counted from the reply. The
+//! lateness below is that of the admitting reservation. The instant the
+//! database allows is its decision plus
 //! `o_wait_us`, and the decision lies between the moment the call was sent
 //! and the moment its reply came: so each admission is late by at least
 //! `admitted - (reply + wait)` (this process's timer and scheduling) and at
@@ -98,8 +103,10 @@ pub async fn lateness_workload(ctx: &mut Ctx) -> Res<()> {
     }
     ctx.report.print(&format!(
         "## 13. Waiting acquires: lateness and round trips\n\n\
-         {waiters} waiters at once on one key of 10 per second, on {CONNECTIONS} connections; \
-         each reserves once and sleeps until the instant the database gave. Late by: at least \
+         {waiters} waiters at once on one key of 10 per second, on {CONNECTIONS} connections, \
+         in line as `acquire`'s are (only the head reserves; refused, it sleeps until the instant \
+         it was told and reserves again); admitted, each sleeps until the instant the database \
+         gave. Late by (the admitting reservation): at least \
          `admitted - (reply + wait)`, at most `admitted - (sent + wait)`. Round trips: the \
          reserve function's calls counted by PostgreSQL over the admissions.\n"
     ));
@@ -141,22 +148,31 @@ async fn run(
     let pool: PgPool = pool(&server.opts, CONNECTIONS).await?;
     let name: Arc<str> = unique("bench-lateness").into();
     let started = Instant::now();
+    let line = Arc::new(tokio::sync::Mutex::new(()));
     let tasks: Vec<_> = (0..waiters)
         .map(|_| {
-            let (pool, name) = (pool.clone(), name.clone());
+            let (pool, name, line) = (pool.clone(), name.clone(), line.clone());
             tokio::spawn(async move {
-                let mut conn = pool.acquire().await?;
-                let sent = Instant::now();
-                let (allowed, wait_us): (bool, i64) = sqlx::query_as(statement)
-                    .bind(&*name)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                let reply = Instant::now();
-                drop(conn);
-                if !allowed {
-                    return Err("refused within 366 days".into());
-                }
-                let wait = Duration::from_micros(wait_us.max(0) as u64);
+                let head = line.lock().await;
+                let (sent, reply, wait) = loop {
+                    let mut conn = pool.acquire().await?;
+                    let sent = Instant::now();
+                    let (allowed, wait_us): (bool, i64) = sqlx::query_as(statement)
+                        .bind(&*name)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    let reply = Instant::now();
+                    drop(conn);
+                    let wait = Duration::from_micros(wait_us.max(0) as u64);
+                    if allowed {
+                        break (sent, reply, wait);
+                    }
+                    if wait.is_zero() {
+                        return Err("refused with no instant".into());
+                    }
+                    tokio::time::sleep(wait).await;
+                };
+                drop(head);
                 tokio::time::sleep_until((reply + wait).into()).await;
                 let admitted = Instant::now();
                 Ok::<_, crate::BoxError>((
