@@ -113,9 +113,13 @@ CREATE TABLE pgsemaphore.advisory_claims (
 -- Rows arrive in about acquired_at order, and a BRIN index costs next to
 -- nothing to keep on insert (a B-tree here cost a third of the claims'
 -- throughput on a 2-core machine, measured): queries by time window read
--- the matching block ranges and filter by semaphore.
+-- the matching block ranges and filter by semaphore. A block range is
+-- summarised when it fills (autosummarize: autovacuum does it at its next
+-- round), so a query, and pgsemaphore.prune with nothing old enough, reads
+-- only the ranges that match and the newest ones not summarised yet,
+-- however long the log.
 CREATE INDEX advisory_claims_history_idx
-    ON pgsemaphore.advisory_claims USING brin (acquired_at);
+    ON pgsemaphore.advisory_claims USING brin (acquired_at) WITH (autosummarize = on);
 
 -- The live holders of advisory semaphores' slots, from pg_locks (shared
 -- memory: nothing in a table says who holds a slot). A 64-bit advisory key

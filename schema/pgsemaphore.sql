@@ -5292,7 +5292,7 @@ ALTER TABLE ONLY pgsemaphore.wakeups
 -- Name: advisory_claims_history_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
 --
 
-CREATE INDEX advisory_claims_history_idx ON pgsemaphore.advisory_claims USING brin (acquired_at);
+CREATE INDEX advisory_claims_history_idx ON pgsemaphore.advisory_claims USING brin (acquired_at) WITH (autosummarize='on');
 
 
 --
