@@ -1655,15 +1655,24 @@ LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
--- Retention: deletes finished claims that ended before now - p_older_than,
--- at most p_batch per call (see pgsemaphore.prune_unchecked).
+-- Retention: deletes finished claims of lease semaphores that ended before
+-- now - p_older_than (see pgsemaphore.prune_unchecked), then, with what is
+-- left of the batch, finished permits of advisory semaphores
+-- (pgsemaphore.prune_advisory_claims, version 3): at most p_batch rows in
+-- all per call; a caller repeats it until it returns less than p_batch.
 --   p_older_than 0..100 years; p_batch 1..1000000
+DECLARE
+    v_count bigint;
 BEGIN
     PERFORM pgsemaphore.checked_interval(p_older_than, 'p_older_than', interval '0', interval '100 years');
     IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
         PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
     END IF;
-    RETURN pgsemaphore.prune_unchecked(p_older_than, p_batch);
+    v_count := pgsemaphore.prune_unchecked(p_older_than, p_batch);
+    IF v_count < p_batch THEN
+        v_count := v_count + pgsemaphore.prune_advisory_claims(p_older_than, (p_batch - v_count)::integer);
+    END IF;
+    RETURN v_count;
 END;
 $$;
 

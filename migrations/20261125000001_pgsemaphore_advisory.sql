@@ -739,44 +739,29 @@ BEGIN
 END;
 $$;
 
--- Retention (version 2's prune, which the reaper's retention and
--- pg_semaphore::prune_claims call), now of both audit logs: deletes
--- finished claims of lease semaphores (pgsemaphore.prune_unchecked), then,
--- with what is left of the batch, finished permits of advisory semaphores
--- (pgsemaphore.advisory_claims) that ended before now - p_older_than, at
--- most p_batch rows in all per call; a caller repeats it until it returns
--- less than p_batch. The advisory log is read through its BRIN index
--- (acquired_at, which precedes ended_at), skipping rows another prune is
--- deleting, so two prunes never wait for each other.
---   p_older_than 0..100 years; p_batch 1..1000000
-CREATE OR REPLACE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer)
+-- Retention of the advisory semaphores' audit log (pgsemaphore.prune, the
+-- operator's retention, calls it with what is left of its batch after the
+-- lease semaphores' history): deletes finished permits that ended before
+-- now - p_older_than, at most p_batch, and returns how many. Read through
+-- the log's BRIN index (acquired_at, which precedes ended_at), skipping
+-- rows another prune is deleting, so two prunes never wait for each other.
+-- The arguments were checked by the caller; granted to nobody.
+CREATE FUNCTION pgsemaphore.prune_advisory_claims(p_older_than interval, p_batch integer)
 RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
+LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_count    bigint;
-    v_advisory bigint;
-    v_cutoff   timestamptz;
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_count  bigint;
 BEGIN
-    PERFORM pgsemaphore.checked_interval(p_older_than, 'p_older_than', interval '0', interval '100 years');
-    IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
-        PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
-    END IF;
-    v_count := pgsemaphore.prune_unchecked(p_older_than, p_batch);
-    IF v_count < p_batch THEN
-        v_cutoff := clock_timestamp() - p_older_than;
-        DELETE FROM pgsemaphore.advisory_claims c
-         WHERE c.ctid = ANY (ARRAY(
-                SELECT d.ctid
-                  FROM pgsemaphore.advisory_claims d
-                 WHERE d.acquired_at < v_cutoff AND d.ended_at < v_cutoff
-                 LIMIT p_batch - v_count
-                   FOR UPDATE SKIP LOCKED));
-        GET DIAGNOSTICS v_advisory = ROW_COUNT;
-        v_count := v_count + v_advisory;
-    END IF;
+    DELETE FROM pgsemaphore.advisory_claims c
+     WHERE c.ctid = ANY (ARRAY(
+            SELECT d.ctid
+              FROM pgsemaphore.advisory_claims d
+             WHERE d.acquired_at < v_cutoff AND d.ended_at < v_cutoff
+             LIMIT p_batch
+               FOR UPDATE SKIP LOCKED));
+    GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END;
 $$;

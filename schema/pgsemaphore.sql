@@ -2828,10 +2828,14 @@ CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) RETURN
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+-- Retention: deletes finished claims of lease semaphores that ended before
+-- now - p_older_than (see pgsemaphore.prune_unchecked), then, with what is
+-- left of the batch, finished permits of advisory semaphores
+-- (pgsemaphore.prune_advisory_claims, version 3): at most p_batch rows in
+-- all per call; a caller repeats it until it returns less than p_batch.
+--   p_older_than 0..100 years; p_batch 1..1000000
 DECLARE
-    v_count    bigint;
-    v_advisory bigint;
-    v_cutoff   timestamptz;
+    v_count bigint;
 BEGIN
     PERFORM pgsemaphore.checked_interval(p_older_than, 'p_older_than', interval '0', interval '100 years');
     IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
@@ -2839,17 +2843,32 @@ BEGIN
     END IF;
     v_count := pgsemaphore.prune_unchecked(p_older_than, p_batch);
     IF v_count < p_batch THEN
-        v_cutoff := clock_timestamp() - p_older_than;
-        DELETE FROM pgsemaphore.advisory_claims c
-         WHERE c.ctid = ANY (ARRAY(
-                SELECT d.ctid
-                  FROM pgsemaphore.advisory_claims d
-                 WHERE d.acquired_at < v_cutoff AND d.ended_at < v_cutoff
-                 LIMIT p_batch - v_count
-                   FOR UPDATE SKIP LOCKED));
-        GET DIAGNOSTICS v_advisory = ROW_COUNT;
-        v_count := v_count + v_advisory;
+        v_count := v_count + pgsemaphore.prune_advisory_claims(p_older_than, (p_batch - v_count)::integer);
     END IF;
+    RETURN v_count;
+END;
+$$;
+
+
+--
+-- Name: prune_advisory_claims(interval, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.prune_advisory_claims(p_older_than interval, p_batch integer) RETURNS bigint
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_count  bigint;
+BEGIN
+    DELETE FROM pgsemaphore.advisory_claims c
+     WHERE c.ctid = ANY (ARRAY(
+            SELECT d.ctid
+              FROM pgsemaphore.advisory_claims d
+             WHERE d.acquired_at < v_cutoff AND d.ended_at < v_cutoff
+             LIMIT p_batch
+               FOR UPDATE SKIP LOCKED));
+    GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END;
 $$;
@@ -5762,6 +5781,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.pause_rate_limit(p_kind text, p_limiter text,
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION prune_advisory_claims(p_older_than interval, p_batch integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.prune_advisory_claims(p_older_than interval, p_batch integer) FROM PUBLIC;
 
 
 --
