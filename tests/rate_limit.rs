@@ -776,6 +776,22 @@ async fn waiting_acquires_are_admitted_at_the_rate_and_never_faster() -> TestRes
     Ok(())
 }
 
+/// A pool of 4 connections named `application` on `db`, whose function
+/// calls PostgreSQL counts (`track_functions = 'all'` on the database, for
+/// sessions that start after it): [`reservations_counted`] reads them.
+async fn counted_pool(db: &support::TestDb, application: &str) -> sqlx::Result<PgPool> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
+        db.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(db.options.clone().application_name(application))
+        .await
+}
+
 /// How many times `pgsemaphore.<function>` ran in `options`' database, from the statistics of sessions that have ended (the test's
 /// database tracks function calls; a backend reports its counts at exit at
 /// the latest, and leaves `pg_stat_activity` after it has).
@@ -822,22 +838,10 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
     const WAITERS: usize = 60;
     const APPLICATION: &str = "reservation-counter";
     let db = support::migrated_db().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
-        db.name
-    )))
-    .execute(&db.pool)
-    .await?;
-    let options = db.options.clone().application_name(APPLICATION);
-    let mut pools = Vec::new();
-    for _ in 0..2 {
-        pools.push(
-            PgPoolOptions::new()
-                .max_connections(4)
-                .connect_with(options.clone())
-                .await?,
-        );
-    }
+    let pools = vec![
+        counted_pool(&db, APPLICATION).await?,
+        counted_pool(&db, APPLICATION).await?,
+    ];
     // 100 per second, a burst of 30: the second 30 queue for about 0.3 s.
     let tasks: Vec<_> = (0..WAITERS)
         .map(|i| {
@@ -1079,22 +1083,10 @@ async fn each_waiting_window_acquire_costs_one_reservation() -> TestResult {
     const WAITERS: usize = 60;
     const APPLICATION: &str = "window-reservation-counter";
     let db = support::migrated_db().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
-        db.name
-    )))
-    .execute(&db.pool)
-    .await?;
-    let options = db.options.clone().application_name(APPLICATION);
-    let mut pools = Vec::new();
-    for _ in 0..2 {
-        pools.push(
-            PgPoolOptions::new()
-                .max_connections(4)
-                .connect_with(options.clone())
-                .await?,
-        );
-    }
+    let pools = vec![
+        counted_pool(&db, APPLICATION).await?,
+        counted_pool(&db, APPLICATION).await?,
+    ];
     // 30 per 300 ms: half of the waiters of each kind queue for the next window.
     let tasks: Vec<_> = (0..2 * WAITERS)
         .map(|i| {
@@ -1294,17 +1286,7 @@ async fn a_queue_deeper_than_a_reservation_costs_at_most_two_per_admission() -> 
     const WAITERS: usize = 40;
     const APPLICATION: &str = "deep-queue-counter";
     let db = support::migrated_db().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"ALTER DATABASE "{}" SET track_functions = 'all'"#,
-        db.name
-    )))
-    .execute(&db.pool)
-    .await?;
-    let options = db.options.clone().application_name(APPLICATION);
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await?;
+    let pool = counted_pool(&db, APPLICATION).await?;
     let bucket = TokenBucket::builder("deep-bucket")
         .rate(50.0)
         .burst(5)
