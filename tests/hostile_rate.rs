@@ -19,67 +19,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pg_semaphore::{Error, FixedWindow, LimiterSet, SlidingWindow, TokenBucket};
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, PgPool};
 use support::TestResult;
-
-const PASSWORD: &str = "hostile-rate-pw";
+use support::roles::Roles;
 
 /// The advisory key space of the rate limiters' key locks (the migration's
 /// header documents it).
 const RATE_LOCK_SPACE: i32 = 1_885_828_967;
-
-/// The application's role (the README's grants), the operator's, and a
-/// role with no grants at all; dropped at the end.
-struct Roles {
-    admin: PgConnection,
-    app: String,
-    operator: String,
-    nobody: String,
-}
-
-impl Roles {
-    async fn create(db: &support::TestDb) -> Result<Roles, support::BoxError> {
-        let app = format!("{}_app", db.name);
-        let operator = format!("{}_op", db.name);
-        let nobody = format!("{}_nobody", db.name);
-        let mut admin = PgConnection::connect_with(&db.options).await?;
-        for role in [&app, &operator, &nobody] {
-            admin
-                .execute(AssertSqlSafe(format!(
-                    r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
-                )))
-                .await?;
-        }
-        admin
-            .execute(AssertSqlSafe(support::documented_grants(&app, &operator)))
-            .await?;
-        Ok(Roles {
-            admin,
-            app,
-            operator,
-            nobody,
-        })
-    }
-
-    async fn pool(&self, db: &support::TestDb, role: &str) -> sqlx::Result<PgPool> {
-        PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(db.options.clone().username(role).password(PASSWORD))
-            .await
-    }
-
-    async fn drop_all(mut self) -> sqlx::Result<()> {
-        for role in [&self.app, &self.operator, &self.nobody] {
-            self.admin
-                .execute(AssertSqlSafe(format!(
-                    r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
-                )))
-                .await?;
-        }
-        Ok(())
-    }
-}
 
 /// The pools a test body gets: the application's, the operator's and the
 /// role's with no grants (the attacker's), and the owner's (`db.pool`).
@@ -97,10 +43,10 @@ where
     Fut: std::future::Future<Output = TestResult>,
 {
     let db = Arc::new(support::migrated_db().await);
-    let roles = Roles::create(&db).await?;
-    let app = roles.pool(&db, &roles.app).await?;
-    let operator = roles.pool(&db, &roles.operator).await?;
-    let nobody = roles.pool(&db, &roles.nobody).await?;
+    let roles = Roles::documented(&db, &["nobody"]).await?;
+    let app = roles.pool(&db, "app").await?;
+    let operator = roles.pool(&db, "op").await?;
+    let nobody = roles.pool(&db, "nobody").await?;
     let result = body(Pools {
         db: db.clone(),
         app: app.clone(),

@@ -11,9 +11,9 @@ use std::process::Command;
 
 use pg_semaphore::{Error, MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, Semaphore};
 use sqlx::migrate::Migrator;
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 use support::TestResult;
+use support::roles::Roles;
 
 /// An application's own migrations, in a directory of their own (removed
 /// when the returned value is dropped).
@@ -380,63 +380,6 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
     assert!(message.contains("sqlx migrate run"), "{message}");
     assert_eq!(snapshot(&db.pool).await, before, "nothing written");
     Ok(())
-}
-
-const PASSWORD: &str = "least-privilege-pw";
-
-/// Login roles without superuser or DDL rights, dropped (with what they
-/// own) by [`Roles::drop_all`].
-struct Roles {
-    admin: PgConnection,
-    names: Vec<String>,
-}
-
-impl Roles {
-    async fn create(db: &support::TestDb, suffixes: &[&str]) -> Result<Roles, sqlx::Error> {
-        let mut admin = PgConnection::connect_with(&db.options).await?;
-        let mut names = Vec::new();
-        for suffix in suffixes {
-            let role = format!("{}_{suffix}", db.name);
-            admin
-                .execute(AssertSqlSafe(format!(
-                    r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
-                )))
-                .await?;
-            names.push(role);
-        }
-        Ok(Roles { admin, names })
-    }
-
-    fn name(&self, suffix: &str) -> String {
-        self.names
-            .iter()
-            .find(|n| n.ends_with(&format!("_{suffix}")))
-            .expect("a role of that suffix")
-            .clone()
-    }
-
-    async fn pool(&self, db: &support::TestDb, suffix: &str) -> sqlx::Result<PgPool> {
-        PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(
-                db.options
-                    .clone()
-                    .username(&self.name(suffix))
-                    .password(PASSWORD),
-            )
-            .await
-    }
-
-    async fn drop_all(mut self) -> sqlx::Result<()> {
-        for role in &self.names {
-            self.admin
-                .execute(AssertSqlSafe(format!(
-                    r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
-                )))
-                .await?;
-        }
-        Ok(())
-    }
 }
 
 /// The README's three roles: the owner (`CREATE` on the database) runs the

@@ -15,63 +15,11 @@ use pg_semaphore::{
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
+use support::roles::{PASSWORD, Roles};
 use support::{TestResult, live_slots, raw_claim, token};
-
-/// Two roles with the README's grants, no superuser, no DDL: the
-/// application's and the operator's; dropped with the database.
-struct Roles {
-    admin: PgConnection,
-    app: String,
-    operator: String,
-}
-
-const PASSWORD: &str = "least-privilege-pw";
 
 /// A well-formed token that is nobody's.
 const WRONG_TOKEN: &[u8] = b"not-the-holder!!";
-
-impl Roles {
-    async fn create(
-        db: &support::TestDb,
-    ) -> Result<Roles, Box<dyn std::error::Error + Send + Sync>> {
-        let app = format!("{}_app", db.name);
-        let operator = format!("{}_op", db.name);
-        let mut admin = PgConnection::connect_with(&db.options).await?;
-        for role in [&app, &operator] {
-            admin
-                .execute(AssertSqlSafe(format!(
-                    r#"CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '{PASSWORD}'"#
-                )))
-                .await?;
-        }
-        admin
-            .execute(AssertSqlSafe(support::documented_grants(&app, &operator)))
-            .await?;
-        Ok(Roles {
-            admin,
-            app,
-            operator,
-        })
-    }
-
-    async fn pool(&self, db: &support::TestDb, role: &str) -> sqlx::Result<PgPool> {
-        PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(db.options.clone().username(role).password(PASSWORD))
-            .await
-    }
-
-    async fn drop_all(mut self) -> sqlx::Result<()> {
-        for role in [&self.app, &self.operator] {
-            self.admin
-                .execute(AssertSqlSafe(format!(
-                    r#"DROP OWNED BY "{role}"; DROP ROLE "{role}""#
-                )))
-                .await?;
-        }
-        Ok(())
-    }
-}
 
 /// SQLSTATE 42501: insufficient privilege.
 fn denied<T: std::fmt::Debug>(result: Result<T, sqlx::Error>) -> bool {
@@ -84,8 +32,8 @@ fn denied<T: std::fmt::Debug>(result: Result<T, sqlx::Error>) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_role_does_everything_an_application_does() -> TestResult {
     let db = support::migrated_db().await; // migrated by the owner
-    let roles = Roles::create(&db).await?;
-    let app = roles.pool(&db, &roles.app).await?;
+    let roles = Roles::documented(&db, &[]).await?;
+    let app = roles.pool(&db, "app").await?;
 
     let result = async {
         // Really least privilege: no superuser, and no DDL.
@@ -229,9 +177,9 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> TestResult {
     let db = support::migrated_db().await;
-    let roles = Roles::create(&db).await?;
-    let app = roles.pool(&db, &roles.app).await?;
-    let operator = roles.pool(&db, &roles.operator).await?;
+    let roles = Roles::documented(&db, &[]).await?;
+    let app = roles.pool(&db, "app").await?;
+    let operator = roles.pool(&db, "op").await?;
 
     let result = async {
         let short = Semaphore::builder("operated", 1)
@@ -350,8 +298,8 @@ async fn both_roles_list_advisory_holders_and_see_what_postgres_shows_them() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_role_cannot_write_tables_operate_or_end_others_claims() -> TestResult {
     let db = support::migrated_db().await;
-    let roles = Roles::create(&db).await?;
-    let app = roles.pool(&db, &roles.app).await?;
+    let roles = Roles::documented(&db, &[]).await?;
+    let app = roles.pool(&db, "app").await?;
 
     let result = async {
         let sem = Semaphore::builder("guarded", 2).build(&app).await?;
@@ -436,12 +384,12 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hijacked_search_path_changes_nothing() -> TestResult {
     let db = support::migrated_db().await;
-    let roles = Roles::create(&db).await?;
+    let roles = Roles::documented(&db, &[]).await?;
     let mut admin = PgConnection::connect_with(&db.options).await?;
     admin
         .execute(AssertSqlSafe(format!(
             r#"CREATE SCHEMA evil AUTHORIZATION "{}""#,
-            roles.app
+            roles.name("app")
         )))
         .await?;
     let app = PgPoolOptions::new()
@@ -453,7 +401,12 @@ async fn a_hijacked_search_path_changes_nothing() -> TestResult {
                 Ok(())
             })
         })
-        .connect_with(db.options.clone().username(&roles.app).password(PASSWORD))
+        .connect_with(
+            db.options
+                .clone()
+                .username(&roles.name("app"))
+                .password(PASSWORD),
+        )
         .await?;
 
     let result = async {
@@ -512,15 +465,15 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
         return Ok(()); // skipped, with one line saying how to install it
     }
     let db = support::migrated_db().await;
-    let roles = Roles::create(&db).await?;
+    let roles = Roles::documented(&db, &[]).await?;
     let bouncer = support::pgbouncer::bouncer().await;
-    bouncer.add_user(&roles.app, PASSWORD).await?;
+    bouncer.add_user(&roles.name("app"), PASSWORD).await?;
     let app = PgPoolOptions::new()
         .max_connections(4)
         .connect_with(
             bouncer
                 .options(&db.name)
-                .username(&roles.app)
+                .username(&roles.name("app"))
                 .password(PASSWORD),
         )
         .await?;
@@ -530,7 +483,7 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
             .persistent(false)
             .fetch_one(&app)
             .await?;
-        assert_eq!(role, roles.app);
+        assert_eq!(role, roles.name("app"));
         let sem = Semaphore::builder("bounced-app", 1)
             .transaction_pooling(true)
             .lease(Duration::from_millis(900))
@@ -615,9 +568,9 @@ async fn errors_never_show_the_connection_password() -> TestResult {
 async fn app_and_operator(
     db: &support::TestDb,
 ) -> Result<(Roles, PgPool, PgPool), Box<dyn std::error::Error + Send + Sync>> {
-    let roles = Roles::create(db).await?;
-    let app = roles.pool(db, &roles.app).await?;
-    let operator = roles.pool(db, &roles.operator).await?;
+    let roles = Roles::documented(db, &[]).await?;
+    let app = roles.pool(db, "app").await?;
+    let operator = roles.pool(db, "op").await?;
     Ok((roles, app, operator))
 }
 

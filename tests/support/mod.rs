@@ -13,6 +13,7 @@ pub mod catalog;
 pub mod chaos;
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod roles;
 
 pub use testkit::{
     BoxError, TestDb, TestResult, another_pool, connect, empty_db, empty_db_with, pgbouncer, proxy,
