@@ -66,8 +66,8 @@ const OPEN_KEY: &str = "SELECT o_name, o_capacity, o_default_lease \
 /// token), each with the capacity the operator's rules give that key.
 ///
 /// [`key`](Self::key) gives the [`Semaphore`] of a key (created on first
-/// use); [`try_acquire`](Self::try_acquire), [`acquire`](Self::acquire) and
-/// [`acquire_timeout`](Self::acquire_timeout) claim on a key directly. A
+/// use); [`try_acquire`](Self::try_acquire) and [`acquire`](Self::acquire)
+/// claim on a key directly. A
 /// claim on a key costs what a claim on a named semaphore costs: the handle
 /// of each key is cached in the process, and the claim is one round trip.
 ///
