@@ -340,6 +340,35 @@ async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
 }
 
 #[tokio::test]
+async fn shared_mode_holds_in_every_scope_and_a_shared_session_lock_unlocks() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("shared-scopes");
+    // A reader holding a session lock, and a second one inside a caller's
+    // transaction: readers admit each other...
+    let reader = mutex.locking().shared().lock_session(&db.pool).await?;
+    assert!(reader.is_shared());
+    let mut tx = db.pool.begin().await?;
+    mutex.locking().shared().no_wait().lock_in(&mut tx).await?;
+    // ...and exclude a writer, in any scope.
+    assert!(matches!(
+        mutex.locking().no_wait().lock(&db.pool).await,
+        Err(Error::Locked { .. })
+    ));
+    assert!(matches!(
+        mutex.locking().no_wait().lock_session(&db.pool).await,
+        Err(Error::Locked { .. })
+    ));
+    tx.rollback().await?;
+    // A shared session lock is released as shared (an exclusive unlock
+    // would find nothing to release and report the lock lost).
+    reader.unlock().await?;
+    let writer = mutex.locking().no_wait().lock_session(&db.pool).await?;
+    assert!(!writer.is_shared());
+    writer.unlock().await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn work_commits_with_the_release_and_drop_rolls_back() -> TestResult {
     let db = support::migrated_db().await;
     create_counter(&db.pool).await?;
