@@ -100,7 +100,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let nightly = Mutex::new("nightly-report");
     let guard = nightly.lock(&pool).await?;
-    let _ = nightly.try_lock(&pool).await; // busy: counted, not an error here
+    let _ = nightly.locking().no_wait().lock(&pool).await; // busy: counted, not an error here
     guard.commit().await?;
     let limiter = TokenBucket::builder("api")
         .rate(5.0)
@@ -147,7 +147,7 @@ async fn worker(sem: Semaphore, id: u32) -> Result<(), Error> {
     let claimed = if id.is_multiple_of(3) {
         sem.try_acquire().await
     } else {
-        sem.acquire_timeout(PATIENCE).await
+        sem.claim().timeout(PATIENCE).acquire().await
     };
     match claimed {
         Ok(permit) => {

@@ -1,8 +1,8 @@
 //! A nightly job that must run exactly once, though five worker *processes*
 //! start at the same moment.
 //!
-//! Workers 1 to 3 use `try_lock` and skip the job when another process holds
-//! the lock; workers 4 and 5 wait for it with `lock_timeout`. Whoever gets the
+//! Workers 1 to 3 use `locking().no_wait()` and skip the job when another process holds
+//! the lock; workers 4 and 5 wait for it with `locking().timeout(..)`. Whoever gets the
 //! lock checks, inside the lock's transaction, whether the job already ran
 //! today, runs it if not, and records the run in that same transaction, so the
 //! record commits atomically with the release. The parent then checks that the
@@ -137,7 +137,7 @@ async fn take_turn(pool: &PgPool, id: u32, job: &str, start_at: u64) -> Result<(
             "waiting up to {} s for the lock",
             PATIENCE.as_secs()
         ));
-        match mutex.lock_timeout(pool, PATIENCE).await {
+        match mutex.locking().timeout(PATIENCE).lock(pool).await {
             Ok(guard) => guard,
             Err(Error::Timeout { .. }) => {
                 say(&format!(
@@ -149,7 +149,7 @@ async fn take_turn(pool: &PgPool, id: u32, job: &str, start_at: u64) -> Result<(
             Err(other) => return Err(other.into()),
         }
     } else {
-        match mutex.try_lock(pool).await {
+        match mutex.locking().no_wait().lock(pool).await {
             Ok(guard) => guard,
             Err(Error::Locked { .. }) => {
                 say("skipped: another process holds the lock");

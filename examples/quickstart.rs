@@ -1,7 +1,7 @@
 //! Twenty workers share a capacity-4 semaphore that guards a slow upstream.
 //!
 //! Impatient workers use `try_acquire` and answer 503 at once when every slot
-//! is taken; patient ones wait up to 5 s with `acquire_timeout`. An observer
+//! is taken; patient ones wait up to 5 s with `claim().timeout(..).acquire()`. An observer
 //! checks the database's list of holders never exceeds the capacity, and the
 //! run ends with the audit log's summary of its own time window.
 //!
@@ -27,9 +27,9 @@ const PATIENCE: Duration = Duration::from_secs(5);
 /// How a worker's request went.
 enum Served {
     AtOnce,       // try_acquire found a free slot
-    AfterWaiting, // acquire_timeout got one, possibly after waiting
+    AfterWaiting, // the timed acquire got one, possibly after waiting
     FastFail,     // try_acquire found every slot taken: 503
-    TimedOut,     // acquire_timeout gave up
+    TimedOut,     // the timed acquire gave up
 }
 
 #[tokio::main]
@@ -90,7 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("== workers");
     println!(
-        "   acquired   {:>2}  ({at_once} via try_acquire, {after_waiting} waited via acquire_timeout)",
+        "   acquired   {:>2}  ({at_once} via try_acquire, {after_waiting} waited via a timed acquire)",
         at_once + after_waiting
     );
     println!("   503s       {fast_fails:>2}  (try_acquire found no free slot)");
@@ -115,10 +115,11 @@ async fn worker(sem: Semaphore, id: u32, t0: Instant) -> Result<Served, Error> {
         // Metadata is stored with the claim in the audit log.
         sem.claim()
             .metadata(serde_json::json!({ "worker": id, "route": "/quote" }))
-            .acquire_timeout(PATIENCE)
+            .timeout(PATIENCE)
+            .acquire()
             .await
     } else {
-        sem.acquire_timeout(PATIENCE).await
+        sem.claim().timeout(PATIENCE).acquire().await
     };
     let permit = match claimed {
         Ok(permit) => permit,

@@ -353,7 +353,7 @@ struct StatusRow {
 ///
 /// # Errors
 ///
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -434,7 +434,7 @@ struct AdvisoryStatusRow {
 ///
 /// # Errors
 ///
-/// [`Error::MigrationsMissing`] (also for a schema older than version 3,
+/// [`Error::Schema`] (also for a schema older than version 3,
 /// which has no advisory semaphores), [`Error::Database`].
 ///
 /// # Cancel safety
@@ -492,7 +492,7 @@ pub async fn advisory_semaphores(pool: &PgPool) -> Result<Vec<AdvisorySemaphoreI
 ///
 /// # Errors
 ///
-/// [`Error::MigrationsMissing`], [`Error::Database`]. A claim that had
+/// [`Error::Schema`], [`Error::Database`]. A claim that had
 /// already ended, or does not exist, is an [`Ok`] outcome.
 ///
 /// # Cancel safety
@@ -543,7 +543,7 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 /// written); [`Error::SemaphoreNotFound`] when no semaphore has this name;
 /// [`Error::Stalled`] when an advisory semaphore's row stayed locked by
 /// another transaction for 2 s (nothing was changed; retry);
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -604,7 +604,7 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name, capacity or lease (nothing is
-/// written); [`Error::MigrationsMissing`], [`Error::Database`].
+/// written); [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -646,7 +646,7 @@ pub async fn configure(
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name; [`Error::SemaphoreNotFound`];
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -675,7 +675,7 @@ pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Re
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name; [`Error::SemaphoreNotFound`];
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -716,7 +716,7 @@ pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
 /// [`Error::InvalidArgument`] for a weight of 0 or above
 /// [`MAX_FAIRNESS_WEIGHT`](crate::MAX_FAIRNESS_WEIGHT), a bad name or key (nothing is written);
 /// [`Error::SemaphoreNotFound`] when no lease semaphore has this name;
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -929,7 +929,7 @@ type SettingRow = (
 ///
 /// # Errors
 ///
-/// [`Error::MigrationsMissing`] before schema version 9, [`Error::Database`].
+/// [`Error::Schema`] before schema version 9, [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -1013,7 +1013,7 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 /// permit limit of 0, a window outside
 /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW); a
 /// bucket refilled in more than 366 days: `p_burst`, from the database);
-/// [`Error::MigrationsMissing`] before schema version 9; [`Error::Stalled`]
+/// [`Error::Schema`] before schema version 9; [`Error::Stalled`]
 /// when an application's pause or a limiter's first check left in an open
 /// transaction held the limiter's settings row for 2 s (nothing stored);
 /// [`Error::Database`] (the operator's grants).
@@ -1097,7 +1097,7 @@ pub async fn set_rate_limit(
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name or key,
-/// [`Error::MigrationsMissing`], [`Error::Stalled`] (the limiter's
+/// [`Error::Schema`], [`Error::Stalled`] (the limiter's
 /// settings row held by an open transaction for 2 s), [`Error::Database`].
 ///
 /// # Cancel safety
@@ -1143,7 +1143,7 @@ fn rate_settings_stalled(error: Error, limiter: &str) -> Error {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name or key, a `duration` below 1 ms
-/// or above [`MAX_PAUSE`](crate::MAX_PAUSE); [`Error::MigrationsMissing`],
+/// or above [`MAX_PAUSE`](crate::MAX_PAUSE); [`Error::Schema`],
 /// [`Error::Stalled`] (the settings row held by an open transaction for 2
 /// s), [`Error::Database`].
 ///
@@ -1180,7 +1180,7 @@ pub async fn pause_rate_limit(
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name or key,
-/// [`Error::MigrationsMissing`], [`Error::Database`] (the operator's grants).
+/// [`Error::Schema`], [`Error::Database`] (the operator's grants).
 ///
 /// # Cancel safety
 ///

@@ -891,7 +891,7 @@ impl AuditLog {
     ///
     /// # Errors
     ///
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -908,7 +908,7 @@ impl AuditLog {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when the window ends before it starts;
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -936,7 +936,7 @@ impl AuditLog {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when the window ends before it starts;
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -984,7 +984,7 @@ impl AuditLog {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when the window ends before it starts;
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -1028,7 +1028,7 @@ impl AuditLog {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when the window ends before it starts;
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -1079,7 +1079,7 @@ impl AuditLog {
     ///
     /// [`Error::InvalidArgument`] when the window is empty or ends before it
     /// starts; [`Error::SemaphoreNotFound`] when no semaphore has this name;
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///

@@ -1,5 +1,5 @@
 //! A dedicated session's liveness, shared by the session-scoped mutex
-//! ([`Mutex::lock_session`](crate::Mutex::lock_session)) and the advisory
+//! ([`Locking::lock_session`](crate::Locking::lock_session)) and the advisory
 //! semaphore's sessions: how often a session proves it is alive by default
 //! ([`DEFAULT_SESSION_HEARTBEAT`]), the server-side dead-man switch that
 //! ends a session, freeing its advisory locks, once it goes silent, and how

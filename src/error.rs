@@ -1,6 +1,7 @@
-//! [`Error`], the one error type, with [`LostReason`] (why a permit or a
-//! session lock no longer holds) and [`WaitedFor`] (what a wait that timed
-//! out waited for); and how a database error reads, in one place:
+//! [`Error`], the one error type, with [`SchemaError`] (why pg-semaphore's
+//! schema cannot be used), [`LostReason`] (why a permit or a session lock no
+//! longer holds) and [`WaitedFor`] (what a wait that timed out waited for);
+//! and how a database error reads, in one place:
 //!
 //! - [`ours`]: an error of one of the crate's own statements, the one place
 //!   that reads "undefined table" as "migrations not applied" and a SQL
@@ -34,7 +35,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///         200
 ///     }
 ///     Err(Error::NoSlotsAvailable { .. }) => 503,
-///     Err(error @ Error::MigrationsMissing { .. }) => panic!("{error}"),
+///     Err(error @ Error::Schema(_)) => panic!("{error}"),
 ///     Err(error) => return Err(error),
 /// };
 /// # Ok(status)
@@ -64,8 +65,9 @@ pub enum Error {
         limit: u32,
     },
 
-    /// A wait gave up after its timeout: a semaphore's `acquire_timeout` or
-    /// `wait_idle_timeout`, or a mutex's `lock_timeout` (PostgreSQL's
+    /// A wait gave up after its timeout: a semaphore's acquire with
+    /// [`Claim::timeout`](crate::Claim::timeout), or a mutex's lock with
+    /// [`Locking::timeout`](crate::Locking::timeout) (PostgreSQL's
     /// `lock_timeout`, SQLSTATE 55P03). Nothing is left held or queued. A
     /// token bucket's `acquire_timeout` returns it at once, without
     /// waiting, when the database says the tokens would come too late.
@@ -77,8 +79,9 @@ pub enum Error {
         timeout: Duration,
     },
 
-    /// The mutex is held by someone else: `try_lock` and friends fail fast
-    /// with this, as `try_acquire` does with [`Error::NoSlotsAvailable`].
+    /// The mutex is held by someone else: a lock with
+    /// [`Locking::no_wait`](crate::Locking::no_wait) fails fast with this,
+    /// as `try_acquire` does with [`Error::NoSlotsAvailable`].
     #[error("{mutex} is held by someone else")]
     Locked {
         /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
@@ -103,17 +106,6 @@ pub enum Error {
         mutex: String,
         /// Why it was lost.
         reason: LostReason,
-    },
-
-    /// The database does not have pg-semaphore's schema.
-    #[error(
-        "pg-semaphore migrations not applied: run `pg_semaphore::migrate(&pool)` or \
-         `sqlx migrate run --source <pg-semaphore>/migrations --config <pg-semaphore>/migrations/sqlx.toml`"
-    )]
-    MigrationsMissing {
-        /// The database error that revealed it (undefined schema, table or function).
-        #[source]
-        source: sqlx::Error,
     },
 
     /// An argument was rejected: by the crate before anything was sent, or
@@ -186,6 +178,64 @@ pub enum Error {
         reason: LostReason,
     },
 
+    /// pg-semaphore's schema cannot be used: it is missing (the migrations
+    /// were not applied), applying it failed, or [`migrate`](crate::migrate)
+    /// found a schema it may not or cannot bring to this crate's version.
+    /// Each [`SchemaError`] says what to do; none is worth a retry.
+    #[error(transparent)]
+    Schema(#[from] SchemaError),
+
+    /// A broken internal invariant of pg-semaphore (a bug: please report
+    /// it). Never read as an outage: a fail-open handle does not admit on
+    /// it, and a waiting acquire does not retry it.
+    #[error("pg-semaphore internal error: {message}")]
+    Internal {
+        /// What was found broken.
+        message: String,
+    },
+
+    /// Any other database error (connection refused, pool timeout, an error
+    /// of the caller's own statement, ...).
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Why pg-semaphore's schema cannot be used ([`Error::Schema`]): it is
+/// missing, applying the migrations failed, or [`migrate`](crate::migrate)
+/// (or `refinery_migrate`) found a schema this role may not upgrade, that
+/// another tool must upgrade, that is too new for this crate, or that is
+/// not pg-semaphore's. Every message says what to do.
+///
+/// ```no_run
+/// use pg_semaphore::{Error, SchemaError};
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Error> {
+/// match pg_semaphore::migrate(&pool).await {
+///     Ok(()) => {}
+///     // A deployment problem: say what to do and stop.
+///     Err(Error::Schema(SchemaError::TooNew { .. })) => panic!("upgrade pg-semaphore"),
+///     Err(error) => return Err(error),
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SchemaError {
+    /// The database does not have pg-semaphore's schema: one of the crate's
+    /// own statements found no such schema, table or function (SQLSTATE
+    /// 3F000, 42P01, 42883). Any operation can return it, not only
+    /// [`migrate`](crate::migrate).
+    #[error(
+        "pg-semaphore migrations not applied: run `pg_semaphore::migrate(&pool)` or \
+         `sqlx migrate run --source <pg-semaphore>/migrations --config <pg-semaphore>/migrations/sqlx.toml`"
+    )]
+    Missing {
+        /// The database error that revealed it (undefined schema, table or function).
+        #[source]
+        source: sqlx::Error,
+    },
+
     /// Applying the migrations failed, or sqlx's migrator refused the
     /// recorded history (a migration that failed half-way, or an applied
     /// file that was modified since).
@@ -201,7 +251,7 @@ pub enum Error {
     /// the role that owns the schema (or, for a new one, a role with
     /// `CREATE` on the database) must run the migrations. Nothing was written.
     #[error("{}", not_permitted(role, owner.as_deref(), *found, *required))]
-    MigrationNotPermitted {
+    NotPermitted {
         /// The role that tried (`current_user`).
         role: String,
         /// The role that owns pg-semaphore's schema and its objects (the one
@@ -218,7 +268,7 @@ pub enum Error {
     /// refinery, or pg-semaphore's own sqlx history): that tool must apply
     /// the missing migrations. Nothing was written.
     #[error("{}", outdated(*found, *required, *history, pending))]
-    SchemaOutdated {
+    Outdated {
         /// The schema version found.
         found: i32,
         /// The schema version this crate needs.
@@ -238,7 +288,7 @@ pub enum Error {
          and needs code for schema version {compatible_from} or later; this version of the crate \
          supports schema version {supported}: upgrade pg-semaphore in this application"
     )]
-    SchemaTooNew {
+    TooNew {
         /// The schema version found.
         found: i32,
         /// The oldest schema version whose code may use that schema.
@@ -256,28 +306,27 @@ pub enum Error {
          pg-semaphore needs that schema for itself; move those objects to another schema, or drop \
          it if it is a leftover, then migrate again"
     )]
-    UnrecognizedSchema {
+    Unrecognized {
         /// How many tables, views, sequences and functions the schema holds.
         objects: i64,
     },
+}
 
-    /// A broken internal invariant of pg-semaphore (a bug: please report
-    /// it). Never read as an outage: a fail-open handle does not admit on
-    /// it, and a waiting acquire does not retry it.
-    #[error("pg-semaphore internal error: {message}")]
-    Internal {
-        /// What was found broken.
-        message: String,
-    },
+impl From<sqlx::migrate::MigrateError> for Error {
+    fn from(error: sqlx::migrate::MigrateError) -> Self {
+        Error::Schema(SchemaError::Migrate(error))
+    }
+}
 
-    /// Any other database error (connection refused, pool timeout, an error
-    /// of the caller's own statement, ...).
-    #[error(transparent)]
-    Database(#[from] sqlx::Error),
+#[cfg(feature = "refinery")]
+impl From<::refinery::Error> for Error {
+    fn from(error: ::refinery::Error) -> Self {
+        Error::Schema(SchemaError::Refinery(error))
+    }
 }
 
 /// Where the migrations that built pg-semaphore's schema are recorded
-/// ([`Error::SchemaOutdated`]).
+/// ([`SchemaError::Outdated`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MigrationHistory {
@@ -341,17 +390,13 @@ fn outdated(found: i32, required: i32, history: MigrationHistory, pending: &[Str
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum WaitedFor {
-    /// A permit of this semaphore (`acquire_timeout`, `acquire_many_timeout`).
+    /// A permit of this semaphore (an acquire with
+    /// [`Claim::timeout`](crate::Claim::timeout)).
     Permit {
         /// The semaphore's name.
         semaphore: String,
     },
-    /// This semaphore to have no holders (`wait_idle_timeout`).
-    Idle {
-        /// The semaphore's name.
-        semaphore: String,
-    },
-    /// This mutex (`lock_timeout` and friends).
+    /// This mutex (a lock with [`Locking::timeout`](crate::Locking::timeout)).
     Mutex {
         /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
         mutex: String,
@@ -372,7 +417,6 @@ impl std::fmt::Display for WaitedFor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             WaitedFor::Permit { semaphore } => write!(f, "a permit of semaphore {semaphore:?}"),
-            WaitedFor::Idle { semaphore } => write!(f, "semaphore {semaphore:?} to be idle"),
             WaitedFor::Mutex { mutex } => f.write_str(mutex),
             WaitedFor::RateLimit { limiter, key } => {
                 write!(f, "key {key:?} of rate limiter {limiter:?}")
@@ -440,7 +484,7 @@ impl Error {
     /// ```no_run
     /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
     /// use std::time::Duration;
-    /// match sem.acquire_timeout(Duration::from_secs(2)).await {
+    /// match sem.claim().timeout(Duration::from_secs(2)).acquire().await {
     ///     Ok(permit) => permit.release().await?,
     ///     Err(e) if e.is_busy() => println!("busy: try again later"),
     ///     Err(e) => return Err(e),
@@ -488,7 +532,7 @@ impl Error {
 
 /// Maps an error of one of the crate's own statements: an undefined schema,
 /// table or function (3F000, 42P01, 42883) means the migrations were not
-/// applied; 22023 raised by a function's argument check (`pgsemaphore.refuse`,
+/// applied ([`SchemaError::Missing`]); 22023 raised by a function's argument check (`pgsemaphore.refuse`,
 /// which names the argument in the error's COLUMN field) is an
 /// [`Error::InvalidArgument`]. Statements the application runs (in a mutex
 /// guard's transaction, say) never go through here.
@@ -497,7 +541,7 @@ pub(crate) fn ours(error: sqlx::Error) -> Error {
         return Error::Database(error);
     };
     match database.code().as_deref() {
-        Some("3F000" | "42P01" | "42883") => Error::MigrationsMissing { source: error },
+        Some("3F000" | "42P01" | "42883") => Error::Schema(SchemaError::Missing { source: error }),
         Some("22023") => {
             let column = database
                 .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()

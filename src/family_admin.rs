@@ -223,7 +223,7 @@ fn seconds(s: f64) -> Duration {
 ///
 /// # Errors
 ///
-/// [`Error::MigrationsMissing`](crate::Error::MigrationsMissing),
+/// [`Error::Schema`](crate::Error::Schema),
 /// [`Error::Database`](crate::Error::Database).
 ///
 /// # Cancel safety
@@ -268,7 +268,7 @@ pub async fn families(pool: &PgPool) -> Result<Vec<FamilyInfo>> {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad
-/// family name; [`Error::MigrationsMissing`](crate::Error::MigrationsMissing),
+/// family name; [`Error::Schema`](crate::Error::Schema),
 /// [`Error::Database`](crate::Error::Database). An unknown family has no
 /// keys (an empty list).
 ///
@@ -318,7 +318,7 @@ pub async fn busiest_keys(pool: &PgPool, family: &str, limit: u32) -> Result<Vec
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad
 /// name, capacity, lease or idle time (nothing is written);
 /// [`Error::FamilyNotFound`](crate::Error::FamilyNotFound);
-/// [`Error::MigrationsMissing`](crate::Error::MigrationsMissing),
+/// [`Error::Schema`](crate::Error::Schema),
 /// [`Error::Database`](crate::Error::Database).
 ///
 /// # Cancel safety
@@ -378,7 +378,7 @@ pub async fn configure_family(
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad
 /// name, key, tier or capacity (nothing is written);
 /// [`Error::FamilyNotFound`](crate::Error::FamilyNotFound);
-/// [`Error::MigrationsMissing`](crate::Error::MigrationsMissing),
+/// [`Error::Schema`](crate::Error::Schema),
 /// [`Error::Database`](crate::Error::Database).
 ///
 /// # Cancel safety
@@ -431,7 +431,7 @@ pub async fn set_family_rule(
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad
 /// name, key or tier (nothing is written);
 /// [`Error::FamilyNotFound`](crate::Error::FamilyNotFound);
-/// [`Error::MigrationsMissing`](crate::Error::MigrationsMissing),
+/// [`Error::Schema`](crate::Error::Schema),
 /// [`Error::Database`](crate::Error::Database).
 ///
 /// # Cancel safety

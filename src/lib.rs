@@ -25,7 +25,7 @@
 //!
 //! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
 //!   answer 429/503 at once.
-//! - [`Semaphore::acquire_timeout`] and [`Semaphore::acquire`] wait. Waiting
+//! - [`Semaphore::acquire`] waits (bounded by [`Claim::timeout`]). Waiting
 //!   tasks hold no pooled connection: they sleep until a release anywhere
 //!   sends a `NOTIFY` (received by one shared `LISTEN` connection per pool),
 //!   until the lease that blocks them ends, or until a slow fallback
@@ -98,13 +98,15 @@
 //!
 //! A [`Mutex`] is a PostgreSQL advisory lock, keyed exactly as sqlx's
 //! `PgAdvisoryLock` keys names. By default it is transaction-scoped
-//! ([`Mutex::lock`], [`Mutex::lock_timeout`], [`Mutex::try_lock`], shared
-//! variants): the [`MutexGuard`] owns the transaction, the protected work
-//! commits atomically with the release, and a crashed holder's lock dies with
-//! its transaction: nothing to expire, nothing to leak. `try_*` fails fast
-//! with [`Error::Locked`], a wait that exceeds its timeout returns
-//! [`Error::Timeout`], a deadlock [`Error::Deadlock`].
-//! [`Mutex::lock_session`] holds a lock across transactions on a dedicated
+//! ([`Mutex::lock`]): the [`MutexGuard`] owns the transaction, the protected
+//! work commits atomically with the release, and a crashed holder's lock
+//! dies with its transaction: nothing to expire, nothing to leak.
+//! [`Mutex::locking`] sets a lock's options ([`Locking`]): shared mode, a
+//! wait bounded by PostgreSQL's `lock_timeout` ([`Error::Timeout`]) or none
+//! at all ([`Error::Locked`] when busy), and the scope; a deadlock is
+//! [`Error::Deadlock`]. [`Locking::lock_in`] locks inside the caller's
+//! transaction, [`Locking::with_lock`] runs a closure under the lock, and
+//! [`Locking::lock_session`] holds a lock across transactions on a dedicated
 //! connection, and [`SessionGuard::lost`] tells the holder if that connection
 //! dies or stops answering; the server ends a silent session by itself
 //! (`idle_session_timeout`), and [`Mutex::idle_timeout`] bounds a
@@ -155,12 +157,13 @@
 //! | at most N callers of an upstream, across processes | [`Semaphore`] of capacity N |
 //! | the same for an HTTP service's requests | [`Semaphore`] + `SemaphoreLayer` (feature `tower`) |
 //! | one runner of database work that commits with the release | transaction-scoped [`Mutex`] |
-//! | a leader, or an hour-long job, that must not pin a transaction | [`Mutex::lock_session`] |
+//! | a leader, or an hour-long job, that must not pin a transaction | [`Locking::lock_session`] |
 //! | exclusivity without pinning a connection, with an audit trail, or behind PgBouncer | [`Semaphore`] of capacity 1 |
 //!
 //! On a crash: a mutex is freed at once (the server ends the dead
 //! transaction or session); a semaphore slot is freed when its lease expires
-//! (or an operator runs [`force_release`]). On a timeout: both return
+//! (or an operator runs [`force_release`]). On a timeout
+//! ([`Claim::timeout`], [`Locking::timeout`]): both return
 //! [`Error::Timeout`], and nothing is left held or queued.
 //!
 //! # Operating
@@ -201,9 +204,9 @@
 //! the application's own), through the application's own sqlx history (our
 //! `.sql` files copied into its `migrations/`), or with `refinery_migrate`
 //! (feature `refinery`, history in `pgsemaphore.refinery_schema_history`).
-//! A schema it cannot use is an error that says what to do
-//! ([`Error::MigrationNotPermitted`], [`Error::SchemaOutdated`],
-//! [`Error::SchemaTooNew`], ...).
+//! A schema it cannot use is an [`Error::Schema`] that says what to do
+//! ([`SchemaError::NotPermitted`], [`SchemaError::Outdated`],
+//! [`SchemaError::TooNew`], ...).
 //!
 //! # Tracing
 //!
@@ -338,7 +341,7 @@
 //!     .lease(Duration::from_secs(90))
 //!     .build(&pool)
 //!     .await?;
-//! let permit = sem.acquire_timeout(Duration::from_secs(5)).await?;
+//! let permit = sem.claim().timeout(Duration::from_secs(5)).acquire().await?;
 //! println!("holding slot {} (claim #{})", permit.slot(), permit.id());
 //! // ... call the upstream ...
 //! permit.release().await?;
@@ -390,14 +393,14 @@ pub use audit::{
     Holder, OccupancyBucket, Outcome, Report, ReportShape, SemaphoreKind, SlotBucket, Summary,
 };
 pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
-pub use error::{Error, LostReason, MigrationHistory, Result, WaitedFor};
+pub use error::{Error, LostReason, MigrationHistory, Result, SchemaError, WaitedFor};
 pub use family_admin::{
     FamilyInfo, FamilyKeyInfo, FamilyRule, RuleKind, busiest_keys, configure_family, families,
     set_family_rule, set_family_tier,
 };
 pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
-pub use mutex::{Mutex, MutexGuard, SessionGuard};
+pub use mutex::{Locking, Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
     Decision, FixedWindow, LimiterSet, RateLimiter, SlidingWindow, TokenBucket, TokenBucketBuilder,
     WindowBuilder, prune_rate_limits,

@@ -6,12 +6,12 @@
 //! | name | type | labels | what it counts |
 //! |---|---|---|---|
 //! | `pg_semaphore_permits_held` | gauge | `semaphore` | slots held by this process's permits (a permit of `acquire_many(n)` counts `n`; fail-open permits hold none) |
-//! | `pg_semaphore_waiters` | gauge | `semaphore` | waiting acquires (`acquire`, `acquire_timeout`, `acquire_many*`) in progress in this process |
+//! | `pg_semaphore_waiters` | gauge | `semaphore` | waiting acquires (`acquire`, `acquire_many`, `acquire_all`) in progress in this process |
 //! | `pg_semaphore_wait_seconds` | histogram | `semaphore` | a waiting acquire's time from its call to its permit (successful waits only) |
 //! | `pg_semaphore_hold_seconds` | histogram | `semaphore` | a permit's time from its acquisition to its release or drop |
 //! | `pg_semaphore_acquisitions_total` | counter | `semaphore` | permits granted by the database, by any acquire method |
 //! | `pg_semaphore_no_slots_available_total` | counter | `semaphore` | fail-fast refusals: `try_acquire*` returned `NoSlotsAvailable` |
-//! | `pg_semaphore_timeouts_total` | counter | `semaphore` | `acquire_timeout` / `acquire_many_timeout` gave up (`Timeout`) |
+//! | `pg_semaphore_timeouts_total` | counter | `semaphore` | acquires that gave up at their `claim().timeout(d)` (`Timeout`) |
 //! | `pg_semaphore_queue_full_total` | counter | `semaphore` | acquires refused by the fair queue's limit (`QueueFull`) |
 //! | `pg_semaphore_permits_lost_total` | counter | `semaphore`, `reason` | permits found lost when released or dropped, once per permit |
 //! | `pg_semaphore_fail_open_total` | counter | `semaphore` | fail-open admissions: unchecked permits, and requests `SemaphoreLayer` served without a permit |
@@ -21,7 +21,7 @@
 //! | `pg_semaphore_mutex_wait_seconds` | histogram | `mutex` | a waiting lock's time from its call until it was granted |
 //! | `pg_semaphore_mutex_timeouts_total` | counter | `mutex` | lock waits that gave up (`Timeout`) |
 //! | `pg_semaphore_mutex_deadlocks_total` | counter | `mutex` | lock waits PostgreSQL aborted as deadlocks (`Deadlock`) |
-//! | `pg_semaphore_mutex_busy_total` | counter | `mutex` | `try_lock*` refusals (`Locked`) |
+//! | `pg_semaphore_mutex_busy_total` | counter | `mutex` | `no_wait()` refusals (`Locked`) |
 //! | `pg_semaphore_rate_limit_decisions_total` | counter | `limiter`, `kind`, `decision` | rate limiter checks, by outcome: `allowed`, `refused`, `failed_open` |
 //!
 //! Label sets are bounded: a semaphore's or limiter's name, a mutex's

@@ -21,7 +21,7 @@
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::{PgConnection, PgPool};
 
-use crate::error::{Error, MigrationHistory, Result};
+use crate::error::{Error, MigrationHistory, Result, SchemaError};
 
 /// The PostgreSQL schema that holds every pg-semaphore object.
 ///
@@ -93,13 +93,13 @@ fn bare_migrator() -> Migrator {
 /// - **missing or older**, applied by this function or sqlx-cli (history in
 ///   [`MIGRATIONS_TABLE`]): applies the missing migrations, holding sqlx's
 ///   migration lock, if this role may (it owns the schema's objects, or may
-///   create the schema); else [`Error::MigrationNotPermitted`], naming the
+///   create the schema); else [`SchemaError::NotPermitted`], naming the
 ///   role that must run it;
 /// - **older, applied elsewhere** (the application's own history, refinery):
-///   [`Error::SchemaOutdated`], saying which migrations to apply where;
+///   [`SchemaError::Outdated`], saying which migrations to apply where;
 /// - **newer** (migrated by a later version of this crate): `Ok` if that
 ///   schema declares itself compatible with this version
-///   (`o_compatible_from <= SCHEMA_VERSION`), else [`Error::SchemaTooNew`].
+///   (`o_compatible_from <= SCHEMA_VERSION`), else [`SchemaError::TooNew`].
 ///
 /// Safe to call from many processes at once: migrations are applied under
 /// sqlx's advisory lock (the one `sqlx migrate run` takes), and the schema is
@@ -124,10 +124,10 @@ fn bare_migrator() -> Migrator {
 /// # Errors
 ///
 /// Each with a message that says what to do; none writes anything:
-/// [`Error::MigrationNotPermitted`], [`Error::SchemaOutdated`],
-/// [`Error::SchemaTooNew`], [`Error::UnrecognizedSchema`] (a `pgsemaphore`
+/// [`SchemaError::NotPermitted`], [`SchemaError::Outdated`],
+/// [`SchemaError::TooNew`], [`SchemaError::Unrecognized`] (a `pgsemaphore`
 /// schema that pg-semaphore did not create).
-/// [`Error::Migrate`] when a migration fails or an applied one was modified;
+/// [`SchemaError::Migrate`] when a migration fails or an applied one was modified;
 /// [`Error::Database`] when the database cannot be reached.
 ///
 /// # Cancel safety
@@ -366,20 +366,20 @@ impl Facts {
                     create_schema: true,
                 })
             } else {
-                Err(Error::MigrationNotPermitted {
+                Err(Error::Schema(SchemaError::NotPermitted {
                     role: self.role.clone(),
                     owner: None,
                     found: None,
                     required: SCHEMA_VERSION,
-                })
+                }))
             };
         };
 
         let Some((found, compatible_from)) = self.version else {
             if self.objects > 0 {
-                return Err(Error::UnrecognizedSchema {
+                return Err(Error::Schema(SchemaError::Unrecognized {
                     objects: self.objects,
-                });
+                }));
             }
             // An empty schema (made for the owner by an administrator, or
             // left behind): a fresh start. The baseline migration runs
@@ -390,12 +390,12 @@ impl Facts {
                     create_schema: false,
                 })
             } else {
-                Err(Error::MigrationNotPermitted {
+                Err(Error::Schema(SchemaError::NotPermitted {
                     role: self.role.clone(),
                     owner: Some(schema_owner.clone()),
                     found: None,
                     required: SCHEMA_VERSION,
-                })
+                }))
             };
         };
 
@@ -413,11 +413,11 @@ impl Facts {
                 );
                 Ok(Plan::UpToDate)
             } else {
-                Err(Error::SchemaTooNew {
+                Err(Error::Schema(SchemaError::TooNew {
                     found,
                     compatible_from,
                     supported: SCHEMA_VERSION,
-                })
+                }))
             };
         }
         if found == SCHEMA_VERSION {
@@ -437,19 +437,19 @@ impl Facts {
             (Tool::Sqlx, MigrationHistory::Sqlx) | (Tool::Refinery, MigrationHistory::Refinery)
         );
         if !ours {
-            return Err(Error::SchemaOutdated {
+            return Err(Error::Schema(SchemaError::Outdated {
                 found,
                 required: SCHEMA_VERSION,
                 history,
                 pending: pending_files(found),
-            });
+            }));
         }
         if self.may_own {
             Ok(Plan::Run {
                 create_schema: false,
             })
         } else {
-            Err(Error::MigrationNotPermitted {
+            Err(Error::Schema(SchemaError::NotPermitted {
                 role: self.role.clone(),
                 owner: Some(
                     self.objects_owner
@@ -458,7 +458,7 @@ impl Facts {
                 ),
                 found: Some(found),
                 required: SCHEMA_VERSION,
-            })
+            }))
         }
     }
 }
@@ -592,9 +592,9 @@ mod tests {
             ..fresh.clone()
         };
         match denied.plan(Tool::Sqlx) {
-            Err(Error::MigrationNotPermitted {
+            Err(Error::Schema(SchemaError::NotPermitted {
                 role, owner: None, ..
-            }) => assert_eq!(role, "app"),
+            })) => assert_eq!(role, "app"),
             other => panic!("{other:?}"),
         }
         // A schema created for the owner by an administrator, or an empty
@@ -617,7 +617,7 @@ mod tests {
         };
         assert!(matches!(
             without_create.plan(Tool::Sqlx),
-            Err(Error::MigrationNotPermitted { found: None, .. })
+            Err(Error::Schema(SchemaError::NotPermitted { found: None, .. }))
         ));
     }
 
@@ -648,7 +648,7 @@ mod tests {
         );
         let err = older(app_view()).plan(Tool::Sqlx).unwrap_err();
         assert!(
-            matches!(&err, Error::MigrationNotPermitted { role, owner: Some(owner), .. }
+            matches!(&err, Error::Schema(SchemaError::NotPermitted { role, owner: Some(owner), .. })
                 if role == "app" && owner == "owner"),
             "{err:?}"
         );
@@ -659,10 +659,10 @@ mod tests {
         assert!(
             matches!(
                 err,
-                Error::SchemaOutdated {
+                Error::Schema(SchemaError::Outdated {
                     history: MigrationHistory::Sqlx,
                     ..
-                }
+                })
             ),
             "{err:?}"
         );
@@ -674,11 +674,11 @@ mod tests {
         };
         let err = own.plan(Tool::Sqlx).unwrap_err();
         match &err {
-            Error::SchemaOutdated {
+            Error::Schema(SchemaError::Outdated {
                 history: MigrationHistory::Application,
                 pending,
                 ..
-            } => assert_eq!(pending.len(), 1),
+            }) => assert_eq!(pending.len(), 1),
             other => panic!("{other:?}"),
         }
         assert!(err.to_string().contains("your own history"), "{err}");
@@ -720,7 +720,7 @@ mod tests {
         };
         assert!(matches!(
             incompatible.plan(Tool::Sqlx),
-            Err(Error::SchemaTooNew { .. })
+            Err(Error::Schema(SchemaError::TooNew { .. }))
         ));
     }
 
@@ -735,7 +735,7 @@ mod tests {
         };
         assert!(matches!(
             foreign.plan(Tool::Sqlx),
-            Err(Error::UnrecognizedSchema { objects: 40 })
+            Err(Error::Schema(SchemaError::Unrecognized { objects: 40 }))
         ));
     }
 
@@ -747,7 +747,9 @@ mod tests {
         }
         assert!(matches!(
             modified.plan(Tool::Sqlx),
-            Err(Error::Migrate(MigrateError::VersionMismatch(_)))
+            Err(Error::Schema(SchemaError::Migrate(
+                MigrateError::VersionMismatch(_)
+            )))
         ));
         let mut dirty = app_view();
         if let History::Rows(rows) = &mut dirty.sqlx {
@@ -755,7 +757,7 @@ mod tests {
         }
         assert!(matches!(
             dirty.plan(Tool::Sqlx),
-            Err(Error::Migrate(MigrateError::Dirty(_)))
+            Err(Error::Schema(SchemaError::Migrate(MigrateError::Dirty(_))))
         ));
     }
 

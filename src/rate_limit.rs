@@ -567,7 +567,7 @@ macro_rules! common_limiter_methods {
         ///   [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) characters or contains NUL,
         ///   and for `permits` of 0 or above the limit (it could never be
         ///   granted). Nothing is sent.
-        /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+        /// - [`Error::Schema`] when [`migrate`](crate::migrate) was not run.
         /// - [`Error::Stalled`] (naming the limiter) when the key's lock was
         ///   held by another transaction for 2 s (a check left in an open
         ///   transaction, or a session holding the key's advisory lock):
@@ -604,7 +604,7 @@ macro_rules! common_limiter_methods {
         ///
         /// - [`Error::InvalidArgument`] for a bad key (as `check`) and a
         ///   `duration` below 1 ms or above [`MAX_PAUSE`](crate::MAX_PAUSE).
-        /// - [`Error::MigrationsMissing`] before schema version 9;
+        /// - [`Error::Schema`] before schema version 9;
         ///   [`Error::Database`] otherwise (a pause never fails open).
         ///
         /// # Cancel safety
@@ -731,10 +731,10 @@ macro_rules! window_limiter {
             ///   `timeout`, or when the key's lock stayed held
             ///   ([`Error::Stalled`], retried) until `timeout`; nothing was
             ///   taken.
-            /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
+            /// - [`Error::InvalidArgument`], [`Error::Schema`] and
             ///   [`Error::Database`] as for [`check`](Self::check) (a schema
             #[doc = concat!("  older than version 10 has no `", $sql, "_reserve`:")]
-            ///   [`Error::MigrationsMissing`]).
+            ///   [`Error::Schema`]).
             ///
             /// # Cancel safety
             ///
@@ -1000,10 +1000,10 @@ impl TokenBucket {
     ///   when the tokens would not be there within `timeout`, or the key is
     ///   paused beyond it, or when the key's lock stayed held
     ///   ([`Error::Stalled`], retried) until `timeout`; nothing was taken.
-    /// - [`Error::InvalidArgument`], [`Error::MigrationsMissing`] and
+    /// - [`Error::InvalidArgument`], [`Error::Schema`] and
     ///   [`Error::Database`] as for [`check`](Self::check) (a schema older
     ///   than version 6 has no `token_bucket_reserve`:
-    ///   [`Error::MigrationsMissing`]).
+    ///   [`Error::Schema`]).
     ///
     /// # Cancel safety
     ///
@@ -1225,7 +1225,7 @@ impl<L: WindowLimiter> WindowBuilder<L> {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for `idle_for` above 100 years,
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///

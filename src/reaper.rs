@@ -44,7 +44,7 @@ const REAP: &str = "SELECT pgsemaphore.reap()";
 ///
 /// # Errors
 ///
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -94,7 +94,7 @@ const PRUNE_BATCH: i32 = 5_000;
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a retention above 100 years,
-/// [`Error::MigrationsMissing`], [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///

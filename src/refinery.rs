@@ -5,7 +5,7 @@ use ::refinery::error::WrapMigrationError;
 use ::refinery::{Migration, Report, Runner};
 use sqlx::postgres::PgAdvisoryLock;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SchemaError};
 use crate::migrate::{
     FACTS_SQL, Facts, History, Plan, REFINERY_HISTORY_SQL, RefineryApplied, SCHEMA,
     SQLX_HISTORY_SQL, SqlxApplied, Tool, VERSION_SQL,
@@ -79,11 +79,11 @@ pub fn refinery_runner() -> Runner {
 /// - **missing or older**, applied by refinery (history in
 ///   [`REFINERY_TABLE`]): creates the `pgsemaphore` schema if needed, then
 ///   runs [`refinery_runner`], if this role may; else
-///   [`Error::MigrationNotPermitted`](crate::Error::MigrationNotPermitted);
+///   [`SchemaError::NotPermitted`](crate::SchemaError::NotPermitted);
 /// - **older, applied by another tool**:
-///   [`Error::SchemaOutdated`](crate::Error::SchemaOutdated), saying which;
+///   [`SchemaError::Outdated`](crate::SchemaError::Outdated), saying which;
 /// - **newer**: an empty report if that schema declares itself compatible
-///   with this version, else [`Error::SchemaTooNew`](crate::Error::SchemaTooNew).
+///   with this version, else [`SchemaError::TooNew`](crate::SchemaError::TooNew).
 ///
 /// Safe to call from many processes at start-up at once: migrations run
 /// under a session-level advisory lock of its own (refinery takes none), and
@@ -104,7 +104,7 @@ pub fn refinery_runner() -> Runner {
 /// # Errors
 ///
 /// Those of [`migrate`](crate::migrate) about the schema's state (none
-/// writes anything); [`Error::Refinery`](crate::Error::Refinery) when
+/// writes anything); [`SchemaError::Refinery`](crate::SchemaError::Refinery) when
 /// refinery fails (a statement refused, or the recorded history does not
 /// match these migrations), and for
 /// the statements that examine the schema (as refinery's own connection
@@ -149,13 +149,13 @@ pub async fn refinery_migrate(client: &mut tokio_postgres::Client) -> Result<Rep
 }
 
 /// A tokio-postgres error, as refinery reports its own
-/// ([`Error::Refinery`], kind `Connection`).
+/// ([`SchemaError::Refinery`], kind `Connection`).
 fn database(error: tokio_postgres::Error) -> Error {
-    Error::Refinery(
+    Error::Schema(SchemaError::Refinery(
         Err::<(), _>(error)
             .migration_err("examining pg-semaphore's schema", None)
             .expect_err("an error stays an error"),
-    )
+    ))
 }
 
 /// Reads the schema's [`Facts`] on a tokio-postgres client.

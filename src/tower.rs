@@ -264,7 +264,7 @@ async fn acquire(
     match wait {
         None => claim.try_acquire().await,
         // An outage is answered at once (503, or fail-open), not waited out.
-        Some(timeout) => claim.fail_on_outage().acquire_timeout(timeout).await,
+        Some(timeout) => claim.fail_on_outage().timeout(timeout).acquire().await,
     }
 }
 

@@ -91,7 +91,9 @@ async fn the_hard_limit_holds_across_processes() -> TestResult {
                 let mut admitted = 0;
                 for round in 0..60 {
                     let permit = if round % 3 == 0 {
-                        sem.acquire_timeout(Duration::from_secs(20)).await?
+                        tokio::time::timeout(Duration::from_secs(20), sem.acquire())
+                            .await
+                            .expect("admitted in time")?
                     } else {
                         match sem.try_acquire().await {
                             Ok(permit) => permit,
@@ -189,7 +191,9 @@ async fn a_waiter_is_woken_by_a_release_in_any_process() -> TestResult {
         let held = sem.try_acquire().await?;
         let waiter = tokio::spawn(async move {
             let started = Instant::now();
-            let permit = waiter_sem.acquire_timeout(Duration::from_secs(20)).await?;
+            let permit = tokio::time::timeout(Duration::from_secs(20), waiter_sem.acquire())
+                .await
+                .expect("admitted in time")?;
             Ok::<_, Error>((permit, started))
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -693,7 +697,11 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
     assert_eq!(sem.available_permits().await?, 0);
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+        tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(20), sem.acquire())
+                .await
+                .expect("admitted in time")
+        })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     held.release().await?;
@@ -815,7 +823,11 @@ async fn a_claim_behind_a_table_lock_is_stalled_not_stuck() -> TestResult {
     assert!(matches!(refused, Err(Error::Stalled { .. })), "{refused:?}");
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+        tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(20), sem.acquire())
+                .await
+                .expect("admitted in time")
+        })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!waiter.is_finished());

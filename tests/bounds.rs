@@ -60,23 +60,29 @@ fn futures_are_send(
     send(&Semaphore::builder("s", 1).build(&pool));
     send(&sem.try_acquire());
     send(&sem.acquire());
-    send(&sem.acquire_timeout(second));
+    send(&sem.claim().timeout(second).acquire());
     send(&sem.try_acquire_many(2));
-    send(&sem.acquire_many_timeout(2, second));
+    send(&sem.claim().timeout(second).acquire_many(2));
     send(&sem.claim().metadata(serde_json::json!({})).acquire());
     send(&Semaphore::try_acquire_all(&[(&sem, 1)]));
     send(&Semaphore::acquire_all(&[(&sem, 1)]));
-    send(&Semaphore::acquire_all_timeout(&[(&sem, 1)], second));
-    send(&sem.wait_idle_timeout(second));
+    send(&sem.wait_idle());
     send(&sem.available_permits());
     send(&sem.queue_len());
     send(&permit.lost());
     send(&permit.fence(&mut tx));
     send(&mutex.lock(&pool));
-    send(&mutex.lock_timeout(&pool, second));
-    send(&mutex.try_lock(&pool));
-    send(&mutex.lock_session(&pool));
-    send(&mutex.try_lock_in(&mut tx));
+    send(&mutex.locking().timeout(second).lock(&pool));
+    send(&mutex.locking().no_wait().lock(&pool));
+    send(&mutex.locking().lock_session(&pool));
+    send(&mutex.locking().shared().no_wait().lock_session(&pool));
+    send(&mutex.locking().no_wait().lock_in(&mut tx));
+    send(&mutex.locking().with_lock(&pool, |conn| {
+        Box::pin(async move {
+            sqlx::query("SELECT 1").execute(conn).await?;
+            Ok::<_, pg_semaphore::Error>(())
+        })
+    }));
     spawnable(&session.lost());
     unpin(&Box::pin(session.lost()));
     send(&session.unlock());
@@ -108,7 +114,6 @@ fn family_futures_are_send(family: SemaphoreFamily, pool: PgPool) {
     send(&family.key("k"));
     send(&family.try_acquire("k"));
     send(&family.acquire("k"));
-    send(&family.acquire_timeout("k", Duration::from_secs(1)));
     send(&pg_semaphore::families(&pool));
     send(&pg_semaphore::busiest_keys(&pool, "f", 10));
     send(&pg_semaphore::set_family_rule(

@@ -733,7 +733,7 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     // A waiter is woken by the capacity growing, not by a release.
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(60)).await })
+        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(60)).acquire().await })
     };
 
     let out = run(&db, &["set-capacity", "resized", "3"]).await;

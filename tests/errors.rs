@@ -140,7 +140,8 @@ async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult 
     assert!(matches!(
         sem.claim()
             .holder("")
-            .acquire_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(1))
+            .acquire()
             .await,
         Err(Error::InvalidArgument {
             argument: "holder",
@@ -174,7 +175,7 @@ async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult 
     assert_eq!(rows(&db.pool).await, (1, 0));
 
     // Enormous wait timeouts are just long waits, never a panic.
-    let permit = sem.acquire_timeout(Duration::MAX).await?;
+    let permit = sem.claim().timeout(Duration::MAX).acquire().await?;
     permit.release().await?;
     Ok(())
 }
@@ -353,7 +354,7 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
         // Zero means "do not wait", never PostgreSQL's "wait forever".
         match tokio::time::timeout(
             Duration::from_secs(30),
-            mutex.lock_timeout(&other, Duration::ZERO),
+            mutex.locking().timeout(Duration::ZERO).lock(&other),
         )
         .await
         {
@@ -361,13 +362,18 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
             other => panic!("{name:?}: expected a prompt Timeout, got {other:?}"),
         }
         assert!(
-            matches!(mutex.try_lock(&other).await, Err(Error::Locked { .. })),
+            matches!(
+                mutex.locking().no_wait().lock(&other).await,
+                Err(Error::Locked { .. })
+            ),
             "{name:?}"
         );
         held.commit().await?;
         // An enormous wait is an unbounded one, not an overflow.
         mutex
-            .lock_timeout(&other, Duration::MAX)
+            .locking()
+            .timeout(Duration::MAX)
+            .lock(&other)
             .await?
             .commit()
             .await?;
@@ -398,7 +404,8 @@ async fn metadata_with_nul_is_an_invalid_argument_and_writes_nothing() -> TestRe
             sem.claim().metadata(metadata.clone()).acquire().await,
             sem.claim()
                 .metadata(metadata.clone())
-                .acquire_timeout(Duration::from_secs(1))
+                .timeout(Duration::from_secs(1))
+                .acquire()
                 .await,
         ];
         for result in results {
@@ -458,6 +465,7 @@ async fn a_mistyped_name_in_the_callers_sql_is_a_database_error() -> TestResult 
     for (sql, code) in mistakes {
         // The closure's error type is the crate's: `?` converts sqlx's error.
         let result: Result<(), Error> = mutex
+            .locking()
             .with_lock(&db.pool, |conn| {
                 Box::pin(async move {
                     sqlx::query(sql).execute(&mut *conn).await?;
@@ -477,6 +485,12 @@ async fn a_mistyped_name_in_the_callers_sql_is_a_database_error() -> TestResult 
         guard.rollback().await?;
     }
     // The lock was released every time.
-    mutex.try_lock(&db.pool).await?.commit().await?;
+    mutex
+        .locking()
+        .no_wait()
+        .lock(&db.pool)
+        .await?
+        .commit()
+        .await?;
     Ok(())
 }

@@ -330,7 +330,8 @@ async fn waiting_acquires_of_a_key_with_one_waiter_are_served_within_two_grants(
                     .claim()
                     .holder(holder.clone())
                     .fairness_key(key)
-                    .acquire_timeout(patience)
+                    .timeout(patience)
+                    .acquire()
                     .await?;
                 // Capacity 1: only the holder of the permit writes here.
                 order.lock().unwrap().push(holder);
@@ -395,7 +396,8 @@ async fn a_fairness_key_is_one_to_max_characters_without_nul() -> TestResult {
             queued
                 .claim()
                 .fairness_key(bad)
-                .acquire_timeout(Duration::from_secs(5))
+                .timeout(Duration::from_secs(5))
+                .acquire()
                 .await,
         ] {
             match result {

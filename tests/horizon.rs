@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use pg_semaphore::{Error, HorizonHolderKind, Semaphore};
+use pg_semaphore::{Error, HorizonHolderKind, SchemaError, Semaphore};
 use support::TestResult;
 
 /// `n` transactions that each take an xid, so the horizon's age grows.
@@ -93,7 +93,7 @@ async fn a_semaphore_in_a_database_of_its_own_is_out_of_the_applications_horizon
     let mut tx = app.pool.begin().await?;
     let error = permit.fence(&mut tx).await.expect_err("no schema there");
     assert!(
-        matches!(error, Error::MigrationsMissing { .. }),
+        matches!(error, Error::Schema(SchemaError::Missing { .. })),
         "{error:?}"
     );
     tx.rollback().await?;

@@ -856,7 +856,7 @@ async fn a_claim_left_open_stalls_other_claims_for_at_most_the_bound() -> TestRe
     // A waiting acquire rides the stall out, and is served once the row is free.
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(20)).acquire().await })
     };
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(!waiter.is_finished(), "the waiter gave up on a stall");

@@ -181,7 +181,11 @@ async fn a_holder_cut_off_from_the_database_is_told_before_its_lease_ends() -> T
         .lease(lease)
         .build(&db.pool)
         .await?;
-    let next = local.acquire_timeout(Duration::from_secs(20)).await?;
+    let next = local
+        .claim()
+        .timeout(Duration::from_secs(20))
+        .acquire()
+        .await?;
     next.release().await?;
     Ok(())
 }
@@ -233,7 +237,7 @@ async fn fail_open_admits_unchecked_when_the_database_is_unreachable() -> TestRe
         Ok(permit) => panic!("admitted without the database: {permit:?}"),
     }
     // Waiting acquires never fail open.
-    match open.acquire_timeout(Duration::from_secs(3)).await {
+    match open.claim().timeout(Duration::from_secs(3)).acquire().await {
         Err(error) => assert!(
             matches!(error, Error::Database(_) | Error::Timeout { .. }),
             "{error:?}"

@@ -140,7 +140,11 @@ async fn a_weighted_acquire_tries_before_waiting_for_the_listener() -> TestResul
         .build(&pool)
         .await?;
     let started = Instant::now();
-    let permit = sem.acquire_many_timeout(2, Duration::from_secs(2)).await?;
+    let permit = sem
+        .claim()
+        .timeout(Duration::from_secs(2))
+        .acquire_many(2)
+        .await?;
     assert!(started.elapsed() < Duration::from_secs(1));
     permit.release().await?;
     Ok(())

@@ -385,7 +385,10 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     let fills_it = full.try_acquire().await?;
     // The timed-out wait: counted, not timed as a successful wait.
     assert!(matches!(
-        full.acquire_timeout(Duration::from_millis(200)).await,
+        full.claim()
+            .timeout(Duration::from_millis(200))
+            .acquire()
+            .await,
         Err(Error::Timeout { .. })
     ));
     // The cancelled waiter leaves the waiters gauge.
@@ -549,12 +552,14 @@ async fn mutex_waits_timeouts_deadlocks_and_busy_refusals_are_counted() -> TestR
     let guard = mutex.lock(&db.pool).await?;
     assert!(matches!(
         mutex
-            .lock_timeout(&db.pool, Duration::from_millis(100))
+            .locking()
+            .timeout(Duration::from_millis(100))
+            .lock(&db.pool)
             .await,
         Err(Error::Timeout { .. })
     ));
     assert!(matches!(
-        mutex.try_lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.pool).await,
         Err(Error::Locked { .. })
     ));
     guard.commit().await?;
@@ -563,9 +568,9 @@ async fn mutex_waits_timeouts_deadlocks_and_busy_refusals_are_counted() -> TestR
     // A deadlock: two transactions each hold one lock and wait for the other.
     let (a, b) = (Mutex::new("metrics-a"), Mutex::new("metrics-b"));
     let (mut one, mut two) = (db.pool.begin().await?, db.pool.begin().await?);
-    a.lock_in(&mut one).await?;
-    b.lock_in(&mut two).await?;
-    let crossed = tokio::join!(b.lock_in(&mut one), a.lock_in(&mut two));
+    a.locking().lock_in(&mut one).await?;
+    b.locking().lock_in(&mut two).await?;
+    let crossed = tokio::join!(b.locking().lock_in(&mut one), a.locking().lock_in(&mut two));
     let deadlocks = [&crossed.0, &crossed.1]
         .iter()
         .filter(|r| matches!(r, Err(Error::Deadlock { .. })))
@@ -715,7 +720,11 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
         .build(pool)
         .await?;
     let lost = unqueued.try_acquire().await?;
-    let _ = unqueued.acquire_timeout(Duration::from_millis(10)).await; // timeout
+    let _ = unqueued
+        .claim()
+        .timeout(Duration::from_millis(10))
+        .acquire()
+        .await; // timeout
     tokio::time::sleep(Duration::from_millis(200)).await;
     let again = unqueued.acquire().await?; // a wait served (the lease ended)
     assert!(lost.release().await.is_err()); // lost
@@ -733,14 +742,18 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
 
     let mutex = Mutex::new("metrics-every");
     let guard = mutex.lock(pool).await?;
-    let _ = mutex.lock_timeout(pool, Duration::from_millis(10)).await;
-    let _ = mutex.try_lock(pool).await;
+    let _ = mutex
+        .locking()
+        .timeout(Duration::from_millis(10))
+        .lock(pool)
+        .await;
+    let _ = mutex.locking().no_wait().lock(pool).await;
     guard.commit().await?;
     let (a, b) = (Mutex::new("metrics-every-a"), Mutex::new("metrics-every-b"));
     let (mut one, mut two) = (pool.begin().await?, pool.begin().await?);
-    a.lock_in(&mut one).await?;
-    b.lock_in(&mut two).await?;
-    let _ = tokio::join!(b.lock_in(&mut one), a.lock_in(&mut two));
+    a.locking().lock_in(&mut one).await?;
+    b.locking().lock_in(&mut two).await?;
+    let _ = tokio::join!(b.locking().lock_in(&mut one), a.locking().lock_in(&mut two));
 
     let limiter = TokenBucket::builder("metrics-every")
         .rate(0.001)

@@ -9,7 +9,9 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pg_semaphore::{Error, MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, Semaphore};
+use pg_semaphore::{
+    Error, MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, SchemaError, Semaphore,
+};
 use sqlx::migrate::Migrator;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 use support::TestResult;
@@ -179,7 +181,10 @@ async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
         .build(&db.pool)
         .await
         .expect_err("no schema yet");
-    assert!(matches!(err, Error::MigrationsMissing { .. }), "{err:?}");
+    assert!(
+        matches!(err, Error::Schema(SchemaError::Missing { .. })),
+        "{err:?}"
+    );
     let message = err.to_string();
     assert!(
         message.contains("pg_semaphore::migrate(&pool)"),
@@ -190,10 +195,13 @@ async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
     let audit = pg_semaphore::AuditLog::new(&db.pool)
         .holders("unmigrated")
         .await;
-    assert!(matches!(audit, Err(Error::MigrationsMissing { .. })));
+    assert!(matches!(
+        audit,
+        Err(Error::Schema(SchemaError::Missing { .. }))
+    ));
     assert!(matches!(
         pg_semaphore::reap(&db.pool).await,
-        Err(Error::MigrationsMissing { .. })
+        Err(Error::Schema(SchemaError::Missing { .. }))
     ));
     Ok(())
 }
@@ -356,12 +364,12 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
         .await
         .expect_err("an outdated schema in the application's history");
     match &err {
-        Error::SchemaOutdated {
+        Error::Schema(SchemaError::Outdated {
             found,
             required,
             history: MigrationHistory::Application,
             pending,
-        } => {
+        }) => {
             assert_eq!((*found, *required), (SCHEMA_VERSION - 1, SCHEMA_VERSION));
             // The files after the version found: the last one.
             assert_eq!(pending, &ours[ours.len() - 1..]);
@@ -408,7 +416,7 @@ async fn migrate_under_the_application_role_needs_no_ddl_and_names_the_owner() -
             .expect_err("the application role cannot create the schema");
         println!("missing, app role: {err}");
         assert!(
-            matches!(&err, Error::MigrationNotPermitted { role, owner: None, found: None, .. } if *role == app),
+            matches!(&err, Error::Schema(SchemaError::NotPermitted { role, owner: None, found: None, .. }) if *role == app),
             "{err:?}"
         );
         assert!(err.to_string().contains("may not install it"), "{err}");
@@ -446,12 +454,12 @@ async fn migrate_under_the_application_role_needs_no_ddl_and_names_the_owner() -
             .expect_err("the application role cannot upgrade the schema");
         println!("outdated, app role: {err}");
         match &err {
-            Error::MigrationNotPermitted {
+            Error::Schema(SchemaError::NotPermitted {
                 role,
                 owner: Some(named),
                 found: Some(found),
                 required,
-            } => {
+            }) => {
                 assert_eq!((role, named), (&app, &owner));
                 assert_eq!((*found, *required), (SCHEMA_VERSION - 1, SCHEMA_VERSION));
             }
@@ -491,7 +499,7 @@ async fn installing_the_schema_needs_create_on_the_database() -> TestResult {
             .expect_err("no CREATE on the database");
         println!("empty schema, owner without CREATE on the database: {err}");
         assert!(
-            matches!(&err, Error::MigrationNotPermitted { role, found: None, .. } if *role == owner),
+            matches!(&err, Error::Schema(SchemaError::NotPermitted { role, found: None, .. }) if *role == owner),
             "{err:?}"
         );
         assert!(err.to_string().contains("CREATE on the database"), "{err}");
@@ -563,11 +571,11 @@ async fn a_schema_migrated_by_a_newer_version_is_used_only_if_compatible() -> Te
         .expect_err("an incompatible newer schema");
     println!("newer, incompatible: {err}");
     match &err {
-        Error::SchemaTooNew {
+        Error::Schema(SchemaError::TooNew {
             found,
             compatible_from,
             supported,
-        } => assert_eq!(
+        }) => assert_eq!(
             (*found, *compatible_from, *supported),
             (SCHEMA_VERSION + 2, SCHEMA_VERSION + 1, SCHEMA_VERSION)
         ),
@@ -597,7 +605,7 @@ async fn a_foreign_pgsemaphore_schema_is_left_alone() -> TestResult {
         .expect_err("somebody else's schema");
     println!("foreign: {err}");
     assert!(
-        matches!(err, Error::UnrecognizedSchema { objects: 1 }),
+        matches!(err, Error::Schema(SchemaError::Unrecognized { objects: 1 })),
         "{err:?}"
     );
     assert_eq!(snapshot(&db.pool).await, before, "nothing written");

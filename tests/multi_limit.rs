@@ -62,8 +62,11 @@ async fn one_permit_holds_and_releases_every_claim_linked_in_the_audit_log() -> 
     let db = support::migrated_db().await;
     let b = semaphore(&db.pool, "b-per-merchant", 5).await?;
     let a = semaphore(&db.pool, "a-global", 100).await?;
-    let permit =
-        Semaphore::acquire_all_timeout(&[(&b, 2), (&a, 1)], Duration::from_secs(10)).await?;
+    let permit = tokio::time::timeout(
+        Duration::from_secs(10),
+        Semaphore::acquire_all(&[(&b, 2), (&a, 1)]),
+    )
+    .await??;
     assert_eq!(permit.semaphore_names(), vec!["a-global", "b-per-merchant"]);
     assert_eq!(permit.num_permits(), 3);
     let ids = permit.ids();
@@ -348,13 +351,18 @@ async fn no_limit_is_exceeded_by_multi_limit_claims_under_concurrency() -> TestR
                 for round in 0..ROUNDS {
                     let merchant = &merchants[(p + w + round) % MERCHANTS];
                     let permit = if (w + round) % 4 == 0 {
-                        global.acquire_timeout(Duration::from_secs(60)).await?
+                        global
+                            .claim()
+                            .timeout(Duration::from_secs(60))
+                            .acquire()
+                            .await?
                     } else {
-                        Semaphore::acquire_all_timeout(
-                            &[(merchant, 1), (&global, 1)],
+                        tokio::time::timeout(
                             Duration::from_secs(60),
+                            Semaphore::acquire_all(&[(merchant, 1), (&global, 1)]),
                         )
-                        .await?
+                        .await
+                        .expect("served within 60 s")?
                     };
                     tokio::time::sleep(Duration::from_millis(5 + (w as u64 % 3) * 5)).await;
                     permit.release().await?;
@@ -431,10 +439,13 @@ async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
     let a = semaphore(&db.pool, "cancel-a", 1).await?;
     let b = semaphore(&db.pool, "cancel-b", 1).await?;
     let held = b.try_acquire().await?;
-    match Semaphore::acquire_all_timeout(&[(&a, 1), (&b, 1)], Duration::from_millis(300)).await {
-        Err(Error::Timeout { .. }) => {}
-        other => panic!("expected a timeout, got {other:?}"),
-    }
+    // A timeout around the cancel-safe future is how a multi-limit wait is bounded.
+    let timed_out = tokio::time::timeout(
+        Duration::from_millis(300),
+        Semaphore::acquire_all(&[(&a, 1), (&b, 1)]),
+    )
+    .await;
+    assert!(timed_out.is_err(), "expected a timeout, got {timed_out:?}");
     let waiter = {
         let (a, b) = (a.clone(), b.clone());
         tokio::spawn(async move { Semaphore::acquire_all(&[(&a, 1), (&b, 1)]).await })

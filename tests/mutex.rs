@@ -95,7 +95,11 @@ async fn mutual_exclusion_across_connections() -> TestResult {
                 let mut guard = if round % 2 == 0 {
                     mutex.lock(&pool).await?
                 } else {
-                    mutex.lock_timeout(&pool, Duration::from_secs(60)).await?
+                    mutex
+                        .locking()
+                        .timeout(Duration::from_secs(60))
+                        .lock(&pool)
+                        .await?
                 };
                 assert_eq!(
                     holders.fetch_add(1, Ordering::SeqCst),
@@ -136,7 +140,11 @@ async fn worker_process_entry_point() -> TestResult {
         let (pool, mutex) = (pool.clone(), mutex.clone());
         tasks.spawn(async move {
             for _ in 0..10 {
-                let mut guard = mutex.lock_timeout(&pool, Duration::from_secs(60)).await?;
+                let mut guard = mutex
+                    .locking()
+                    .timeout(Duration::from_secs(60))
+                    .lock(&pool)
+                    .await?;
                 unsafe_increment(&mut guard).await?;
                 guard.commit().await?;
             }
@@ -189,7 +197,9 @@ async fn lock_timeout_gives_up_promptly() -> TestResult {
     let other = support::another_pool(&db, 2).await;
     let started = Instant::now();
     let err = mutex
-        .lock_timeout(&other, Duration::from_millis(300))
+        .locking()
+        .timeout(Duration::from_millis(300))
+        .lock(&other)
         .await
         .expect_err("the lock is held");
     let waited = started.elapsed();
@@ -210,13 +220,15 @@ async fn lock_timeout_gives_up_promptly() -> TestResult {
     assert!(waited < Duration::from_secs(3), "not prompt: {waited:?}");
     assert!(err_is_busy(&mutex, &other).await);
     held.commit().await?;
-    assert!(mutex.try_lock(&other).await.is_ok());
+    assert!(mutex.locking().no_wait().lock(&other).await.is_ok());
     Ok(())
 }
 
 async fn err_is_busy(mutex: &Mutex, pool: &PgPool) -> bool {
     mutex
-        .lock_timeout(pool, Duration::from_millis(10))
+        .locking()
+        .timeout(Duration::from_millis(10))
+        .lock(pool)
         .await
         .is_err_and(|e| e.is_busy())
 }
@@ -225,15 +237,22 @@ async fn err_is_busy(mutex: &Mutex, pool: &PgPool) -> bool {
 async fn try_lock_is_refused_while_held_and_succeeds_when_free() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::with_key(7);
-    let first = mutex.try_lock(&db.pool).await?;
+    let first = mutex.locking().no_wait().lock(&db.pool).await?;
     assert!(matches!(
-        mutex.try_lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.pool).await,
         Err(Error::Locked { .. })
     ));
     // The pair key space is a different lock.
-    assert!(Mutex::with_key_pair(0, 7).try_lock(&db.pool).await.is_ok());
+    assert!(
+        Mutex::with_key_pair(0, 7)
+            .locking()
+            .no_wait()
+            .lock(&db.pool)
+            .await
+            .is_ok()
+    );
     first.rollback().await?;
-    assert!(mutex.try_lock(&db.pool).await.is_ok());
+    assert!(mutex.locking().no_wait().lock(&db.pool).await.is_ok());
     Ok(())
 }
 
@@ -246,7 +265,10 @@ async fn excludes_and_is_excluded_by_sqlx_advisory_locks() -> TestResult {
 
     let held_by_sqlx = sqlx_lock.acquire(db.pool.acquire().await?).await?;
     assert!(
-        matches!(mutex.try_lock(&db.pool).await, Err(Error::Locked { .. })),
+        matches!(
+            mutex.locking().no_wait().lock(&db.pool).await,
+            Err(Error::Locked { .. })
+        ),
         "sqlx holds it"
     );
     held_by_sqlx.release_now().await?;
@@ -268,38 +290,81 @@ async fn excludes_and_is_excluded_by_sqlx_advisory_locks() -> TestResult {
 async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("catalog");
-    let r1 = mutex.lock_shared(&db.pool).await?;
+    let r1 = mutex.locking().shared().lock(&db.pool).await?;
     let r2 = mutex
-        .lock_shared_timeout(&db.pool, Duration::from_secs(5))
+        .locking()
+        .shared()
+        .timeout(Duration::from_secs(5))
+        .lock(&db.pool)
         .await?;
     assert!(r1.is_shared() && r2.is_shared());
     assert!(
-        mutex.try_lock_shared(&db.pool).await.is_ok(),
+        mutex
+            .locking()
+            .shared()
+            .no_wait()
+            .lock(&db.pool)
+            .await
+            .is_ok(),
         "a third reader"
     );
     assert!(
-        matches!(mutex.try_lock(&db.pool).await, Err(Error::Locked { .. })),
+        matches!(
+            mutex.locking().no_wait().lock(&db.pool).await,
+            Err(Error::Locked { .. })
+        ),
         "no writer among readers"
     );
     assert!(matches!(
         mutex
-            .lock_timeout(&db.pool, Duration::from_millis(100))
+            .locking()
+            .timeout(Duration::from_millis(100))
+            .lock(&db.pool)
             .await,
         Err(Error::Timeout { .. })
     ));
     r1.commit().await?;
     r2.commit().await?;
 
-    let writer = mutex.try_lock(&db.pool).await?;
+    let writer = mutex.locking().no_wait().lock(&db.pool).await?;
     assert!(!writer.is_shared());
     assert!(
         matches!(
-            mutex.try_lock_shared(&db.pool).await,
+            mutex.locking().shared().no_wait().lock(&db.pool).await,
             Err(Error::Locked { .. })
         ),
         "no reader beside a writer"
     );
     writer.commit().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn shared_mode_holds_in_every_scope_and_a_shared_session_lock_unlocks() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("shared-scopes");
+    // A reader holding a session lock, and a second one inside a caller's
+    // transaction: readers admit each other...
+    let reader = mutex.locking().shared().lock_session(&db.pool).await?;
+    assert!(reader.is_shared());
+    let mut tx = db.pool.begin().await?;
+    mutex.locking().shared().no_wait().lock_in(&mut tx).await?;
+    // ...and exclude a writer, in any scope.
+    assert!(matches!(
+        mutex.locking().no_wait().lock(&db.pool).await,
+        Err(Error::Locked { .. })
+    ));
+    assert!(matches!(
+        mutex.locking().no_wait().lock_session(&db.pool).await,
+        Err(Error::Locked { .. })
+    ));
+    tx.rollback().await?;
+    // A shared session lock is released as shared (an exclusive unlock
+    // would find nothing to release and report the lock lost).
+    reader.unlock().await?;
+    let writer = mutex.locking().no_wait().lock_session(&db.pool).await?;
+    assert!(!writer.is_shared());
+    writer.unlock().await?;
     Ok(())
 }
 
@@ -320,7 +385,11 @@ async fn work_commits_with_the_release_and_drop_rolls_back() -> TestResult {
         .execute(&mut **guard.tx())
         .await?;
     drop(guard); // rolls back, and releases the lock
-    let reacquired = mutex.lock_timeout(&db.pool, Duration::from_secs(5)).await?;
+    let reacquired = mutex
+        .locking()
+        .timeout(Duration::from_secs(5))
+        .lock(&db.pool)
+        .await?;
     assert_eq!(
         counter(&db.pool).await,
         1,
@@ -337,7 +406,9 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
     let mutex = Mutex::new("closure");
 
     let n = mutex
-        .with_lock_timeout(&db.pool, Duration::from_secs(5), |conn| {
+        .locking()
+        .timeout(Duration::from_secs(5))
+        .with_lock(&db.pool, |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE counter SET n = n + 1")
                     .execute(&mut *conn)
@@ -364,6 +435,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
         }
     }
     let result: Result<(), AppError> = mutex
+        .locking()
         .with_lock(&db.pool, |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE counter SET n = 50")
@@ -376,7 +448,10 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
         .await;
     assert!(matches!(result, Err(AppError::Refused)));
     assert_eq!(counter(&db.pool).await, 1, "rolled back");
-    assert!(mutex.try_lock(&db.pool).await.is_ok(), "released");
+    assert!(
+        mutex.locking().no_wait().lock(&db.pool).await.is_ok(),
+        "released"
+    );
     Ok(())
 }
 
@@ -389,25 +464,32 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
         .execute(&mut *tx)
         .await?;
     mutex
-        .lock_in_timeout(&mut tx, Duration::from_millis(250))
+        .locking()
+        .timeout(Duration::from_millis(250))
+        .lock_in(&mut tx)
         .await?;
     let setting: String = sqlx::query_scalar("SHOW lock_timeout")
         .fetch_one(&mut *tx)
         .await?;
     assert_eq!(setting, "7s", "the caller's lock_timeout is restored");
     assert!(
-        matches!(mutex.try_lock(&db.pool).await, Err(Error::Locked { .. })),
+        matches!(
+            mutex.locking().no_wait().lock(&db.pool).await,
+            Err(Error::Locked { .. })
+        ),
         "held by the transaction"
     );
 
     let mut other = db.pool.begin().await?;
     assert!(matches!(
-        mutex.try_lock_in(&mut other).await,
+        mutex.locking().no_wait().lock_in(&mut other).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
         mutex
-            .lock_in_timeout(&mut other, Duration::from_millis(100))
+            .locking()
+            .timeout(Duration::from_millis(100))
+            .lock_in(&mut other)
             .await,
         Err(Error::Timeout { .. })
     ));
@@ -415,13 +497,13 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
 
     tx.commit().await?;
     let mut third = db.pool.begin().await?;
-    assert!(mutex.try_lock_in(&mut third).await.is_ok());
+    assert!(mutex.locking().no_wait().lock_in(&mut third).await.is_ok());
     third.rollback().await?;
 
     // A lock that had to wait (the try failed, so lock_timeout was set for
     // the wait) restores the caller's setting as well.
     let mut holder = db.pool.begin().await?;
-    mutex.try_lock_in(&mut holder).await?;
+    mutex.locking().no_wait().lock_in(&mut holder).await?;
     let spawned = std::time::Instant::now();
     let release = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -432,7 +514,9 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
         .execute(&mut *waiter)
         .await?;
     mutex
-        .lock_in_timeout(&mut waiter, Duration::from_secs(10))
+        .locking()
+        .timeout(Duration::from_secs(10))
+        .lock_in(&mut waiter)
         .await?;
     assert!(
         spawned.elapsed() >= Duration::from_millis(200),
@@ -450,7 +534,9 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
 
     // The transaction-scoped guard restores the session's own setting too.
     let mut guard = mutex
-        .lock_timeout(&db.pool, Duration::from_millis(250))
+        .locking()
+        .timeout(Duration::from_millis(250))
+        .lock(&db.pool)
         .await?;
     let setting: String = sqlx::query_scalar("SHOW lock_timeout")
         .fetch_one(&mut *guard)
@@ -469,15 +555,23 @@ async fn a_deadlock_is_reported_as_such() -> TestResult {
     let (a, b) = (Mutex::new("deadlock-a"), Mutex::new("deadlock-b"));
     let mut tx1 = db.pool.begin().await?;
     let mut tx2 = db.pool.begin().await?;
-    a.lock_in(&mut tx1).await?;
-    b.lock_in(&mut tx2).await?;
+    a.locking().lock_in(&mut tx1).await?;
+    b.locking().lock_in(&mut tx2).await?;
     let (a2, b2) = (a.clone(), b.clone());
     let first = tokio::spawn(async move {
-        let r = b2.lock_in_timeout(&mut tx1, Duration::from_secs(30)).await;
+        let r = b2
+            .locking()
+            .timeout(Duration::from_secs(30))
+            .lock_in(&mut tx1)
+            .await;
         (r, tx1)
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let second = a2.lock_in_timeout(&mut tx2, Duration::from_secs(30)).await;
+    let second = a2
+        .locking()
+        .timeout(Duration::from_secs(30))
+        .lock_in(&mut tx2)
+        .await;
     let (first, _tx1) = first.await?;
     let deadlocks = [&first, &second]
         .iter()
@@ -515,12 +609,15 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
         match i % 5 {
             0 => drop(tokio::time::timeout(cancel_after, m.lock(pool)).await),
             1 => drop(
-                tokio::time::timeout(cancel_after, m.lock_timeout(pool, Duration::from_secs(30)))
-                    .await,
+                tokio::time::timeout(
+                    cancel_after,
+                    m.locking().timeout(Duration::from_secs(30)).lock(pool),
+                )
+                .await,
             ),
-            2 => drop(tokio::time::timeout(cancel_after, m.lock_shared(pool)).await),
-            3 => drop(tokio::time::timeout(cancel_after, m.lock_session(pool)).await),
-            _ => drop(tokio::time::timeout(cancel_after, m.try_lock(pool)).await),
+            2 => drop(tokio::time::timeout(cancel_after, m.locking().shared().lock(pool)).await),
+            3 => drop(tokio::time::timeout(cancel_after, m.locking().lock_session(pool)).await),
+            _ => drop(tokio::time::timeout(cancel_after, m.locking().no_wait().lock(pool)).await),
         }
     }
 
@@ -547,7 +644,7 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
 
     // So another connection gets the lock at once.
     let other = support::another_pool(&db, 1).await;
-    let guard = mutex.try_lock(&other).await;
+    let guard = mutex.locking().no_wait().lock(&other).await;
     assert!(
         guard.is_ok(),
         "the lock was not free right after the holder released: {guard:?}"
@@ -566,38 +663,42 @@ async fn session_locks_exclude_until_unlocked() -> TestResult {
         .await?;
     let mutex = Mutex::new("leader");
     let leader = mutex
-        .lock_session_timeout(&pool, Duration::from_secs(5))
+        .locking()
+        .timeout(Duration::from_secs(5))
+        .lock_session(&pool)
         .await?;
     assert!(leader.backend_pid() > 0);
     assert!(!leader.is_lost());
     // The pool still serves other work, and the lock excludes others.
     assert!(matches!(
-        mutex.try_lock(&pool).await,
+        mutex.locking().no_wait().lock(&pool).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
-        mutex.try_lock_session(&pool).await,
+        mutex.locking().no_wait().lock_session(&pool).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
         mutex
-            .lock_session_timeout(&pool, Duration::from_millis(200))
+            .locking()
+            .timeout(Duration::from_millis(200))
+            .lock_session(&pool)
             .await,
         Err(Error::Timeout { .. })
     ));
     // It outlives transactions: still held after other work commits.
     sqlx::query("SELECT 1").execute(&pool).await?;
     assert!(matches!(
-        mutex.try_lock(&pool).await,
+        mutex.locking().no_wait().lock(&pool).await,
         Err(Error::Locked { .. })
     ));
 
     leader.unlock().await?;
-    let next = mutex.try_lock_session(&pool).await?; // free after unlock
+    let next = mutex.locking().no_wait().lock_session(&pool).await?; // free after unlock
     drop(next); // closes its connection in the background
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if mutex.try_lock(&pool).await.is_ok() {
+        if mutex.locking().no_wait().lock(&pool).await.is_ok() {
             break;
         }
         assert!(
@@ -613,7 +714,7 @@ async fn session_locks_exclude_until_unlocked() -> TestResult {
 async fn a_terminated_session_is_reported_as_lost() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("fragile-leader").heartbeat(Duration::from_millis(100));
-    let leader: SessionGuard = mutex.lock_session(&db.pool).await?;
+    let leader: SessionGuard = mutex.locking().lock_session(&db.pool).await?;
     let lost = leader.lost();
     let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(leader.backend_pid())
@@ -625,7 +726,7 @@ async fn a_terminated_session_is_reported_as_lost() -> TestResult {
         .expect("the holder was not told it lost the lock");
     assert!(leader.is_lost());
     // The lock is free for others, and unlocking says what happened.
-    assert!(mutex.try_lock(&db.pool).await.is_ok());
+    assert!(mutex.locking().no_wait().lock(&db.pool).await.is_ok());
     match leader.unlock().await {
         Err(Error::LockLost { mutex, reason }) => {
             assert_eq!(mutex, r#"mutex "fragile-leader""#);
@@ -640,7 +741,7 @@ async fn a_terminated_session_is_reported_as_lost() -> TestResult {
 async fn an_unlocked_session_guard_is_never_reported_lost() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("calm").heartbeat(Duration::from_millis(50));
-    let guard = mutex.lock_session(&db.pool).await?;
+    let guard = mutex.locking().lock_session(&db.pool).await?;
     let lost = guard.lost();
     guard.unlock().await?;
     assert!(
@@ -661,8 +762,8 @@ fn bounds(mutex: Mutex, pool: PgPool, guard: MutexGuard, session: SessionGuard) 
     send(&guard);
     send_sync(&session);
     send(&mutex.lock(&pool));
-    send(&mutex.try_lock(&pool));
-    send(&mutex.lock_session(&pool));
+    send(&mutex.locking().no_wait().lock(&pool));
+    send(&mutex.locking().lock_session(&pool));
     send(&session.lost());
     send(&guard.commit());
     send(&session.unlock());
@@ -680,7 +781,11 @@ async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
         .await?;
     for _ in 0..3 {
         assert!(matches!(
-            mutex.lock_timeout(&single, Duration::from_millis(50)).await,
+            mutex
+                .locking()
+                .timeout(Duration::from_millis(50))
+                .lock(&single)
+                .await,
             Err(Error::Timeout { .. })
         ));
         // The session's lock_timeout is untouched ...
@@ -698,7 +803,11 @@ async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
         assert_eq!(state, "idle", "the failed lock left a transaction open");
     }
     held.commit().await?;
-    let guard = mutex.lock_timeout(&single, Duration::from_secs(5)).await?;
+    let guard = mutex
+        .locking()
+        .timeout(Duration::from_secs(5))
+        .lock(&single)
+        .await?;
     guard.commit().await?;
     Ok(())
 }
@@ -743,6 +852,12 @@ async fn an_abandoned_wait_for_a_pool_connection_opens_no_connections() -> TestR
     );
     held.commit().await?;
     // The pool still works, and the lock is free.
-    mutex.try_lock(&pool).await?.commit().await?;
+    mutex
+        .locking()
+        .no_wait()
+        .lock(&pool)
+        .await?
+        .commit()
+        .await?;
     Ok(())
 }

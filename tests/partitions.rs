@@ -53,7 +53,7 @@ async fn a_partitioned_session_lock_holder_learns_within_two_heartbeats() -> Tes
     let pool = through(&proxy, 2).await?;
     let heartbeat = Duration::from_millis(200);
     let mutex = Mutex::new("partitioned-leader").heartbeat(heartbeat);
-    let leader = mutex.lock_session(&pool).await?;
+    let leader = mutex.locking().lock_session(&pool).await?;
     let lost = leader.lost();
     tokio::time::sleep(heartbeat * 2).await;
     assert!(!leader.is_lost());
@@ -87,15 +87,15 @@ async fn the_server_frees_a_partitioned_session_lock() -> TestResult {
     let proxy = Proxy::start(&db).await;
     let pool = through(&proxy, 2).await?;
     let mutex = Mutex::new("abandoned-leader").heartbeat(Duration::from_millis(200));
-    let leader = mutex.lock_session(&pool).await?;
+    let leader = mutex.locking().lock_session(&pool).await?;
     assert!(matches!(
-        mutex.try_lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.pool).await,
         Err(Error::Locked { .. })
     ));
 
     proxy.blackhole();
     let freed = within(Duration::from_secs(10), || async {
-        mutex.try_lock(&db.pool).await.is_ok()
+        mutex.locking().no_wait().lock(&db.pool).await.is_ok()
     })
     .await
     .ok_or("the server kept a partitioned session's lock for 10 s")?;
@@ -123,14 +123,14 @@ async fn a_guards_idle_timeout_frees_its_lock_behind_a_partition() -> TestResult
     proxy.blackhole();
 
     let freed = within(Duration::from_secs(10), || async {
-        bounded.try_lock(&db.pool).await.is_ok()
+        bounded.locking().no_wait().lock(&db.pool).await.is_ok()
     })
     .await
     .ok_or("the guard's lock was not freed behind the partition")?;
     assert!(freed < Duration::from_secs(4), "freed after {freed:?}");
     assert!(
         matches!(
-            unbounded.try_lock(&db.pool).await,
+            unbounded.locking().no_wait().lock(&db.pool).await,
             Err(Error::Locked { .. })
         ),
         "without idle_timeout the server keeps the lock (until its TCP keepalive gives up)"
@@ -249,7 +249,8 @@ async fn a_waiting_acquire_rides_out_an_outage() -> TestResult {
         .fallback_interval(Duration::from_millis(200))
         .build(&pool)
         .await?;
-    let waiter = tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await });
+    let waiter =
+        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await });
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // The link goes dark while the slot frees, for longer than the pool's

@@ -196,7 +196,11 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
         let (sem, holding) = (sem.clone(), holding.clone());
         tasks.spawn(async move {
             for round in 0..5u64 {
-                let permit = sem.acquire_timeout(Duration::from_secs(60)).await?;
+                let permit = sem
+                    .claim()
+                    .timeout(Duration::from_secs(60))
+                    .acquire()
+                    .await?;
                 assert!(holding.fetch_add(1, Ordering::SeqCst) < CAPACITY);
                 tokio::time::sleep(Duration::from_millis((t + round) % 4)).await;
                 holding.fetch_sub(1, Ordering::SeqCst);
@@ -253,7 +257,13 @@ async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
         .build(&pool)
         .await?;
     let held = direct.try_acquire().await?;
-    let waiter = tokio::spawn(async move { behind.acquire_timeout(Duration::from_secs(30)).await });
+    let waiter = tokio::spawn(async move {
+        behind
+            .claim()
+            .timeout(Duration::from_secs(30))
+            .acquire()
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiter.is_finished());
     // Nobody LISTENs: the waiter polls.
@@ -320,7 +330,9 @@ async fn the_extensions_work_through_the_bouncer() -> TestResult {
         let behind = behind.clone();
         async move {
             behind
-                .acquire_many_timeout(3, Duration::from_secs(30))
+                .claim()
+                .timeout(Duration::from_secs(30))
+                .acquire_many(3)
                 .await
         }
     });
@@ -362,7 +374,11 @@ async fn the_mutex_works_through_the_bouncer() -> TestResult {
     let pool = pool_through_bouncer(&db, 4).await;
     let mutex = Mutex::new("bounced");
 
-    let mut guard = mutex.lock_timeout(&pool, Duration::from_secs(5)).await?;
+    let mut guard = mutex
+        .locking()
+        .timeout(Duration::from_secs(5))
+        .lock(&pool)
+        .await?;
     sqlx::query("INSERT INTO runs VALUES ($1)")
         .bind(1)
         .persistent(false)
@@ -370,15 +386,19 @@ async fn the_mutex_works_through_the_bouncer() -> TestResult {
         .await?;
     // Held, as seen from a direct connection and through the bouncer.
     assert!(matches!(
-        mutex.try_lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.pool).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
-        mutex.try_lock(&pool).await,
+        mutex.locking().no_wait().lock(&pool).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
-        mutex.lock_timeout(&pool, Duration::from_millis(200)).await,
+        mutex
+            .locking()
+            .timeout(Duration::from_millis(200))
+            .lock(&pool)
+            .await,
         Err(Error::Timeout { .. })
     ));
     // A cancelled wait through the bouncer is cancelled on the server too.
@@ -405,6 +425,9 @@ async fn the_mutex_works_through_the_bouncer() -> TestResult {
         .fetch_one(&db.pool)
         .await?;
     assert_eq!(rows, 1, "the work committed with the release");
-    assert!(mutex.try_lock(&pool).await.is_ok(), "free after commit");
+    assert!(
+        mutex.locking().no_wait().lock(&pool).await.is_ok(),
+        "free after commit"
+    );
     Ok(())
 }

@@ -535,7 +535,10 @@ async fn fail_open_does_not_hide_missing_migrations() -> TestResult {
         .build(&db.pool)?;
     let outcome = limiter.check("k", 1).await;
     assert!(
-        matches!(outcome, Err(Error::MigrationsMissing { .. })),
+        matches!(
+            outcome,
+            Err(Error::Schema(pg_semaphore::SchemaError::Missing { .. }))
+        ),
         "{outcome:?}"
     );
     pg_semaphore::migrate(&db.pool).await?;

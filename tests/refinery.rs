@@ -9,7 +9,9 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
-use pg_semaphore::{Error, MigrationHistory, REFINERY_TABLE, SCHEMA_VERSION, Semaphore};
+use pg_semaphore::{
+    Error, MigrationHistory, REFINERY_TABLE, SCHEMA_VERSION, SchemaError, Semaphore,
+};
 use sqlx::PgPool;
 use support::TestResult;
 use support::catalog::objects;
@@ -222,10 +224,10 @@ async fn refinery_and_sqlx_each_adopt_the_schema_the_other_built() -> TestResult
     assert!(
         matches!(
             err,
-            Error::SchemaOutdated {
+            Error::Schema(SchemaError::Outdated {
                 history: MigrationHistory::Sqlx,
                 ..
-            }
+            })
         ),
         "{err:?}"
     );
@@ -244,10 +246,10 @@ async fn refinery_and_sqlx_each_adopt_the_schema_the_other_built() -> TestResult
     assert!(
         matches!(
             err,
-            Error::SchemaOutdated {
+            Error::Schema(SchemaError::Outdated {
                 history: MigrationHistory::Refinery,
                 ..
-            }
+            })
         ),
         "{err:?}"
     );

@@ -64,7 +64,9 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         assert!(sem.try_acquire().await.is_err());
         let waiter = {
             let sem = sem.clone();
-            tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await })
+            tokio::spawn(
+                async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await },
+            )
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
         held.release().await?;
@@ -117,14 +119,17 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
             .build(&app)
             .await?;
         let both = fair
-            .acquire_many_timeout(2, Duration::from_secs(30))
+            .claim()
+            .timeout(Duration::from_secs(30))
+            .acquire_many(2)
             .await?;
         let queued = {
             let fair = fair.clone();
             tokio::spawn(async move {
                 fair.claim()
                     .priority(Priority::Low)
-                    .acquire_timeout(Duration::from_secs(30))
+                    .timeout(Duration::from_secs(30))
+                    .acquire()
                     .await
             })
         };
@@ -133,18 +138,22 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         }
         both.release().await?;
         queued.await??.release().await?;
-        fair.wait_idle_timeout(Duration::from_secs(30)).await?;
+        tokio::time::timeout(Duration::from_secs(30), fair.wait_idle()).await??;
         assert_eq!(fair.queue_len().await?, 0);
 
         // Mutexes need no grants at all.
         let mutex = Mutex::new("least-privilege");
-        let guard = mutex.lock_timeout(&app, Duration::from_secs(5)).await?;
+        let guard = mutex
+            .locking()
+            .timeout(Duration::from_secs(5))
+            .lock(&app)
+            .await?;
         assert!(matches!(
-            mutex.try_lock(&app).await,
+            mutex.locking().no_wait().lock(&app).await,
             Err(Error::Locked { .. })
         ));
         guard.commit().await?;
-        mutex.lock_session(&app).await?.unlock().await?;
+        mutex.locking().lock_session(&app).await?.unlock().await?;
 
         // Rate limiters: check (insert, then update).
         let bucket = TokenBucket::builder("least-privilege")
@@ -495,7 +504,9 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
         let held = sem.try_acquire().await?;
         let waiter = {
             let sem = sem.clone();
-            tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await })
+            tokio::spawn(
+                async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await },
+            )
         };
         while sem.queue_len().await? == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -509,9 +520,13 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
         waiter.await??.release().await?;
 
         let mutex = Mutex::new("bounced-app");
-        let guard = mutex.lock_timeout(&app, Duration::from_secs(5)).await?;
+        let guard = mutex
+            .locking()
+            .timeout(Duration::from_secs(5))
+            .lock(&app)
+            .await?;
         assert!(matches!(
-            mutex.try_lock(&app).await,
+            mutex.locking().no_wait().lock(&app).await,
             Err(Error::Locked { .. })
         ));
         guard.commit().await?;
@@ -1549,7 +1564,9 @@ async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResul
         assert!(matches!(cleared, Err(Error::Stalled { .. })), "{cleared:?}");
         let waiter = {
             let sem = sem.clone();
-            tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(20)).await })
+            tokio::spawn(
+                async move { sem.claim().timeout(Duration::from_secs(20)).acquire().await },
+            )
         };
         tokio::time::sleep(Duration::from_millis(2500)).await;
         assert!(!waiter.is_finished());
@@ -1608,7 +1625,11 @@ async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
                 .map(|_| {
                     let (sem, app) = (sem.clone(), app.clone());
                     tokio::spawn(async move {
-                        let permit = sem.acquire_timeout(Duration::from_secs(20)).await?;
+                        let permit = sem
+                            .claim()
+                            .timeout(Duration::from_secs(20))
+                            .acquire()
+                            .await?;
                         let live = live_slots(&app, "gated").await?;
                         permit.release().await?;
                         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(live)

@@ -56,7 +56,11 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
         let (holding, max_seen) = (holding.clone(), max_seen.clone());
         tasks.spawn(async move {
             for round in 0..ROUNDS {
-                let permit = sem.acquire_timeout(Duration::from_secs(60)).await?;
+                let permit = sem
+                    .claim()
+                    .timeout(Duration::from_secs(60))
+                    .acquire()
+                    .await?;
                 let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
                 max_seen.fetch_max(now, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(((t * 7 + round * 3) % 5) as u64)).await;
@@ -138,7 +142,9 @@ async fn acquire_timeout_gives_up_after_the_timeout() -> TestResult {
 
     let started = Instant::now();
     let err = sem
-        .acquire_timeout(Duration::from_millis(400))
+        .claim()
+        .timeout(Duration::from_millis(400))
+        .acquire()
         .await
         .expect_err("no slot frees up");
     let waited = started.elapsed();
@@ -182,7 +188,11 @@ async fn a_release_wakes_a_waiter_in_another_process() -> TestResult {
 
     let held = holder_side.try_acquire().await?;
     let waiter = tokio::spawn(async move {
-        let permit = waiter_side.acquire_timeout(Duration::from_secs(60)).await?;
+        let permit = waiter_side
+            .claim()
+            .timeout(Duration::from_secs(60))
+            .acquire()
+            .await?;
         Ok::<_, Error>((Instant::now(), permit))
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -396,8 +406,11 @@ async fn cancelled_acquires_never_leave_a_slot_held() -> TestResult {
             0 => tokio::time::timeout(cancel_after, sem.try_acquire()).await,
             1 => tokio::time::timeout(cancel_after, sem.acquire()).await,
             _ => {
-                tokio::time::timeout(cancel_after, sem.acquire_timeout(Duration::from_secs(5)))
-                    .await
+                tokio::time::timeout(
+                    cancel_after,
+                    sem.claim().timeout(Duration::from_secs(5)).acquire(),
+                )
+                .await
             }
         };
         match attempt {
@@ -472,8 +485,13 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
         .await;
     // Building with capacity 1 again is a no-op for the row; the wait follows.
     let waiting = waiting?;
-    let waiter =
-        tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(30)).await });
+    let waiter = tokio::spawn(async move {
+        waiting
+            .claim()
+            .timeout(Duration::from_secs(30))
+            .acquire()
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!waiter.is_finished());
     pg_semaphore::set_capacity(&db.pool, "resized", 2).await?;
@@ -564,7 +582,7 @@ fn bounds() {
         send_sync(&permit);
         send(&sem.try_acquire());
         send(&sem.acquire());
-        send(&sem.acquire_timeout(Duration::from_secs(1)));
+        send(&sem.claim().timeout(Duration::from_secs(1)).acquire());
         send(&sem.claim().try_acquire());
         send(&sem.available_permits());
         send(&permit.release());
@@ -582,7 +600,7 @@ async fn a_lost_notification_is_covered_by_the_fallback_re_check() -> TestResult
     let held = sem.try_acquire().await?;
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(30)).await })
+        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!waiter.is_finished());
@@ -610,7 +628,7 @@ async fn waiters_survive_the_listen_connection_being_killed() -> TestResult {
     let held = sem.try_acquire().await?;
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.acquire_timeout(Duration::from_secs(60)).await })
+        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(60)).acquire().await })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
 

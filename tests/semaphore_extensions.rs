@@ -31,7 +31,7 @@ async fn wait_idle_wakes_when_the_last_holder_releases_and_not_before() -> TestR
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("group", 3).build(&db.pool).await?;
     // Returns at once when nobody holds a permit.
-    sem.wait_idle_timeout(PATIENCE).await?;
+    tokio::time::timeout(PATIENCE, sem.wait_idle()).await??;
 
     let first = sem.acquire().await?;
     let other = support::another_pool(&db, 2).await;
@@ -47,14 +47,16 @@ async fn wait_idle_wakes_when_the_last_holder_releases_and_not_before() -> TestR
         .fallback_interval(NO_FALLBACK)
         .build(&third)
         .await?;
-    let busy = watcher.wait_idle_timeout(Duration::from_millis(50)).await;
-    assert!(matches!(busy, Err(Error::Timeout { .. })), "{busy:?}");
+    let busy = tokio::time::timeout(Duration::from_millis(50), watcher.wait_idle()).await;
+    assert!(busy.is_err(), "{busy:?}");
 
     let last_released = Arc::new(AtomicBool::new(false));
     let waiter = tokio::spawn({
         let last_released = last_released.clone();
         async move {
-            watcher.wait_idle_timeout(PATIENCE).await?;
+            tokio::time::timeout(PATIENCE, watcher.wait_idle())
+                .await
+                .expect("idle within the patience")?;
             Ok::<_, Error>(last_released.load(Ordering::SeqCst))
         }
     });
@@ -120,7 +122,8 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
                     .metadata(
                         serde_json::json!({ "claim": format!("{t}-{round}"), "weight": weight }),
                     )
-                    .acquire_many_timeout(weight, Duration::from_secs(120))
+                    .timeout(Duration::from_secs(120))
+                    .acquire_many(weight)
                     .await?;
                 let now = held.fetch_add(weight, Ordering::SeqCst) + weight;
                 max_held.fetch_max(now, Ordering::SeqCst);
@@ -278,7 +281,8 @@ async fn a_waiting_weighted_claim_never_holds_part_of_its_slots() -> TestResult 
         .fallback_interval(NO_FALLBACK)
         .build(&other)
         .await?;
-    let waiter = tokio::spawn(async move { waiter_sem.acquire_many_timeout(3, PATIENCE).await });
+    let waiter =
+        tokio::spawn(async move { waiter_sem.claim().timeout(PATIENCE).acquire_many(3).await });
 
     first.release().await?;
     // Two slots are free now: the waiter is woken and must not take them.
@@ -384,7 +388,8 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
         low_sem
             .claim()
             .priority(Priority::Low)
-            .acquire_timeout(PATIENCE)
+            .timeout(PATIENCE)
+            .acquire()
             .await
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -428,7 +433,8 @@ async fn queued_waiters(pool: &PgPool, order: QueueOrder, indices: &[i32]) -> Te
             let permit = sem
                 .claim()
                 .holder(format!("w{i}"))
-                .acquire_timeout(PATIENCE)
+                .timeout(PATIENCE)
+                .acquire()
                 .await?;
             permit.release().await?;
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
@@ -574,12 +580,17 @@ async fn a_full_queue_refuses_new_waiters_at_once() -> TestResult {
     for n in 1..=2 {
         let waiter = sem.clone();
         waiters.push(tokio::spawn(async move {
-            waiter.acquire_timeout(PATIENCE).await
+            waiter.claim().timeout(PATIENCE).acquire().await
         }));
         assert!(queued(&sem, n).await);
     }
     // The third is refused without waiting for PATIENCE.
-    let err = sem.acquire_timeout(PATIENCE).await.expect_err("queue full");
+    let err = sem
+        .claim()
+        .timeout(PATIENCE)
+        .acquire()
+        .await
+        .expect_err("queue full");
     match &err {
         Error::QueueFull { semaphore, limit } => {
             assert_eq!(semaphore, "bounded");
@@ -595,7 +606,12 @@ async fn a_full_queue_refuses_new_waiters_at_once() -> TestResult {
     }
     // Served waiters left the queue: there is room again.
     assert_eq!(sem.queue_len().await?, 0);
-    sem.acquire_timeout(PATIENCE).await?.release().await?;
+    sem.claim()
+        .timeout(PATIENCE)
+        .acquire()
+        .await?
+        .release()
+        .await?;
     Ok(())
 }
 
@@ -614,7 +630,7 @@ async fn no_claim_jumps_a_queued_waiter() -> TestResult {
     // The head of the queue wants both slots.
     let head = tokio::spawn({
         let sem = sem.clone();
-        async move { sem.acquire_many_timeout(2, PATIENCE).await }
+        async move { sem.claim().timeout(PATIENCE).acquire_many(2).await }
     });
     assert!(queued(&sem, 1).await);
     a.release().await?;
@@ -706,7 +722,7 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
         Err(Error::NoSlotsAvailable { .. })
     ));
     // A queued acquire is served once its lease has ended, and removes it.
-    let permit = sem.acquire_timeout(PATIENCE).await?;
+    let permit = sem.claim().timeout(PATIENCE).acquire().await?;
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters WHERE id = $1")
         .bind(ghost)
         .fetch_one(&db.pool)
@@ -762,7 +778,8 @@ async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() ->
             queued
                 .claim()
                 .priority(Priority::Low)
-                .acquire_timeout(PATIENCE)
+                .timeout(PATIENCE)
+                .acquire()
                 .await
         })
     };
@@ -772,7 +789,9 @@ async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() ->
     // A high-priority weighted claim in the same process may use the reserve,
     // as the database allows: it must not wait behind the low one.
     let high = plain
-        .acquire_many_timeout(2, Duration::from_secs(10))
+        .claim()
+        .timeout(Duration::from_secs(10))
+        .acquire_many(2)
         .await?;
     assert_eq!(high.num_permits(), 2);
     high.release().await?;
@@ -787,10 +806,9 @@ fn bounds(sem: Semaphore, permit: pg_semaphore::Permit) {
     fn send<T: Send>(_: &T) {}
     fn send_sync<T: Send + Sync>(_: &T) {}
     send(&sem.wait_idle());
-    send(&sem.wait_idle_timeout(PATIENCE));
     send(&sem.acquire_many(2));
     send(&sem.try_acquire_many(2));
-    send(&sem.acquire_many_timeout(2, PATIENCE));
+    send(&sem.claim().timeout(PATIENCE).acquire_many(2));
     send(&sem.claim().priority(Priority::Low).acquire());
     send(&sem.queue_len());
     send_sync(&permit);

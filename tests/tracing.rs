@@ -90,7 +90,9 @@ async fn a_mutex_lock_timeout_is_one_event_naming_the_mutex() -> TestResult {
     let mutex = Mutex::new("nightly-report");
     let held = mutex.lock(&db.pool).await?;
     let err = mutex
-        .lock_timeout(&db.pool, Duration::from_millis(300))
+        .locking()
+        .timeout(Duration::from_millis(300))
+        .lock(&db.pool)
         .await
         .expect_err("the lock is held");
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");

@@ -7,7 +7,7 @@
 //! prints `ready`, and obeys commands on stdin, one per line:
 //!
 //! - `run <warmup ms> <window ms> <salt>`: `clients` tasks loop
-//!   `acquire_timeout` + `release` on semaphores picked at random among the
+//!   `claim().timeout(..).acquire()` + `release` on semaphores picked at random among the
 //!   shared ones; answers `result <ops> <elapsed µs> <errors> <p50 µs>
 //!   <first error>`;
 //! - `probe <seq>`: waits on the probe semaphore (held by the coordinator)
@@ -83,7 +83,14 @@ pub async fn worker(args: &[String]) -> Res<()> {
     let held = own.try_acquire().await?;
     let waiter = {
         let own = own.clone();
-        tokio::spawn(async move { own.acquire_timeout(FLEET_PATIENCE).await?.release().await })
+        tokio::spawn(async move {
+            own.claim()
+                .timeout(FLEET_PATIENCE)
+                .acquire()
+                .await?
+                .release()
+                .await
+        })
     };
     tokio::time::sleep(WAKE_SETTLE).await;
     held.release().await?;
@@ -164,7 +171,12 @@ async fn run_cycles(
         async move {
             let r = splitmix64(salt ^ ((client as u64) << 40) ^ seq);
             let sem = &semaphores[(r % FLEET_SEMAPHORES as u64) as usize];
-            sem.acquire_timeout(FLEET_PATIENCE).await?.release().await?;
+            sem.claim()
+                .timeout(FLEET_PATIENCE)
+                .acquire()
+                .await?
+                .release()
+                .await?;
             Ok(Outcome::Done)
         }
     })
@@ -185,7 +197,7 @@ async fn run_cycles(
 
 /// Waits for the probe semaphore; the wall-clock time it was granted.
 async fn probe(sem: &Semaphore) -> Res<u128> {
-    let permit = sem.acquire_timeout(FLEET_PATIENCE).await?;
+    let permit = sem.claim().timeout(FLEET_PATIENCE).acquire().await?;
     let woke = unix_nanos();
     permit.release().await?;
     Ok(woke)
@@ -382,7 +394,7 @@ pub async fn fleet_workload(ctx: &mut Ctx) -> Res<()> {
     ctx.report.print(&format!(
         "## 7. Fleet: many processes, each with its pool and its LISTEN connection\n\n\
          N worker processes (this program re-executed), {FLEET_CLIENTS} clients in all \
-         ({FLEET_CLIENTS}/N each, pool of that size per process), loop acquire_timeout + \
+         ({FLEET_CLIENTS}/N each, pool of that size per process), loop claim().timeout(..).acquire() + \
          release on {FLEET_SEMAPHORES} shared semaphores of capacity {FLEET_CAPACITY}, each \
          cycle on one at random. Every worker waited once before the measurement, so it \
          listens as a process that has waited. cycles/s: the sum over the processes, median \
@@ -461,7 +473,7 @@ async fn fleet_cell(server: &Server, s: &Settings, n: usize) -> Res<Cell> {
             let seq = probe_seq;
             probe_seq += 1;
             let measured = Instant::now() >= from;
-            let held = probe_sem.acquire_timeout(FLEET_PATIENCE).await?;
+            let held = probe_sem.claim().timeout(FLEET_PATIENCE).acquire().await?;
             fleet.send(worker, &format!("probe {seq}")).await?;
             tokio::time::sleep(WAKE_SETTLE).await;
             let t0 = unix_nanos();

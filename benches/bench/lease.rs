@@ -100,7 +100,7 @@ async fn lease_cell(server: &Server, s: &Settings) -> Res<Cell> {
         // The holder vanishes: no release, no heartbeat, nothing on drop.
         std::mem::forget(permit);
         let task = tokio::spawn(async move {
-            let permit = waiter.acquire_timeout(patience).await?;
+            let permit = waiter.claim().timeout(patience).acquire().await?;
             let served_at = Utc::now();
             permit.release().await?;
             Ok::<_, pg_semaphore::Error>(served_at)

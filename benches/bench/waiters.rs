@@ -80,8 +80,8 @@ pub async fn waiters_workload(ctx: &mut Ctx) -> Res<()> {
         .collect();
     ctx.report.print(&format!(
         "## 4. Many waiters\n\n\
-         {} tasks call acquire_timeout({} s) on one capacity-1 semaphore whose permit is held \
-         (pool of {WAITERS_POOL}). Arrival = the order the tasks called acquire_timeout; \
+         {} tasks call claim().timeout({} s).acquire() on one capacity-1 semaphore whose permit is held \
+         (pool of {WAITERS_POOL}). Arrival = the order the tasks called it; \
          served = the order acquire returned. Measured once per server.\n",
         fmt_int(n as u64),
         WAITERS_PATIENCE.as_secs()
@@ -111,7 +111,7 @@ async fn waiters_on(server: &Server, n: usize) -> Res<(Cell, Vec<Vec<String>>, T
             let (sem, arrivals, served) = (sem.clone(), arrivals.clone(), served.clone());
             tokio::spawn(async move {
                 let arrival = arrivals.fetch_add(1, Ordering::SeqCst);
-                match sem.acquire_timeout(WAITERS_PATIENCE).await {
+                match sem.claim().timeout(WAITERS_PATIENCE).acquire().await {
                     Ok(permit) => {
                         let at = Instant::now();
                         let order = served.fetch_add(1, Ordering::SeqCst);

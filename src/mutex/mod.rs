@@ -1,6 +1,6 @@
 //! The mutex: PostgreSQL advisory locks. This module is the public face
-//! ([`Mutex`]: keys and every lock method, each a short delegation, straight
-//! down); below it:
+//! ([`Mutex`]: keys and the common lock; [`Locking`]: a lock's options and
+//! scopes, each a short delegation, straight down); below it:
 //!
 //! - [`xact`]: transaction-scoped locks: their lock statement, the code that
 //!   runs it, and their [`MutexGuard`];
@@ -38,16 +38,17 @@ pub use self::xact::MutexGuard;
 /// commits or rolls back, and if the process or the connection dies, the
 /// server rolls back and frees the lock. Nothing expires, nothing leaks.
 /// For holds that must outlive a transaction, see
-/// [`lock_session`](Mutex::lock_session).
+/// [`Locking::lock_session`].
 ///
 /// Keys: [`Mutex::new`] derives the 64-bit key from a name exactly as sqlx's
 /// [`PgAdvisoryLock::new`] does, so this mutex and a `PgAdvisoryLock` on the
 /// same name exclude each other; [`Mutex::with_key`] and
 /// [`Mutex::with_key_pair`] take explicit keys.
 ///
-/// Busy and timeouts read as for a semaphore: `try_*` fails fast with
-/// [`Error::Locked`] ([`Error::is_busy`]), `*_timeout` gives up with
-/// [`Error::Timeout`], and the plain methods wait without limit.
+/// [`lock`](Mutex::lock) takes it exclusively, waiting without limit;
+/// [`locking`](Mutex::locking) sets the options: shared mode, a bounded
+/// ([`Error::Timeout`]) or fail-fast ([`Error::Locked`]) wait, the caller's
+/// transaction, a session-scoped lock, or a closure run under the lock.
 ///
 /// # Example
 ///
@@ -57,7 +58,7 @@ pub use self::xact::MutexGuard;
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let mutex = Mutex::new("nightly-report");
-/// let mut guard = mutex.lock_timeout(&pool, Duration::from_secs(5)).await?;
+/// let mut guard = mutex.locking().timeout(Duration::from_secs(5)).lock(&pool).await?;
 /// // Work done in the guard's transaction commits atomically with the release.
 /// sqlx::query("UPDATE jobs SET last_run = now() WHERE name = 'nightly-report'")
 ///     .execute(&mut *guard)
@@ -178,7 +179,10 @@ impl Mutex {
         &self.lock.label
     }
 
-    /// Takes the lock exclusively in a new transaction, waiting without limit.
+    /// Takes the lock exclusively in a new transaction, waiting without
+    /// limit: the common path. For a shared lock, a bounded or fail-fast
+    /// wait, the caller's own transaction, a session-scoped lock or a
+    /// closure run under the lock, start from [`locking`](Mutex::locking).
     ///
     /// # Errors
     ///
@@ -192,92 +196,121 @@ impl Mutex {
     /// statement on the server (once it was sent) and rolls back, so no lock
     /// is left held or queued.
     pub async fn lock(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(&self.lock, pool, Mode::Exclusive, Wait::Forever).await
+        self.locking().lock(pool).await
     }
 
-    /// Takes the lock exclusively in a new transaction, waiting up to `timeout`.
+    /// Starts a lock with options: the mode ([`shared`](Locking::shared);
+    /// exclusive by default), the wait ([`timeout`](Locking::timeout),
+    /// [`no_wait`](Locking::no_wait); without limit by default), then one of
+    /// the scopes: [`lock`](Locking::lock) (a transaction the guard owns),
+    /// [`lock_in`](Locking::lock_in) (the caller's transaction),
+    /// [`lock_session`](Locking::lock_session) (a session on a dedicated
+    /// connection), or [`with_lock`](Locking::with_lock) (a closure in the
+    /// lock's transaction).
     ///
-    /// The wait uses PostgreSQL's `lock_timeout` (set for this statement only;
-    /// the transaction's previous setting is restored once the lock is held),
-    /// so the server gives up at the deadline. Timeouts beyond PostgreSQL's
-    /// maximum (about 24.8 days) wait without limit.
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// use std::time::Duration;
+    /// use pg_semaphore::Mutex;
+    /// let mutex = Mutex::new("catalog");
+    /// // A reader, waiting up to 5 s (PostgreSQL's lock_timeout).
+    /// let reader = mutex.locking().shared().timeout(Duration::from_secs(5)).lock(&pool).await?;
+    /// // A leader: a session lock, or Error::Locked at once if someone has it.
+    /// match Mutex::new("leader").locking().no_wait().lock_session(&pool).await {
+    ///     Ok(leader) => { /* lead until leader.lost() */ }
+    ///     Err(e) if e.is_busy() => { /* someone else leads */ }
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn locking(&self) -> Locking<'_> {
+        Locking {
+            lock: &self.lock,
+            mode: Mode::Exclusive,
+            wait: Wait::Forever,
+        }
+    }
+}
+
+/// One lock's options; made by [`Mutex::locking`]. Set the mode and the
+/// wait, then await one of the scopes: [`lock`](Locking::lock),
+/// [`lock_in`](Locking::lock_in), [`lock_session`](Locking::lock_session)
+/// or [`with_lock`](Locking::with_lock).
+///
+/// Busy and timeouts read as for a semaphore: [`no_wait`](Locking::no_wait)
+/// fails fast with [`Error::Locked`] ([`Error::is_busy`]),
+/// [`timeout`](Locking::timeout) gives up with [`Error::Timeout`], and by
+/// default the lock is waited for without limit.
+#[derive(Debug, Clone, Copy)]
+#[must_use = "a lock request does nothing until one of its lock methods is awaited"]
+pub struct Locking<'a> {
+    lock: &'a Lock,
+    mode: Mode,
+    wait: Wait,
+}
+
+impl Locking<'_> {
+    /// Shared (reader) mode: any number of shared holders, or one exclusive
+    /// holder. Default: exclusive.
+    pub fn shared(mut self) -> Self {
+        self.mode = Mode::Shared;
+        self
+    }
+
+    /// Waits up to `timeout` for the lock, then gives up with
+    /// [`Error::Timeout`]. Default: no limit.
+    ///
+    /// The bound is PostgreSQL's `lock_timeout`, set for the lock statement
+    /// only (the transaction's or session's own setting is restored once
+    /// the lock is held), so the **server** gives up at the deadline: no
+    /// cancel request, no round trip, and the waiter leaves the lock's
+    /// queue at once. Prefer it to wrapping the future in
+    /// `tokio::time::timeout`, which also works (the future is
+    /// cancel-safe) but leaves the server waiting until the cancel arrives.
+    /// Timeouts beyond PostgreSQL's maximum (about 24.8 days) wait without
+    /// limit. Replaces an earlier [`no_wait`](Locking::no_wait).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.wait = Wait::Timeout(timeout);
+        self
+    }
+
+    /// Takes the lock only if nobody holds it (`pg_try_advisory_*`), else
+    /// fails at once with [`Error::Locked`]. Replaces an earlier
+    /// [`timeout`](Locking::timeout).
+    pub fn no_wait(mut self) -> Self {
+        self.wait = Wait::Try;
+        self
+    }
+
+    /// Takes the lock in a new transaction, which the [`MutexGuard`] owns:
+    /// the lock is released when that transaction commits or rolls back.
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] after `timeout` (SQLSTATE 55P03), [`Error::Deadlock`],
-    /// [`Error::Database`].
+    /// [`Error::Locked`] with [`no_wait`](Locking::no_wait) when someone
+    /// else holds it; [`Error::Timeout`] after the
+    /// [`timeout`](Locking::timeout) (SQLSTATE 55P03); [`Error::Deadlock`]
+    /// when PostgreSQL detects a deadlock (only possible when the caller
+    /// holds other locks); [`Error::Database`].
     ///
     /// # Cancel safety
     ///
-    /// Cancel-safe, as [`lock`](Mutex::lock).
-    pub async fn lock_timeout(&self, pool: &PgPool, timeout: Duration) -> Result<MutexGuard> {
-        xact::lock(&self.lock, pool, Mode::Exclusive, Wait::Timeout(timeout)).await
+    /// Cancel-safe: the wait runs in a spawned task that owns the
+    /// connection; if the caller goes away, the task cancels the waiting
+    /// statement on the server (once it was sent) and rolls back, so no lock
+    /// is left held or queued.
+    pub async fn lock(self, pool: &PgPool) -> Result<MutexGuard> {
+        xact::lock(self.lock, pool, self.mode, self.wait).await
     }
 
-    /// Takes the lock exclusively if nobody holds it.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Locked`] when someone else holds it, [`Error::Database`].
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`lock`](Mutex::lock).
-    pub async fn try_lock(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(&self.lock, pool, Mode::Exclusive, Wait::Try).await
-    }
-
-    /// Takes the lock in shared (reader) mode, waiting without limit: any
-    /// number of shared holders, or one exclusive holder.
-    ///
-    /// # Errors
-    ///
-    /// As [`lock`](Mutex::lock).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`lock`](Mutex::lock).
-    pub async fn lock_shared(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(&self.lock, pool, Mode::Shared, Wait::Forever).await
-    }
-
-    /// Takes the lock in shared mode, waiting up to `timeout`.
-    ///
-    /// # Errors
-    ///
-    /// As [`lock_timeout`](Mutex::lock_timeout).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`lock`](Mutex::lock).
-    pub async fn lock_shared_timeout(
-        &self,
-        pool: &PgPool,
-        timeout: Duration,
-    ) -> Result<MutexGuard> {
-        xact::lock(&self.lock, pool, Mode::Shared, Wait::Timeout(timeout)).await
-    }
-
-    /// Takes the lock in shared mode unless an exclusive holder has it.
-    ///
-    /// # Errors
-    ///
-    /// As [`try_lock`](Mutex::try_lock).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`lock`](Mutex::lock).
-    pub async fn try_lock_shared(&self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(&self.lock, pool, Mode::Shared, Wait::Try).await
-    }
-
-    /// Takes the lock exclusively inside a transaction the caller already
-    /// has, waiting without limit; it is released when that transaction ends.
+    /// Takes the lock inside a transaction the caller already has; it is
+    /// released when that transaction ends.
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut tx = pool.begin().await?;
-    /// pg_semaphore::Mutex::new("ledger").lock_in(&mut tx).await?;
+    /// pg_semaphore::Mutex::new("ledger").locking().lock_in(&mut tx).await?;
     /// sqlx::query("INSERT INTO ledger (amount) VALUES (10)").execute(&mut *tx).await?;
     /// tx.commit().await?; // releases the lock
     /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -286,58 +319,27 @@ impl Mutex {
     ///
     /// # Errors
     ///
-    /// As [`lock`](Mutex::lock). After an error the transaction is aborted:
-    /// roll it back.
+    /// As [`lock`](Locking::lock). After an error the transaction is
+    /// aborted: roll it back.
     ///
     /// # Cancel safety
     ///
     /// The statement runs on the caller's connection: if the future is
     /// dropped mid-wait, roll the transaction back (dropping it does), which
     /// also releases the lock if it was granted.
-    pub async fn lock_in(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
-        xact::lock_in(&self.lock, tx, Wait::Forever).await
+    pub async fn lock_in(self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
+        xact::lock_in(self.lock, tx, self.mode, self.wait).await
     }
 
-    /// As [`lock_in`](Mutex::lock_in), waiting up to `timeout`.
-    ///
-    /// # Errors
-    ///
-    /// As [`lock_timeout`](Mutex::lock_timeout). After an error the
-    /// transaction is aborted: roll it back.
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`lock_in`](Mutex::lock_in).
-    pub async fn lock_in_timeout(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        timeout: Duration,
-    ) -> Result<()> {
-        xact::lock_in(&self.lock, tx, Wait::Timeout(timeout)).await
-    }
-
-    /// Takes the lock exclusively inside the caller's transaction if nobody
-    /// holds it.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Locked`] when someone else holds it, [`Error::Database`].
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`lock_in`](Mutex::lock_in).
-    pub async fn try_lock_in(&self, tx: &mut Transaction<'_, Postgres>) -> Result<()> {
-        xact::lock_in(&self.lock, tx, Wait::Try).await
-    }
-
-    /// Runs `work` under the exclusive lock, in the lock's transaction:
-    /// commits (releasing the lock) when it returns `Ok`, rolls back when it
-    /// returns `Err`. Waits for the lock without limit.
+    /// Runs `work` under the lock, in the lock's transaction: commits
+    /// (releasing the lock) when it returns `Ok`, rolls back when it returns
+    /// `Err`.
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
     /// use pg_semaphore::Mutex;
     /// let rows = Mutex::new("rebuild-index")
+    ///     .locking()
     ///     .with_lock(&pool, |conn| {
     ///         Box::pin(async move {
     ///             let done = sqlx::query("DELETE FROM search_queue").execute(conn).await?;
@@ -351,14 +353,15 @@ impl Mutex {
     ///
     /// # Errors
     ///
-    /// What `work` returns, or the lock's errors ([`Error::Deadlock`],
-    /// [`Error::Database`]) and a failed commit, converted with `From<Error>`.
+    /// What `work` returns, or the lock's errors (as
+    /// [`lock`](Locking::lock)) and a failed commit, converted with
+    /// `From<Error>`.
     ///
     /// # Cancel safety
     ///
     /// If the future is dropped, the transaction is rolled back (by the
     /// guard's drop) and the lock released.
-    pub async fn with_lock<T, E, F>(&self, pool: &PgPool, work: F) -> std::result::Result<T, E>
+    pub async fn with_lock<T, E, F>(self, pool: &PgPool, work: F) -> std::result::Result<T, E>
     where
         F: for<'c> FnOnce(
             &'c mut PgConnection,
@@ -369,34 +372,8 @@ impl Mutex {
         xact::with_lock(self.lock(pool).await?, work).await
     }
 
-    /// As [`with_lock`](Mutex::with_lock), waiting up to `timeout` for the lock.
-    ///
-    /// # Errors
-    ///
-    /// As [`with_lock`](Mutex::with_lock), and [`Error::Timeout`].
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`with_lock`](Mutex::with_lock).
-    pub async fn with_lock_timeout<T, E, F>(
-        &self,
-        pool: &PgPool,
-        timeout: Duration,
-        work: F,
-    ) -> std::result::Result<T, E>
-    where
-        F: for<'c> FnOnce(
-            &'c mut PgConnection,
-        )
-            -> Pin<Box<dyn Future<Output = std::result::Result<T, E>> + Send + 'c>>,
-        E: From<Error>,
-    {
-        xact::with_lock(self.lock_timeout(pool, timeout).await?, work).await
-    }
-
-    /// Takes a **session-scoped** exclusive lock on a dedicated connection,
-    /// for holds that must outlive a transaction (a leader, a long job),
-    /// waiting without limit.
+    /// Takes a **session-scoped** lock on a dedicated connection, for holds
+    /// that must outlive a transaction (a leader, a long job).
     ///
     /// The connection is detached from the pool, so the pool can never hand
     /// it to someone else while it holds the lock. A background task pings
@@ -413,44 +390,14 @@ impl Mutex {
     ///
     /// # Errors
     ///
-    /// [`Error::Deadlock`], [`Error::Database`].
+    /// As [`lock`](Locking::lock).
     ///
     /// # Cancel safety
     ///
-    /// Cancel-safe, as [`lock`](Mutex::lock): a cancelled wait is cancelled
-    /// on the server and the connection closed.
-    pub async fn lock_session(&self, pool: &PgPool) -> Result<SessionGuard> {
-        session::lock(&self.lock, pool, Wait::Forever).await
-    }
-
-    /// As [`lock_session`](Mutex::lock_session), waiting up to `timeout`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`], [`Error::Deadlock`], [`Error::Database`].
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`lock_session`](Mutex::lock_session).
-    pub async fn lock_session_timeout(
-        &self,
-        pool: &PgPool,
-        timeout: Duration,
-    ) -> Result<SessionGuard> {
-        session::lock(&self.lock, pool, Wait::Timeout(timeout)).await
-    }
-
-    /// Takes a session-scoped exclusive lock if nobody holds it.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Locked`] when someone else holds it, [`Error::Database`].
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`lock_session`](Mutex::lock_session).
-    pub async fn try_lock_session(&self, pool: &PgPool) -> Result<SessionGuard> {
-        session::lock(&self.lock, pool, Wait::Try).await
+    /// Cancel-safe, as [`lock`](Locking::lock): a cancelled wait is
+    /// cancelled on the server and the connection closed.
+    pub async fn lock_session(self, pool: &PgPool) -> Result<SessionGuard> {
+        session::lock(self.lock, pool, self.mode, self.wait).await
     }
 }
 

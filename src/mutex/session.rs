@@ -37,26 +37,39 @@ use super::lock::{Lock, Mode, Wait, lock_timeout_ms, run_on};
 /// The session-scoped lock statement; also returns the backend's pid. It
 /// starts with a unique token so that a wait whose caller has gone can be
 /// found and cancelled (simple query protocol: nothing to prepare).
-fn statement(mutex: &Lock, wait: Wait, token: &str) -> String {
+fn statement(mutex: &Lock, mode: Mode, wait: Wait, token: &str) -> String {
     let args = mutex.key_args();
+    let shared = match mode {
+        Mode::Exclusive => "",
+        Mode::Shared => "_shared",
+    };
     match lock_timeout_ms(wait) {
-        None => format!("{token} SELECT pg_backend_pid(), pg_try_advisory_lock({args})"),
+        None => format!("{token} SELECT pg_backend_pid(), pg_try_advisory_lock{shared}({args})"),
         Some(ms) => format!(
             "{token} SET lock_timeout = '{ms}ms'; \
-             SELECT pg_backend_pid(), pg_advisory_lock({args}); \
+             SELECT pg_backend_pid(), pg_advisory_lock{shared}({args}); \
              SET lock_timeout = DEFAULT"
         ),
     }
 }
 
 /// Unlocks a session lock.
-fn unlock_statement(mutex: &Lock) -> String {
-    format!("SELECT pg_advisory_unlock({})", mutex.key_args())
+fn unlock_statement(mutex: &Lock, mode: Mode) -> String {
+    let shared = match mode {
+        Mode::Exclusive => "",
+        Mode::Shared => "_shared",
+    };
+    format!("SELECT pg_advisory_unlock{shared}({})", mutex.key_args())
 }
 
 /// Takes a session lock on a dedicated connection, in a spawned task that
 /// then holds it (see [`Session`]).
-pub(super) async fn lock(mutex: &Lock, pool: &PgPool, wait: Wait) -> Result<SessionGuard> {
+pub(super) async fn lock(
+    mutex: &Lock,
+    pool: &PgPool,
+    mode: Mode,
+    wait: Wait,
+) -> Result<SessionGuard> {
     let (mutex, pool) = (mutex.clone(), pool.clone());
     let (commands, inbox) = mpsc::channel(1);
     let (lost_tx, lost) = watch::channel(None);
@@ -65,7 +78,7 @@ pub(super) async fn lock(mutex: &Lock, pool: &PgPool, wait: Wait) -> Result<Sess
             conn = pool.acquire() => conn?,
             () = caller.wait() => return Err(caller_gone()),
         };
-        let session = Session::start(mutex, &pool, conn, wait, &mut caller).await?;
+        let session = Session::start(mutex, &pool, conn, mode, wait, &mut caller).await?;
         let pid = session.pid;
         let name = session.mutex.label.clone();
         tokio::spawn(session.hold(inbox, lost_tx));
@@ -76,6 +89,7 @@ pub(super) async fn lock(mutex: &Lock, pool: &PgPool, wait: Wait) -> Result<Sess
     Ok(SessionGuard {
         name,
         pid,
+        shared: mode == Mode::Shared,
         commands,
         lost,
     })
@@ -85,6 +99,7 @@ pub(super) async fn lock(mutex: &Lock, pool: &PgPool, wait: Wait) -> Result<Sess
 /// the guard unlocks or drops, or the connection dies.
 struct Session {
     mutex: Lock,
+    mode: Mode,
     conn: PgConnection,
     pid: i32,
 }
@@ -97,6 +112,7 @@ impl Session {
         mutex: Lock,
         pool: &PgPool,
         conn: PoolConnection<Postgres>,
+        mode: Mode,
         wait: Wait,
         caller: &mut CallerGone,
     ) -> Result<Session> {
@@ -107,7 +123,7 @@ impl Session {
                 .await?;
             let token = token();
             let started = std::time::Instant::now();
-            let locking = run_on(&mut conn, statement(&mutex, wait, &token));
+            let locking = run_on(&mut conn, statement(&mutex, mode, wait, &token));
             let Some(result) = run_or_cancel(pool, locking, &token, caller).await else {
                 return Err(caller_gone());
             };
@@ -120,20 +136,25 @@ impl Session {
                 return Err(mutex.locked());
             }
             if wait != Wait::Try {
-                mutex.trace_locked(Mode::Exclusive, "session", started);
+                mutex.trace_locked(mode, "session", started);
             }
             Ok(pid)
         }
         .await;
         match result {
-            Ok(pid) => Ok(Session { mutex, conn, pid }),
+            Ok(pid) => Ok(Session {
+                mutex,
+                mode,
+                conn,
+                pid,
+            }),
             Err(error) => {
                 if matches!(error, Error::Timeout { .. }) {
                     // lock_timeout can fire just as the lock is granted; a
                     // session lock would then outlive the error. Closing the
                     // session below frees it anyway; unlock to say so.
                     if let Ok(true) =
-                        sqlx::query_scalar::<_, bool>(AssertSqlSafe(unlock_statement(&mutex)))
+                        sqlx::query_scalar::<_, bool>(AssertSqlSafe(unlock_statement(&mutex, mode)))
                             .fetch_one(&mut conn)
                             .await
                     {
@@ -204,7 +225,8 @@ impl Session {
 
     /// Releases the lock and closes the session.
     async fn unlock(mut self, lost: &watch::Sender<Option<LostReason>>) -> Result<()> {
-        let unlock = sqlx::query_scalar::<_, bool>(AssertSqlSafe(unlock_statement(&self.mutex)));
+        let unlock =
+            sqlx::query_scalar::<_, bool>(AssertSqlSafe(unlock_statement(&self.mutex, self.mode)));
         let result = match tokio::time::timeout(
             self.mutex.heartbeat * 3,
             unlock.fetch_one(&mut self.conn),
@@ -244,7 +266,7 @@ fn session_row(row: Option<&PgRow>, wait: Wait) -> Result<(i32, bool)> {
 }
 
 /// A session-scoped lock on a dedicated connection; made by
-/// [`Mutex::lock_session`](crate::Mutex::lock_session).
+/// [`Locking::lock_session`](crate::Locking::lock_session).
 ///
 /// Release it with [`unlock`](SessionGuard::unlock). **Dropping the guard
 /// closes its connection in the background** (not immediate), and the server
@@ -254,6 +276,7 @@ fn session_row(row: Option<&PgRow>, wait: Wait) -> Result<(i32, bool)> {
 pub struct SessionGuard {
     name: String,
     pid: i32,
+    shared: bool,
     commands: mpsc::Sender<oneshot::Sender<Result<()>>>,
     lost: watch::Receiver<Option<LostReason>>,
 }
@@ -262,6 +285,7 @@ impl fmt::Debug for SessionGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SessionGuard")
             .field("mutex", &self.name)
+            .field("shared", &self.shared)
             .field("backend_pid", &self.pid)
             .field("lost", &self.is_lost())
             .finish()
@@ -272,6 +296,11 @@ impl SessionGuard {
     /// The PostgreSQL backend process that holds the lock (as in `pg_locks.pid`).
     pub fn backend_pid(&self) -> i32 {
         self.pid
+    }
+
+    /// Whether this is a shared (reader) lock.
+    pub fn is_shared(&self) -> bool {
+        self.shared
     }
 
     /// Whether the lock is known to be lost (its connection died or stopped
@@ -290,7 +319,7 @@ impl SessionGuard {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool, long_job: impl std::future::Future<Output = ()>) -> Result<(), pg_semaphore::Error> {
-    /// let leader = pg_semaphore::Mutex::new("leader").lock_session(&pool).await?;
+    /// let leader = pg_semaphore::Mutex::new("leader").locking().lock_session(&pool).await?;
     /// tokio::select! {
     ///     () = long_job => leader.unlock().await?,
     ///     reason = leader.lost() => eprintln!("lost leadership ({reason}): stopping"),
@@ -334,13 +363,24 @@ mod tests {
     fn session_statements_return_the_backend_pid() {
         let mutex = Lock::new(Key::IntPair(1, 2), "mutex key (1, 2)".into());
         assert_eq!(
-            statement(&mutex, Wait::Try, "/* t */"),
+            statement(&mutex, Mode::Exclusive, Wait::Try, "/* t */"),
             "/* t */ SELECT pg_backend_pid(), pg_try_advisory_lock(1::int4, 2::int4)"
         );
-        assert!(statement(&mutex, Wait::Forever, "/* t */").contains("SET lock_timeout = '0ms'"));
+        assert!(
+            statement(&mutex, Mode::Exclusive, Wait::Forever, "/* t */")
+                .contains("SET lock_timeout = '0ms'")
+        );
+        assert!(
+            statement(&mutex, Mode::Shared, Wait::Forever, "/* t */")
+                .contains("pg_advisory_lock_shared(1::int4, 2::int4)")
+        );
         assert_eq!(
-            unlock_statement(&mutex),
+            unlock_statement(&mutex, Mode::Exclusive),
             "SELECT pg_advisory_unlock(1::int4, 2::int4)"
+        );
+        assert_eq!(
+            unlock_statement(&mutex, Mode::Shared),
+            "SELECT pg_advisory_unlock_shared(1::int4, 2::int4)"
         );
     }
 }

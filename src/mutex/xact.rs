@@ -1,6 +1,6 @@
 //! Transaction-scoped locks (`pg_advisory_xact_lock`): the lock lives in a
 //! transaction, which the [`MutexGuard`] owns (or the caller's, for
-//! `lock_in`), and ends with it. The lock statement ([`statement`]) is here,
+//! [`Locking::lock_in`](super::Locking::lock_in)), and ends with it. The lock statement ([`statement`]) is here,
 //! beside the code that runs it.
 
 use std::fmt;
@@ -153,10 +153,11 @@ async fn try_lock(
 pub(super) async fn lock_in(
     mutex: &Lock,
     tx: &mut Transaction<'_, Postgres>,
+    mode: Mode,
     wait: Wait,
 ) -> Result<()> {
     let started = std::time::Instant::now();
-    let rows = run_on(tx, statement(mutex, Mode::Exclusive, wait, &token()))
+    let rows = run_on(tx, statement(mutex, mode, wait, &token()))
         .await
         .map_err(|e| mutex.lock_error(e, wait))?;
     if wait == Wait::Try && !try_result(&rows)? {

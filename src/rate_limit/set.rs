@@ -142,7 +142,7 @@ impl LimiterSet {
     ///   on different pools (`limits`), the same key of the same limiter
     ///   twice (`limits`, from the database), and as each limiter's
     ///   [`check`](TokenBucket::check) for the key and `permits`.
-    /// - [`Error::MigrationsMissing`] when the schema is older than version
+    /// - [`Error::Schema`] when the schema is older than version
     ///   9 (no `check_limits`) or missing.
     /// - [`Error::Stalled`] (naming the set's limiters) when a key's lock
     ///   was held by another transaction for 2 s: nothing was charged.
@@ -229,7 +229,7 @@ impl LimiterSet {
     ///   admitted within `timeout`, or when a key's lock stayed held
     ///   ([`Error::Stalled`], retried) until `timeout`; nothing was booked.
     /// - [`Error::InvalidArgument`] as for [`check`](Self::check).
-    /// - [`Error::MigrationsMissing`] when the schema is older than version
+    /// - [`Error::Schema`] when the schema is older than version
     ///   12 (no `check_limits_reserve`) or missing.
     /// - [`Error::Database`] otherwise, unless every limiter of the set
     ///   fails open (then an unreachable database admits at once).

@@ -66,8 +66,8 @@ const OPEN_KEY: &str = "SELECT o_name, o_capacity, o_default_lease \
 /// token), each with the capacity the operator's rules give that key.
 ///
 /// [`key`](Self::key) gives the [`Semaphore`] of a key (created on first
-/// use); [`try_acquire`](Self::try_acquire), [`acquire`](Self::acquire) and
-/// [`acquire_timeout`](Self::acquire_timeout) claim on a key directly. A
+/// use); [`try_acquire`](Self::try_acquire) and [`acquire`](Self::acquire)
+/// claim on a key directly. A
 /// claim on a key costs what a claim on a named semaphore costs: the handle
 /// of each key is cached in the process, and the claim is one round trip.
 ///
@@ -219,7 +219,7 @@ impl SemaphoreFamilyBuilder {
     ///   character other than letters, digits, `_`, `.`, `:`, `-`; a
     ///   capacity, lease, idle time, holder, fallback or heartbeat out of
     ///   range. Nothing is written.
-    /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+    /// - [`Error::Schema`] when [`migrate`](crate::migrate) was not run.
     /// - [`Error::Database`] for connection and other database errors.
     ///
     /// # Cancel safety
@@ -344,7 +344,7 @@ impl SemaphoreFamily {
     /// - [`Error::InvalidArgument`] for a key that is empty, longer than
     ///   [`MAX_FAMILY_KEY_LEN`](crate::MAX_FAMILY_KEY_LEN) or contains NUL,
     ///   or whose semaphore name a named semaphore took before version 7.
-    /// - [`Error::FamilyNotFound`], [`Error::MigrationsMissing`],
+    /// - [`Error::FamilyNotFound`], [`Error::Schema`],
     ///   [`Error::Database`].
     ///
     /// # Cancel safety
@@ -380,23 +380,11 @@ impl SemaphoreFamily {
     ///
     /// # Cancel safety
     ///
-    /// As [`Semaphore::acquire`].
+    /// As [`Semaphore::acquire`]. Bound the wait with `tokio::time::timeout`
+    /// around it: that bounds the whole call, reopening a removed key
+    /// included (there is no `acquire_timeout`: it would do the same).
     pub async fn acquire(&self, key: &str) -> Result<Permit> {
         self.with_key(key, |sem| async move { sem.acquire().await })
-            .await
-    }
-
-    /// [`Semaphore::acquire_timeout`] on the semaphore of `key`.
-    ///
-    /// # Errors
-    ///
-    /// As [`Semaphore::acquire_timeout`], and as [`key`](Self::key).
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`Semaphore::acquire_timeout`].
-    pub async fn acquire_timeout(&self, key: &str, timeout: Duration) -> Result<Permit> {
-        self.with_key(key, |sem| async move { sem.acquire_timeout(timeout).await })
             .await
     }
 

@@ -241,7 +241,7 @@ impl SemaphoreBuilder {
     /// limit is cheaper than an outage. Only connection failures fail open;
     /// errors that say the database answered (missing migrations, unknown
     /// semaphore, bad input) are still returned. Waiting acquires (`acquire`,
-    /// `acquire_timeout`) never fail open.
+    /// `acquire_many`) never fail open.
     pub fn fail_open(mut self, enabled: bool) -> Self {
         self.fail_open = enabled;
         self
@@ -347,7 +347,7 @@ impl SemaphoreBuilder {
     ///   a zero fallback interval; a zero heartbeat interval or one above half
     ///   the lease; a reserve not below the capacity; a bad holder label.
     ///   Nothing is written.
-    /// - [`Error::MigrationsMissing`] when [`migrate`](crate::migrate) was not run.
+    /// - [`Error::Schema`] when [`migrate`](crate::migrate) was not run.
     /// - [`Error::Database`] for connection and other database errors.
     ///
     /// # Cancel safety
@@ -501,7 +501,7 @@ impl Semaphore {
     ///
     /// # Errors
     ///
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::SemaphoreNotFound`], [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -525,7 +525,7 @@ impl Semaphore {
     ///
     /// # Errors
     ///
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -555,6 +555,7 @@ impl Semaphore {
             lease: None,
             priority: Priority::default(),
             fairness_key: None,
+            timeout: None,
             ride_out_outages: true,
         }
     }
@@ -574,7 +575,7 @@ impl Semaphore {
     ///   claimed; answer 503 as for a full semaphore, and find the culprit.
     /// - [`Error::InvalidArgument`] when the database refused an argument
     ///   (metadata over 64 kB, ...).
-    /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    /// - [`Error::SemaphoreNotFound`], [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -597,11 +598,11 @@ impl Semaphore {
     /// stuck transaction) does not end the wait: the claim is retried, with
     /// a pause that grows to the fallback interval and one `WARN` per
     /// outage, until the database answers again (bound it with
-    /// [`acquire_timeout`](Self::acquire_timeout)).
+    /// [`Claim::timeout`]).
     ///
     /// # Errors
     ///
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// [`Error::SemaphoreNotFound`], [`Error::Schema`],
     /// [`Error::Database`] for an error the database answered (the wait
     /// stops).
     ///
@@ -611,22 +612,6 @@ impl Semaphore {
     /// held (see [`try_acquire`](Self::try_acquire)).
     pub async fn acquire(&self) -> Result<Permit> {
         self.claim().acquire().await
-    }
-
-    /// Waits up to `timeout` for a slot, then claims it.
-    ///
-    /// The timeout bounds the whole call, claim round trips included.
-    ///
-    /// # Errors
-    ///
-    /// - [`Error::Timeout`] when no slot could be claimed in time.
-    /// - As [`acquire`](Self::acquire).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`acquire`](Self::acquire).
-    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<Permit> {
-        self.claim().acquire_timeout(timeout).await
     }
 
     /// Claims `n` slots at once if that many are free, or fails at once:
@@ -652,7 +637,7 @@ impl Semaphore {
     /// - [`Error::NoSlotsAvailable`] when fewer than `n` slots are free, or
     ///   waiters are queued on the semaphore (see [`SemaphoreBuilder::queue`]).
     /// - [`Error::Stalled`], as for [`try_acquire`](Self::try_acquire).
-    /// - [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    /// - [`Error::SemaphoreNotFound`], [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -681,19 +666,6 @@ impl Semaphore {
     /// up its place in the queue.
     pub async fn acquire_many(&self, n: u32) -> Result<Permit> {
         self.claim().acquire_many(n).await
-    }
-
-    /// As [`acquire_many`](Self::acquire_many), giving up after `timeout`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`]; as [`acquire_many`](Self::acquire_many).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`acquire_many`](Self::acquire_many).
-    pub async fn acquire_many_timeout(&self, n: u32, timeout: Duration) -> Result<Permit> {
-        self.claim().acquire_many_timeout(n, timeout).await
     }
 
     /// Claims permits of **several semaphores at once**, all or nothing,
@@ -739,7 +711,7 @@ impl Semaphore {
     ///   than a semaphore's capacity (`permits`), or handles built on
     ///   different pools (`semaphores`). Nothing is sent.
     /// - [`Error::SemaphoreNotFound`], [`Error::Stalled`] (naming every
-    ///   semaphore of the claim), [`Error::MigrationsMissing`] (or a schema
+    ///   semaphore of the claim), [`Error::Schema`] (or a schema
     ///   older than version 8), [`Error::Database`].
     ///
     /// # Cancel safety
@@ -783,8 +755,22 @@ impl Semaphore {
     /// while one of its semaphores has waiters queued it waits for them, and
     /// under a steady stream of single claims that keep one of its
     /// semaphores full it may wait long (it wins only an instant when every
-    /// semaphore has room). Bound it with
-    /// [`acquire_all_timeout`](Self::acquire_all_timeout).
+    /// semaphore has room). Bound it with `tokio::time::timeout`:
+    ///
+    /// ```no_run
+    /// # async fn run(a: pg_semaphore::Semaphore, b: pg_semaphore::Semaphore) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use pg_semaphore::Semaphore;
+    /// // The future is cancel-safe: a timeout around it leaves nothing held.
+    /// let permit = tokio::time::timeout(
+    ///     Duration::from_secs(10),
+    ///     Semaphore::acquire_all(&[(&a, 1), (&b, 1)]),
+    /// )
+    /// .await??;
+    /// permit.release().await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
     ///
     /// # Errors
     ///
@@ -795,47 +781,12 @@ impl Semaphore {
     /// # Cancel safety
     ///
     /// Cancel-safe: dropping the future never leaves a slot held, and
-    /// unregisters its wake-ups.
+    /// unregisters its wake-ups; so `tokio::time::timeout` around it bounds
+    /// the wait (there is no `acquire_all_timeout`: it would do the same,
+    /// in this process).
     pub async fn acquire_all(semaphores: &[(&Semaphore, u32)]) -> Result<Permit> {
         let several = several(semaphores)?;
         wait::acquire_all(&several, &several.lead().holder, None).await
-    }
-
-    /// As [`acquire_all`](Self::acquire_all), giving up after `timeout`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] (waiting for a permit of the semaphores' names,
-    /// joined by `", "`); as [`acquire_all`](Self::acquire_all).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`acquire_all`](Self::acquire_all).
-    pub async fn acquire_all_timeout(
-        semaphores: &[(&Semaphore, u32)],
-        timeout: Duration,
-    ) -> Result<Permit> {
-        let several = several(semaphores)?;
-        let names: Vec<&str> = several
-            .members
-            .iter()
-            .map(|(c, _)| c.name.as_str())
-            .collect();
-        let waited_for = WaitedFor::Permit {
-            semaphore: names.join(", "),
-        };
-        let result = with_timeout(
-            timeout,
-            waited_for,
-            wait::acquire_all(&several, &several.lead().holder, None),
-        )
-        .await;
-        if let Err(Error::Timeout { .. }) = result {
-            for (core, _) in &several.members {
-                core.metrics.timed_out();
-            }
-        }
-        result
     }
 
     /// Waits until the semaphore has no live holders, in any process.
@@ -862,37 +813,22 @@ impl Semaphore {
     ///
     /// # Errors
     ///
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::SemaphoreNotFound`], [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
-    /// Cancel-safe: it only reads; dropping the future unregisters it.
+    /// Cancel-safe: it only reads; dropping the future unregisters it. Bound
+    /// the wait with `tokio::time::timeout` around it (there is no
+    /// `wait_idle_timeout`: it would do the same).
     pub async fn wait_idle(&self) -> Result<()> {
         wait::idle(&self.core).await
-    }
-
-    /// As [`wait_idle`](Self::wait_idle), giving up after `timeout`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] when holders remain after `timeout`; as
-    /// [`wait_idle`](Self::wait_idle).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe, as [`wait_idle`](Self::wait_idle).
-    pub async fn wait_idle_timeout(&self, timeout: Duration) -> Result<()> {
-        let waited_for = WaitedFor::Idle {
-            semaphore: self.core.name.clone(),
-        };
-        with_timeout(timeout, waited_for, wait::idle(&self.core)).await
     }
 
     /// Live holders of this semaphore. See [`AuditLog::holders`].
     ///
     /// # Errors
     ///
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -906,7 +842,7 @@ impl Semaphore {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a window whose end precedes its start,
-    /// [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -928,6 +864,7 @@ pub struct Claim<'a> {
     lease: Option<Duration>,
     priority: Priority,
     fairness_key: Option<String>,
+    timeout: Option<Duration>,
     ride_out_outages: bool,
 }
 
@@ -1011,6 +948,38 @@ impl Claim<'_> {
         self
     }
 
+    /// Bounds a waiting [`acquire`](Self::acquire) or
+    /// [`acquire_many`](Self::acquire_many): after `timeout` it gives up
+    /// with [`Error::Timeout`] (waiting for a permit of this semaphore),
+    /// leaving nothing held or queued. The timeout bounds the whole call,
+    /// claim round trips included. Default: no limit. The fail-fast
+    /// [`try_acquire`](Self::try_acquire) never waits and ignores it.
+    ///
+    /// The deadline is kept in this process (a semaphore's waiters are not
+    /// PostgreSQL lock waits), so it does what `tokio::time::timeout` around
+    /// the cancel-safe acquire does, at the same cost. It stays an option
+    /// for its answer: an [`Error::Timeout`] naming the semaphore, which
+    /// [`Error::is_busy`] counts as busy (as it does the mutex's timeouts),
+    /// the `pg_semaphore_timeouts_total` metric counts, and the tower
+    /// layer's `wait` answers with 503 (a `tokio::time::timeout` drops the
+    /// future, which cannot tell a timeout from any other cancellation).
+    ///
+    /// ```no_run
+    /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
+    /// use std::time::Duration;
+    /// match sem.claim().timeout(Duration::from_secs(5)).acquire().await {
+    ///     Ok(permit) => permit.release().await?,
+    ///     Err(e) if e.is_busy() => println!("still full after 5 s: answer 503"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
     /// As [`Semaphore::try_acquire`], with this claim's options.
     ///
     /// # Errors
@@ -1030,27 +999,14 @@ impl Claim<'_> {
     /// # Errors
     ///
     /// As [`Semaphore::acquire`], plus [`Error::InvalidArgument`] for a bad
-    /// holder label, lease, metadata or fairness key.
+    /// holder label, lease, metadata or fairness key, and
+    /// [`Error::Timeout`] after this claim's [`timeout`](Self::timeout).
     ///
     /// # Cancel safety
     ///
     /// As [`Semaphore::acquire`].
     pub async fn acquire(self) -> Result<Permit> {
         self.acquire_many(1).await
-    }
-
-    /// As [`Semaphore::acquire_timeout`], with this claim's options.
-    ///
-    /// # Errors
-    ///
-    /// As [`Semaphore::acquire_timeout`], plus [`Error::InvalidArgument`] for
-    /// a bad holder label, lease, metadata or fairness key.
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`Semaphore::acquire_timeout`].
-    pub async fn acquire_timeout(self, timeout: Duration) -> Result<Permit> {
-        self.acquire_many_timeout(1, timeout).await
     }
 
     /// As [`Semaphore::try_acquire_many`], with this claim's options.
@@ -1103,29 +1059,19 @@ impl Claim<'_> {
     /// # Errors
     ///
     /// As [`Claim::try_acquire_many`], waiting instead of
-    /// [`Error::NoSlotsAvailable`].
+    /// [`Error::NoSlotsAvailable`]; [`Error::Timeout`] after this claim's
+    /// [`timeout`](Self::timeout).
     ///
     /// # Cancel safety
     ///
     /// As [`Semaphore::acquire_many`].
     pub async fn acquire_many(self, n: u32) -> Result<Permit> {
         let core = &self.semaphore.core;
+        let timeout = self.timeout;
         let attempt = self.attempt(n)?;
-        wait::acquire(core, &attempt).await
-    }
-
-    /// As [`Semaphore::acquire_many_timeout`], with this claim's options.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`]; as [`Claim::acquire_many`].
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`Semaphore::acquire_many`].
-    pub async fn acquire_many_timeout(self, n: u32, timeout: Duration) -> Result<Permit> {
-        let core = &self.semaphore.core;
-        let attempt = self.attempt(n)?;
+        let Some(timeout) = timeout else {
+            return wait::acquire(core, &attempt).await;
+        };
         let waited_for = WaitedFor::Permit {
             semaphore: core.name.clone(),
         };

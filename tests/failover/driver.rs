@@ -198,7 +198,11 @@ async fn one_failover(
         .await
         .map_err(|_| "the session mutex held through the failover was never reported lost")??;
     // Advisory locks are not replicated: the lock is free on the new primary.
-    let relocked = Mutex::new(MUTEX).try_lock_session(&driver).await?;
+    let relocked = Mutex::new(MUTEX)
+        .locking()
+        .no_wait()
+        .lock_session(&driver)
+        .await?;
     relocked.unlock().await?;
     tokio::time::sleep(AFTER.saturating_sub(SENTINELS_FOR)).await;
 

@@ -39,13 +39,14 @@ pub async fn hold_through(driver: &PgPool, log: &Log) -> Result<Held, BoxError> 
         let permit = sem
             .claim()
             .lease(lease)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .timeout(ACQUIRE_TIMEOUT)
+            .acquire()
             .await?;
         let acquired = (asked, now_us());
         let watch = held_by_driver(key, acquired, permit, log.clone(), released.clone());
         sentinels.push(tokio::spawn(watch));
     }
-    let guard = Mutex::new(MUTEX).lock_session(driver).await?;
+    let guard = Mutex::new(MUTEX).locking().lock_session(driver).await?;
     let lost = guard.lost();
     let mutex_lost = tokio::spawn(async move {
         let _reason = lost.await;

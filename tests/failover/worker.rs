@@ -83,14 +83,14 @@ async fn semaphore_task(
             // Cancel the acquire at a random point.
             let patience = Duration::from_micros(rng.below(30_000));
             tokio::select! {
-                result = sem.acquire_timeout(ACQUIRE_TIMEOUT) => result,
+                result = sem.claim().timeout(ACQUIRE_TIMEOUT).acquire() => result,
                 () = tokio::time::sleep(patience) => {
                     log.line("C".to_owned());
                     continue;
                 }
             }
         } else {
-            sem.acquire_timeout(ACQUIRE_TIMEOUT).await
+            sem.claim().timeout(ACQUIRE_TIMEOUT).acquire().await
         };
         let permit = match acquired {
             Ok(permit) => permit,

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, Mutex, Semaphore, WaitedFor};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -111,18 +111,32 @@ async fn acquire_or_log<P, F>(
 where
     F: std::future::Future<Output = Result<P, Error>>,
 {
+    // Bounded by a timeout around the cancel-safe future (a timeout is
+    // logged as such).
+    let bounded = || async {
+        tokio::time::timeout(ACQUIRE_TIMEOUT, acquire())
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Timeout {
+                    waited_for: WaitedFor::Permit {
+                        semaphore: name.to_owned(),
+                    },
+                    timeout: ACQUIRE_TIMEOUT,
+                })
+            })
+    };
     let acquired = if rng.below(5) == 0 {
         // Cancel the acquire at a random point.
         let patience = Duration::from_micros(rng.below(30_000));
         tokio::select! {
-            result = acquire() => result,
+            result = bounded() => result,
             () = tokio::time::sleep(patience) => {
                 log.line(cancelled.to_owned());
                 return None;
             }
         }
     } else {
-        acquire().await
+        bounded().await
     };
     match acquired {
         Ok(permit) => Some(permit),
@@ -148,7 +162,7 @@ async fn semaphore_task(
     while !stopping.load(Ordering::SeqCst) {
         // The small semaphores are the contended ones: pick them more often.
         let sem = &semaphores[[0, 0, 1, 1, 2][rng.below(5) as usize]];
-        let acquire = || sem.acquire_timeout(ACQUIRE_TIMEOUT);
+        let acquire = || sem.acquire();
         let Some(permit) =
             acquire_or_log(acquire, &mut rng, &log, sem.name(), ["C", "T", "X"]).await
         else {
@@ -183,7 +197,7 @@ async fn advisory_task(
     let mut held = 0u64;
     while !stopping.load(Ordering::SeqCst) {
         let sem = &semaphores[rng.below(semaphores.len() as u64) as usize];
-        let acquire = || sem.acquire_timeout(ACQUIRE_TIMEOUT);
+        let acquire = || sem.acquire();
         let Some(permit) =
             acquire_or_log(acquire, &mut rng, &log, sem.name(), ["c", "t", "x"]).await
         else {
@@ -236,14 +250,14 @@ async fn mutex_task(pool: PgPool, log: Log, stopping: Arc<AtomicBool>, salt: u64
         let locked = if rng.below(5) == 0 {
             let patience = Duration::from_micros(rng.below(20_000));
             tokio::select! {
-                result = mutex.lock_timeout(&pool, ACQUIRE_TIMEOUT) => result,
+                result = mutex.locking().timeout(ACQUIRE_TIMEOUT).lock(&pool) => result,
                 () = tokio::time::sleep(patience) => {
                     log.line("C".to_owned());
                     continue;
                 }
             }
         } else {
-            mutex.lock_timeout(&pool, ACQUIRE_TIMEOUT).await
+            mutex.locking().timeout(ACQUIRE_TIMEOUT).lock(&pool).await
         };
         let mut guard = match locked {
             Ok(guard) => guard,

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Parser, Subcommand};
-use pg_semaphore::Error;
+use pg_semaphore::{Error, SchemaError};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -494,7 +494,7 @@ impl Failure {
 impl From<Error> for Failure {
     fn from(error: Error) -> Self {
         let code = match &error {
-            Error::MigrationsMissing { .. } => {
+            Error::Schema(SchemaError::Missing { .. }) => {
                 return Failure::new(
                     EXIT_NOT_MIGRATED,
                     "pg-semaphore's migrations are not applied to this database: \

@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use crate::db::Db;
 use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
 use crate::detached::detached;
-use crate::error::{Error, Result, WaitedFor, semaphore_not_found};
+use crate::error::{Error, Result, semaphore_not_found};
 use crate::metrics::SemaphoreMetrics;
 use crate::per_pool::lock;
 use crate::validate::{self, MAX_CAPACITY};
@@ -108,7 +108,8 @@ fn waiting_keys(base: i64) -> i64 {
 ///     Err(Error::NoSlotsAvailable { .. }) => { /* 503 */ }
 ///     Err(e) => return Err(e.into()),
 /// }
-/// let permit = sem.acquire_timeout(Duration::from_secs(5)).await?;
+/// // Waiting is cancel-safe: bound it with tokio::time::timeout.
+/// let permit = tokio::time::timeout(Duration::from_secs(5), sem.acquire()).await??;
 /// permit.release().await?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }
@@ -237,7 +238,7 @@ impl AdvisorySemaphoreBuilder {
     /// heartbeat, fallback or connection count, or a name that a lease
     /// [`Semaphore`](crate::Semaphore) already has (one name, one kind:
     /// two kinds of the same name would each admit the capacity);
-    /// [`Error::MigrationsMissing`]; [`Error::Database`].
+    /// [`Error::Schema`]; [`Error::Database`].
     ///
     /// # Cancel safety
     ///
@@ -346,7 +347,7 @@ impl AdvisorySemaphore {
     ///
     /// # Errors
     ///
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`], [`Error::Database`].
+    /// [`Error::SemaphoreNotFound`], [`Error::Schema`], [`Error::Database`].
     pub async fn available_permits(&self) -> Result<u32> {
         let db = &self.core.db;
         let query = db
@@ -368,7 +369,7 @@ impl AdvisorySemaphore {
     /// [`Error::NoSlotsAvailable`] when every slot is held (answer
     /// 429/503); [`Error::Stalled`] when the claim waited 2 s for a lock on
     /// the semaphore's table (a migration's DDL queued; nothing was taken);
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// [`Error::SemaphoreNotFound`], [`Error::Schema`],
     /// [`Error::Database`] (the database cannot be reached, or the session
     /// was lost, or a claim failed: it then holds nothing).
     ///
@@ -413,14 +414,16 @@ impl AdvisorySemaphore {
     ///
     /// # Errors
     ///
-    /// [`Error::SemaphoreNotFound`], [`Error::MigrationsMissing`],
+    /// [`Error::SemaphoreNotFound`], [`Error::Schema`],
     /// [`Error::InvalidArgument`] when the capacity shrank below the permits
     /// asked for; neither an outage nor a stalled claim
     /// ([`Error::Stalled`]) ends the wait (it retries).
     ///
     /// # Cancel safety
     ///
-    /// Cancel-safe: nothing is left held or announced.
+    /// Cancel-safe: nothing is left held or announced. Bound the wait with
+    /// `tokio::time::timeout` around it (there is no `acquire_timeout`: it
+    /// would do the same).
     pub async fn acquire(&self) -> Result<AdvisoryPermit> {
         self.acquire_many(1).await
     }
@@ -439,45 +442,6 @@ impl AdvisorySemaphore {
     pub async fn acquire_many(&self, n: u32) -> Result<AdvisoryPermit> {
         self.check_permits(n)?;
         wait(&self.core, n).await
-    }
-
-    /// Waits up to `timeout` for a slot.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] after `timeout`; otherwise as [`acquire`](Self::acquire).
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`acquire`](Self::acquire).
-    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<AdvisoryPermit> {
-        self.acquire_many_timeout(1, timeout).await
-    }
-
-    /// Waits up to `timeout` for `n` slots at once.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Timeout`] after `timeout`; otherwise as
-    /// [`acquire_many`](Self::acquire_many).
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`acquire`](Self::acquire).
-    pub async fn acquire_many_timeout(&self, n: u32, timeout: Duration) -> Result<AdvisoryPermit> {
-        self.check_permits(n)?;
-        match tokio::time::timeout(timeout, wait(&self.core, n)).await {
-            Ok(result) => result,
-            Err(_) => {
-                self.core.metrics.timed_out();
-                Err(Error::Timeout {
-                    waited_for: WaitedFor::Permit {
-                        semaphore: self.core.name.clone(),
-                    },
-                    timeout,
-                })
-            }
-        }
     }
 
     fn check_permits(&self, n: u32) -> Result<()> {
