@@ -742,7 +742,7 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     let second = waiter.await??;
     let info = pg_semaphore::semaphores(&db.pool).await?;
     assert_eq!(info[0].capacity, 3);
-    assert_eq!(info[0].default_lease, Duration::from_secs(45));
+    assert_eq!(info[0].default_lease, Some(Duration::from_secs(45)));
     assert_eq!(info[0].holders.len(), 2);
 
     let out = run(&db, &["set-capacity", "missing", "3"]).await;
@@ -845,7 +845,7 @@ async fn prune_deletes_finished_claims_only() -> TestResult {
     );
     let holders = sem.holders().await?;
     assert_eq!(holders.len(), 1);
-    assert_eq!(holders[0].id, live.id());
+    assert_eq!(holders[0].id, Some(live.id()));
     live.release().await?;
     Ok(())
 }
