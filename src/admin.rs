@@ -954,10 +954,22 @@ pub async fn clear_rate_limit(
     limiter: &str,
     key: Option<&str>,
 ) -> Result<bool> {
+    rate_setting(pool, CLEAR_RATE_LIMIT, kind, limiter, key).await
+}
+
+/// Runs `sql`, a rate settings function of `(kind, limiter, key)` that
+/// answers whether there was something to change.
+async fn rate_setting(
+    pool: &PgPool,
+    sql: &'static str,
+    kind: LimiterKind,
+    limiter: &str,
+    key: Option<&str>,
+) -> Result<bool> {
     rate_target(limiter, key)?;
     let db = db(pool);
     let query = db
-        .query_as::<(bool,)>(CLEAR_RATE_LIMIT)
+        .query_as::<(bool,)>(sql)
         .bind(kind.as_str())
         .bind(limiter.to_owned())
         .bind(key.map(str::to_owned));
@@ -1036,18 +1048,7 @@ pub async fn resume_rate_limit(
     limiter: &str,
     key: Option<&str>,
 ) -> Result<bool> {
-    rate_target(limiter, key)?;
-    let db = db(pool);
-    let query = db
-        .query_as::<(bool,)>(RESUME_RATE_LIMIT)
-        .bind(kind.as_str())
-        .bind(limiter.to_owned())
-        .bind(key.map(str::to_owned));
-    Ok(db
-        .fetch_one(query)
-        .await
-        .map_err(|e| rate_settings_stalled(e, limiter))?
-        .0)
+    rate_setting(pool, RESUME_RATE_LIMIT, kind, limiter, key).await
 }
 
 #[cfg(all(test, feature = "serde"))]

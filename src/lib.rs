@@ -142,8 +142,10 @@
 //! # Audit log
 //!
 //! Finished claims stay in the slot table with `completed_at` or
-//! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
-//! outcomes and hold times, a summary with p50/p95 hold time, and a
+//! `timed_out_at`; an advisory semaphore's finished permits are written to
+//! its log. [`AuditLog`] reads either kind (its answers say which, as a
+//! [`SemaphoreKind`]): live holders, a window's history with outcomes and
+//! hold times, a summary with p50/p95 hold time, and a
 //! [`Report`] (occupancy against capacity, each slot's use, hold times),
 //! aggregated by the database at the resolution the caller asks for
 //! ([`ReportShape`]) when the window is busy.
