@@ -7,11 +7,14 @@
 //! report is drawn (`pg-semaphore report`'s page, and the resolution it
 //! asks for) is the binary's.
 //!
-//! The report's statements are built from two parts, each written once: the
-//! claims of one kind, as rows `(slot, holder, created_at, ended_at,
-//! timed_out_at)` (`lease_claims!`, `advisory_slots!`, `advisory_permits!`),
-//! and the aggregation over them, which reads those rows as `k`
-//! (`report_cells!`, `report_peaks!`, `report_hold_times!`).
+//! The statements are built from parts, each written once: which claims of
+//! each kind overlap a window (`lease_in_window!`, `advisory_in_window!`);
+//! the claims of either kind as one kind of row, which the history lists
+//! and the summary counts (`claims_in_window!`); for a report, the claims
+//! of one kind as rows `(slot, holder, created_at, ended_at, timed_out_at)`
+//! (`lease_claims!`, `advisory_slots!`, `advisory_permits!`), and the
+//! aggregation over them, which reads those rows as `k` (`report_cells!`,
+//! `report_peaks!`, `report_hold_times!`).
 
 use std::ops::Range;
 use std::time::Duration;
@@ -21,17 +24,74 @@ use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::QueryAs;
 use sqlx::{FromRow, PgPool, Postgres};
 
-use crate::db::Db;
+use crate::db::{Db, Statement};
 use crate::error::{Error, Result, ours};
 use crate::validate;
+
+/// A lease claim of $1 that overlaps the window [$2, $3): claimed before
+/// its end, not ended before its start (a live claim has not ended).
+macro_rules! lease_in_window {
+    () => {
+        "semaphore = $1
+   AND created_at < $3
+   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2"
+    };
+}
+
+/// An advisory permit of $1 (a row of its log: finished) that overlaps
+/// the window [$2, $3).
+macro_rules! advisory_in_window {
+    () => {
+        "semaphore = $1
+   AND acquired_at < $3
+   AND ended_at >= $2"
+    };
+}
 
 /// Whether `$1` is a lease semaphore's name: each statement below reads
 /// the advisory side only when it is not (a name belongs to one kind; the
 /// advisory log may outlive its semaphore). Uncorrelated, so PostgreSQL
-/// evaluates it once, before the scan it gates.
+/// evaluates it once, before the scan it gates (which it never starts for
+/// a lease semaphore).
 macro_rules! not_lease {
     () => {
         "NOT EXISTS (SELECT FROM pgsemaphore.semaphores WHERE name = $1)"
+    };
+}
+
+/// The claims of $1 that overlap the window [$2, $3), of either kind: a
+/// lease semaphore's claims, or an advisory semaphore's finished permits,
+/// each with its outcome as an `Outcome` names it (an advisory `released`
+/// is `completed`, `lost` is `timed_out`) and its hold time (a live
+/// claim's, up to now).
+macro_rules! claims_in_window {
+    () => {
+        concat!(
+            "
+SELECT id, ARRAY[slot] AS slots, holder, metadata, created_at, expires_at,
+       coalesce(completed_at, timed_out_at) AS ended_at,
+       CASE WHEN completed_at IS NOT NULL THEN 'completed'
+            WHEN timed_out_at IS NOT NULL THEN 'timed_out'
+            ELSE 'live' END AS outcome,
+       extract(epoch FROM coalesce(completed_at, timed_out_at, clock_timestamp()) - created_at)::float8
+           AS held_seconds,
+       group_id
+  FROM pgsemaphore.slots
+ WHERE ",
+            lease_in_window!(),
+            "
+UNION ALL
+SELECT NULL, slots, holder, metadata, acquired_at, NULL, ended_at,
+       CASE outcome WHEN 'released' THEN 'completed' WHEN 'lost' THEN 'timed_out' ELSE outcome END,
+       extract(epoch FROM ended_at - acquired_at)::float8,
+       NULL
+  FROM pgsemaphore.advisory_claims
+ WHERE ",
+            advisory_in_window!(),
+            "
+   AND ",
+            not_lease!()
+        )
     };
 }
 
@@ -56,98 +116,55 @@ SELECT NULL, slot, NULL, NULL, NULL, NULL,
  ORDER BY created_at, id, slot, pid"
 );
 
-/// Claims of one semaphore that overlap the window [$2, $3): a lease
-/// semaphore's, in claim order, or an advisory semaphore's finished
-/// permits, in the order they were acquired; each with its outcome as an
-/// `Outcome` names it (an advisory `released` is `completed`, `lost` is
-/// `timed_out`).
-const HISTORY: &str = concat!(
-    "\
-SELECT id, ARRAY[slot] AS slots, holder, metadata, created_at, expires_at,
-       coalesce(completed_at, timed_out_at) AS ended_at,
-       CASE WHEN completed_at IS NOT NULL THEN 'completed'
-            WHEN timed_out_at IS NOT NULL THEN 'timed_out'
-            ELSE 'live' END AS outcome,
-       extract(epoch FROM coalesce(completed_at, timed_out_at, clock_timestamp()) - created_at)::float8
-           AS held_seconds,
-       group_id
-  FROM pgsemaphore.slots
- WHERE semaphore = $1
-   AND created_at < $3
-   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
-UNION ALL
-SELECT NULL, slots, holder, metadata, acquired_at, NULL, ended_at,
-       CASE outcome WHEN 'released' THEN 'completed' WHEN 'lost' THEN 'timed_out' ELSE outcome END,
-       extract(epoch FROM ended_at - acquired_at)::float8,
-       NULL
-  FROM pgsemaphore.advisory_claims
- WHERE semaphore = $1
-   AND acquired_at < $3
-   AND ended_at >= $2
-   AND ",
-    not_lease!(),
-    "
- ORDER BY id, created_at, ended_at"
-);
+/// The claims in the window (`claims_in_window!`): a lease semaphore's in
+/// claim order, an advisory one's in the order they were acquired.
+const HISTORY: &str = concat!(claims_in_window!(), "\n ORDER BY id, created_at, ended_at");
 
 /// Outcome counts and hold-time percentiles of the claims in the window
-/// (the claims `HISTORY` lists), and whether the semaphore is a lease one.
-/// Percentiles are over finished claims (`held` is NULL while live).
+/// (those `HISTORY` lists; percentiles over the finished ones), and
+/// whether the semaphore is a lease one.
 const SUMMARY: &str = concat!(
-    "\
-WITH w AS (
-    SELECT CASE WHEN completed_at IS NOT NULL THEN 'completed'
-                WHEN timed_out_at IS NOT NULL THEN 'timed_out'
-                ELSE 'live' END AS outcome,
-           extract(epoch FROM coalesce(completed_at, timed_out_at) - created_at)::float8 AS held
-      FROM pgsemaphore.slots
-     WHERE semaphore = $1
-       AND created_at < $3
-       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
-    UNION ALL
-    SELECT outcome, extract(epoch FROM ended_at - acquired_at)::float8
-      FROM pgsemaphore.advisory_claims
-     WHERE semaphore = $1
-       AND acquired_at < $3
-       AND ended_at >= $2
-       AND ",
-    not_lease!(),
+    "WITH w AS (",
+    claims_in_window!(),
     "
 )
 SELECT EXISTS (SELECT FROM pgsemaphore.semaphores WHERE name = $1) AS lease,
-       count(*) FILTER (WHERE outcome IN ('completed', 'released')) AS completed,
+       count(*) FILTER (WHERE outcome = 'completed') AS completed,
        count(*) FILTER (WHERE outcome = 'dropped') AS dropped,
-       count(*) FILTER (WHERE outcome IN ('timed_out', 'lost')) AS timed_out,
+       count(*) FILTER (WHERE outcome = 'timed_out') AS timed_out,
        count(*) FILTER (WHERE outcome = 'live') AS live,
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY held) AS p50,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY held) AS p95,
-       max(held) AS max
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY held_seconds)
+           FILTER (WHERE ended_at IS NOT NULL) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY held_seconds)
+           FILTER (WHERE ended_at IS NOT NULL) AS p95,
+       max(held_seconds) FILTER (WHERE ended_at IS NOT NULL) AS max
   FROM w"
 );
 
 /// A report's frame: the semaphore's capacity, the transaction's clock (live
 /// claims are drawn up to it) and the highest slot held in the window.
-const REPORT_SCOPE: &str = "\
+const REPORT_SCOPE: &str = concat!(
+    "\
 SELECT s.capacity, now() AS as_of,
-       (SELECT max(slot)
-          FROM pgsemaphore.slots
-         WHERE semaphore = $1
-           AND created_at < $3
-           AND coalesce(completed_at, timed_out_at, 'infinity') >= $2) AS max_slot
+       (SELECT max(slot) FROM pgsemaphore.slots WHERE ",
+    lease_in_window!(),
+    ") AS max_slot
   FROM pgsemaphore.semaphores s
- WHERE s.name = $1";
+ WHERE s.name = $1"
+);
 
 /// The lease semaphore's claims of $1 that overlap the window [$2, $3), as a
 /// report's rows: one per claim (a claim is one slot); `ended_at` null
 /// while live.
 macro_rules! lease_claims {
     () => {
-        "\
+        concat!(
+            "\
 SELECT slot, holder, created_at, coalesce(completed_at, timed_out_at) AS ended_at, timed_out_at
   FROM pgsemaphore.slots
- WHERE semaphore = $1
-   AND created_at < $3
-   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2"
+ WHERE ",
+            lease_in_window!()
+        )
     };
 }
 
@@ -158,26 +175,28 @@ SELECT slot, holder, created_at, coalesce(completed_at, timed_out_at) AS ended_a
 /// the log: nothing here is live.
 macro_rules! advisory_slots {
     () => {
-        "\
+        concat!(
+            "\
 SELECT slot, holder, acquired_at AS created_at, ended_at,
        CASE WHEN outcome = 'lost' THEN ended_at END AS timed_out_at
   FROM pgsemaphore.advisory_claims, unnest(slots) AS slot
- WHERE semaphore = $1
-   AND acquired_at < $3
-   AND ended_at >= $2"
+ WHERE ",
+            advisory_in_window!()
+        )
     };
 }
 
 /// As `advisory_slots!`, one row per permit: the population of hold times.
 macro_rules! advisory_permits {
     () => {
-        "\
+        concat!(
+            "\
 SELECT holder, acquired_at AS created_at, ended_at,
        CASE WHEN outcome = 'lost' THEN ended_at END AS timed_out_at
   FROM pgsemaphore.advisory_claims
- WHERE semaphore = $1
-   AND acquired_at < $3
-   AND ended_at >= $2"
+ WHERE ",
+            advisory_in_window!()
+        )
     };
 }
 
@@ -1035,14 +1054,10 @@ impl AuditLog {
         semaphore: &str,
         window: Range<DateTime<Utc>>,
     ) -> Result<Vec<ClaimRecord>> {
-        check_window(&window)?;
         let db = self.db();
-        let query = db
-            .query_as::<HistoryRow>(HISTORY)
-            .bind(semaphore.to_owned())
-            .bind(window.start)
-            .bind(window.end);
-        let rows = db.fetch_all(query).await?;
+        let rows: Vec<HistoryRow> = db
+            .fetch_all(windowed(&db, HISTORY, semaphore, &window)?)
+            .await?;
         Ok(rows.into_iter().map(ClaimRecord::from).collect())
     }
 
@@ -1078,14 +1093,11 @@ impl AuditLog {
     ///
     /// Read-only: cancel at will.
     pub async fn summary(&self, semaphore: &str, window: Range<DateTime<Utc>>) -> Result<Summary> {
-        check_window(&window)?;
         let db = self.db();
-        let query = db
-            .query_as::<SummaryRow>(SUMMARY)
-            .bind(semaphore.to_owned())
-            .bind(window.start)
-            .bind(window.end);
-        Ok(Summary::from(db.fetch_one(query).await?))
+        let row: SummaryRow = db
+            .fetch_one(windowed(&db, SUMMARY, semaphore, &window)?)
+            .await?;
+        Ok(Summary::from(row))
     }
 }
 
@@ -1392,6 +1404,25 @@ impl From<SummaryRow> for Summary {
             max_hold: row.max.map(seconds),
         }
     }
+}
+
+/// `sql`, bound as `$1` `semaphore` and `$2`, `$3` the window, once the
+/// window is checked.
+fn windowed<O>(
+    db: &Db,
+    sql: &'static str,
+    semaphore: &str,
+    window: &Range<DateTime<Utc>>,
+) -> Result<Statement<O>>
+where
+    O: for<'r> FromRow<'r, PgRow>,
+{
+    check_window(window)?;
+    Ok(db
+        .query_as(sql)
+        .bind(semaphore.to_owned())
+        .bind(window.start)
+        .bind(window.end))
 }
 
 fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
