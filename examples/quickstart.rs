@@ -80,7 +80,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n== audit log of this run ({:.1?})", t0.elapsed());
     println!(
         "   claims     {} completed, {} timed out, {} still held",
-        summary.completed, summary.timed_out, summary.live
+        summary.completed,
+        summary.timed_out,
+        summary.live.unwrap_or(0)
     );
     println!(
         "   hold time  p50 {}, p95 {}, max {}",

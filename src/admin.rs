@@ -14,39 +14,38 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::audit::Holder;
+use crate::audit::{Holder, HolderRow, SemaphoreKind};
 use crate::db::Db;
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::semaphore::QueueOrder;
 use crate::validate;
 
-/// Every semaphore with its live claims, read in one statement (one
-/// snapshot). `as_of` is the database clock at that statement, so ages and
-/// remaining leases are computed on the same clock as the leases themselves.
+/// Every semaphore of either kind with its live holders, read in one
+/// statement (one snapshot): a lease semaphore's live claims (`lease`
+/// true), an advisory semaphore's held slots (the sessions whose advisory
+/// locks they are, from `pgsemaphore.advisory_holders`: `pg_locks` and
+/// `pg_stat_activity` as the statement reads them; `client_addr` as text
+/// without its netmask). `as_of` is the database clock at that statement,
+/// so ages and remaining leases are computed on the same clock as the
+/// leases themselves.
 const STATUS: &str = "\
-SELECT s.name, s.capacity,
+SELECT true AS lease, s.name, s.capacity,
        extract(epoch FROM s.default_lease)::float8 AS lease_seconds,
        s.created_at AS semaphore_created_at, s.updated_at,
        statement_timestamp() AS as_of,
-       l.id, l.slot, l.holder, l.metadata, l.created_at, l.expires_at
+       l.id, l.slot, l.holder, l.metadata, l.created_at, l.expires_at,
+       NULL::int4 AS pid, NULL::text AS application_name, NULL::text AS client_addr,
+       NULL::timestamptz AS backend_start, NULL::bool AS shared
   FROM pgsemaphore.semaphores s
   LEFT JOIN pgsemaphore.live_slots l ON l.semaphore = s.name
  WHERE s.family IS NULL OR l.id IS NOT NULL
- ORDER BY s.name, l.created_at, l.id";
-
-/// Every advisory semaphore with the live holders of its slots, read in one
-/// statement (one snapshot of the table; `pg_locks` and `pg_stat_activity`
-/// as the statement reads them). A holder is whatever session holds a
-/// slot's key (`pgsemaphore.advisory_holders`). `client_addr` as text
-/// without its netmask.
-const ADVISORY_STATUS: &str = "\
-SELECT a.name, a.capacity, a.created_at, a.updated_at,
-       statement_timestamp() AS as_of,
-       h.slot, h.pid, h.application_name, host(h.client_addr) AS client_addr,
-       h.backend_start, h.mode = 'shared' AS shared
+UNION ALL
+SELECT false, a.name, a.capacity, NULL, a.created_at, a.updated_at, statement_timestamp(),
+       NULL, h.slot, NULL, NULL, NULL, NULL,
+       h.pid, h.application_name, host(h.client_addr), h.backend_start, h.mode = 'shared'
   FROM pgsemaphore.advisory_semaphores a
   LEFT JOIN pgsemaphore.advisory_holders h ON h.semaphore = a.name
- ORDER BY a.name, h.slot, h.pid";
+ ORDER BY name, lease, created_at, id, slot, pid";
 
 /// Ends a claim, whoever holds it.
 const FORCE_RELEASE: &str =
@@ -101,64 +100,57 @@ fn db(pool: &PgPool) -> Db {
     Db::new(pool, true)
 }
 
-/// A lease semaphore ([`Semaphore`](crate::Semaphore)) as stored, with its
-/// live claims; listed by [`semaphores`] (advisory semaphores:
-/// [`AdvisorySemaphoreInfo`]).
+/// A semaphore as stored, with its live holders; listed by [`semaphores`].
+/// Its [`kind`](Self::kind) says whether it is a lease
+/// [`Semaphore`](crate::Semaphore) or an
+/// [`AdvisorySemaphore`](crate::AdvisorySemaphore), and so what its
+/// holders are (see [`Holder`]).
 ///
-/// With the `serde` feature it serializes as `{"name", "capacity", "held",
-/// "default_lease_seconds", "created_at", "updated_at", "as_of", "holders"}`,
-/// each holder as a [`Holder`] plus its `age_seconds` and
+/// With the `serde` feature it serializes as `{"kind", "name", "capacity",
+/// "held", "default_lease_seconds", "created_at", "updated_at", "as_of",
+/// "holders"}` (`default_lease_seconds` for a lease semaphore only), each
+/// holder as a [`Holder`]; a lease holder adds its `age_seconds` and
 /// `lease_left_seconds` at `as_of` (negative once its lease has run out).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct SemaphoreInfo {
-    /// The semaphore's name.
-    pub name: String,
-    /// Its capacity: how many claims may be live at once.
-    pub capacity: u32,
-    /// The lease given to claims that do not choose their own.
-    pub default_lease: Duration,
-    /// When the semaphore was first built.
-    pub created_at: DateTime<Utc>,
-    /// When its capacity or lease last changed.
-    pub updated_at: DateTime<Utc>,
-    /// The live claims, oldest first. Some may have an expired lease that no
-    /// reaper or claim has noticed yet (see [`Holder::expires_at`]).
-    pub holders: Vec<Holder>,
-    /// The database clock when this was read: compare it with a holder's
-    /// `created_at` (its age) and `expires_at` (its lease left).
-    pub as_of: DateTime<Utc>,
-}
-
-/// An advisory semaphore ([`AdvisorySemaphore`](crate::AdvisorySemaphore))
-/// as stored, with the live holders of its slots; listed by
-/// [`advisory_semaphores`].
-///
-/// With the `serde` feature it serializes as `{"kind": "advisory", "name",
-/// "capacity", "held", "created_at", "updated_at", "as_of", "holders"}`,
-/// each holder an [`AdvisoryHolder`]; `kind` tells it apart from a
-/// [`SemaphoreInfo`] (which has none) in `pg-semaphore status --json`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct AdvisorySemaphoreInfo {
+    /// The semaphore's kind.
+    pub kind: SemaphoreKind,
     /// The semaphore's name.
     pub name: String,
     /// Its capacity: how many slots may be held at once.
     pub capacity: u32,
+    /// Lease: the lease given to claims that do not choose their own.
+    pub default_lease: Option<Duration>,
     /// When the semaphore was first built.
     pub created_at: DateTime<Utc>,
-    /// When its capacity last changed.
+    /// When its capacity (or lease) last changed.
     pub updated_at: DateTime<Utc>,
-    /// The held slots, lowest first. After a capacity drop there may be
-    /// more of them than the capacity, on slots at or above it, until
-    /// their holders release (no new claim is admitted meanwhile).
-    pub holders: Vec<AdvisoryHolder>,
-    /// The database clock when this was read: compare it with a holder's
-    /// [`backend_start`](AdvisoryHolder::backend_start).
+    /// The live holders. A lease semaphore's live claims, oldest first:
+    /// some may have an expired lease that no reaper or claim has noticed
+    /// yet (see [`Holder::expires_at`]). An advisory semaphore's held
+    /// slots, lowest first: after a capacity drop there may be more of them
+    /// than the capacity, on slots at or above it, until their holders
+    /// release (no new claim is admitted meanwhile).
+    pub holders: Vec<Holder>,
+    /// The database clock when this was read: compare it with a lease
+    /// holder's `created_at` (its age) and `expires_at` (its lease left),
+    /// an advisory one's `backend_start`.
     pub as_of: DateTime<Utc>,
 }
 
-/// Adds `held`, and each holder's age and lease left at `as_of`: the
+impl SemaphoreInfo {
+    /// How many of its slots are held (an advisory slot held by several
+    /// sessions in shared mode counts once).
+    pub fn held(&self) -> u32 {
+        let mut slots: Vec<u32> = self.holders.iter().map(|h| h.slot).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots.len() as u32
+    }
+}
+
+/// Adds `held`, and each lease holder's age and lease left at `as_of`: the
 /// database clock, the one leases are measured on.
 #[cfg(feature = "serde")]
 impl serde::Serialize for SemaphoreInfo {
@@ -173,107 +165,33 @@ impl serde::Serialize for SemaphoreInfo {
         struct SeenHolder<'a> {
             #[serde(flatten)]
             holder: &'a Holder,
-            age_seconds: Option<f64>,
-            lease_left_seconds: Option<f64>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            age_seconds: Option<Option<f64>>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            lease_left_seconds: Option<Option<f64>>,
         }
         let holders: Vec<SeenHolder<'_>> = self
             .holders
             .iter()
             .map(|holder| SeenHolder {
                 holder,
-                age_seconds: delta_seconds(self.as_of - holder.created_at),
-                lease_left_seconds: delta_seconds(holder.expires_at - self.as_of),
+                age_seconds: holder.created_at.map(|at| delta_seconds(self.as_of - at)),
+                lease_left_seconds: holder.expires_at.map(|at| delta_seconds(at - self.as_of)),
             })
             .collect();
-        let mut s = serializer.serialize_struct("SemaphoreInfo", 8)?;
+        let mut s = serializer.serialize_struct("SemaphoreInfo", 9)?;
+        s.serialize_field("kind", &self.kind)?;
         s.serialize_field("name", &self.name)?;
         s.serialize_field("capacity", &self.capacity)?;
-        s.serialize_field("held", &self.holders.len())?;
-        s.serialize_field("default_lease_seconds", &self.default_lease.as_secs_f64())?;
+        s.serialize_field("held", &self.held())?;
+        if let Some(lease) = self.default_lease {
+            s.serialize_field("default_lease_seconds", &lease.as_secs_f64())?;
+        }
         s.serialize_field("created_at", &self.created_at)?;
         s.serialize_field("updated_at", &self.updated_at)?;
         s.serialize_field("as_of", &self.as_of)?;
         s.serialize_field("holders", &holders)?;
         s.end()
-    }
-}
-
-/// Adds `"kind": "advisory"` (a [`SemaphoreInfo`] has no `kind`, so the
-/// two can share a list) and `held`.
-#[cfg(feature = "serde")]
-impl serde::Serialize for AdvisorySemaphoreInfo {
-    fn serialize<S: serde::Serializer>(
-        &self,
-        serializer: S,
-    ) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct as _;
-        let mut s = serializer.serialize_struct("AdvisorySemaphoreInfo", 8)?;
-        s.serialize_field("kind", "advisory")?;
-        s.serialize_field("name", &self.name)?;
-        s.serialize_field("capacity", &self.capacity)?;
-        s.serialize_field("held", &self.held())?;
-        s.serialize_field("created_at", &self.created_at)?;
-        s.serialize_field("updated_at", &self.updated_at)?;
-        s.serialize_field("as_of", &self.as_of)?;
-        s.serialize_field("holders", &self.holders)?;
-        s.end()
-    }
-}
-
-/// A held slot of an advisory semaphore: the session whose advisory lock
-/// it is, as `pg_locks` and `pg_stat_activity` show it.
-///
-/// The session is one of a process's dedicated connections (an
-/// [`AdvisoryPermit`](crate::AdvisoryPermit)'s
-/// [`backend_pid`](crate::AdvisoryPermit::backend_pid); one session may
-/// hold several permits), or any client that took the slot's key with
-/// `pg_advisory_lock` (which only makes the semaphore look fuller). The
-/// permit's holder label and metadata are not there: they reach
-/// `pgsemaphore.advisory_claims` when the permit ends.
-///
-/// PostgreSQL shows a session's `client_addr` and `backend_start` only to
-/// its own role and to members of `pg_read_all_stats` (or `pg_monitor`):
-/// for the sessions of other roles they are `None`; the pid and the
-/// application name are always there.
-///
-/// With the `serde` feature it serializes as `{"slot", "pid",
-/// "application_name", "client_addr", "backend_start", "shared"}`, times in
-/// RFC 3339.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct AdvisoryHolder {
-    /// The slot held.
-    pub slot: u32,
-    /// The backend that holds the slot's lock (`pg_locks.pid`); `SELECT
-    /// pg_terminate_backend(pid)` frees at once every slot its session
-    /// holds (the permits' holders are told). `None` only for a prepared
-    /// transaction holding the key, never for a permit.
-    pub pid: Option<i32>,
-    /// The session's `application_name`: `pg-semaphore advisory` for the
-    /// crate's own sessions.
-    pub application_name: Option<String>,
-    /// The client's IP address; `None` over a Unix socket, or when not
-    /// visible to this role.
-    pub client_addr: Option<String>,
-    /// When the session connected (not when it took the slot: a process
-    /// reuses its sessions for many permits); `None` when not visible to
-    /// this role.
-    pub backend_start: Option<DateTime<Utc>>,
-    /// The key is held in shared mode (`pg_advisory_lock_shared`), which no
-    /// claim takes: not a permit, but the slot cannot be claimed while it
-    /// lasts (several sessions may hold one slot so, each listed).
-    pub shared: bool,
-}
-
-impl AdvisorySemaphoreInfo {
-    /// How many of its slots are held, in either mode (a slot held by
-    /// several sessions in shared mode counts once).
-    pub fn held(&self) -> u32 {
-        let mut slots: Vec<u32> = self.holders.iter().map(|h| h.slot).collect();
-        slots.sort_unstable();
-        slots.dedup();
-        slots.len() as u32
     }
 }
 
@@ -318,22 +236,21 @@ pub enum ReleaseOutcome {
 
 #[derive(sqlx::FromRow)]
 struct StatusRow {
+    lease: bool,
     name: String,
     capacity: i32,
-    lease_seconds: f64,
+    lease_seconds: Option<f64>,
     semaphore_created_at: DateTime<Utc>,
     updated_at: DateTime<Utc>,
     as_of: DateTime<Utc>,
-    id: Option<i64>,
-    slot: Option<i32>,
-    holder: Option<String>,
-    metadata: Option<serde_json::Value>,
-    created_at: Option<DateTime<Utc>>,
-    expires_at: Option<DateTime<Utc>>,
+    #[sqlx(flatten)]
+    holder: HolderRow,
 }
 
-/// Every lease semaphore in the database, by name, each with its live
-/// claims. Advisory semaphores are listed by [`advisory_semaphores`]. A
+/// Every semaphore in the database, lease and advisory, by name, each with
+/// its [`kind`](SemaphoreInfo::kind) and its live holders: a lease
+/// semaphore's live claims, oldest first; the sessions that hold an
+/// advisory semaphore's slots, by slot. A name belongs to one kind only. A
 /// key of a [semaphore family](crate::SemaphoreFamily) (named
 /// `@family/key`) is listed only while it is held: a family may have a
 /// million keys ([`families`](crate::families) and
@@ -342,14 +259,24 @@ struct StatusRow {
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// for sem in pg_semaphore::semaphores(&pool).await? {
-///     println!("{}: {} of {} held", sem.name, sem.holders.len(), sem.capacity);
+///     println!("{} ({:?}): {} of {} held", sem.name, sem.kind, sem.held(), sem.capacity);
 ///     for h in &sem.holders {
-///         println!("  #{} {} for {}", h.id, h.holder, sem.as_of - h.created_at);
+///         match (h.id, &h.holder, h.pid) {
+///             (Some(id), Some(holder), _) => println!("  #{id} {holder} on slot {}", h.slot),
+///             (_, _, pid) => println!("  slot {} by pid {pid:?}", h.slot),
+///         }
 ///     }
 /// }
 /// # Ok(())
 /// # }
 /// ```
+///
+/// # Privileges
+///
+/// Reads the semaphores' tables and the view
+/// `pgsemaphore.advisory_holders`, which the README's grants give both the
+/// application and the operator role. What a role sees of other roles'
+/// sessions is limited: see [`Holder`].
 ///
 /// # Errors
 ///
@@ -363,108 +290,26 @@ pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
     let rows: Vec<StatusRow> = db.fetch_all(db.query_as(STATUS)).await?;
     let mut list: Vec<SemaphoreInfo> = Vec::new();
     for row in rows {
-        if list.last().is_none_or(|last| last.name != row.name) {
+        let kind = SemaphoreKind::lease_if(row.lease);
+        if list
+            .last()
+            .is_none_or(|last| last.name != row.name || last.kind != kind)
+        {
             list.push(SemaphoreInfo {
-                name: row.name.clone(),
+                kind,
+                name: row.name,
                 capacity: row.capacity.max(0) as u32,
-                default_lease: Duration::try_from_secs_f64(row.lease_seconds)
-                    .unwrap_or(Duration::ZERO),
+                default_lease: row
+                    .lease_seconds
+                    .map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)),
                 created_at: row.semaphore_created_at,
                 updated_at: row.updated_at,
                 holders: Vec::new(),
                 as_of: row.as_of,
             });
         }
-        if let (Some(id), Some(slot), Some(holder), Some(created_at), Some(expires_at)) =
-            (row.id, row.slot, row.holder, row.created_at, row.expires_at)
-        {
-            let info = list.last_mut().expect("pushed above");
-            info.holders.push(Holder {
-                id,
-                slot,
-                holder,
-                metadata: row.metadata,
-                created_at,
-                expires_at,
-            });
-        }
-    }
-    Ok(list)
-}
-
-#[derive(sqlx::FromRow)]
-struct AdvisoryStatusRow {
-    name: String,
-    capacity: i32,
-    created_at: DateTime<Utc>,
-    updated_at: DateTime<Utc>,
-    as_of: DateTime<Utc>,
-    slot: Option<i32>,
-    pid: Option<i32>,
-    application_name: Option<String>,
-    client_addr: Option<String>,
-    backend_start: Option<DateTime<Utc>>,
-    shared: Option<bool>,
-}
-
-/// Every advisory semaphore in the database, by name, each with the
-/// sessions that hold its slots, by slot. Lease semaphores are listed by
-/// [`semaphores`]; a name belongs to one kind only.
-///
-/// ```no_run
-/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// for sem in pg_semaphore::advisory_semaphores(&pool).await? {
-///     println!("{}: {} of {} held", sem.name, sem.holders.len(), sem.capacity);
-///     for h in &sem.holders {
-///         println!("  slot {} by pid {:?} ({:?})", h.slot, h.pid, h.application_name);
-///     }
-/// }
-/// # Ok(())
-/// # }
-/// ```
-///
-/// # Privileges
-///
-/// Reads `pgsemaphore.advisory_semaphores` and the view
-/// `pgsemaphore.advisory_holders`, which the README's grants give both the
-/// application and the operator role (`GRANT SELECT ON ALL TABLES` covers
-/// views that exist when it runs: run the grants again after migrating to
-/// schema version 3). What a role sees of other roles' sessions is
-/// limited: see [`AdvisoryHolder`].
-///
-/// # Errors
-///
-/// [`Error::Schema`] (also for a schema older than version 3,
-/// which has no advisory semaphores), [`Error::Database`].
-///
-/// # Cancel safety
-///
-/// Read-only: cancel at will.
-pub async fn advisory_semaphores(pool: &PgPool) -> Result<Vec<AdvisorySemaphoreInfo>> {
-    let db = db(pool);
-    let rows: Vec<AdvisoryStatusRow> = db.fetch_all(db.query_as(ADVISORY_STATUS)).await?;
-    let mut list: Vec<AdvisorySemaphoreInfo> = Vec::new();
-    for row in rows {
-        if list.last().is_none_or(|last| last.name != row.name) {
-            list.push(AdvisorySemaphoreInfo {
-                name: row.name.clone(),
-                capacity: row.capacity.max(0) as u32,
-                created_at: row.created_at,
-                updated_at: row.updated_at,
-                holders: Vec::new(),
-                as_of: row.as_of,
-            });
-        }
-        if let Some(slot) = row.slot {
-            let info = list.last_mut().expect("pushed above");
-            info.holders.push(AdvisoryHolder {
-                slot: slot.max(0) as u32,
-                pid: row.pid,
-                application_name: row.application_name,
-                client_addr: row.client_addr,
-                backend_start: row.backend_start,
-                shared: row.shared.unwrap_or(false),
-            });
+        if let Some(holder) = row.holder.into_holder() {
+            list.last_mut().expect("pushed above").holders.push(holder);
         }
     }
     Ok(list)
@@ -1109,10 +954,22 @@ pub async fn clear_rate_limit(
     limiter: &str,
     key: Option<&str>,
 ) -> Result<bool> {
+    rate_setting(pool, CLEAR_RATE_LIMIT, kind, limiter, key).await
+}
+
+/// Runs `sql`, a rate settings function of `(kind, limiter, key)` that
+/// answers whether there was something to change.
+async fn rate_setting(
+    pool: &PgPool,
+    sql: &'static str,
+    kind: LimiterKind,
+    limiter: &str,
+    key: Option<&str>,
+) -> Result<bool> {
     rate_target(limiter, key)?;
     let db = db(pool);
     let query = db
-        .query_as::<(bool,)>(CLEAR_RATE_LIMIT)
+        .query_as::<(bool,)>(sql)
         .bind(kind.as_str())
         .bind(limiter.to_owned())
         .bind(key.map(str::to_owned));
@@ -1191,18 +1048,7 @@ pub async fn resume_rate_limit(
     limiter: &str,
     key: Option<&str>,
 ) -> Result<bool> {
-    rate_target(limiter, key)?;
-    let db = db(pool);
-    let query = db
-        .query_as::<(bool,)>(RESUME_RATE_LIMIT)
-        .bind(kind.as_str())
-        .bind(limiter.to_owned())
-        .bind(key.map(str::to_owned));
-    Ok(db
-        .fetch_one(query)
-        .await
-        .map_err(|e| rate_settings_stalled(e, limiter))?
-        .0)
+    rate_setting(pool, RESUME_RATE_LIMIT, kind, limiter, key).await
 }
 
 #[cfg(all(test, feature = "serde"))]
@@ -1217,56 +1063,84 @@ mod serialize_tests {
             .with_timezone(&Utc)
     }
 
+    fn lease_holder(created_at: &str, expires_at: &str) -> Holder {
+        Holder {
+            kind: SemaphoreKind::Lease,
+            slot: 0,
+            id: Some(1),
+            holder: Some("a".into()),
+            metadata: None,
+            created_at: Some(at(created_at)),
+            expires_at: Some(at(expires_at)),
+            pid: None,
+            application_name: None,
+            client_addr: None,
+            backend_start: None,
+            shared: None,
+        }
+    }
+
+    fn advisory_holder(slot: u32, pid: i32, visible: bool) -> Holder {
+        Holder {
+            kind: SemaphoreKind::Advisory,
+            slot,
+            id: None,
+            holder: None,
+            metadata: None,
+            created_at: None,
+            expires_at: None,
+            pid: Some(pid),
+            application_name: Some("pg-semaphore advisory".into()),
+            client_addr: visible.then(|| "10.0.0.7".into()),
+            backend_start: visible.then(|| at("2026-11-21T07:59:00Z")),
+            shared: Some(false),
+        }
+    }
+
     #[test]
     fn a_semaphore_s_holders_carry_their_age_and_lease_left() {
         let info = SemaphoreInfo {
+            kind: SemaphoreKind::Lease,
             name: "payments".into(),
             capacity: 3,
-            default_lease: Duration::from_secs(600),
+            default_lease: Some(Duration::from_secs(600)),
             created_at: at("2026-11-21T07:00:00Z"),
             updated_at: at("2026-11-21T07:00:00Z"),
-            holders: vec![Holder {
-                id: 1,
-                slot: 0,
-                holder: "a".into(),
-                metadata: None,
-                created_at: at("2026-11-21T08:00:00Z"),
-                expires_at: at("2026-11-21T08:00:10Z"),
-            }],
+            holders: vec![lease_holder("2026-11-21T08:00:00Z", "2026-11-21T08:00:10Z")],
             as_of: at("2026-11-21T08:00:12.5Z"),
         };
         let value = serde_json::to_value(&info).unwrap();
+        assert_eq!(value["kind"], "lease");
         assert_eq!(value["held"], 1);
         assert_eq!(value["default_lease_seconds"], 600.0);
-        assert_eq!(value["holders"][0]["claimed_at"], "2026-11-21T08:00:00Z");
-        assert_eq!(value["holders"][0]["age_seconds"], 12.5);
-        assert_eq!(value["holders"][0]["lease_left_seconds"], -2.5);
+        assert_eq!(
+            value["holders"][0],
+            json!({
+                "kind": "lease",
+                "id": 1,
+                "slot": 0,
+                "holder": "a",
+                "metadata": null,
+                "claimed_at": "2026-11-21T08:00:00Z",
+                "expires_at": "2026-11-21T08:00:10Z",
+                "age_seconds": 12.5,
+                "lease_left_seconds": -2.5,
+            })
+        );
     }
 
     #[test]
     fn an_advisory_semaphore_says_its_kind_and_its_holders_sessions() {
-        let info = AdvisorySemaphoreInfo {
+        let info = SemaphoreInfo {
+            kind: SemaphoreKind::Advisory,
             name: "exports".into(),
             capacity: 3,
+            default_lease: None,
             created_at: at("2026-11-21T07:00:00Z"),
             updated_at: at("2026-11-21T07:30:00Z"),
             holders: vec![
-                AdvisoryHolder {
-                    slot: 0,
-                    pid: Some(4242),
-                    application_name: Some("pg-semaphore advisory".into()),
-                    client_addr: Some("10.0.0.7".into()),
-                    backend_start: Some(at("2026-11-21T07:59:00Z")),
-                    shared: false,
-                },
-                AdvisoryHolder {
-                    slot: 2,
-                    pid: Some(4243),
-                    application_name: Some("pg-semaphore advisory".into()),
-                    client_addr: None,
-                    backend_start: None,
-                    shared: false,
-                },
+                advisory_holder(0, 4242, true),
+                advisory_holder(2, 4243, false),
             ],
             as_of: at("2026-11-21T08:00:00Z"),
         };
@@ -1282,6 +1156,7 @@ mod serialize_tests {
                 "as_of": "2026-11-21T08:00:00Z",
                 "holders": [
                     {
+                        "kind": "advisory",
                         "slot": 0,
                         "pid": 4242,
                         "application_name": "pg-semaphore advisory",
@@ -1290,6 +1165,7 @@ mod serialize_tests {
                         "shared": false,
                     },
                     {
+                        "kind": "advisory",
                         "slot": 2,
                         "pid": 4243,
                         "application_name": "pg-semaphore advisory",

@@ -7,11 +7,14 @@
 //! report is drawn (`pg-semaphore report`'s page, and the resolution it
 //! asks for) is the binary's.
 //!
-//! The report's statements are built from two parts, each written once: the
-//! claims of one kind, as rows `(slot, holder, created_at, ended_at,
-//! timed_out_at)` (`lease_claims!`, `advisory_slots!`, `advisory_permits!`),
-//! and the aggregation over them, which reads those rows as `k`
-//! (`report_cells!`, `report_peaks!`, `report_hold_times!`).
+//! The statements are built from parts, each written once: which claims of
+//! each kind overlap a window (`lease_in_window!`, `advisory_in_window!`);
+//! the claims of either kind as one kind of row, which the history lists
+//! and the summary counts (`claims_in_window!`); for a report, the claims
+//! of one kind as rows `(slot, holder, created_at, ended_at, timed_out_at)`
+//! (`lease_claims!`, `advisory_slots!`, `advisory_permits!`), and the
+//! aggregation over them, which reads those rows as `k` (`report_cells!`,
+//! `report_peaks!`, `report_hold_times!`).
 
 use std::ops::Range;
 use std::time::Duration;
@@ -21,70 +24,147 @@ use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::QueryAs;
 use sqlx::{FromRow, PgPool, Postgres};
 
-use crate::db::Db;
+use crate::db::{Db, Statement};
 use crate::error::{Error, Result, ours};
 use crate::validate;
 
-/// Live holders of one semaphore, oldest first.
-const HOLDERS: &str = "\
-SELECT id, slot, holder, metadata, created_at, expires_at
-  FROM pgsemaphore.live_slots
- WHERE semaphore = $1
- ORDER BY created_at, id";
+/// A lease claim of $1 that overlaps the window [$2, $3): claimed before
+/// its end, not ended before its start (a live claim has not ended).
+macro_rules! lease_in_window {
+    () => {
+        "semaphore = $1
+   AND created_at < $3
+   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2"
+    };
+}
 
-/// Claims of one semaphore that overlap the window [$2, $3), in claim order.
-const HISTORY: &str = "\
-SELECT id, slot, holder, metadata, created_at, expires_at, completed_at, timed_out_at,
+/// An advisory permit of $1 (a row of its log: finished) that overlaps
+/// the window [$2, $3).
+macro_rules! advisory_in_window {
+    () => {
+        "semaphore = $1
+   AND acquired_at < $3
+   AND ended_at >= $2"
+    };
+}
+
+/// Whether `$1` is a lease semaphore's name: each statement below reads
+/// the advisory side only when it is not (a name belongs to one kind; the
+/// advisory log may outlive its semaphore). Uncorrelated, so PostgreSQL
+/// evaluates it once, before the scan it gates (which it never starts for
+/// a lease semaphore).
+macro_rules! not_lease {
+    () => {
+        "NOT EXISTS (SELECT FROM pgsemaphore.semaphores WHERE name = $1)"
+    };
+}
+
+/// The claims of $1 that overlap the window [$2, $3), of either kind: a
+/// lease semaphore's claims, or an advisory semaphore's finished permits,
+/// each with its outcome as an `Outcome` names it (an advisory `released`
+/// is `completed`, `lost` is `timed_out`) and its hold time (a live
+/// claim's, up to now).
+macro_rules! claims_in_window {
+    () => {
+        concat!(
+            "
+SELECT id, ARRAY[slot] AS slots, holder, metadata, created_at, expires_at,
+       coalesce(completed_at, timed_out_at) AS ended_at,
+       CASE WHEN completed_at IS NOT NULL THEN 'completed'
+            WHEN timed_out_at IS NOT NULL THEN 'timed_out'
+            ELSE 'live' END AS outcome,
        extract(epoch FROM coalesce(completed_at, timed_out_at, clock_timestamp()) - created_at)::float8
            AS held_seconds,
        group_id
   FROM pgsemaphore.slots
- WHERE semaphore = $1
-   AND created_at < $3
-   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
- ORDER BY id";
+ WHERE ",
+            lease_in_window!(),
+            "
+UNION ALL
+SELECT NULL, slots, holder, metadata, acquired_at, NULL, ended_at,
+       CASE outcome WHEN 'released' THEN 'completed' WHEN 'lost' THEN 'timed_out' ELSE outcome END,
+       extract(epoch FROM ended_at - acquired_at)::float8,
+       NULL
+  FROM pgsemaphore.advisory_claims
+ WHERE ",
+            advisory_in_window!(),
+            "
+   AND ",
+            not_lease!()
+        )
+    };
+}
 
-/// Outcome counts and hold-time percentiles of the finished claims in the window.
-const SUMMARY: &str = "\
-WITH w AS (
-    SELECT completed_at, timed_out_at,
-           extract(epoch FROM coalesce(completed_at, timed_out_at) - created_at)::float8 AS held
-      FROM pgsemaphore.slots
-     WHERE semaphore = $1
-       AND created_at < $3
-       AND coalesce(completed_at, timed_out_at, 'infinity') >= $2
+/// Live holders of one semaphore: a lease semaphore's live claims, oldest
+/// first, or an advisory semaphore's held slots (the sessions whose
+/// advisory locks they are, from `pg_locks`), by slot.
+const HOLDERS: &str = concat!(
+    "\
+SELECT id, slot, holder, metadata, created_at, expires_at,
+       NULL::int4 AS pid, NULL::text AS application_name, NULL::text AS client_addr,
+       NULL::timestamptz AS backend_start, NULL::bool AS shared
+  FROM pgsemaphore.live_slots
+ WHERE semaphore = $1
+UNION ALL
+SELECT NULL, slot, NULL, NULL, NULL, NULL,
+       pid, application_name, host(client_addr), backend_start, mode = 'shared'
+  FROM pgsemaphore.advisory_holders
+ WHERE semaphore = $1
+   AND ",
+    not_lease!(),
+    "
+ ORDER BY created_at, id, slot, pid"
+);
+
+/// The claims in the window (`claims_in_window!`): a lease semaphore's in
+/// claim order, an advisory one's in the order they were acquired.
+const HISTORY: &str = concat!(claims_in_window!(), "\n ORDER BY id, created_at, ended_at");
+
+/// Outcome counts and hold-time percentiles of the claims in the window
+/// (those `HISTORY` lists; percentiles over the finished ones), and
+/// whether the semaphore is a lease one.
+const SUMMARY: &str = concat!(
+    "WITH w AS (",
+    claims_in_window!(),
+    "
 )
-SELECT count(*) FILTER (WHERE completed_at IS NOT NULL) AS completed,
-       count(*) FILTER (WHERE timed_out_at IS NOT NULL) AS timed_out,
-       count(*) FILTER (WHERE completed_at IS NULL AND timed_out_at IS NULL) AS live,
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY held) AS p50,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY held) AS p95,
-       max(held) AS max
-  FROM w";
+SELECT EXISTS (SELECT FROM pgsemaphore.semaphores WHERE name = $1) AS lease,
+       count(*) FILTER (WHERE outcome = 'completed') AS completed,
+       count(*) FILTER (WHERE outcome = 'dropped') AS dropped,
+       count(*) FILTER (WHERE outcome = 'timed_out') AS timed_out,
+       count(*) FILTER (WHERE outcome = 'live') AS live,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY held_seconds)
+           FILTER (WHERE ended_at IS NOT NULL) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY held_seconds)
+           FILTER (WHERE ended_at IS NOT NULL) AS p95,
+       max(held_seconds) FILTER (WHERE ended_at IS NOT NULL) AS max
+  FROM w"
+);
 
 /// A report's frame: the semaphore's capacity, the transaction's clock (live
 /// claims are drawn up to it) and the highest slot held in the window.
-const REPORT_SCOPE: &str = "\
+const REPORT_SCOPE: &str = concat!(
+    "\
 SELECT s.capacity, now() AS as_of,
-       (SELECT max(slot)
-          FROM pgsemaphore.slots
-         WHERE semaphore = $1
-           AND created_at < $3
-           AND coalesce(completed_at, timed_out_at, 'infinity') >= $2) AS max_slot
+       (SELECT max(slot) FROM pgsemaphore.slots WHERE ",
+    lease_in_window!(),
+    ") AS max_slot
   FROM pgsemaphore.semaphores s
- WHERE s.name = $1";
+ WHERE s.name = $1"
+);
 
 /// The lease semaphore's claims of $1 that overlap the window [$2, $3), as a
 /// report's rows: one per claim (a claim is one slot); `ended_at` null
 /// while live.
 macro_rules! lease_claims {
     () => {
-        "\
+        concat!(
+            "\
 SELECT slot, holder, created_at, coalesce(completed_at, timed_out_at) AS ended_at, timed_out_at
   FROM pgsemaphore.slots
- WHERE semaphore = $1
-   AND created_at < $3
-   AND coalesce(completed_at, timed_out_at, 'infinity') >= $2"
+ WHERE ",
+            lease_in_window!()
+        )
     };
 }
 
@@ -95,26 +175,28 @@ SELECT slot, holder, created_at, coalesce(completed_at, timed_out_at) AS ended_a
 /// the log: nothing here is live.
 macro_rules! advisory_slots {
     () => {
-        "\
+        concat!(
+            "\
 SELECT slot, holder, acquired_at AS created_at, ended_at,
        CASE WHEN outcome = 'lost' THEN ended_at END AS timed_out_at
   FROM pgsemaphore.advisory_claims, unnest(slots) AS slot
- WHERE semaphore = $1
-   AND acquired_at < $3
-   AND ended_at >= $2"
+ WHERE ",
+            advisory_in_window!()
+        )
     };
 }
 
 /// As `advisory_slots!`, one row per permit: the population of hold times.
 macro_rules! advisory_permits {
     () => {
-        "\
+        concat!(
+            "\
 SELECT holder, acquired_at AS created_at, ended_at,
        CASE WHEN outcome = 'lost' THEN ended_at END AS timed_out_at
   FROM pgsemaphore.advisory_claims
- WHERE semaphore = $1
-   AND acquired_at < $3
-   AND ended_at >= $2"
+ WHERE ",
+            advisory_in_window!()
+        )
     };
 }
 
@@ -238,35 +320,6 @@ SELECT a.capacity, now() AS as_of,
     hold_times: concat!("WITH k AS (", advisory_permits!(), report_hold_times!()),
 };
 
-/// An advisory semaphore's finished permits that overlap the window
-/// [$2, $3), in the order they were acquired.
-const ADVISORY_HISTORY: &str = "\
-SELECT slots, holder, metadata, acquired_at, ended_at,
-       outcome = 'dropped' AS dropped, outcome = 'lost' AS lost
-  FROM pgsemaphore.advisory_claims
- WHERE semaphore = $1
-   AND acquired_at < $3
-   AND ended_at >= $2
- ORDER BY acquired_at, ended_at";
-
-/// Outcome counts and hold-time percentiles of an advisory semaphore's
-/// finished permits in the window.
-const ADVISORY_SUMMARY: &str = "\
-WITH w AS (
-    SELECT outcome, extract(epoch FROM ended_at - acquired_at)::float8 AS held
-      FROM pgsemaphore.advisory_claims
-     WHERE semaphore = $1
-       AND acquired_at < $3
-       AND ended_at >= $2
-)
-SELECT count(*) FILTER (WHERE outcome = 'released') AS released,
-       count(*) FILTER (WHERE outcome = 'dropped') AS dropped,
-       count(*) FILTER (WHERE outcome = 'lost') AS lost,
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY held) AS p50,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY held) AS p95,
-       max(held) AS max
-  FROM w";
-
 /// A report's default time buckets: the occupancy series and each lane's cells.
 const REPORT_BUCKETS: u32 = 240;
 /// A report's default bins of the hold-time histogram.
@@ -355,12 +408,11 @@ impl Default for ReportShape {
 /// ends, and over the advisory semaphores' log of finished permits: who
 /// held what, when, and for how long.
 ///
-/// A lease semaphore's [`holders`](Self::holders),
-/// [`history`](Self::history) and [`summary`](Self::summary); an advisory
-/// semaphore's [`advisory_history`](Self::advisory_history) and
-/// [`advisory_summary`](Self::advisory_summary) (its live holders are in
-/// [`advisory_semaphores`](crate::advisory_semaphores)); a
-/// [`report`](Self::report) of either kind.
+/// Each query takes a semaphore of either kind, lease or advisory (a name
+/// belongs to one kind), and says which in its answer's
+/// [`SemaphoreKind`]: [`holders`](Self::holders) now,
+/// [`history`](Self::history) and [`summary`](Self::summary) of a window,
+/// and a [`report`](Self::report).
 ///
 /// Each query runs as an unnamed statement in a short transaction of its
 /// own, so the audit log also works through a transaction-pooling proxy such
@@ -379,8 +431,8 @@ impl Default for ReportShape {
 /// println!("{} completed, {} timed out, p95 hold {:?}",
 ///          summary.completed, summary.timed_out, summary.p95_hold);
 /// for claim in log.history("payments-api", now - Duration::minutes(5)..now).await? {
-///     println!("#{} slot {} by {}: {:?} for {:?}",
-///              claim.id, claim.slot, claim.holder, claim.outcome, claim.held_for);
+///     println!("#{:?} slots {:?} by {}: {:?} for {:?}",
+///              claim.id, claim.slots, claim.holder, claim.outcome, claim.held_for);
 /// }
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }
@@ -390,253 +442,9 @@ pub struct AuditLog {
     pool: PgPool,
 }
 
-/// A live claim, as listed by [`AuditLog::holders`].
-///
-/// With the `serde` feature it serializes as `{"id", "slot", "holder",
-/// "metadata", "claimed_at", "expires_at"}`, times in RFC 3339.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct Holder {
-    /// The claim's id (the permit's fencing token).
-    pub id: i64,
-    /// The slot held.
-    pub slot: i32,
-    /// The holder label (default `host:pid`).
-    pub holder: String,
-    /// JSON recorded with the claim.
-    pub metadata: Option<serde_json::Value>,
-    /// When it was claimed.
-    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
-    pub created_at: DateTime<Utc>,
-    /// When its lease ends.
-    pub expires_at: DateTime<Utc>,
-}
-
-/// How a claim ended (or that it has not).
-///
-/// With the `serde` feature: `"completed"`, `"timed_out"` or `"live"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(
-    feature = "serde",
-    derive(serde::Serialize),
-    serde(rename_all = "snake_case")
-)]
-pub enum Outcome {
-    /// Released by its holder.
-    Completed,
-    /// Reaped after its lease expired.
-    TimedOut,
-    /// Still held.
-    Live,
-}
-
-/// One claim in a semaphore's history, as listed by [`AuditLog::history`].
-///
-/// With the `serde` feature it serializes as `{"id", "slot", "holder",
-/// "metadata", "claimed_at", "expires_at", "ended_at", "outcome",
-/// "held_seconds"}` (and "group_id" when set): times in RFC 3339 (`ended_at`
-/// null while live), the hold time in seconds.
-#[derive(Debug, Clone, PartialEq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct ClaimRecord {
-    /// The claim's id (the permit's fencing token).
-    pub id: i64,
-    /// The slot held.
-    pub slot: i32,
-    /// The holder label.
-    pub holder: String,
-    /// JSON recorded with the claim.
-    pub metadata: Option<serde_json::Value>,
-    /// When it was claimed.
-    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
-    pub created_at: DateTime<Utc>,
-    /// When its lease ends (or ended).
-    pub expires_at: DateTime<Utc>,
-    /// When it was released or reaped; `None` while live.
-    pub ended_at: Option<DateTime<Utc>>,
-    /// How it ended.
-    pub outcome: Outcome,
-    /// How long it was held (until now, for a live claim).
-    #[cfg_attr(
-        feature = "serde",
-        serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
-    )]
-    pub held_for: Duration,
-    /// For a claim made together with claims of other semaphores by one
-    /// [`Semaphore::acquire_all`](crate::Semaphore::acquire_all) (or
-    /// `pgsemaphore.claim_all`): the id of the first claim of that group,
-    /// shared by all of them (look it up in the other semaphores' history).
-    /// `None` for a claim of one semaphore. Serialized only when set.
-    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
-    pub group_id: Option<i64>,
-}
-
-/// Counts and hold times of a semaphore's claims over a window, from
-/// [`AuditLog::summary`].
-///
-/// With the `serde` feature it serializes as `{"total", "completed",
-/// "timed_out", "live", "p50_hold_seconds", "p95_hold_seconds",
-/// "max_hold_seconds"}`, hold times in seconds (null when none finished).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-#[non_exhaustive]
-pub struct Summary {
-    /// Claims released by their holder.
-    pub completed: u64,
-    /// Claims reaped after their lease expired.
-    pub timed_out: u64,
-    /// Claims still held.
-    pub live: u64,
-    /// Median hold time of the finished claims; `None` when none finished.
-    pub p50_hold: Option<Duration>,
-    /// 95th percentile hold time of the finished claims.
-    pub p95_hold: Option<Duration>,
-    /// Longest hold time of the finished claims.
-    pub max_hold: Option<Duration>,
-}
-
-impl Summary {
-    /// All claims counted.
-    pub fn total(&self) -> u64 {
-        self.completed + self.timed_out + self.live
-    }
-}
-
-/// Adds `total`.
-#[cfg(feature = "serde")]
-impl serde::Serialize for Summary {
-    fn serialize<S: serde::Serializer>(
-        &self,
-        serializer: S,
-    ) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct as _;
-        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
-        let mut s = serializer.serialize_struct("Summary", 7)?;
-        s.serialize_field("total", &self.total())?;
-        s.serialize_field("completed", &self.completed)?;
-        s.serialize_field("timed_out", &self.timed_out)?;
-        s.serialize_field("live", &self.live)?;
-        s.serialize_field("p50_hold_seconds", &secs(self.p50_hold))?;
-        s.serialize_field("p95_hold_seconds", &secs(self.p95_hold))?;
-        s.serialize_field("max_hold_seconds", &secs(self.max_hold))?;
-        s.end()
-    }
-}
-
-/// How an advisory semaphore's permit ended, as its audit log records it.
-///
-/// With the `serde` feature: `"released"`, `"dropped"` or `"lost"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(
-    feature = "serde",
-    derive(serde::Serialize),
-    serde(rename_all = "snake_case")
-)]
-pub enum AdvisoryOutcome {
-    /// Released by its holder ([`AdvisoryPermit::release`](crate::AdvisoryPermit::release)).
-    Released,
-    /// Released by the permit's `Drop`.
-    Dropped,
-    /// Its session ended or stopped answering: the server freed its slots
-    /// (the advisory counterpart of a lease that timed out).
-    Lost,
-}
-
-/// One finished permit of an advisory semaphore, as listed by
-/// [`AuditLog::advisory_history`].
-///
-/// The fields a [`ClaimRecord`] also has mean the same and serialize under
-/// the same names. What differs: a permit may hold several slots
-/// (`slots`), it has no claim id (an advisory permit's fencing is its
-/// session, not a token) and no lease (`expires_at`), and it is only ever
-/// finished: the audit writer appends it after it ends, in batches (about
-/// every half second), so live permits are not here; their slots are in
-/// [`advisory_semaphores`](crate::advisory_semaphores) and
-/// `pg-semaphore status`. A permit whose process died before its row was
-/// written is missing.
-///
-/// With the `serde` feature it serializes as `{"slots", "holder",
-/// "metadata", "claimed_at", "ended_at", "outcome", "held_seconds"}`: times
-/// in RFC 3339, the hold time in seconds.
-#[derive(Debug, Clone, PartialEq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct AdvisoryClaimRecord {
-    /// The slots held, lowest first.
-    pub slots: Vec<i32>,
-    /// The holder label.
-    pub holder: String,
-    /// JSON recorded with the permit.
-    pub metadata: Option<serde_json::Value>,
-    /// When it was acquired (the database clock).
-    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
-    pub acquired_at: DateTime<Utc>,
-    /// When it ended.
-    pub ended_at: DateTime<Utc>,
-    /// How it ended.
-    pub outcome: AdvisoryOutcome,
-    /// How long it was held.
-    #[cfg_attr(
-        feature = "serde",
-        serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
-    )]
-    pub held_for: Duration,
-}
-
-/// Counts and hold times of an advisory semaphore's finished permits over
-/// a window, from [`AuditLog::advisory_summary`]. Live permits are not in
-/// the log, so there is no `live` count (see [`AdvisoryClaimRecord`]).
-///
-/// With the `serde` feature it serializes as `{"total", "released",
-/// "dropped", "lost", "p50_hold_seconds", "p95_hold_seconds",
-/// "max_hold_seconds"}`, hold times in seconds (null when none finished).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-#[non_exhaustive]
-pub struct AdvisorySummary {
-    /// Permits released by their holder.
-    pub released: u64,
-    /// Permits released by their `Drop`.
-    pub dropped: u64,
-    /// Permits whose session ended: the server freed their slots.
-    pub lost: u64,
-    /// Median hold time; `None` when the window has no permit.
-    pub p50_hold: Option<Duration>,
-    /// 95th percentile hold time.
-    pub p95_hold: Option<Duration>,
-    /// Longest hold time.
-    pub max_hold: Option<Duration>,
-}
-
-impl AdvisorySummary {
-    /// All permits counted.
-    pub fn total(&self) -> u64 {
-        self.released + self.dropped + self.lost
-    }
-}
-
-/// Adds `total`.
-#[cfg(feature = "serde")]
-impl serde::Serialize for AdvisorySummary {
-    fn serialize<S: serde::Serializer>(
-        &self,
-        serializer: S,
-    ) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct as _;
-        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
-        let mut s = serializer.serialize_struct("AdvisorySummary", 7)?;
-        s.serialize_field("total", &self.total())?;
-        s.serialize_field("released", &self.released)?;
-        s.serialize_field("dropped", &self.dropped)?;
-        s.serialize_field("lost", &self.lost)?;
-        s.serialize_field("p50_hold_seconds", &secs(self.p50_hold))?;
-        s.serialize_field("p95_hold_seconds", &secs(self.p95_hold))?;
-        s.serialize_field("max_hold_seconds", &secs(self.max_hold))?;
-        s.end()
-    }
-}
-
-/// Which kind of semaphore a [`Report`] draws.
+/// Which kind of semaphore a [`Holder`], [`ClaimRecord`], [`Summary`],
+/// [`SemaphoreInfo`](crate::SemaphoreInfo) or [`Report`] is about: where
+/// the two kinds differ, it says which fields are filled.
 ///
 /// With the `serde` feature: `"lease"` or `"advisory"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -654,6 +462,268 @@ pub enum SemaphoreKind {
     /// advisory locks, finished permits rows of
     /// `pgsemaphore.advisory_claims`.
     Advisory,
+}
+
+impl SemaphoreKind {
+    /// `Lease` when the statement's `lease` column (or a lease-only
+    /// column's presence) says so.
+    pub(crate) fn lease_if(lease: bool) -> Self {
+        if lease {
+            SemaphoreKind::Lease
+        } else {
+            SemaphoreKind::Advisory
+        }
+    }
+}
+
+/// A live holder of a semaphore's slot, as listed by [`AuditLog::holders`]
+/// and in [`SemaphoreInfo::holders`](crate::SemaphoreInfo::holders).
+///
+/// Of a lease semaphore ([`kind`](Self::kind) [`SemaphoreKind::Lease`]): a
+/// live claim, with its id, holder label, metadata and lease. Of an
+/// advisory semaphore ([`SemaphoreKind::Advisory`]): the session whose
+/// advisory lock the slot is, as `pg_locks` and `pg_stat_activity` show
+/// it. That session is one of a process's dedicated connections (an
+/// [`AdvisoryPermit`](crate::AdvisoryPermit)'s
+/// [`backend_pid`](crate::AdvisoryPermit::backend_pid); one session may
+/// hold several permits), or any client that took the slot's key with
+/// `pg_advisory_lock` (which only makes the semaphore look fuller). An
+/// advisory permit's holder label and metadata are not there: they reach
+/// `pgsemaphore.advisory_claims` when the permit ends. PostgreSQL shows a
+/// session's `client_addr` and `backend_start` only to its own role and to
+/// members of `pg_read_all_stats` (or `pg_monitor`): for the sessions of
+/// other roles they are `None`; the pid and the application name are
+/// always there.
+///
+/// The fields only one kind has are `Option`s, filled for that kind only.
+///
+/// With the `serde` feature a lease holder serializes as `{"kind":
+/// "lease", "id", "slot", "holder", "metadata", "claimed_at",
+/// "expires_at"}`, an advisory one as `{"kind": "advisory", "slot", "pid",
+/// "application_name", "client_addr", "backend_start", "shared"}`, times in
+/// RFC 3339.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The semaphore's kind: which of the fields below are filled.
+    pub kind: SemaphoreKind,
+    /// The slot held.
+    pub slot: u32,
+    /// Lease: the claim's id (the permit's fencing token).
+    pub id: Option<i64>,
+    /// Lease: the holder label (default `host:pid`).
+    pub holder: Option<String>,
+    /// Lease: JSON recorded with the claim.
+    pub metadata: Option<serde_json::Value>,
+    /// Lease: when it was claimed.
+    pub created_at: Option<DateTime<Utc>>,
+    /// Lease: when its lease ends. A claim whose lease has run out stays
+    /// listed until a reaper or a claim notices.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Advisory: the backend that holds the slot's lock (`pg_locks.pid`);
+    /// `SELECT pg_terminate_backend(pid)` frees at once every slot its
+    /// session holds (the permits' holders are told). `None` also for a
+    /// prepared transaction holding the key, never for a permit.
+    pub pid: Option<i32>,
+    /// Advisory: the session's `application_name` (`pg-semaphore advisory`
+    /// for the crate's own sessions).
+    pub application_name: Option<String>,
+    /// Advisory: the client's IP address; `None` also over a Unix socket,
+    /// or when not visible to this role.
+    pub client_addr: Option<String>,
+    /// Advisory: when the session connected (not when it took the slot: a
+    /// process reuses its sessions for many permits); `None` also when not
+    /// visible to this role.
+    pub backend_start: Option<DateTime<Utc>>,
+    /// Advisory: whether the key is held in shared mode
+    /// (`pg_advisory_lock_shared`), which no claim takes: not a permit, but
+    /// the slot cannot be claimed while it lasts (several sessions may hold
+    /// one slot so, each listed).
+    pub shared: Option<bool>,
+}
+
+/// Each kind's fields, and `kind`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Holder {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let mut s = serializer.serialize_struct("Holder", 7)?;
+        s.serialize_field("kind", &self.kind)?;
+        match self.kind {
+            SemaphoreKind::Lease => {
+                s.serialize_field("id", &self.id)?;
+                s.serialize_field("slot", &self.slot)?;
+                s.serialize_field("holder", &self.holder)?;
+                s.serialize_field("metadata", &self.metadata)?;
+                s.serialize_field("claimed_at", &self.created_at)?;
+                s.serialize_field("expires_at", &self.expires_at)?;
+            }
+            SemaphoreKind::Advisory => {
+                s.serialize_field("slot", &self.slot)?;
+                s.serialize_field("pid", &self.pid)?;
+                s.serialize_field("application_name", &self.application_name)?;
+                s.serialize_field("client_addr", &self.client_addr)?;
+                s.serialize_field("backend_start", &self.backend_start)?;
+                s.serialize_field("shared", &self.shared.unwrap_or(false))?;
+            }
+        }
+        s.end()
+    }
+}
+
+/// How a claim or permit ended (or that it has not).
+///
+/// With the `serde` feature: `"completed"`, `"dropped"`, `"timed_out"` or
+/// `"live"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Released by its holder. Lease: by
+    /// [`Permit::release`](crate::Permit::release) or its `Drop` (the slot
+    /// table does not tell them apart). Advisory: by
+    /// [`AdvisoryPermit::release`](crate::AdvisoryPermit::release).
+    Completed,
+    /// Advisory only: released by the permit's `Drop`.
+    Dropped,
+    /// Ended without its holder. Lease: reaped after its lease expired.
+    /// Advisory: lost, its session ended or stopped answering and the
+    /// server freed its slots (what the CLI prints as `lost`).
+    TimedOut,
+    /// Lease only: still held (an advisory semaphore's log holds finished
+    /// permits only).
+    Live,
+}
+
+/// One claim in a semaphore's history, as listed by [`AuditLog::history`]:
+/// a lease semaphore's claim, or an advisory semaphore's finished permit.
+///
+/// What differs by [`kind`](Self::kind): a lease claim holds one slot, has
+/// an id and a lease, and may be live. An advisory permit may hold several
+/// slots, has no claim id (its fencing is its session, not a token) and no
+/// lease, and is only ever finished: the audit writer appends it after it
+/// ends, in batches (about every half second), so live permits are not
+/// here; their slots are in [`semaphores`](crate::semaphores) and
+/// `pg-semaphore status`. A permit whose process died before its row was
+/// written is missing.
+///
+/// With the `serde` feature it serializes as `{"kind", "id", "slots",
+/// "holder", "metadata", "claimed_at", "expires_at", "ended_at",
+/// "outcome", "held_seconds", "group_id"}`, the fields a kind does not fill
+/// (`id`, `expires_at`, `group_id`) left out: times in RFC 3339 (`ended_at`
+/// null while live), the hold time in seconds.
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct ClaimRecord {
+    /// The semaphore's kind: which of the fields below are filled.
+    pub kind: SemaphoreKind,
+    /// Lease: the claim's id (the permit's fencing token).
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
+    pub id: Option<i64>,
+    /// The slots held, lowest first: one for a lease claim.
+    pub slots: Vec<u32>,
+    /// The holder label.
+    pub holder: String,
+    /// JSON recorded with the claim.
+    pub metadata: Option<serde_json::Value>,
+    /// When it was claimed (the database clock).
+    #[cfg_attr(feature = "serde", serde(rename = "claimed_at"))]
+    pub created_at: DateTime<Utc>,
+    /// Lease: when its lease ends (or ended).
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
+    pub expires_at: Option<DateTime<Utc>>,
+    /// When it was released, reaped or lost; `None` while live.
+    pub ended_at: Option<DateTime<Utc>>,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// How long it was held (until now, for a live claim).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "held_seconds", serialize_with = "crate::serialize::seconds")
+    )]
+    pub held_for: Duration,
+    /// Lease: for a claim made together with claims of other semaphores by
+    /// one [`Semaphore::acquire_all`](crate::Semaphore::acquire_all) (or
+    /// `pgsemaphore.claim_all`), the id of the first claim of that group,
+    /// shared by all of them (look it up in the other semaphores' history).
+    /// `None` for a claim of one semaphore. Serialized only when set.
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
+    pub group_id: Option<i64>,
+}
+
+/// Counts and hold times of a semaphore's claims over a window, from
+/// [`AuditLog::summary`]: a lease semaphore's claims, or an advisory
+/// semaphore's finished permits (see [`ClaimRecord`]). Each count is of
+/// the claims with that [`Outcome`]; hold-time percentiles are over the
+/// finished ones.
+///
+/// With the `serde` feature it serializes as `{"kind", "total",
+/// "completed", "dropped", "timed_out", "live", "p50_hold_seconds",
+/// "p95_hold_seconds", "max_hold_seconds"}` (`dropped` for an advisory
+/// semaphore only, `live` for a lease one only), hold times in seconds
+/// (null when none finished).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct Summary {
+    /// The semaphore's kind: which of the counts below are filled.
+    pub kind: SemaphoreKind,
+    /// Released by their holder ([`Outcome::Completed`]).
+    pub completed: u64,
+    /// Advisory: released by their `Drop` ([`Outcome::Dropped`]).
+    pub dropped: Option<u64>,
+    /// Ended without their holder: a lease reaped, an advisory permit lost
+    /// ([`Outcome::TimedOut`]).
+    pub timed_out: u64,
+    /// Lease: still held ([`Outcome::Live`]).
+    pub live: Option<u64>,
+    /// Median hold time of the finished claims; `None` when none finished.
+    pub p50_hold: Option<Duration>,
+    /// 95th percentile hold time of the finished claims.
+    pub p95_hold: Option<Duration>,
+    /// Longest hold time of the finished claims.
+    pub max_hold: Option<Duration>,
+}
+
+impl Summary {
+    /// All claims counted.
+    pub fn total(&self) -> u64 {
+        self.completed + self.dropped.unwrap_or(0) + self.timed_out + self.live.unwrap_or(0)
+    }
+}
+
+/// Adds `total`; leaves out the count the kind does not fill.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Summary {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+        let mut s = serializer.serialize_struct("Summary", 8)?;
+        s.serialize_field("kind", &self.kind)?;
+        s.serialize_field("total", &self.total())?;
+        s.serialize_field("completed", &self.completed)?;
+        if let Some(dropped) = self.dropped {
+            s.serialize_field("dropped", &dropped)?;
+        }
+        s.serialize_field("timed_out", &self.timed_out)?;
+        if let Some(live) = self.live {
+            s.serialize_field("live", &live)?;
+        }
+        s.serialize_field("p50_hold_seconds", &secs(self.p50_hold))?;
+        s.serialize_field("p95_hold_seconds", &secs(self.p95_hold))?;
+        s.serialize_field("max_hold_seconds", &secs(self.max_hold))?;
+        s.end()
+    }
 }
 
 /// One semaphore's claims over a window, aggregated by the database at
@@ -675,15 +745,12 @@ pub enum SemaphoreKind {
 /// [`kind`](Self::kind) is [`SemaphoreKind::Advisory`], and the report is
 /// drawn from its audit log, which holds finished permits only: the
 /// picture ends at the last permit that finished (and was written, about
-/// every half second); live holders are in
-/// [`advisory_semaphores`](crate::advisory_semaphores). Its permits are
-/// listed in [`permits`](Self::permits) (`claims` stays empty); a permit of
-/// n slots counts n in the occupancy and the lanes, one in the counts and
-/// hold times. The [`summary`](Self::summary) and the hold-time bins use
-/// the lease's words: `completed` counts permits released by their holder
-/// (released or dropped), `timed_out` those lost (the server freed their
-/// slots), `live` is zero; [`AuditLog::advisory_summary`] tells released
-/// from dropped.
+/// every half second); live holders are in [`semaphores`](crate::semaphores).
+/// Its permits are listed in [`claims`](Self::claims); a permit of n slots
+/// counts n in the occupancy and the lanes, one in the counts and hold
+/// times. The [`summary`](Self::summary) is the advisory one (released,
+/// dropped, lost); the cells and the hold-time bins count a released or
+/// dropped permit as `completed`, a lost one as `timed_out`.
 ///
 /// With the `serde` feature it serializes with the field names below,
 /// durations as seconds (`bucket_seconds`, `busy_seconds`, ...).
@@ -707,13 +774,10 @@ pub struct Report {
     /// The window's counts per outcome and hold-time percentiles, as
     /// [`AuditLog::summary`] gives them.
     pub summary: Summary,
-    /// Every claim held at some moment of the window, in claim order, as
-    /// [`AuditLog::history`]; empty when [`aggregated`](Self::aggregated).
+    /// Every claim (an advisory semaphore's: finished permit) held at some
+    /// moment of the window, in claim order, as [`AuditLog::history`];
+    /// empty when [`aggregated`](Self::aggregated).
     pub claims: Vec<ClaimRecord>,
-    /// An advisory semaphore's finished permits held at some moment of the
-    /// window, as [`AuditLog::advisory_history`]; empty for a lease
-    /// semaphore and when [`aggregated`](Self::aggregated).
-    pub permits: Vec<AdvisoryClaimRecord>,
     /// Whether the claims were too many (or the slots too many) to list,
     /// so that only the aggregates describe them.
     pub aggregated: bool,
@@ -830,44 +894,83 @@ struct HoldTimeRow {
     timed_out: i64,
 }
 
+/// A live holder as a statement lists it: a lease claim's columns (`id`
+/// set), or an advisory slot's session's; a statement may leave out the
+/// other kind's columns, and a `LEFT JOIN` may leave all of them NULL (no
+/// holder: `slot` NULL).
+#[derive(sqlx::FromRow)]
+pub(crate) struct HolderRow {
+    #[sqlx(default)]
+    id: Option<i64>,
+    #[sqlx(default)]
+    slot: Option<i32>,
+    #[sqlx(default)]
+    holder: Option<String>,
+    #[sqlx(default)]
+    metadata: Option<serde_json::Value>,
+    #[sqlx(default)]
+    created_at: Option<DateTime<Utc>>,
+    #[sqlx(default)]
+    expires_at: Option<DateTime<Utc>>,
+    #[sqlx(default)]
+    pid: Option<i32>,
+    #[sqlx(default)]
+    application_name: Option<String>,
+    #[sqlx(default)]
+    client_addr: Option<String>,
+    #[sqlx(default)]
+    backend_start: Option<DateTime<Utc>>,
+    #[sqlx(default)]
+    shared: Option<bool>,
+}
+
+impl HolderRow {
+    /// The holder, unless the row has none; a lease claim when it has an id.
+    pub(crate) fn into_holder(self) -> Option<Holder> {
+        let slot = self.slot?.max(0) as u32;
+        let lease = self.id.is_some();
+        Some(Holder {
+            kind: SemaphoreKind::lease_if(lease),
+            slot,
+            id: self.id,
+            holder: self.holder,
+            metadata: self.metadata,
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+            pid: self.pid,
+            application_name: self.application_name,
+            client_addr: self.client_addr,
+            backend_start: self.backend_start,
+            shared: if lease {
+                None
+            } else {
+                Some(self.shared.unwrap_or(false))
+            },
+        })
+    }
+}
+
+/// A row of `HISTORY`: a lease claim (`id` set) or an advisory permit.
 #[derive(sqlx::FromRow)]
 struct HistoryRow {
-    id: i64,
-    slot: i32,
+    id: Option<i64>,
+    slots: Vec<i32>,
     holder: String,
     metadata: Option<serde_json::Value>,
     created_at: DateTime<Utc>,
-    expires_at: DateTime<Utc>,
-    completed_at: Option<DateTime<Utc>>,
-    timed_out_at: Option<DateTime<Utc>>,
+    expires_at: Option<DateTime<Utc>>,
+    ended_at: Option<DateTime<Utc>>,
+    outcome: String,
     held_seconds: f64,
     group_id: Option<i64>,
 }
 
-#[derive(sqlx::FromRow)]
-struct AdvisoryHistoryRow {
-    slots: Vec<i32>,
-    holder: String,
-    metadata: Option<serde_json::Value>,
-    acquired_at: DateTime<Utc>,
-    ended_at: DateTime<Utc>,
-    dropped: bool,
-    lost: bool,
-}
-
-#[derive(sqlx::FromRow)]
-struct AdvisorySummaryRow {
-    released: i64,
-    dropped: i64,
-    lost: i64,
-    p50: Option<f64>,
-    p95: Option<f64>,
-    max: Option<f64>,
-}
-
+/// The row of `SUMMARY`.
 #[derive(sqlx::FromRow)]
 struct SummaryRow {
+    lease: bool,
     completed: i64,
+    dropped: i64,
     timed_out: i64,
     live: i64,
     p50: Option<f64>,
@@ -887,7 +990,10 @@ impl AuditLog {
         Db::new(&self.pool, true)
     }
 
-    /// The live claims of `semaphore`, oldest first.
+    /// The live holders of `semaphore`: a lease semaphore's live claims,
+    /// oldest first, or the sessions that hold an advisory semaphore's
+    /// slots, by slot (see [`Holder`]). A name no semaphore has gives an
+    /// empty list.
     ///
     /// # Errors
     ///
@@ -898,12 +1004,42 @@ impl AuditLog {
     /// Read-only: cancel at will.
     pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
         let db = self.db();
-        db.fetch_all(db.query_as(HOLDERS).bind(semaphore.to_owned()))
-            .await
+        let rows: Vec<HolderRow> = db
+            .fetch_all(db.query_as(HOLDERS).bind(semaphore.to_owned()))
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(HolderRow::into_holder)
+            .collect())
     }
 
     /// Every claim of `semaphore` that was held at some point of `window`
-    /// (claimed before its end, not ended before its start), in claim order.
+    /// (claimed before its end, not ended before its start): a lease
+    /// semaphore's claims in claim order, or an advisory semaphore's
+    /// finished permits in the order they were acquired (see
+    /// [`ClaimRecord`]). A name no semaphore has gives an empty list.
+    ///
+    /// An advisory semaphore's log holds finished permits only, written by
+    /// each holder's process in batches after they end: a permit that ended
+    /// within the last second may not be here yet, and a live one is not;
+    /// [`holders`](Self::holders) lists who holds a slot now.
+    ///
+    /// ```no_run
+    /// use chrono::{Duration, Utc};
+    /// use pg_semaphore::AuditLog;
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let now = Utc::now();
+    /// for permit in AuditLog::new(&pool)
+    ///     .history("exports", now - Duration::minutes(5)..now)
+    ///     .await?
+    /// {
+    ///     println!("{:?} slots {:?} by {}: {:?} for {:?}",
+    ///              permit.kind, permit.slots, permit.holder, permit.outcome, permit.held_for);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
     ///
     /// # Errors
     ///
@@ -918,20 +1054,35 @@ impl AuditLog {
         semaphore: &str,
         window: Range<DateTime<Utc>>,
     ) -> Result<Vec<ClaimRecord>> {
-        check_window(&window)?;
         let db = self.db();
-        let query = db
-            .query_as::<HistoryRow>(HISTORY)
-            .bind(semaphore.to_owned())
-            .bind(window.start)
-            .bind(window.end);
-        let rows = db.fetch_all(query).await?;
+        let rows: Vec<HistoryRow> = db
+            .fetch_all(windowed(&db, HISTORY, semaphore, &window)?)
+            .await?;
         Ok(rows.into_iter().map(ClaimRecord::from).collect())
     }
 
     /// Counts per outcome and hold-time percentiles (p50, p95, max) of the
-    /// claims of `semaphore` that overlap `window`. Percentiles are over
-    /// finished claims only.
+    /// claims of `semaphore` that overlap `window`: the claims
+    /// [`history`](Self::history) lists. Percentiles are over finished
+    /// claims only. The summary's [`kind`](Summary::kind) is
+    /// [`SemaphoreKind::Lease`] for a lease semaphore, else
+    /// [`SemaphoreKind::Advisory`] (also for a name no semaphore has, whose
+    /// counts are zero: an advisory semaphore's log may outlive it).
+    ///
+    /// ```no_run
+    /// use chrono::{Duration, Utc};
+    /// use pg_semaphore::AuditLog;
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let now = Utc::now();
+    /// let summary = AuditLog::new(&pool)
+    ///     .summary("exports", now - Duration::hours(1)..now)
+    ///     .await?;
+    /// println!("{} permits, {} lost, p95 hold {:?}",
+    ///          summary.total(), summary.timed_out, summary.p95_hold);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }
+    /// ```
     ///
     /// # Errors
     ///
@@ -942,110 +1093,11 @@ impl AuditLog {
     ///
     /// Read-only: cancel at will.
     pub async fn summary(&self, semaphore: &str, window: Range<DateTime<Utc>>) -> Result<Summary> {
-        check_window(&window)?;
         let db = self.db();
-        let query = db
-            .query_as::<SummaryRow>(SUMMARY)
-            .bind(semaphore.to_owned())
-            .bind(window.start)
-            .bind(window.end);
-        Ok(summarize(db.fetch_one(query).await?))
-    }
-
-    /// Every finished permit of the advisory semaphore `semaphore` that was
-    /// held at some point of `window` (acquired before its end, not ended
-    /// before its start), in the order they were acquired, from
-    /// `pgsemaphore.advisory_claims`.
-    ///
-    /// The log holds finished permits only, written by each holder's
-    /// process in batches after they end (see [`AdvisoryClaimRecord`]):
-    /// a permit that ended within the last second may not be here yet, and
-    /// a live one is not; [`advisory_semaphores`](crate::advisory_semaphores)
-    /// lists who holds a slot now. A name that is not an advisory semaphore
-    /// gives an empty list.
-    ///
-    /// ```no_run
-    /// use chrono::{Duration, Utc};
-    /// use pg_semaphore::AuditLog;
-    ///
-    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    /// let now = Utc::now();
-    /// for permit in AuditLog::new(&pool)
-    ///     .advisory_history("exports", now - Duration::minutes(5)..now)
-    ///     .await?
-    /// {
-    ///     println!("slots {:?} by {}: {:?} for {:?}",
-    ///              permit.slots, permit.holder, permit.outcome, permit.held_for);
-    /// }
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] when the window ends before it starts;
-    /// [`Error::Schema`], [`Error::Database`].
-    ///
-    /// # Cancel safety
-    ///
-    /// Read-only: cancel at will.
-    pub async fn advisory_history(
-        &self,
-        semaphore: &str,
-        window: Range<DateTime<Utc>>,
-    ) -> Result<Vec<AdvisoryClaimRecord>> {
-        check_window(&window)?;
-        let db = self.db();
-        let query = db
-            .query_as::<AdvisoryHistoryRow>(ADVISORY_HISTORY)
-            .bind(semaphore.to_owned())
-            .bind(window.start)
-            .bind(window.end);
-        let rows = db.fetch_all(query).await?;
-        Ok(rows.into_iter().map(AdvisoryClaimRecord::from).collect())
-    }
-
-    /// Counts per outcome and hold-time percentiles (p50, p95, max) of the
-    /// finished permits of the advisory semaphore `semaphore` that overlap
-    /// `window`: the permits [`advisory_history`](Self::advisory_history)
-    /// lists.
-    ///
-    /// ```no_run
-    /// use chrono::{Duration, Utc};
-    /// use pg_semaphore::AuditLog;
-    ///
-    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    /// let now = Utc::now();
-    /// let summary = AuditLog::new(&pool)
-    ///     .advisory_summary("exports", now - Duration::hours(1)..now)
-    ///     .await?;
-    /// println!("{} permits, {} lost, p95 hold {:?}",
-    ///          summary.total(), summary.lost, summary.p95_hold);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] when the window ends before it starts;
-    /// [`Error::Schema`], [`Error::Database`].
-    ///
-    /// # Cancel safety
-    ///
-    /// Read-only: cancel at will.
-    pub async fn advisory_summary(
-        &self,
-        semaphore: &str,
-        window: Range<DateTime<Utc>>,
-    ) -> Result<AdvisorySummary> {
-        check_window(&window)?;
-        let db = self.db();
-        let query = db
-            .query_as::<AdvisorySummaryRow>(ADVISORY_SUMMARY)
-            .bind(semaphore.to_owned())
-            .bind(window.start)
-            .bind(window.end);
-        Ok(summarize_advisory(db.fetch_one(query).await?))
+        let row: SummaryRow = db
+            .fetch_one(windowed(&db, SUMMARY, semaphore, &window)?)
+            .await?;
+        Ok(Summary::from(row))
     }
 }
 
@@ -1167,40 +1219,23 @@ impl AuditLog {
         let slots_per_lane = slots.div_ceil(shape.max_lanes).max(1);
         let lanes = slots.div_ceil(slots_per_lane);
 
-        let summary = match kind {
-            SemaphoreKind::Lease => summarize(
-                in_window(SUMMARY, semaphore, &window)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(ours)?,
-            ),
-            SemaphoreKind::Advisory => summarize_advisory(
-                in_window(ADVISORY_SUMMARY, semaphore, &window)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(ours)?,
-            )
-            .in_lease_words(),
-        };
+        // The same statements as `summary` and `history`, which read the
+        // kind the scope found.
+        let summary = Summary::from(
+            in_window::<SummaryRow>(SUMMARY, semaphore, &window)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(ours)?,
+        );
         // The count comes from the same snapshot as the claims: exact.
         let aggregated = summary.total() > shape.max_claims || slots_per_lane > 1;
-        let (mut claims, mut permits) = (Vec::new(), Vec::new());
-        match kind {
-            _ if aggregated => {}
-            SemaphoreKind::Lease => {
-                let rows: Vec<HistoryRow> = in_window(HISTORY, semaphore, &window)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(ours)?;
-                claims = rows.into_iter().map(ClaimRecord::from).collect();
-            }
-            SemaphoreKind::Advisory => {
-                let rows: Vec<AdvisoryHistoryRow> = in_window(ADVISORY_HISTORY, semaphore, &window)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(ours)?;
-                permits = rows.into_iter().map(AdvisoryClaimRecord::from).collect();
-            }
+        let mut claims = Vec::new();
+        if !aggregated {
+            let rows: Vec<HistoryRow> = in_window(HISTORY, semaphore, &window)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(ours)?;
+            claims = rows.into_iter().map(ClaimRecord::from).collect();
         }
         let cells: Vec<CellRow> = in_window(sql.cells, semaphore, &window)
             .bind(bucket_seconds)
@@ -1231,7 +1266,6 @@ impl AuditLog {
             as_of: scope.as_of,
             summary,
             claims,
-            permits,
             aggregated,
             slots_per_lane,
             lanes,
@@ -1334,19 +1368,21 @@ impl From<CellRow> for SlotBucket {
 
 impl From<HistoryRow> for ClaimRecord {
     fn from(row: HistoryRow) -> Self {
-        let (outcome, ended_at) = match (row.completed_at, row.timed_out_at) {
-            (Some(at), _) => (Outcome::Completed, Some(at)),
-            (None, Some(at)) => (Outcome::TimedOut, Some(at)),
-            (None, None) => (Outcome::Live, None),
+        let outcome = match row.outcome.as_str() {
+            "completed" => Outcome::Completed,
+            "dropped" => Outcome::Dropped,
+            "timed_out" => Outcome::TimedOut,
+            _ => Outcome::Live,
         };
         ClaimRecord {
+            kind: SemaphoreKind::lease_if(row.id.is_some()),
             id: row.id,
-            slot: row.slot,
+            slots: row.slots.into_iter().map(|s| s.max(0) as u32).collect(),
             holder: row.holder,
             metadata: row.metadata,
             created_at: row.created_at,
             expires_at: row.expires_at,
-            ended_at,
+            ended_at: row.ended_at,
             outcome,
             held_for: seconds(row.held_seconds),
             group_id: row.group_id,
@@ -1354,64 +1390,39 @@ impl From<HistoryRow> for ClaimRecord {
     }
 }
 
-impl From<AdvisoryHistoryRow> for AdvisoryClaimRecord {
-    fn from(row: AdvisoryHistoryRow) -> Self {
-        let outcome = if row.lost {
-            AdvisoryOutcome::Lost
-        } else if row.dropped {
-            AdvisoryOutcome::Dropped
-        } else {
-            AdvisoryOutcome::Released
-        };
-        AdvisoryClaimRecord {
-            slots: row.slots,
-            holder: row.holder,
-            metadata: row.metadata,
-            acquired_at: row.acquired_at,
-            ended_at: row.ended_at,
-            outcome,
-            held_for: (row.ended_at - row.acquired_at)
-                .to_std()
-                .unwrap_or(Duration::ZERO),
-        }
-    }
-}
-
-impl AdvisorySummary {
-    /// As a report's [`Summary`]: released and dropped permits completed,
-    /// lost ones timed out, none live (see [`Report`]).
-    fn in_lease_words(self) -> Summary {
+impl From<SummaryRow> for Summary {
+    fn from(row: SummaryRow) -> Self {
+        let count = |n: i64| n.max(0) as u64;
         Summary {
-            completed: self.released + self.dropped,
-            timed_out: self.lost,
-            live: 0,
-            p50_hold: self.p50_hold,
-            p95_hold: self.p95_hold,
-            max_hold: self.max_hold,
+            kind: SemaphoreKind::lease_if(row.lease),
+            completed: count(row.completed),
+            dropped: (!row.lease).then(|| count(row.dropped)),
+            timed_out: count(row.timed_out),
+            live: row.lease.then(|| count(row.live)),
+            p50_hold: row.p50.map(seconds),
+            p95_hold: row.p95.map(seconds),
+            max_hold: row.max.map(seconds),
         }
     }
 }
 
-fn summarize_advisory(row: AdvisorySummaryRow) -> AdvisorySummary {
-    AdvisorySummary {
-        released: row.released as u64,
-        dropped: row.dropped as u64,
-        lost: row.lost as u64,
-        p50_hold: row.p50.map(seconds),
-        p95_hold: row.p95.map(seconds),
-        max_hold: row.max.map(seconds),
-    }
-}
-
-fn summarize(row: SummaryRow) -> Summary {
-    Summary {
-        completed: row.completed as u64,
-        timed_out: row.timed_out as u64,
-        live: row.live as u64,
-        p50_hold: row.p50.map(seconds),
-        p95_hold: row.p95.map(seconds),
-        max_hold: row.max.map(seconds),
-    }
+/// `sql`, bound as `$1` `semaphore` and `$2`, `$3` the window, once the
+/// window is checked.
+fn windowed<O>(
+    db: &Db,
+    sql: &'static str,
+    semaphore: &str,
+    window: &Range<DateTime<Utc>>,
+) -> Result<Statement<O>>
+where
+    O: for<'r> FromRow<'r, PgRow>,
+{
+    check_window(window)?;
+    Ok(db
+        .query_as(sql)
+        .bind(semaphore.to_owned())
+        .bind(window.start)
+        .bind(window.end))
 }
 
 fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
@@ -1503,12 +1514,13 @@ mod serialize_tests {
     #[test]
     fn a_claim_record_has_the_cli_s_field_names() {
         let claim = ClaimRecord {
-            id: 7,
-            slot: 2,
+            kind: SemaphoreKind::Lease,
+            id: Some(7),
+            slots: vec![2],
             holder: "web-1".into(),
             metadata: Some(json!({ "request": "r-1" })),
             created_at: at("2026-11-21T08:00:00Z"),
-            expires_at: at("2026-11-21T08:01:30Z"),
+            expires_at: Some(at("2026-11-21T08:01:30Z")),
             ended_at: None,
             outcome: Outcome::TimedOut,
             held_for: Duration::from_millis(1500),
@@ -1517,8 +1529,9 @@ mod serialize_tests {
         assert_eq!(
             serde_json::to_value(&claim).unwrap(),
             json!({
+                "kind": "lease",
                 "id": 7,
-                "slot": 2,
+                "slots": [2],
                 "holder": "web-1",
                 "metadata": { "request": "r-1" },
                 "claimed_at": "2026-11-21T08:00:00Z",
@@ -1531,22 +1544,76 @@ mod serialize_tests {
         // A claim of a multi-limit permit names its group.
         let grouped = ClaimRecord {
             group_id: Some(5),
-            ..claim
+            ..claim.clone()
         };
         assert_eq!(
             serde_json::to_value(&grouped).unwrap()["group_id"],
             json!(5)
         );
+        // An advisory permit has neither an id nor a lease.
+        let permit = ClaimRecord {
+            kind: SemaphoreKind::Advisory,
+            id: None,
+            slots: vec![0, 1],
+            expires_at: None,
+            ended_at: Some(at("2026-11-21T08:00:01.5Z")),
+            outcome: Outcome::Dropped,
+            ..claim
+        };
+        let value = serde_json::to_value(&permit).unwrap();
+        let mut keys: Vec<&str> = value
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            [
+                "claimed_at",
+                "ended_at",
+                "held_seconds",
+                "holder",
+                "kind",
+                "metadata",
+                "outcome",
+                "slots"
+            ]
+        );
+        assert_eq!(value["outcome"], "dropped");
     }
 
     #[test]
-    fn a_summary_with_nothing_finished_has_null_hold_times() {
-        let summary = Summary {
-            live: 2,
-            ..Summary::default()
+    fn a_summary_says_its_kind_and_only_the_counts_it_fills() {
+        let lease = Summary {
+            kind: SemaphoreKind::Lease,
+            completed: 0,
+            dropped: None,
+            timed_out: 0,
+            live: Some(2),
+            p50_hold: None,
+            p95_hold: None,
+            max_hold: None,
         };
-        let value = serde_json::to_value(summary).unwrap();
+        let value = serde_json::to_value(lease).unwrap();
+        assert_eq!(value["kind"], "lease");
         assert_eq!(value["total"], 2);
         assert_eq!(value["p95_hold_seconds"], serde_json::Value::Null);
+        assert_eq!(value.get("dropped"), None);
+        let advisory = Summary {
+            kind: SemaphoreKind::Advisory,
+            completed: 1,
+            dropped: Some(2),
+            timed_out: 3,
+            live: None,
+            ..lease
+        };
+        let value = serde_json::to_value(advisory).unwrap();
+        assert_eq!(
+            (value["total"].as_u64(), value["dropped"].as_u64()),
+            (Some(6), Some(2))
+        );
+        assert_eq!(value.get("live"), None);
     }
 }

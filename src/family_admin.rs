@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use crate::audit::Holder;
+use crate::audit::{Holder, HolderRow};
 use crate::db::Db;
 use crate::error::{Result, family_not_found};
 use crate::validate;
@@ -195,12 +195,8 @@ struct BusyRow {
     family_key: String,
     capacity: i32,
     held: i64,
-    id: i64,
-    slot: i32,
-    holder: String,
-    metadata: Option<serde_json::Value>,
-    created_at: DateTime<Utc>,
-    expires_at: DateTime<Utc>,
+    #[sqlx(flatten)]
+    holder: HolderRow,
 }
 
 fn seconds(s: f64) -> Duration {
@@ -293,15 +289,9 @@ pub async fn busiest_keys(pool: &PgPool, family: &str, limit: u32) -> Result<Vec
                 holders: Vec::new(),
             });
         }
-        let info = list.last_mut().expect("pushed above");
-        info.holders.push(Holder {
-            id: row.id,
-            slot: row.slot,
-            holder: row.holder,
-            metadata: row.metadata,
-            created_at: row.created_at,
-            expires_at: row.expires_at,
-        });
+        if let Some(holder) = row.holder.into_holder() {
+            list.last_mut().expect("pushed above").holders.push(holder);
+        }
     }
     Ok(list)
 }

@@ -144,8 +144,10 @@
 //! # Audit log
 //!
 //! Finished claims stay in the slot table with `completed_at` or
-//! `timed_out_at`. [`AuditLog`] lists live holders, a window's history with
-//! outcomes and hold times, a summary with p50/p95 hold time, and a
+//! `timed_out_at`; an advisory semaphore's finished permits are written to
+//! its log. [`AuditLog`] reads either kind (its answers say which, as a
+//! [`SemaphoreKind`]): live holders, a window's history with outcomes and
+//! hold times, a summary with p50/p95 hold time, and a
 //! [`Report`] (occupancy against capacity, each slot's use, hold times),
 //! aggregated by the database at the resolution the caller asks for
 //! ([`ReportShape`]) when the window is busy.
@@ -168,9 +170,9 @@
 //!
 //! # Operating
 //!
-//! [`semaphores`] lists every lease semaphore with its live holders and
-//! [`advisory_semaphores`] every advisory one with the sessions that hold
-//! its slots, [`force_release`] frees a stuck claim, [`set_capacity`]
+//! [`semaphores`] lists every semaphore, lease or advisory, with its live
+//! holders (an advisory one's: the sessions that hold its slots),
+//! [`force_release`] frees a stuck claim, [`set_capacity`]
 //! resizes a semaphore, [`reap`] and [`prune_claims`] clean up,
 //! [`AuditLog`] reads history; [`rate_limit_settings`], [`set_rate_limit`],
 //! [`clear_rate_limit`], [`pause_rate_limit`] and [`resume_rate_limit`]
@@ -218,8 +220,7 @@
 //!
 //! - `cli`: the `pg-semaphore` operator binary (enables `serde`).
 //! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
-//!   [`Holder`], [`AdvisorySemaphoreInfo`], [`AdvisoryHolder`],
-//!   [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
+//!   [`Holder`], [`SemaphoreKind`], [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
 //!   [`ReleaseOutcome`], [`Decision`], [`FamilyInfo`] and [`FamilyKeyInfo`]. Times are RFC 3339 strings,
 //!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
 //!   the shapes `pg-semaphore ... --json` prints.
@@ -383,14 +384,14 @@ pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, 
 #[cfg(feature = "tower")]
 pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
 pub use admin::{
-    AdvisoryHolder, AdvisorySemaphoreInfo, LimiterKind, RateLimitSetting, ReleaseOutcome,
-    SemaphoreInfo, StoredLimit, advisory_semaphores, clear_queue, clear_rate_limit, configure,
-    force_release, pause_rate_limit, rate_limit_settings, resume_rate_limit, semaphores,
-    set_capacity, set_fairness_weight, set_queue_order, set_rate_limit,
+    LimiterKind, RateLimitSetting, ReleaseOutcome, SemaphoreInfo, StoredLimit, clear_queue,
+    clear_rate_limit, configure, force_release, pause_rate_limit, rate_limit_settings,
+    resume_rate_limit, semaphores, set_capacity, set_fairness_weight, set_queue_order,
+    set_rate_limit,
 };
 pub use audit::{
-    AdvisoryClaimRecord, AdvisoryOutcome, AdvisorySummary, AuditLog, ClaimRecord, HoldTimeBin,
-    Holder, OccupancyBucket, Outcome, Report, ReportShape, SemaphoreKind, SlotBucket, Summary,
+    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, ReportShape,
+    SemaphoreKind, SlotBucket, Summary,
 };
 pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
 pub use error::{Error, LostReason, MigrationHistory, Result, SchemaError, WaitedFor};

@@ -5,10 +5,10 @@
 //! format), durations as seconds (`f64`) in fields whose names end in
 //! `_seconds`, outcomes in `snake_case`. The `pg-semaphore` CLI prints these
 //! shapes with `--json`. Most types derive `Serialize` with attributes at
-//! their fields, which use the helpers here; the three that add computed
-//! fields ([`Summary`](crate::Summary), [`SemaphoreInfo`](crate::SemaphoreInfo),
-//! [`AdvisorySemaphoreInfo`](crate::AdvisorySemaphoreInfo)) are written out
-//! beside their types. This module depends on none of them.
+//! their fields, which use the helpers here; the three whose fields depend
+//! on their kind or that add computed fields ([`Holder`](crate::Holder),
+//! [`Summary`](crate::Summary), [`SemaphoreInfo`](crate::SemaphoreInfo))
+//! are written out beside their types. This module depends on none of them.
 
 use std::time::Duration;
 

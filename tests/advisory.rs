@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore, SemaphoreInfo, SemaphoreKind};
 use sqlx::PgPool;
 use support::TestResult;
 
@@ -288,8 +288,16 @@ async fn a_name_belongs_to_one_kind_of_semaphore() -> TestResult {
     Ok(())
 }
 
-/// `pg_semaphore::advisory_semaphores` lists every advisory semaphore (and
-/// no lease one) with the sessions that hold its slots, by slot: the
+/// The advisory semaphores `pg_semaphore::semaphores` lists.
+async fn advisory_semaphores(pool: &PgPool) -> pg_semaphore::Result<Vec<SemaphoreInfo>> {
+    let mut list = pg_semaphore::semaphores(pool).await?;
+    list.retain(|s| s.kind == SemaphoreKind::Advisory);
+    Ok(list)
+}
+
+/// `pg_semaphore::semaphores` lists every semaphore of both kinds, by name,
+/// with its kind; an advisory one with the sessions that hold its slots, by
+/// slot: the
 /// permits' own backends, any session that took a slot's key, and holders
 /// left above a dropped capacity; a release takes its slots off the list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,13 +309,25 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
     let listed = advisory(&db.pool, "listed", 4).await?;
     advisory(&db.pool, "idle", 1).await?;
     Semaphore::builder("leased", 1).build(&db.pool).await?;
-    assert_eq!(pg_semaphore::semaphores(&db.pool).await?.len(), 1);
+    let kinds: Vec<(String, SemaphoreKind)> = pg_semaphore::semaphores(&db.pool)
+        .await?
+        .into_iter()
+        .map(|s| (s.name, s.kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("idle".to_owned(), SemaphoreKind::Advisory),
+            ("leased".to_owned(), SemaphoreKind::Lease),
+            ("listed".to_owned(), SemaphoreKind::Advisory),
+        ]
+    );
 
     let pair = listed.try_acquire_many(2).await?;
     let one = listed.try_acquire().await?;
     assert_eq!((pair.slots(), one.slot()), (&[0, 1][..], 2));
 
-    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let list = advisory_semaphores(&db.pool).await?;
     let names: Vec<&str> = list.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["idle", "listed"]);
     assert_eq!((list[0].capacity, list[0].holders.len()), (1, 0));
@@ -322,7 +342,12 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
             (2, Some(one.backend_pid())),
         ]
     );
+    assert_eq!(sem.default_lease, None);
     for h in &sem.holders {
+        assert_eq!(
+            (h.kind, h.id, h.shared),
+            (SemaphoreKind::Advisory, None, Some(false))
+        );
         assert_eq!(h.application_name.as_deref(), Some("pg-semaphore advisory"));
         let connected = h.backend_start.expect("our own sessions are visible");
         assert!(started <= connected && connected <= sem.as_of, "{h:?}");
@@ -348,7 +373,7 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
         .bind(key_base)
         .execute(&mut squatter)
         .await?;
-    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let list = advisory_semaphores(&db.pool).await?;
     let last = list[1].holders.last().expect("holders");
     assert_eq!(
         (last.slot, last.pid, last.application_name.as_deref()),
@@ -360,15 +385,15 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
 
     // A capacity drop below the slots held: they stay listed until released.
     pg_semaphore::set_capacity(&db.pool, "listed", 1).await?;
-    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let list = advisory_semaphores(&db.pool).await?;
     assert_eq!((list[1].capacity, list[1].holders.len()), (1, 3));
 
     pair.release().await?;
-    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let list = advisory_semaphores(&db.pool).await?;
     let slots: Vec<u32> = list[1].holders.iter().map(|h| h.slot).collect();
     assert_eq!(slots, [2]);
     one.release().await?;
-    let list = pg_semaphore::advisory_semaphores(&db.pool).await?;
+    let list = advisory_semaphores(&db.pool).await?;
     assert!(list.iter().all(|s| s.holders.is_empty()), "{list:?}");
     Ok(())
 }
@@ -389,7 +414,7 @@ async fn a_semaphore_of_the_same_name_in_another_database_is_another_semaphore()
         2,
         "counted another database's holders"
     );
-    let list = pg_semaphore::advisory_semaphores(&there.pool).await?;
+    let list = advisory_semaphores(&there.pool).await?;
     assert!(
         list[0].holders.is_empty(),
         "listed another database's holders: {list:?}"

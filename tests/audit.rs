@@ -6,9 +6,7 @@ mod support;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use pg_semaphore::{
-    AdvisoryOutcome, AdvisorySemaphore, AuditLog, Error, Outcome, Semaphore, SemaphoreKind,
-};
+use pg_semaphore::{AdvisorySemaphore, AuditLog, Error, Outcome, Semaphore, SemaphoreKind};
 use support::TestResult;
 
 #[tokio::test]
@@ -47,14 +45,19 @@ async fn history_reports_every_claim_with_its_outcome() -> TestResult {
     let history = log
         .history("history", start..Utc::now() + chrono::Duration::seconds(1))
         .await?;
-    let outcomes: Vec<(i64, Outcome)> = history.iter().map(|c| (c.id, c.outcome)).collect();
+    let outcomes: Vec<(Option<i64>, Outcome)> = history.iter().map(|c| (c.id, c.outcome)).collect();
     assert_eq!(
         outcomes,
         vec![
-            (completed_id, Outcome::Completed),
-            (abandoned_id, Outcome::TimedOut),
-            (live.id(), Outcome::Live)
+            (Some(completed_id), Outcome::Completed),
+            (Some(abandoned_id), Outcome::TimedOut),
+            (Some(live.id()), Outcome::Live)
         ]
+    );
+    assert!(
+        history.iter().all(|c| c.kind == SemaphoreKind::Lease
+            && c.slots.len() == 1
+            && c.expires_at.is_some())
     );
     let first = &history[0];
     assert_eq!(
@@ -141,7 +144,11 @@ async fn summary_counts_outcomes_and_hold_time_percentiles() -> TestResult {
     let summary = sem.summary(window.clone()).await?;
     assert_eq!(summary.completed, 18);
     assert_eq!(summary.timed_out, 2);
-    assert_eq!(summary.live, 0);
+    assert_eq!(summary.live, Some(0));
+    assert_eq!(
+        (summary.kind, summary.dropped),
+        (SemaphoreKind::Lease, None)
+    );
     assert_eq!(summary.total(), 20);
     // percentile_cont over 1..=20 s: p50 = 10.5 s, p95 = 19.05 s.
     assert_eq!(summary.p50_hold, Some(Duration::from_millis(10_500)));
@@ -152,7 +159,10 @@ async fn summary_counts_outcomes_and_hold_time_percentiles() -> TestResult {
     let _live = sem.try_acquire().await?;
     let now = Utc::now();
     let recent = sem.summary(now - chrono::Duration::minutes(1)..now).await?;
-    assert_eq!((recent.completed, recent.timed_out, recent.live), (0, 0, 1));
+    assert_eq!(
+        (recent.completed, recent.timed_out, recent.live),
+        (0, 0, Some(1))
+    );
     assert_eq!(recent.p50_hold, None);
 
     // An empty window is all zeros.
@@ -181,15 +191,22 @@ async fn holders_lists_live_claims_only() -> TestResult {
     assert_eq!(
         holders
             .iter()
-            .map(|h| (h.id, h.slot, h.holder.as_str()))
+            .map(|h| (h.id, h.slot, h.holder.as_deref()))
             .collect::<Vec<_>>(),
-        vec![(a.id(), 0, "web-1"), (b.id(), 1, "web-2")]
+        vec![
+            (Some(a.id()), 0, Some("web-1")),
+            (Some(b.id()), 1, Some("web-2"))
+        ]
     );
-    assert!(holders.iter().all(|h| h.expires_at > h.created_at));
+    assert!(
+        holders.iter().all(|h| h.kind == SemaphoreKind::Lease
+            && h.expires_at > h.created_at
+            && h.pid.is_none())
+    );
     a.release().await?;
     let holders = log.holders("holders").await?;
     assert_eq!(holders.len(), 1);
-    assert_eq!(holders[0].id, b.id());
+    assert_eq!(holders[0].id, Some(b.id()));
     // The released claim is still in the log.
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.slots")
         .fetch_one(&db.pool)
@@ -315,7 +332,7 @@ async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     reaper.shutdown().await;
-    assert_eq!(sem.holders().await?[0].id, live.id());
+    assert_eq!(sem.holders().await?[0].id, Some(live.id()));
     assert!(matches!(
         pg_semaphore::Reaper::builder()
             .retention(Duration::MAX)
@@ -447,56 +464,66 @@ async fn an_advisory_semaphore_s_finished_permits_are_its_history_and_its_report
     let now = Utc::now();
     let window = now - chrono::Duration::hours(1)..now + chrono::Duration::seconds(1);
     let log = AuditLog::new(&db.pool);
-    let permits = log.advisory_history("exports", window.clone()).await?;
-    let seen: Vec<(Vec<i32>, &str, AdvisoryOutcome)> = permits
+    let permits = log.history("exports", window.clone()).await?;
+    let seen: Vec<(Vec<u32>, &str, Outcome)> = permits
         .iter()
         .map(|p| (p.slots.clone(), p.holder.as_str(), p.outcome))
         .collect();
     assert_eq!(
         seen,
         [
-            (vec![2], "crashed", AdvisoryOutcome::Lost),
-            (vec![0], "batch-1", AdvisoryOutcome::Released),
-            (vec![0, 1], "batch-1", AdvisoryOutcome::Dropped),
+            (vec![2], "crashed", Outcome::TimedOut),
+            (vec![0], "batch-1", Outcome::Completed),
+            (vec![0, 1], "batch-1", Outcome::Dropped),
         ]
     );
+    // An advisory permit has no claim id and no lease.
+    assert!(permits.iter().all(|p| p.kind == SemaphoreKind::Advisory
+        && p.id.is_none()
+        && p.expires_at.is_none()
+        && p.ended_at.is_some()));
     assert_eq!(permits[0].held_for, Duration::from_secs(3));
     assert_eq!(
         permits[0].metadata,
         Some(serde_json::json!({ "job": "j-9" }))
     );
-    assert!(permits[1].acquired_at <= permits[1].ended_at);
+    assert!(Some(permits[1].created_at) <= permits[1].ended_at);
 
-    let summary = log.advisory_summary("exports", window.clone()).await?;
+    let summary = log.summary("exports", window.clone()).await?;
     assert_eq!(
         (
+            summary.kind,
             summary.total(),
-            summary.released,
+            summary.completed,
             summary.dropped,
-            summary.lost
+            summary.timed_out,
+            summary.live
         ),
-        (3, 1, 1, 1)
+        (SemaphoreKind::Advisory, 3, 1, Some(1), 1, None)
     );
     assert_eq!(summary.max_hold, Some(Duration::from_secs(3)));
-    // A name is one kind: the lease semaphore's reading of it is empty.
-    assert!(log.history("exports", window.clone()).await?.is_empty());
+    // The live permit is a holder now: its session, on its slot.
+    let holders = log.holders("exports").await?;
+    assert_eq!(
+        holders
+            .iter()
+            .map(|h| (h.kind, h.slot, h.pid, h.id))
+            .collect::<Vec<_>>(),
+        [(
+            SemaphoreKind::Advisory,
+            live.slot(),
+            Some(live.backend_pid()),
+            None
+        )]
+    );
 
     let report = log.report("exports", window.clone()).await?;
     assert_eq!(report.kind, SemaphoreKind::Advisory);
     assert_eq!(report.capacity, 3);
     assert_eq!(report.lanes, 3);
     assert!(!report.aggregated);
-    assert!(report.claims.is_empty());
-    assert_eq!(report.permits, permits);
-    // In the lease's words: released and dropped completed, lost timed out.
-    assert_eq!(
-        (
-            report.summary.completed,
-            report.summary.timed_out,
-            report.summary.live
-        ),
-        (2, 1, 0)
-    );
+    assert_eq!(report.claims, permits);
+    assert_eq!(report.summary, summary);
     // The two-slot permit holds two of the capacity at once.
     assert_eq!(report.occupancy.iter().map(|b| b.peak).max(), Some(2));
     let lanes: std::collections::BTreeSet<u32> = report.cells.iter().map(|c| c.lane).collect();

@@ -305,16 +305,17 @@ async fn status_shows_advisory_semaphores_and_the_sessions_that_hold_them() -> T
         Some(2)
     );
 
-    // JSON: the lease semaphores as before (no `kind`), then the advisory ones.
+    // JSON: both kinds in one list, by name, each with its `kind`.
     let out = run(&db, &["status", "--json"]).await;
     assert_status(&out, 0);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let list = json.as_array().expect("an array");
     assert_eq!(list.len(), 2, "{json}");
-    assert_eq!(list[0]["name"], "payments");
-    assert_eq!(list[0].get("kind"), None, "{json}");
-    assert_eq!(list[0]["holders"][0]["id"], lease_permit.id());
-    let exports = &list[1];
+    assert_eq!(list[1]["name"], "payments");
+    assert_eq!(list[1]["kind"], "lease", "{json}");
+    assert_eq!(list[1]["holders"][0]["id"], lease_permit.id());
+    let exports = &list[0];
+    assert_eq!(exports.get("default_lease_seconds"), None, "{json}");
     assert_eq!(exports["kind"], "advisory");
     assert_eq!(exports["name"], "exports");
     assert_eq!(exports["capacity"], 3);
@@ -324,6 +325,8 @@ async fn status_shows_advisory_semaphores_and_the_sessions_that_hold_them() -> T
     assert_eq!(holders.len(), 2);
     for (h, slot) in holders.iter().zip([0, 1]) {
         assert_eq!(h["slot"], slot, "{h}");
+        assert_eq!(h["kind"], "advisory", "{h}");
+        assert_eq!(h.get("age_seconds"), None, "{h}");
         assert_eq!(h["pid"], pid_of(slot), "{h}");
         assert_eq!(h["application_name"], "pg-semaphore advisory", "{h}");
         assert_eq!(h["client_addr"].as_str(), client.as_deref(), "{h}");
@@ -589,12 +592,12 @@ async fn audit_of_an_advisory_semaphore_lists_its_finished_permits() -> TestResu
     assert_eq!(
         seen,
         [
-            (serde_json::json!([2]), "lost"),
-            (serde_json::json!([0]), "released"),
+            (serde_json::json!([2]), "timed_out"),
+            (serde_json::json!([0]), "completed"),
             (serde_json::json!([0, 1]), "dropped"),
         ]
     );
-    // The lease's field names where they mean the same; no id, no lease.
+    // The lease's field names and outcomes; no id, no lease.
     let lost = claims[0].as_object().unwrap();
     let mut keys: Vec<&str> = lost.keys().map(String::as_str).collect();
     keys.sort_unstable();
@@ -605,6 +608,7 @@ async fn audit_of_an_advisory_semaphore_lists_its_finished_permits() -> TestResu
             "ended_at",
             "held_seconds",
             "holder",
+            "kind",
             "metadata",
             "outcome",
             "slots"
@@ -614,11 +618,15 @@ async fn audit_of_an_advisory_semaphore_lists_its_finished_permits() -> TestResu
     assert_eq!(lost["metadata"]["job"], "j-9");
     assert_eq!(lost["held_seconds"], 3.0);
     let summary = &json["summary"];
-    let counts: Vec<Option<u64>> = ["total", "released", "dropped", "lost"]
+    let counts: Vec<Option<u64>> = ["total", "completed", "dropped", "timed_out", "live"]
         .iter()
         .map(|key| summary[key].as_u64())
         .collect();
-    assert_eq!(counts, [Some(3), Some(1), Some(1), Some(1)], "{summary}");
+    assert_eq!(
+        counts,
+        [Some(3), Some(1), Some(1), Some(1), None],
+        "{summary}"
+    );
     assert_eq!(summary["max_hold_seconds"], 3.0);
 
     let out = run(&db, &["audit", "exports", "--csv"]).await;
@@ -742,7 +750,7 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     let second = waiter.await??;
     let info = pg_semaphore::semaphores(&db.pool).await?;
     assert_eq!(info[0].capacity, 3);
-    assert_eq!(info[0].default_lease, Duration::from_secs(45));
+    assert_eq!(info[0].default_lease, Some(Duration::from_secs(45)));
     assert_eq!(info[0].holders.len(), 2);
 
     let out = run(&db, &["set-capacity", "missing", "3"]).await;
@@ -845,7 +853,7 @@ async fn prune_deletes_finished_claims_only() -> TestResult {
     );
     let holders = sem.holders().await?;
     assert_eq!(holders.len(), 1);
-    assert_eq!(holders[0].id, live.id());
+    assert_eq!(holders[0].id, Some(live.id()));
     live.release().await?;
     Ok(())
 }

@@ -204,7 +204,7 @@ async fn hostile_names_are_data_not_sql() -> TestResult {
             .await?;
         let holders = sem.holders().await?;
         assert_eq!(holders.len(), 1);
-        assert_eq!(holders[0].holder, format!("holder {name}"));
+        assert_eq!(holders[0].holder, Some(format!("holder {name}")));
         assert_eq!(
             holders[0].metadata,
             Some(serde_json::json!({ "name": name }))

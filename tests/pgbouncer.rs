@@ -226,7 +226,7 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
     let summary = AuditLog::new(&pool)
         .summary("behind-bouncer", now - chrono::Duration::hours(1)..now)
         .await?;
-    assert_eq!((summary.completed, summary.live), (50, 2));
+    assert_eq!((summary.completed, summary.live), (50, Some(2)));
     assert_eq!(pg_semaphore::reap(&pool).await?, 0);
     a.release().await?;
     b.release().await?;

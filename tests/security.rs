@@ -11,7 +11,7 @@ use std::time::Duration;
 use chrono::Utc;
 use pg_semaphore::{
     AuditLog, Error, FixedWindow, LostReason, Mutex, Priority, QueueOrder, Reaper, Semaphore,
-    SlidingWindow, TokenBucket,
+    SemaphoreInfo, SemaphoreKind, SlidingWindow, TokenBucket,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
@@ -256,6 +256,13 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
     result
 }
 
+/// The advisory semaphores `pg_semaphore::semaphores` lists.
+async fn advisory_semaphores(pool: &PgPool) -> pg_semaphore::Result<Vec<SemaphoreInfo>> {
+    let mut list = pg_semaphore::semaphores(pool).await?;
+    list.retain(|s| s.kind == SemaphoreKind::Advisory);
+    Ok(list)
+}
+
 /// Both roles list advisory semaphores and their holders under the
 /// documented grants (the view `pgsemaphore.advisory_holders` included);
 /// a role that is not a member of `pg_read_all_stats` sees the pid and the
@@ -269,14 +276,14 @@ async fn both_roles_list_advisory_holders_and_see_what_postgres_shows_them() -> 
             .await?;
         let permit = sem.try_acquire().await?;
         // The application's own sessions: everything.
-        let list = pg_semaphore::advisory_semaphores(&app).await?;
+        let list = advisory_semaphores(&app).await?;
         assert_eq!(list.len(), 1);
         let mine = &list[0].holders;
         assert_eq!(mine.len(), 1);
         assert_eq!(mine[0].pid, Some(permit.backend_pid()));
         assert!(mine[0].backend_start.is_some(), "{mine:?}");
         // The operator: another role's session.
-        let list = pg_semaphore::advisory_semaphores(&operator).await?;
+        let list = advisory_semaphores(&operator).await?;
         let theirs = &list[0].holders;
         assert_eq!(theirs.len(), 1);
         assert_eq!(
@@ -292,11 +299,7 @@ async fn both_roles_list_advisory_holders_and_see_what_postgres_shows_them() -> 
             (&None, None)
         );
         permit.release().await?;
-        assert!(
-            pg_semaphore::advisory_semaphores(&operator).await?[0]
-                .holders
-                .is_empty()
-        );
+        assert!(advisory_semaphores(&operator).await?[0].holders.is_empty());
         Ok(())
     })
     .await
@@ -2112,10 +2115,13 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
             listed,
             [(0, "shared".to_owned()), (99_999, "shared".to_owned())]
         );
-        let info = pg_semaphore::advisory_semaphores(&app).await?;
+        let info = advisory_semaphores(&app).await?;
         let wide = info.iter().find(|s| s.name == "adv-wide").expect("listed");
         assert_eq!(wide.held(), 2);
-        assert!(wide.holders.iter().all(|h| h.shared), "{wide:?}");
+        assert!(
+            wide.holders.iter().all(|h| h.shared == Some(true)),
+            "{wide:?}"
+        );
         // Two keys held of a capacity of 2: full, and the claim holds
         // nothing after.
         assert!(matches!(

@@ -543,10 +543,10 @@ async fn permits_carry_holder_and_metadata() -> TestResult {
         .await?;
     let holders = sem.holders().await?;
     assert_eq!(holders.len(), 2);
-    assert_eq!(holders[0].id, plain.id());
-    assert_eq!(holders[0].holder, "api-7");
+    assert_eq!(holders[0].id, Some(plain.id()));
+    assert_eq!(holders[0].holder.as_deref(), Some("api-7"));
     assert_eq!(holders[0].metadata, None);
-    assert_eq!(holders[1].holder, "api-7/job-42");
+    assert_eq!(holders[1].holder.as_deref(), Some("api-7/job-42"));
     assert_eq!(
         holders[1].metadata,
         Some(serde_json::json!({ "request_id": "r-1" }))
@@ -563,7 +563,7 @@ async fn the_default_holder_label_is_host_and_pid() -> TestResult {
         .build(&db.pool)
         .await?;
     let _permit = sem.try_acquire().await?;
-    let holder = &sem.holders().await?[0].holder;
+    let holder = sem.holders().await?[0].holder.clone().unwrap_or_default();
     assert!(
         holder.ends_with(&format!(":{}", std::process::id())),
         "holder label {holder:?} should end with the pid"

@@ -31,18 +31,16 @@ pub(crate) async fn status(
     json: bool,
 ) -> Result<String, Failure> {
     let mut list = pg_semaphore::semaphores(pool).await?;
-    let mut advisory = pg_semaphore::advisory_semaphores(pool).await?;
     if let Some(name) = name {
         list.retain(|s| s.name == name);
-        advisory.retain(|s| s.name == name);
-        if list.is_empty() && advisory.is_empty() {
+        if list.is_empty() {
             return Err(Failure::not_found(format!("no semaphore named {name:?}")));
         }
     }
     Ok(if json {
-        render::status_json(&list, &advisory)
+        render::status_json(&list)
     } else {
-        render::status_table(&list, &advisory)
+        render::status_table(&list)
     })
 }
 
@@ -59,44 +57,28 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
     let log = AuditLog::new(pool);
-    // An unknown name would just give an empty log: say so instead. A name
-    // belongs to one kind.
-    if pg_semaphore::semaphores(pool)
+    // An unknown name would just give an empty log: say so instead.
+    let Some(kind) = pg_semaphore::semaphores(pool)
         .await?
         .iter()
-        .any(|s| s.name == args.name)
-    {
-        let claims = log.history(&args.name, window.clone()).await?;
-        if args.csv {
-            return Ok(render::audit_csv(&claims));
-        }
-        let summary = log.summary(&args.name, window.clone()).await?;
-        return Ok(if args.json {
-            render::audit_json(&args.name, &window, &claims, &summary)
-        } else {
-            render::audit_table(&args.name, &window, &claims, &summary)
-        });
+        .find(|s| s.name == args.name)
+        .map(|s| s.kind)
+    else {
+        return Err(Failure::not_found(format!(
+            "no semaphore named {:?}",
+            args.name
+        )));
+    };
+    let claims = log.history(&args.name, window.clone()).await?;
+    if args.csv {
+        return Ok(render::audit_csv(kind, &claims));
     }
-    if pg_semaphore::advisory_semaphores(pool)
-        .await?
-        .iter()
-        .any(|s| s.name == args.name)
-    {
-        let permits = log.advisory_history(&args.name, window.clone()).await?;
-        if args.csv {
-            return Ok(render::advisory_audit_csv(&permits));
-        }
-        let summary = log.advisory_summary(&args.name, window.clone()).await?;
-        return Ok(if args.json {
-            render::advisory_audit_json(&args.name, &window, &permits, &summary)
-        } else {
-            render::advisory_audit_table(&args.name, &window, &permits, &summary)
-        });
-    }
-    Err(Failure::not_found(format!(
-        "no semaphore named {:?}",
-        args.name
-    )))
+    let summary = log.summary(&args.name, window.clone()).await?;
+    Ok(if args.json {
+        render::audit_json(&args.name, &window, &claims, &summary)
+    } else {
+        render::audit_table(&args.name, &window, &claims, &summary)
+    })
 }
 
 pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {

@@ -10,15 +10,17 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
-    AdvisoryClaimRecord, AdvisoryHolder, AdvisoryOutcome, AdvisorySemaphoreInfo, AdvisorySummary,
-    ClaimRecord, FamilyInfo, FamilyKeyInfo, HorizonHolder, HorizonHolderKind, Outcome,
-    RateLimitSetting, RuleKind, SemaphoreInfo, StoredLimit, Summary,
+    ClaimRecord, FamilyInfo, FamilyKeyInfo, Holder, HorizonHolder, HorizonHolderKind, Outcome,
+    RateLimitSetting, RuleKind, SemaphoreInfo, SemaphoreKind, StoredLimit, Summary,
 };
 use serde::Serialize;
 
 /// `pg-semaphore status`: one row per lease semaphore, then each one's
 /// holders; then one row per advisory semaphore, then each one's holders.
-pub(crate) fn status_table(list: &[SemaphoreInfo], advisory: &[AdvisorySemaphoreInfo]) -> String {
+pub(crate) fn status_table(all: &[SemaphoreInfo]) -> String {
+    let (list, advisory): (Vec<&SemaphoreInfo>, Vec<&SemaphoreInfo>) =
+        all.iter().partition(|s| s.kind == SemaphoreKind::Lease);
+    let (list, advisory) = (&list[..], &advisory[..]);
     if list.is_empty() && advisory.is_empty() {
         return "no semaphores yet\n".to_owned();
     }
@@ -36,17 +38,17 @@ pub(crate) fn status_table(list: &[SemaphoreInfo], advisory: &[AdvisorySemaphore
 }
 
 /// The lease semaphores' table and their holders' tables.
-fn lease_table(out: &mut String, list: &[SemaphoreInfo]) {
+fn lease_table(out: &mut String, list: &[&SemaphoreInfo]) {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|sem| {
-            let held = sem.holders.len() as u32;
+            let held = sem.held();
             vec![
                 sem.name.clone(),
                 sem.capacity.to_string(),
                 held.to_string(),
                 sem.capacity.saturating_sub(held).to_string(),
-                human(sem.default_lease),
+                sem.default_lease.map_or_else(|| "-".to_owned(), human),
             ]
         })
         .collect();
@@ -62,12 +64,13 @@ fn lease_table(out: &mut String, list: &[SemaphoreInfo]) {
             .holders
             .iter()
             .map(|h| {
-                let left = h.expires_at - sem.as_of;
+                let (created_at, expires_at) = lease_times(h, sem.as_of);
+                let left = expires_at - sem.as_of;
                 vec![
-                    h.id.to_string(),
+                    h.id.unwrap_or_default().to_string(),
                     h.slot.to_string(),
-                    h.holder.clone(),
-                    human(signed(sem.as_of - h.created_at)),
+                    h.holder.clone().unwrap_or_default(),
+                    human(signed(sem.as_of - created_at)),
                     if left > TimeDelta::zero() {
                         human(signed(left))
                     } else {
@@ -87,7 +90,13 @@ fn lease_table(out: &mut String, list: &[SemaphoreInfo]) {
 
 /// The advisory semaphores' table and, for each held one, its holders: the
 /// sessions whose advisory locks its slots are.
-fn advisory_table(out: &mut String, list: &[AdvisorySemaphoreInfo]) {
+/// A lease holder's claim and lease end (`at` for either, never missing
+/// from a lease holder).
+fn lease_times(h: &Holder, at: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) {
+    (h.created_at.unwrap_or(at), h.expires_at.unwrap_or(at))
+}
+
+fn advisory_table(out: &mut String, list: &[&SemaphoreInfo]) {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|sem| {
@@ -113,7 +122,7 @@ fn advisory_table(out: &mut String, list: &[AdvisorySemaphoreInfo]) {
             .iter()
             .map(|h| {
                 vec![
-                    if h.shared {
+                    if h.shared == Some(true) {
                         format!("{} (shared)", h.slot)
                     } else {
                         h.slot.to_string()
@@ -141,7 +150,7 @@ fn advisory_table(out: &mut String, list: &[AdvisorySemaphoreInfo]) {
 /// An advisory holder's client: its address, `local` for a Unix socket
 /// (the session is visible but has no address), `-` when this role may not
 /// see it.
-fn client(holder: &AdvisoryHolder) -> String {
+fn client(holder: &Holder) -> String {
     match (&holder.client_addr, holder.backend_start) {
         (Some(addr), _) => addr.clone(),
         (None, Some(_)) => "local".to_owned(),
@@ -149,22 +158,10 @@ fn client(holder: &AdvisoryHolder) -> String {
     }
 }
 
-/// `pg-semaphore status --json`: one array, the lease semaphores first
-/// (unchanged, without `kind`), then the advisory ones (`"kind":
-/// "advisory"`), each as the library serializes it.
-pub(crate) fn status_json(list: &[SemaphoreInfo], advisory: &[AdvisorySemaphoreInfo]) -> String {
-    #[derive(Serialize)]
-    #[serde(untagged)]
-    enum Entry<'a> {
-        Lease(&'a SemaphoreInfo),
-        Advisory(&'a AdvisorySemaphoreInfo),
-    }
-    let entries: Vec<Entry<'_>> = list
-        .iter()
-        .map(Entry::Lease)
-        .chain(advisory.iter().map(Entry::Advisory))
-        .collect();
-    json(&entries)
+/// `pg-semaphore status --json`: one array of both kinds, by name, each
+/// as the library serializes it (with its `kind`).
+pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
+    json(&list)
 }
 
 /// A stored limit, as the CLI prints it.
@@ -306,10 +303,10 @@ pub(crate) fn family_text(family: &FamilyInfo, busiest: &[FamilyKeyInfo]) -> Str
             .iter()
             .map(|h| {
                 vec![
-                    h.id.to_string(),
+                    h.id.unwrap_or_default().to_string(),
                     h.slot.to_string(),
-                    h.holder.clone(),
-                    rfc3339(h.created_at),
+                    h.holder.clone().unwrap_or_default(),
+                    h.created_at.map(rfc3339).unwrap_or_default(),
                 ]
             })
             .collect();
@@ -396,13 +393,18 @@ pub(crate) fn doctor_json(holder: Option<&HorizonHolder>) -> String {
     json(&holder)
 }
 
-/// `pg-semaphore audit`: the claims as a table, then the summary line.
+/// `pg-semaphore audit`: the claims as a table, then the summary line (an
+/// advisory semaphore's: its finished permits, and what its log does not
+/// hold).
 pub(crate) fn audit_table(
     name: &str,
     window: &Range<DateTime<Utc>>,
     claims: &[ClaimRecord],
     summary: &Summary,
 ) -> String {
+    if summary.kind == SemaphoreKind::Advisory {
+        return advisory_audit_table(name, window, claims, summary);
+    }
     let mut out = format!(
         "claims of {:?} held between {} and {}\n\n",
         name,
@@ -419,12 +421,12 @@ pub(crate) fn audit_table(
             .iter()
             .map(|c| {
                 let mut row = vec![
-                    c.id.to_string(),
-                    c.slot.to_string(),
+                    c.id.unwrap_or_default().to_string(),
+                    slots(&c.slots),
                     c.holder.clone(),
                     rfc3339(c.created_at),
                     c.ended_at.map(rfc3339).unwrap_or_else(|| "-".to_owned()),
-                    outcome(c.outcome).to_owned(),
+                    outcome(c.kind, c.outcome).to_owned(),
                     human(c.held_for),
                 ];
                 if grouped {
@@ -449,7 +451,7 @@ pub(crate) fn audit_table(
         summary.total(),
         summary.completed,
         summary.timed_out,
-        summary.live,
+        summary.live.unwrap_or(0),
         hold(summary.p50_hold),
         hold(summary.p95_hold),
         hold(summary.max_hold),
@@ -457,7 +459,8 @@ pub(crate) fn audit_table(
     out
 }
 
-/// `pg-semaphore audit --json`: the window, its claims and the summary.
+/// `pg-semaphore audit --json`: the window, its claims and the summary (an
+/// advisory semaphore's claims are its finished permits).
 pub(crate) fn audit_json(
     name: &str,
     window: &Range<DateTime<Utc>>,
@@ -467,6 +470,7 @@ pub(crate) fn audit_json(
     #[derive(Serialize)]
     struct Audit<'a> {
         semaphore: &'a str,
+        kind: SemaphoreKind,
         since: DateTime<Utc>,
         until: DateTime<Utc>,
         claims: &'a [ClaimRecord],
@@ -474,6 +478,7 @@ pub(crate) fn audit_json(
     }
     json(&Audit {
         semaphore: name,
+        kind: summary.kind,
         since: window.start,
         until: window.end,
         claims,
@@ -488,11 +493,11 @@ live holders are in `pg-semaphore status`. An advisory permit has no claim id an
 
 /// `pg-semaphore audit` of an advisory semaphore: its finished permits as a
 /// table, then the summary line and what the log does not hold.
-pub(crate) fn advisory_audit_table(
+fn advisory_audit_table(
     name: &str,
     window: &Range<DateTime<Utc>>,
-    permits: &[AdvisoryClaimRecord],
-    summary: &AdvisorySummary,
+    permits: &[ClaimRecord],
+    summary: &Summary,
 ) -> String {
     let mut out = format!(
         "finished permits of {:?} (advisory) held between {} and {}\n\n",
@@ -509,9 +514,9 @@ pub(crate) fn advisory_audit_table(
                 vec![
                     slots(&p.slots),
                     p.holder.clone(),
-                    rfc3339(p.acquired_at),
-                    rfc3339(p.ended_at),
-                    advisory_outcome(p.outcome).to_owned(),
+                    rfc3339(p.created_at),
+                    p.ended_at.map(rfc3339).unwrap_or_else(|| "-".to_owned()),
+                    outcome(p.kind, p.outcome).to_owned(),
                     human(p.held_for),
                 ]
             })
@@ -529,9 +534,9 @@ pub(crate) fn advisory_audit_table(
         "\nsummary: {} permits: {} released, {} dropped, {} lost; \
          hold time p50 {}, p95 {}, max {}\n{ADVISORY_AUDIT_NOTE}",
         summary.total(),
-        summary.released,
-        summary.dropped,
-        summary.lost,
+        summary.completed,
+        summary.dropped.unwrap_or(0),
+        summary.timed_out,
         hold(summary.p50_hold),
         hold(summary.p95_hold),
         hold(summary.max_hold),
@@ -539,67 +544,11 @@ pub(crate) fn advisory_audit_table(
     out
 }
 
-/// `pg-semaphore audit --json` of an advisory semaphore: the lease's shape
-/// (`semaphore`, `since`, `until`, `claims`, `summary`) with `"kind":
-/// "advisory"`, its finished permits as `claims` and their summary.
-pub(crate) fn advisory_audit_json(
-    name: &str,
-    window: &Range<DateTime<Utc>>,
-    permits: &[AdvisoryClaimRecord],
-    summary: &AdvisorySummary,
-) -> String {
-    #[derive(Serialize)]
-    struct Audit<'a> {
-        semaphore: &'a str,
-        kind: &'static str,
-        since: DateTime<Utc>,
-        until: DateTime<Utc>,
-        claims: &'a [AdvisoryClaimRecord],
-        summary: &'a AdvisorySummary,
-    }
-    json(&Audit {
-        semaphore: name,
-        kind: "advisory",
-        since: window.start,
-        until: window.end,
-        claims: permits,
-        summary,
-    })
-}
-
-/// `pg-semaphore audit --csv` of an advisory semaphore: a header line, then
-/// one line per finished permit, its slots separated by spaces.
-pub(crate) fn advisory_audit_csv(permits: &[AdvisoryClaimRecord]) -> String {
-    let mut out = String::from("slots,holder,claimed_at,ended_at,outcome,held_seconds,metadata\n");
-    for p in permits {
-        let fields = [
-            p.slots
-                .iter()
-                .map(i32::to_string)
-                .collect::<Vec<_>>()
-                .join(" "),
-            p.holder.clone(),
-            rfc3339(p.acquired_at),
-            rfc3339(p.ended_at),
-            advisory_outcome(p.outcome).to_owned(),
-            format!("{:.6}", p.held_for.as_secs_f64()),
-            p.metadata
-                .as_ref()
-                .map(|m| m.to_string())
-                .unwrap_or_default(),
-        ];
-        let line: Vec<String> = fields.iter().map(|f| csv_field(f)).collect();
-        out.push_str(&line.join(","));
-        out.push('\n');
-    }
-    out
-}
-
-/// A permit's slots: `3`, or `0,1,2`.
-fn slots(slots: &[i32]) -> String {
+/// A claim's slots: `3`, or `0,1,2`.
+fn slots(slots: &[u32]) -> String {
     slots
         .iter()
-        .map(i32::to_string)
+        .map(u32::to_string)
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -618,26 +567,42 @@ fn json_compact(value: &impl Serialize) -> String {
     serde_json::to_string(value).expect("JSON of plain data")
 }
 
-/// `pg-semaphore audit --csv`: a header line, then one line per claim.
-pub(crate) fn audit_csv(claims: &[ClaimRecord]) -> String {
-    let mut out = String::from(
-        "id,slot,holder,claimed_at,expires_at,ended_at,outcome,held_seconds,metadata\n",
-    );
+/// `pg-semaphore audit --csv`: a header line, then one line per claim (an
+/// advisory semaphore's: per finished permit, its slots separated by
+/// spaces, without the lease's id and lease end).
+pub(crate) fn audit_csv(kind: SemaphoreKind, claims: &[ClaimRecord]) -> String {
+    let lease = kind == SemaphoreKind::Lease;
+    let mut out = String::from(if lease {
+        "id,slot,holder,claimed_at,expires_at,ended_at,outcome,held_seconds,metadata\n"
+    } else {
+        "slots,holder,claimed_at,ended_at,outcome,held_seconds,metadata\n"
+    });
     for c in claims {
-        let fields = [
-            c.id.to_string(),
-            c.slot.to_string(),
+        let mut fields = Vec::with_capacity(9);
+        if lease {
+            fields.push(c.id.unwrap_or_default().to_string());
+        }
+        fields.extend([
+            c.slots
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(" "),
             c.holder.clone(),
             rfc3339(c.created_at),
-            rfc3339(c.expires_at),
+        ]);
+        if lease {
+            fields.push(c.expires_at.map(rfc3339).unwrap_or_default());
+        }
+        fields.extend([
             c.ended_at.map(rfc3339).unwrap_or_default(),
-            outcome(c.outcome).to_owned(),
+            outcome(c.kind, c.outcome).to_owned(),
             format!("{:.6}", c.held_for.as_secs_f64()),
             c.metadata
                 .as_ref()
                 .map(|m| m.to_string())
                 .unwrap_or_default(),
-        ];
+        ]);
         let line: Vec<String> = fields.iter().map(|f| csv_field(f)).collect();
         out.push_str(&line.join(","));
         out.push('\n');
@@ -654,19 +619,16 @@ fn csv_field(field: &str) -> String {
     }
 }
 
-fn outcome(outcome: Outcome) -> &'static str {
-    match outcome {
-        Outcome::Completed => "completed",
-        Outcome::TimedOut => "timed_out",
-        Outcome::Live => "live",
-    }
-}
-
-fn advisory_outcome(outcome: AdvisoryOutcome) -> &'static str {
-    match outcome {
-        AdvisoryOutcome::Released => "released",
-        AdvisoryOutcome::Dropped => "dropped",
-        AdvisoryOutcome::Lost => "lost",
+/// An outcome in the words of its semaphore's kind: an advisory permit is
+/// `released`, `dropped` or `lost`.
+fn outcome(kind: SemaphoreKind, outcome: Outcome) -> &'static str {
+    match (kind, outcome) {
+        (SemaphoreKind::Advisory, Outcome::Completed) => "released",
+        (SemaphoreKind::Advisory, Outcome::TimedOut) => "lost",
+        (_, Outcome::Completed) => "completed",
+        (_, Outcome::Dropped) => "dropped",
+        (_, Outcome::TimedOut) => "timed_out",
+        _ => "live",
     }
 }
 

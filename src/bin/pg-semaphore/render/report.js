@@ -135,6 +135,7 @@ function header() {
   for (const [value, label, className] of [
     [count(s.total), words.claims, "total"],
     [count(s.completed), words.completed, "completed"],
+    ...(advisory ? [[count(s.dropped), "dropped", "completed"]] : []),
     [count(s.timed_out), words.timed_out, "timed_out"],
     ...(advisory ? [] : [[count(s.live), "live", "live"]]),
     [human(s.p50_hold_seconds), "p50 hold", "p50"],
@@ -154,11 +155,11 @@ function header() {
     for (const node of document.querySelectorAll(".word-completed")) node.textContent = "released (or dropped)";
     for (const node of document.querySelectorAll(".word-timed-out")) node.textContent = "lost";
     for (const node of document.querySelectorAll(".lease-only")) node.hidden = true;
-    const last = data.permits.reduce((t, p) => Math.max(t, ms(p.ended_at)), -Infinity);
+    const last = data.claims.reduce((t, p) => Math.max(t, ms(p.ended_at)), -Infinity);
     notice.textContent =
       "Advisory semaphore: drawn from its audit log, which holds finished permits only " +
       "(written in batches after they end), so the picture ends at the last finished permit" +
-      (data.permits.length > 0 ? ` (${stamp(last)})` : "") +
+      (data.claims.length > 0 ? ` (${stamp(last)})` : "") +
       ". Who holds a slot now: pg-semaphore status.";
     notice.hidden = false;
   }
@@ -193,25 +194,27 @@ function timeline() {
   const marks = el("g", { class: "marks" }, svg);
   const gap = laneHeight > 6 ? 2 : 0;
   if (!data.aggregated && advisory) {
-    if (data.permits.length === 0) {
+    if (data.claims.length === 0) {
       text(marks, LEFT + PLOT / 2, top + 16, "no finished permits in this window", { "text-anchor": "middle", class: "empty" });
     }
-    data.permits.forEach((p, i) => {
+    // An outcome in the advisory log's words.
+    const said = { completed: "released", dropped: "dropped", timed_out: "lost" };
+    data.claims.forEach((p, i) => {
       const start = ms(p.claimed_at);
       const end = ms(p.ended_at);
       const x0 = x(start);
       for (const slot of p.slots) {
         const bar = el("rect", {
-          class: `bar ${p.outcome === "lost" ? "timed_out" : "completed"} permit${start < since ? " clipped" : ""}`,
+          class: `bar ${p.outcome === "timed_out" ? "timed_out" : "completed"} permit${start < since ? " clipped" : ""}`,
           "data-permit": i,
-          "data-outcome": p.outcome,
+          "data-outcome": said[p.outcome],
           x: x0,
           y: top + slot * laneHeight + gap / 2,
           width: Math.max(x(end) - x0, 1),
           height: laneHeight - gap,
         }, marks);
         tooltip(bar, [
-          `permit on slot${p.slots.length > 1 ? "s" : ""} ${p.slots.join(", ")}: ${p.outcome}`,
+          `permit on slot${p.slots.length > 1 ? "s" : ""} ${p.slots.join(", ")}: ${said[p.outcome]}`,
           `holder: ${p.holder}`,
           `acquired ${stamp(start)}`,
           `ended ${stamp(end)}`,
@@ -234,12 +237,12 @@ function timeline() {
         class: `bar ${c.outcome}${start < since ? " clipped" : ""}`,
         "data-id": c.id,
         x: x0,
-        y: top + c.slot * laneHeight + gap / 2,
+        y: top + c.slots[0] * laneHeight + gap / 2,
         width: Math.max(x(end) - x0, 1),
         height: laneHeight - gap,
       }, marks);
       tooltip(bar, [
-        `claim #${c.id} on slot ${c.slot}: ${c.outcome.replace("_", " ")}`,
+        `claim #${c.id} on slot ${c.slots[0]}: ${c.outcome.replace("_", " ")}`,
         `holder: ${c.holder}`,
         `claimed ${stamp(start)}`,
         c.ended_at === null ? "still held" : `ended ${stamp(end)}`,
