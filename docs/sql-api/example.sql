@@ -1,5 +1,5 @@
 -- pg-semaphore's SQL API driven from psql: the worked example of
--- docs/sql-api.md. Run it against a database migrated to schema version 11,
+-- docs/sql-api.md. Run it against a database migrated to schema version 1,
 -- as a role with the application's grants (README, "Privileges"):
 --
 --   psql -X -f docs/sql-api/example.sql "$DATABASE_URL"

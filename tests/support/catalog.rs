@@ -15,7 +15,7 @@ pub async fn catalog(pool: &PgPool) -> Vec<(&'static str, Vec<String>)> {
         (
             "relations",
             "SELECT c.relname || ' kind=' || c.relkind::text || ' options=' || coalesce(array_to_string(c.reloptions, ','), '')
-                    || ' acl=' || coalesce(c.relacl, acldefault(CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END, c.relowner))::text
+                    || ' acl=' || coalesce(c.relacl, acldefault((CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END)::\"char\", c.relowner))::text
                FROM pg_class c
               WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND c.relname !~ $1",
         ),
