@@ -644,9 +644,15 @@ fn released_migrations_are_never_edited() {
     let released = sql_files(&baseline_0_1());
     assert_eq!(released.len(), 7, "the 0.1 baseline is seven files");
     let current = sql_files(&crate_migrations());
-    assert!(current.len() >= released.len(), "a released file was removed");
+    assert!(
+        current.len() >= released.len(),
+        "a released file was removed"
+    );
     for ((name, bytes), (current_name, current_bytes)) in released.iter().zip(&current) {
-        assert_eq!(current_name, name, "migrations/ must begin with the released files");
+        assert_eq!(
+            current_name, name,
+            "migrations/ must begin with the released files"
+        );
         assert!(
             current_bytes == bytes,
             "migrations/{name} differs from the released tests/fixtures/migrations-0.1/{name}: \
@@ -663,7 +669,10 @@ fn released_migrations_are_never_edited() {
 async fn a_database_migrated_by_0_1_upgrades_to_the_fresh_schema() -> TestResult {
     let fresh = support::migrated_db().await;
     let upgraded = support::empty_db().await;
-    migrator_of(&baseline_0_1()).await?.run(&upgraded.pool).await?;
+    migrator_of(&baseline_0_1())
+        .await?
+        .run(&upgraded.pool)
+        .await?;
     assert_eq!(schema_version(&upgraded.pool).await, (1, 1));
     pg_semaphore::migrate(&upgraded.pool).await?;
     assert_eq!(schema_version(&upgraded.pool).await.0, SCHEMA_VERSION);
