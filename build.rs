@@ -5,8 +5,8 @@
 //! sqlx names files `<VERSION>_<DESCRIPTION>.sql` (the version is a 14-digit
 //! timestamp); refinery wants `V<N>__<NAME>` with a 32-bit `N`. The files are
 //! sorted by sqlx version, which is the order sqlx applies them in, and
-//! numbered from 1: `20261121000001_pg_semaphore_init.sql` becomes
-//! `V1__pg_semaphore_init`. Migrations are only ever appended, so the
+//! numbered from 1: `20261128010001_pgsemaphore_tables.sql` becomes
+//! `V1__pgsemaphore_tables`. Migrations are only ever appended, so the
 //! numbers are stable; were a file ever inserted before another, refinery
 //! would report the applied migration as divergent (its checksum covers the
 //! number, name and SQL) rather than apply anything.

@@ -3,7 +3,7 @@
 //! rules, the busiest keys with their holders; change a family's defaults,
 //! its rules and its keys' tiers. Every change recomputes the capacity of
 //! the family's existing keys in the same transaction (see
-//! `migrations/20261129000001_pgsemaphore_families.sql`). Under the
+//! `migrations/20261128010005_pgsemaphore_families.sql`). Under the
 //! README's grants, listing needs only the application role; changing needs
 //! the operator role.
 

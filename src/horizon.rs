@@ -1,8 +1,8 @@
 //! What holds back VACUUM on the database's tables: the oldest snapshot or
 //! transaction id still needed, and who holds it ([`horizon`]).
 //!
-//! The lease semaphore updates rows on every call (the rate limiters, since
-//! schema version 12, only insert, and read each key's newest row); the
+//! The lease semaphore updates rows on every call (the rate limiters only
+//! insert, and read each key's newest row); the
 //! row versions it leaves behind can only be removed once no transaction
 //! that might still see them is running. One long query, an `idle in
 //! transaction` session, a `pg_dump`, a prepared transaction or a

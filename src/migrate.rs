@@ -11,12 +11,20 @@
 //! older and this role may upgrade it; otherwise it succeeds (up to date, or
 //! newer and compatible) or says what to do, still without writing.
 //!
-//! **The rule for every new migration file**: the `k`-th file (in sqlx's
-//! order) brings the schema to version `k`, so it redefines
-//! `pgsemaphore.schema_version()` to return `k` and the oldest version whose
-//! code can still use the schema (`k` if older code would break, else the
-//! previous `o_compatible_from`), and [`SCHEMA_VERSION`] becomes `k`
-//! (`tests/migrations.rs` checks both).
+//! **The baseline and the rule for every new migration file**: the first
+//! seven files (in sqlx's order) are the 0.1 baseline, one per concept; only
+//! the last of them defines `pgsemaphore.schema_version()`, which returns
+//! version 1, so a baseline stopped between its files (each commits on its
+//! own) reports no version and is completed by the next run of the tool
+//! that started it. A released file is never edited
+//! (`tests/fixtures/migrations-0.1/` keeps the baseline as released, and
+//! `tests/migrations.rs` checks that `migrations/` still holds it). A schema
+//! change after a release is a new file: the `k`-th file after the baseline
+//! brings the schema to version `k + 1`, so it redefines
+//! `pgsemaphore.schema_version()` to return `k + 1` and the oldest version
+//! whose code can still use the schema (`k + 1` if older code would break,
+//! else the previous `o_compatible_from`), and [`SCHEMA_VERSION`] becomes
+//! `k + 1` (`tests/migrations.rs` checks both).
 
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::{PgConnection, PgPool};
@@ -37,8 +45,11 @@ pub const MIGRATIONS_TABLE: &str = "pgsemaphore._sqlx_migrations";
 
 /// The schema version this version of the crate builds and uses: what
 /// `pgsemaphore.schema_version()` returns once every file of `migrations/`
-/// is applied (one version per file).
-pub const SCHEMA_VERSION: i32 = 12;
+/// is applied (version 1 is the baseline's files, each later file one more).
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// How many files of `migrations/` make the baseline, schema version 1.
+const BASELINE_FILES: usize = 7;
 
 /// The SQL files of `migrations/`, embedded at compile time.
 static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
@@ -376,15 +387,27 @@ impl Facts {
         };
 
         let Some((found, compatible_from)) = self.version else {
-            if self.objects > 0 {
+            // The baseline's files commit one by one and only its last one
+            // defines schema_version(): objects without a version, with
+            // part of the baseline in this tool's own history, are a
+            // baseline stopped half-way, which this run completes.
+            let partial = match tool {
+                Tool::Sqlx => !self.sqlx.rows().is_empty(),
+                Tool::Refinery => !self.refinery.rows().is_empty(),
+            };
+            if self.objects > 0 && !partial {
                 return Err(Error::Schema(SchemaError::Unrecognized {
                     objects: self.objects,
                 }));
             }
+            if partial && tool == Tool::Sqlx {
+                verify_sqlx_history(self.sqlx.rows())?;
+            }
             // An empty schema (made for the owner by an administrator, or
-            // left behind): a fresh start. The baseline migration runs
-            // `CREATE SCHEMA IF NOT EXISTS`, which needs CREATE on the
-            // database even when the schema exists.
+            // left behind), or a baseline stopped half-way: a fresh start.
+            // The baseline's first file runs `CREATE SCHEMA IF NOT EXISTS`,
+            // which needs CREATE on the database even when the schema
+            // exists; its later files need CREATE in the schema.
             return if self.can_create_schema && self.can_create_in_schema {
                 Ok(Plan::Run {
                     create_schema: false,
@@ -481,14 +504,26 @@ fn verify_sqlx_history(rows: &[SqlxApplied]) -> Result<()> {
     Ok(())
 }
 
-/// The files that bring a schema at version `found` up to [`SCHEMA_VERSION`]
-/// (file `k` brings it to version `k`).
+/// The files that bring a schema at version `found` up to [`SCHEMA_VERSION`].
 fn pending_files(found: i32) -> Vec<String> {
-    EMBEDDED
-        .iter()
-        .skip(usize::try_from(found).unwrap_or(0))
-        .map(|m| format!("{}_{}.sql", m.version, m.description.replace(' ', "_")))
-        .collect()
+    pending_in(
+        EMBEDDED
+            .iter()
+            .map(|m| format!("{}_{}.sql", m.version, m.description.replace(' ', "_")))
+            .collect(),
+        found,
+    )
+}
+
+/// Of `files` (all of `migrations/`, in order), those a schema at version
+/// `found` lacks: every file for none (version 0), else those after the
+/// baseline's [`BASELINE_FILES`] and the `found - 1` files that followed it.
+fn pending_in(files: Vec<String>, found: i32) -> Vec<String> {
+    let applied = match usize::try_from(found) {
+        Ok(0) | Err(_) => 0,
+        Ok(found) => BASELINE_FILES + found - 1,
+    };
+    files.into_iter().skip(applied).collect()
 }
 
 /// Reads [`Facts`] on a sqlx connection.
@@ -678,7 +713,7 @@ mod tests {
                 history: MigrationHistory::Application,
                 pending,
                 ..
-            }) => assert_eq!(pending.len(), 1),
+            }) => assert_eq!(pending.len(), BASELINE_FILES),
             other => panic!("{other:?}"),
         }
         assert!(err.to_string().contains("your own history"), "{err}");
@@ -762,41 +797,99 @@ mod tests {
     }
 
     #[test]
-    fn one_schema_version_per_migration_file() {
-        assert_eq!(EMBEDDED.iter().count(), SCHEMA_VERSION as usize);
+    fn the_baseline_is_version_1_and_each_later_file_one_more() {
+        assert_eq!(
+            EMBEDDED.iter().count(),
+            BASELINE_FILES + SCHEMA_VERSION as usize - 1
+        );
         assert_eq!(
             pending_files(0),
             [
-                "20261122000001_pgsemaphore.sql",
-                "20261124000001_pgsemaphore_validated_api.sql",
-                "20261125000001_pgsemaphore_advisory.sql",
-                "20261126000001_pgsemaphore_advisory_this_database.sql",
-                "20261127000001_pgsemaphore_fair_keys.sql",
-                "20261128000001_pgsemaphore_waiting_bucket.sql",
-                "20261129000001_pgsemaphore_families.sql",
-                "20261129000002_pgsemaphore_claim_all.sql",
-                "20261129000003_pgsemaphore_limiter_settings.sql",
-                "20261129000004_pgsemaphore_limiter_ledger.sql",
-                "20261129000005_pgsemaphore_fair_weights.sql",
-                "20261129000006_pgsemaphore_rate_ledger.sql"
+                "20261128010001_pgsemaphore_tables.sql",
+                "20261128010002_pgsemaphore_admission.sql",
+                "20261128010003_pgsemaphore_queue.sql",
+                "20261128010004_pgsemaphore_advisory.sql",
+                "20261128010005_pgsemaphore_families.sql",
+                "20261128010006_pgsemaphore_rate_limits.sql",
+                "20261128010007_pgsemaphore_operator.sql"
             ],
             "pending files are named as in migrations/"
         );
-        assert_eq!(
-            pending_files(2),
-            [
-                "20261125000001_pgsemaphore_advisory.sql",
-                "20261126000001_pgsemaphore_advisory_this_database.sql",
-                "20261127000001_pgsemaphore_fair_keys.sql",
-                "20261128000001_pgsemaphore_waiting_bucket.sql",
-                "20261129000001_pgsemaphore_families.sql",
-                "20261129000002_pgsemaphore_claim_all.sql",
-                "20261129000003_pgsemaphore_limiter_settings.sql",
-                "20261129000004_pgsemaphore_limiter_ledger.sql",
-                "20261129000005_pgsemaphore_fair_weights.sql",
-                "20261129000006_pgsemaphore_rate_ledger.sql"
-            ]
-        );
         assert!(pending_files(SCHEMA_VERSION).is_empty());
+        // With two files after the baseline (versions 2 and 3):
+        let files: Vec<String> = (1..=BASELINE_FILES + 2)
+            .map(|k| format!("{k}_file.sql"))
+            .collect();
+        assert_eq!(pending_in(files.clone(), 0).len(), BASELINE_FILES + 2);
+        assert_eq!(pending_in(files.clone(), 1), ["8_file.sql", "9_file.sql"]);
+        assert_eq!(pending_in(files.clone(), 2), ["9_file.sql"]);
+        assert!(pending_in(files, 3).is_empty());
+    }
+
+    #[test]
+    fn a_baseline_stopped_between_its_files_is_completed_by_its_own_tool() {
+        // Three of the baseline's files applied: objects, no version.
+        let partial = Facts {
+            version: None,
+            objects_owner: None,
+            may_own: false,
+            sqlx: History::Rows(
+                EMBEDDED
+                    .iter()
+                    .take(3)
+                    .map(|m| SqlxApplied {
+                        version: m.version,
+                        success: true,
+                        checksum: m.checksum.to_vec(),
+                    })
+                    .collect(),
+            ),
+            ..owner_view()
+        };
+        assert_eq!(
+            partial.plan(Tool::Sqlx).unwrap(),
+            Plan::Run {
+                create_schema: false
+            }
+        );
+        // Another tool's, or nobody's: not ours to complete.
+        assert!(matches!(
+            partial.plan(Tool::Refinery),
+            Err(Error::Schema(SchemaError::Unrecognized { objects: 40 }))
+        ));
+        let by_refinery = Facts {
+            sqlx: History::Absent,
+            refinery: History::Rows(vec![RefineryApplied {
+                version: 1,
+                name: "pgsemaphore_tables".into(),
+            }]),
+            ..partial.clone()
+        };
+        assert_eq!(
+            by_refinery.plan(Tool::Refinery).unwrap(),
+            Plan::Run {
+                create_schema: false
+            }
+        );
+        // Only by a role that may create in the schema.
+        let denied = Facts {
+            role: "app".into(),
+            can_create_schema: false,
+            can_create_in_schema: false,
+            ..partial.clone()
+        };
+        assert!(matches!(
+            denied.plan(Tool::Sqlx),
+            Err(Error::Schema(SchemaError::NotPermitted { found: None, .. }))
+        ));
+        // A modified file in the history is reported as sqlx would.
+        let mut modified = partial;
+        if let History::Rows(rows) = &mut modified.sqlx {
+            rows[1].checksum = vec![1, 2, 3];
+        }
+        assert!(matches!(
+            modified.plan(Tool::Sqlx),
+            Err(Error::Schema(SchemaError::Migrate(MigrateError::VersionMismatch(_))))
+        ));
     }
 }

@@ -12,7 +12,7 @@
 //! `fixed_window` and `sliding_window`; they and their reservations run on
 //! one engine, `rate_take`, with the arithmetic of each kind in a pure
 //! function (`bucket_step`, `fixed_step`, `sliding_step`), all in
-//! `migrations/20261129000006_pgsemaphore_rate_ledger.sql`, whose header and
+//! `migrations/20261128010006_pgsemaphore_rate_limits.sql`, whose header and
 //! function comments state the invariants and the transactions each meets.
 //!
 //! Every limiter can also wait ([`TokenBucket::acquire`],
@@ -42,7 +42,7 @@
 //! upstream's 429; and a [`LimiterSet`] checks several limits at once, all
 //! or none. How (and the wake-ups of waiting acquires when an operator
 //! raises a rate or ends a pause): `settings` and `set` below, and the
-//! header of `migrations/20261129000003_pgsemaphore_limiter_settings.sql`.
+//! header of `migrations/20261128010006_pgsemaphore_rate_limits.sql`.
 //!
 //! The three limiters share one engine (`Limiter`: the pool, the name, the
 //! policy, fail-open); [`FixedWindow`] and [`SlidingWindow`] share one

@@ -7,8 +7,8 @@
 //! and keeps the audit log bounded. Operator functions: under the README's
 //! grants they need the operator role. Each round the reaper also looks at
 //! the database's xmin horizon ([`horizon`](crate::horizon)) and warns when
-//! one session, slot or prepared transaction has held it too long. Since
-//! schema version 7 each [`reap`] also examines the next 1,000 keys of
+//! one session, slot or prepared transaction has held it too long. Each
+//! [`reap`] also examines the next 1,000 keys of
 //! each [semaphore family](crate::SemaphoreFamily) (in turn, so a round's
 //! work is bounded however many keys exist) and removes those that nothing
 //! references any more (no claim left in the audit log, no waiter) for

@@ -23,7 +23,7 @@ static FILES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/refinery_mig
 
 /// pg-semaphore's migrations as refinery migrations: the very files that
 /// [`migrate`](crate::migrate) and `sqlx migrate run` apply, numbered
-/// `V1__pgsemaphore`, `V2__...` in the same order.
+/// `V1__pgsemaphore_tables`, `V2__pgsemaphore_admission`, ... in the same order.
 ///
 /// Run them with [`refinery_runner`] (or [`refinery_migrate`], which also
 /// creates the schema that holds the history); a runner of your own must
@@ -32,7 +32,7 @@ static FILES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/refinery_mig
 ///
 /// ```
 /// let migrations = pg_semaphore::refinery_migrations();
-/// assert_eq!(migrations[0].name(), "pgsemaphore");
+/// assert_eq!(migrations[0].name(), "pgsemaphore_tables");
 /// assert_eq!(migrations[0].version(), 1);
 /// ```
 pub fn refinery_migrations() -> Vec<Migration> {

@@ -2,7 +2,8 @@
 //! own sqlx migrations, whether applied from code or with sqlx-cli; a schema
 //! applied through the application's own history adopted as it is; the
 //! application role's start-up `migrate()` without DDL privileges; a schema
-//! migrated by a newer version.
+//! migrated by a newer version; the 0.1 baseline frozen as released, and
+//! upgraded from.
 
 mod support;
 
@@ -71,11 +72,9 @@ async fn migrating_twice_is_a_no_op() -> TestResult {
     assert_eq!(versions(&db.pool, MIGRATIONS_TABLE).await, first);
     assert!(!first.is_empty());
     works(&db.pool).await?;
-    // The schema says which version it is: the one this crate builds.
-    // Version 2 changed signatures that version 1's code calls: it, and
-    // every version since (3 and 4 only added, 5 added an argument with a
-    // default), is compatible with code for version 2 on.
-    assert_eq!(schema_version(&db.pool).await, (SCHEMA_VERSION, 2));
+    // The schema says which version it is: the one this crate builds, the
+    // 0.1 baseline, usable by code for version 1 on.
+    assert_eq!(schema_version(&db.pool).await, (SCHEMA_VERSION, 1));
 
     // Nothing outside our schema: no `public._sqlx_migrations` was created.
     let outside: i64 = sqlx::query_scalar(
@@ -357,7 +356,8 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
     );
 
     // A later crate version needing a newer schema (faked: the schema says it
-    // is older): the error says what to apply, and where.
+    // is older, version 0, which the whole baseline brings up to date): the
+    // error says what to apply, and where.
     pretend_version(&db.pool, SCHEMA_VERSION - 1, SCHEMA_VERSION - 1).await;
     let before = snapshot(&db.pool).await;
     let err = pg_semaphore::migrate(&db.pool)
@@ -371,8 +371,8 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
             pending,
         }) => {
             assert_eq!((*found, *required), (SCHEMA_VERSION - 1, SCHEMA_VERSION));
-            // The files after the version found: the last one.
-            assert_eq!(pending, &ours[ours.len() - 1..]);
+            // The files after the version found: here, all of them.
+            assert_eq!(pending, &ours);
         }
         other => panic!("expected SchemaOutdated, got {other:?}"),
     }
@@ -381,7 +381,7 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
     assert!(
         message.contains(&format!(
             "apply migrations {} in your own history",
-            ours[ours.len() - 1]
+            ours.join(", ")
         )),
         "{message}"
     );
@@ -612,430 +612,106 @@ async fn a_foreign_pgsemaphore_schema_is_left_alone() -> TestResult {
     Ok(())
 }
 
-/// Version 5 (fairness keys) upgrades a live queue: the waiters queued
-/// before it keep their order (their turns follow their ids, per semaphore
-/// and priority), the new `enqueue` keeps the grants of the signature it
-/// replaces, and a call of the old shape (seven arguments, positional),
-/// from a role granted only the old signature, still works and queues
-/// behind them.
-#[tokio::test]
-async fn version_5_keeps_a_live_queues_order_and_the_enqueue_grant() -> TestResult {
-    let db = support::empty_db().await;
-    let roles = Roles::create(&db, &["app"]).await?;
-    let result = async {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
-            .map(|entry| entry.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
-        files.sort();
-        let (before, upgrade) = files.split_at(4);
-        assert!(
-            upgrade[0].ends_with("20261127000001_pgsemaphore_fair_keys.sql"),
-            "{upgrade:?}"
-        );
-        for file in before {
-            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
-                .execute(&db.pool)
-                .await?;
-        }
-        assert_eq!(schema_version(&db.pool).await, (4, 2));
-        let app = roles.name("app");
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
-               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
-               GRANT EXECUTE ON FUNCTION
-                   pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea)
-                 TO "{app}";"#
-        )))
-        .execute(&db.pool)
-        .await?;
-        sqlx::query("SELECT * FROM pgsemaphore.open('upgraded', 1, '90 s')")
-            .execute(&db.pool)
-            .await?;
-        let old_shape = "SELECT o_ticket FROM pgsemaphore.enqueue('upgraded', 1, $1, $2, NULL, \
-                         '60 s', $3)";
-        // Queued at version 4: high, low, high, high.
-        for (holder, priority) in [("w0", 1i16), ("w1", 0), ("w2", 1), ("w3", 1)] {
-            let mut token = holder.as_bytes().to_vec();
-            token.resize(16, b'.');
-            sqlx::query(old_shape)
-                .bind(priority)
-                .bind(holder)
-                .bind(token)
-                .execute(&db.pool)
-                .await?;
-        }
+/// The 0.1 baseline as released, kept as the fixture the first real
+/// upgrade starts from.
+fn baseline_0_1() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/migrations-0.1")
+}
 
-        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&upgrade[0])?))
-            .execute(&db.pool)
-            .await?;
-        assert_eq!(schema_version(&db.pool).await, (5, 2));
-        let turns: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT holder, turn FROM pgsemaphore.waiters ORDER BY priority DESC, turn, id",
-        )
-        .fetch_all(&db.pool)
-        .await?;
-        let expected = [("w0", 0), ("w2", 1), ("w3", 2), ("w1", 0)];
+/// The `.sql` files of `dir`, sorted by name (sqlx's order), with their bytes.
+fn sql_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "sql"))
+        .map(|path| {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&path).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A migrator of our own history over the `.sql` files of `dir`, as a
+/// release of the crate built from them would run it.
+async fn migrator_of(dir: &Path) -> Result<Migrator, sqlx::migrate::MigrateError> {
+    let mut migrator = Migrator::new(dir).await?;
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator.create_schema(pg_semaphore::SCHEMA);
+    Ok(migrator)
+}
+
+/// A released migration is never edited, and none is inserted before it:
+/// `migrations/` begins with the 0.1 baseline's files, byte for byte (sqlx
+/// and refinery checksum them: an edited one is refused on every database
+/// that applied it). A schema change after a release is a new file after
+/// them.
+#[test]
+fn released_migrations_are_never_edited() {
+    let released = sql_files(&baseline_0_1());
+    assert_eq!(released.len(), 7, "the 0.1 baseline is seven files");
+    let current = sql_files(&crate_migrations());
+    assert!(
+        current.len() >= released.len(),
+        "a released file was removed"
+    );
+    for ((name, bytes), (current_name, current_bytes)) in released.iter().zip(&current) {
         assert_eq!(
-            turns,
-            expected.map(|(h, t)| (h.to_owned(), t)),
-            "the served order is the arrival order, high priority first"
+            current_name, name,
+            "migrations/ must begin with the released files"
         );
-        let (new_granted, old_gone): (bool, bool) = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT has_function_privilege('{app}',
-                        'pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea, text)',
-                        'EXECUTE'),
-                    to_regprocedure('pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea)') IS NULL"
-        )))
-        .fetch_one(&db.pool)
-        .await?;
-        assert!(new_granted, "the old signature's grant was not carried over");
-        assert!(old_gone, "the old signature would make old calls ambiguous");
-
-        // Code built for version 4, under the application role.
-        let app_pool = roles.pool(&db, "app").await?;
-        let (ticket,): (Option<i64>,) = sqlx::query_as(old_shape)
-            .bind(1i16)
-            .bind("w4")
-            .bind(b"w4-after-upgrade".to_vec())
-            .fetch_one(&app_pool)
-            .await?;
-        app_pool.close().await;
-        let (last, turn): (String, i64) = sqlx::query_as(
-            "SELECT holder, turn FROM pgsemaphore.waiters WHERE priority = 1
-              ORDER BY turn DESC, id DESC LIMIT 1",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        assert!(ticket.is_some());
-        assert_eq!((last.as_str(), turn), ("w4", 3), "queued behind the upgraded waiters");
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-    }
-    .await;
-    roles.drop_all().await?;
-    result
-}
-
-/// Version 6 (a token bucket that waits) only adds
-/// `token_bucket_reserve`, granted to whoever may run `token_bucket`: a
-/// role granted as version 5's README said reserves after the upgrade
-/// without new grants, on a key its plain checks already used; PUBLIC
-/// still runs nothing.
-#[tokio::test]
-async fn version_6_grants_the_reservation_to_token_bucket_callers() -> TestResult {
-    let db = support::empty_db().await;
-    let roles = Roles::create(&db, &["app"]).await?;
-    let result = async {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
-            .map(|entry| entry.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
-        files.sort();
-        let (before, upgrade) = files.split_at(5);
         assert!(
-            upgrade[0].ends_with("20261128000001_pgsemaphore_waiting_bucket.sql"),
-            "{upgrade:?}"
+            current_bytes == bytes,
+            "migrations/{name} differs from the released tests/fixtures/migrations-0.1/{name}: \
+             write a new migration instead"
         );
-        for file in before {
-            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
-                .execute(&db.pool)
-                .await?;
-        }
-        assert_eq!(schema_version(&db.pool).await, (5, 2));
-        let app = roles.name("app");
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
-               GRANT EXECUTE ON FUNCTION
-                   pgsemaphore.token_bucket(text, text, double precision, double precision, double precision)
-                 TO "{app}";"#
-        )))
-        .execute(&db.pool)
-        .await?;
-        let app_pool = roles.pool(&db, "app").await?;
-        let check = "SELECT o_allowed FROM pgsemaphore.token_bucket('l', 'k', 0.001, 2, 1)";
-        assert!(sqlx::query_scalar::<_, bool>(check).fetch_one(&app_pool).await?);
-
-        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&upgrade[0])?))
-            .execute(&db.pool)
-            .await?;
-        assert_eq!(schema_version(&db.pool).await, (6, 2));
-        let public: bool = sqlx::query_scalar(
-            "SELECT has_function_privilege('public',
-                 'pgsemaphore.token_bucket_reserve(text, text, double precision, double precision, double precision, interval)',
-                 'EXECUTE')",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        assert!(!public, "PUBLIC may reserve");
-        let reserve = "SELECT o_allowed, o_wait_us FROM pgsemaphore.token_bucket_reserve(\
-                       'l', 'k', 0.001, 2, 1, '1 s')";
-        let (allowed, wait_us): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
-        assert_eq!((allowed, wait_us), (true, 0), "the key's second token");
-        let (allowed, _): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
-        assert!(!allowed, "the third token is 1,000 s away, not within 1 s");
-        app_pool.close().await;
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     }
-    .await;
-    roles.drop_all().await?;
-    result
 }
 
-/// Version 8 (several limits at once) adds `claim_all` and `release_all`,
-/// granted to whoever may run `claim`, and `release_all_then_wake`, granted
-/// to whoever may run `release_then_wake`: a role granted as the README said
-/// before the upgrade claims two semaphores at once and releases them after
-/// it, without new grants, and claims made before it stay live and
-/// ungrouped; PUBLIC still runs nothing.
+/// A database migrated by the 0.1 release, then by this crate's
+/// `migrate()`, ends with exactly the schema a fresh database gets (the
+/// catalog, comments and privileges included), its history holding every
+/// file once.
 #[tokio::test]
-async fn version_8_grants_the_multi_limit_claim_to_claim_callers() -> TestResult {
-    let db = support::empty_db().await;
-    let roles = Roles::create(&db, &["app"]).await?;
-    let result = async {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
-            .map(|entry| entry.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
-        files.sort();
-        let upgrade = files
-            .iter()
-            .position(|path| path.ends_with("20261129000002_pgsemaphore_claim_all.sql"))
-            .ok_or("the version 8 migration is missing")?;
-        for file in &files[..upgrade] {
-            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
-                .execute(&db.pool)
-                .await?;
-        }
-        let app = roles.name("app");
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
-               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
-               GRANT EXECUTE ON FUNCTION
-                   pgsemaphore.open(text, integer, interval, boolean),
-                   pgsemaphore.claim(text, text, interval, jsonb, bytea, integer, smallint, integer,
-                                     bigint, bytea, interval)
-                 TO "{app}";
-               GRANT EXECUTE ON PROCEDURE
-                   pgsemaphore.release_then_wake(bigint[], bytea, boolean, text, bigint, timestamptz)
-                 TO "{app}";
-               SELECT * FROM pgsemaphore.open('a', 2, '60 s');
-               SELECT * FROM pgsemaphore.open('b', 2, '60 s');"#
-        )))
-        .execute(&db.pool)
+async fn a_database_migrated_by_0_1_upgrades_to_the_fresh_schema() -> TestResult {
+    let fresh = support::migrated_db().await;
+    let upgraded = support::empty_db().await;
+    migrator_of(&baseline_0_1())
+        .await?
+        .run(&upgraded.pool)
         .await?;
-        let app_pool = roles.pool(&db, "app").await?;
-        let (before,): (String,) = sqlx::query_as(
-            "SELECT o_status FROM pgsemaphore.claim('a', 'old', NULL, NULL, 'claimed-before-v8')",
-        )
-        .fetch_one(&app_pool)
-        .await?;
-        assert_eq!(before, "claimed");
-
-        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&files[upgrade])?))
-            .execute(&db.pool)
-            .await?;
-        assert_eq!(schema_version(&db.pool).await, (8, 2));
-        let public: bool = sqlx::query_scalar(
-            "SELECT has_function_privilege('public',
-                 'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[])', 'EXECUTE')
-                 OR has_function_privilege('public',
-                 'pgsemaphore.release_all(bigint[], bytea, boolean)', 'EXECUTE')",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        assert!(!public, "PUBLIC may claim several at once");
-        let (status, ids): (String, Option<Vec<i64>>) = sqlx::query_as(
-            "SELECT o_status, o_ids FROM pgsemaphore.claim_all(ARRAY['b', 'a'], 'new', NULL, NULL, \
-             'claimed-after-v8')",
-        )
-        .fetch_one(&app_pool)
-        .await?;
-        assert_eq!(status, "claimed");
-        let (outcome,): (String,) = sqlx::query_as(
-            "CALL pgsemaphore.release_all_then_wake($1, 'claimed-after-v8', false)",
-        )
-        .bind(ids.ok_or("claimed without ids")?)
-        .fetch_one(&app_pool)
-        .await?;
-        assert_eq!(outcome, "released");
-        app_pool.close().await;
-        let (live, grouped): (i64, i64) = sqlx::query_as(
-            "SELECT count(*), count(group_id) FROM pgsemaphore.live_slots",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        assert_eq!((live, grouped), (1, 0), "the claim made before the upgrade, ungrouped");
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-    }
-    .await;
-    roles.drop_all().await?;
-    result
+    assert_eq!(schema_version(&upgraded.pool).await, (1, 1));
+    pg_semaphore::migrate(&upgraded.pool).await?;
+    assert_eq!(schema_version(&upgraded.pool).await.0, SCHEMA_VERSION);
+    support::catalog::assert_same(&fresh.pool, &upgraded.pool).await;
+    assert_eq!(
+        versions(&upgraded.pool, MIGRATIONS_TABLE).await,
+        versions(&fresh.pool, MIGRATIONS_TABLE).await
+    );
+    works(&upgraded.pool).await
 }
 
-/// Version 10 (windows that wait) adds `fixed_window_reserve` and
-/// `sliding_window_reserve`, granted to whoever may run `fixed_window`: a
-/// role granted as version 6's README said books after the upgrade without
-/// new grants, on a key its plain checks already used (the booking counts
-/// them); the internal `*_book` functions stay the owner's; PUBLIC still
-/// runs nothing.
+/// The baseline's files commit one by one, and only the last defines
+/// `schema_version()`: a run stopped between two of them (a crash, a
+/// cancelled `migrate()`) leaves objects without a version, which the next
+/// `migrate()` recognises by our own history and completes, ending with
+/// the fresh schema.
 #[tokio::test]
-async fn version_10_grants_the_window_reservations_to_window_callers() -> TestResult {
+async fn a_baseline_stopped_between_its_files_is_completed_by_the_next_migrate() -> TestResult {
+    let fresh = support::migrated_db().await;
     let db = support::empty_db().await;
-    let roles = Roles::create(&db, &["app"]).await?;
-    let result = async {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
-            .map(|entry| entry.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
-        files.sort();
-        let upgrade = files
-            .iter()
-            .position(|f| f.ends_with("20261129000004_pgsemaphore_limiter_ledger.sql"))
-            .expect("the version 10 migration");
-        for file in &files[..upgrade] {
-            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
-                .execute(&db.pool)
-                .await?;
-        }
-        let app = roles.name("app");
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}";
-               GRANT EXECUTE ON FUNCTION
-                   pgsemaphore.fixed_window(text, text, bigint, interval, bigint),
-                   pgsemaphore.sliding_window(text, text, bigint, interval, bigint)
-                 TO "{app}";"#
-        )))
-        .execute(&db.pool)
-        .await?;
-        let app_pool = roles.pool(&db, "app").await?;
-        let check = "SELECT o_allowed FROM pgsemaphore.fixed_window('l', 'k', 2, '1 hour', 1)";
-        assert!(sqlx::query_scalar::<_, bool>(check).fetch_one(&app_pool).await?);
-
-        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&files[upgrade])?))
-            .execute(&db.pool)
-            .await?;
-        assert_eq!(schema_version(&db.pool).await, (10, 2));
-        for function in ["fixed_window_reserve", "sliding_window_reserve", "fixed_window_book"] {
-            let public: bool = sqlx::query_scalar(AssertSqlSafe(format!(
-                "SELECT has_function_privilege('public',
-                     'pgsemaphore.{function}(text, text, bigint, interval, bigint, interval)', 'EXECUTE')"
-            )))
-            .fetch_one(&db.pool)
-            .await?;
-            assert!(!public, "PUBLIC may run {function}");
-        }
-        let book: bool = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT has_function_privilege('{app}',
-                 'pgsemaphore.fixed_window_book(text, text, bigint, interval, bigint, interval)', 'EXECUTE')"
-        )))
-        .fetch_one(&db.pool)
-        .await?;
-        assert!(!book, "the application may run the internal fixed_window_book");
-        let reserve = "SELECT o_allowed, o_wait_us FROM pgsemaphore.fixed_window_reserve(\
-                       'l', 'k', 2, '1 hour', 1, '1 s')";
-        let (allowed, wait_us): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
-        assert_eq!((allowed, wait_us), (true, 0), "the window's second permit");
-        let (allowed, _): (bool, i64) = sqlx::query_as(reserve).fetch_one(&app_pool).await?;
-        assert!(!allowed, "the third is in the next window, an hour away, not within 1 s");
-        let sliding = "SELECT o_allowed FROM pgsemaphore.sliding_window_reserve(\
-                       'l', 'k', 2, '1 hour', 1, '1 s')";
-        assert!(sqlx::query_scalar::<_, bool>(sliding).fetch_one(&app_pool).await?);
-        app_pool.close().await;
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    let part = ScratchDir::new("baseline-part");
+    for (name, bytes) in sql_files(&crate_migrations()).into_iter().take(3) {
+        std::fs::write(part.0.join(name), bytes)?;
     }
-    .await;
-    roles.drop_all().await?;
-    result
-}
-
-/// Version 7 (semaphore families) grants `open_family` and
-/// `open_family_key` to whoever may run `open`, and the families' operator
-/// functions to whoever may run `configure`: roles granted as version 6's
-/// README said use families after the upgrade without new grants; PUBLIC
-/// still runs nothing. A semaphore named with a leading `@` before the
-/// upgrade keeps working; a new one is refused.
-#[tokio::test]
-async fn version_7_grants_families_to_open_and_configure_callers() -> TestResult {
-    let db = support::empty_db().await;
-    let roles = Roles::create(&db, &["app", "op"]).await?;
-    let result = async {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(crate_migrations())?
-            .map(|entry| entry.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.retain(|path| path.extension().is_some_and(|ext| ext == "sql"));
-        files.sort();
-        let (before, upgrade) = files.split_at(6);
-        assert!(
-            upgrade[0].ends_with("20261129000001_pgsemaphore_families.sql"),
-            "{upgrade:?}"
-        );
-        for file in before {
-            sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(file)?))
-                .execute(&db.pool)
-                .await?;
-        }
-        assert_eq!(schema_version(&db.pool).await, (6, 2));
-        let (app, op) = (roles.name("app"), roles.name("op"));
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            r#"GRANT USAGE ON SCHEMA pgsemaphore TO "{app}", "{op}";
-               GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO "{app}";
-               GRANT EXECUTE ON FUNCTION pgsemaphore.open(text, integer, interval, boolean) TO "{app}";
-               GRANT EXECUTE ON FUNCTION
-                   pgsemaphore.configure(text, integer, interval, boolean, boolean) TO "{op}";"#
-        )))
-        .execute(&db.pool)
-        .await?;
-        sqlx::query("SELECT * FROM pgsemaphore.open('@legacy', 3, '10 s')")
-            .execute(&db.pool)
-            .await?;
-
-        sqlx::raw_sql(AssertSqlSafe(std::fs::read_to_string(&upgrade[0])?))
-            .execute(&db.pool)
-            .await?;
-        assert_eq!(schema_version(&db.pool).await, (7, 2));
-        let public: bool = sqlx::query_scalar(
-            "SELECT has_function_privilege('public', 'pgsemaphore.open_family_key(text, text)', 'EXECUTE')
-                 OR has_function_privilege('public', 'pgsemaphore.set_family_rule(text, text, text, integer)', 'EXECUTE')",
-        )
-        .fetch_one(&db.pool)
-        .await?;
-        assert!(!public, "PUBLIC may use families");
-        let app_pool = roles.pool(&db, "app").await?;
-        let op_pool = roles.pool(&db, "op").await?;
-        sqlx::query("SELECT * FROM pgsemaphore.open_family('tenants', 2, '10 s', '0')")
-            .execute(&app_pool)
-            .await?;
-        sqlx::query("SELECT pgsemaphore.set_family_rule('tenants', 'key', 't-1', 5)")
-            .execute(&op_pool)
-            .await?;
-        let capacity: i32 =
-            sqlx::query_scalar("SELECT o_capacity FROM pgsemaphore.open_family_key('tenants', 't-1')")
-                .fetch_one(&app_pool)
-                .await?;
-        assert_eq!(capacity, 5);
-        let rules: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pgsemaphore.families JOIN pgsemaphore.family_rules ON family = name",
-        )
-        .fetch_one(&app_pool)
-        .await?;
-        assert_eq!(rules, 1, "a role that read the tables reads the families' too");
-        let (capacity, created): (i32, bool) =
-            sqlx::query_as("SELECT o_capacity, o_created FROM pgsemaphore.open('@legacy', 1, '10 s')")
-                .fetch_one(&app_pool)
-                .await?;
-        assert_eq!((capacity, created), (3, false), "the old '@' semaphore keeps working");
-        let refused = sqlx::query("SELECT * FROM pgsemaphore.open('@new', 1, '10 s')")
-            .execute(&app_pool)
-            .await;
-        let code = refused
-            .err()
-            .and_then(|e| e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned()));
-        assert_eq!(code.as_deref(), Some("22023"));
-        app_pool.close().await;
-        op_pool.close().await;
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-    }
-    .await;
-    roles.drop_all().await?;
-    result
+    migrator_of(&part.0).await?.run(&db.pool).await?;
+    assert_eq!(versions(&db.pool, MIGRATIONS_TABLE).await.len(), 3);
+    pg_semaphore::migrate(&db.pool).await?;
+    support::catalog::assert_same(&fresh.pool, &db.pool).await;
+    assert_eq!(
+        versions(&db.pool, MIGRATIONS_TABLE).await,
+        versions(&fresh.pool, MIGRATIONS_TABLE).await
+    );
+    works(&db.pool).await
 }

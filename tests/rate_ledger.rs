@@ -1,4 +1,4 @@
-//! The rate limiters' ledger (schema version 12), on a real PostgreSQL: a
+//! The rate limiters' ledger, on a real PostgreSQL: a
 //! key's state is the newest of its rows in `pgsemaphore.rate_ledger`, each
 //! admission appends one, a refusal writes nothing, and checks of one key
 //! are serialised by a transaction-level advisory lock.
@@ -12,9 +12,8 @@
 //! could miss the previous holder's row; a key keeps a bounded number of
 //! rows whatever its traffic; pruning deletes keys at rest, trims a live key
 //! to its state without changing it, never waits for a check in an open
-//! transaction and loses none; the hard limit holds while another session
-//! holds the xmin horizon; and a key's state survives the upgrade from
-//! version 11.
+//! transaction and loses none; and the hard limit holds while another
+//! session holds the xmin horizon.
 //!
 //! Refill over a test's run is negligible where counts must be exact (a rate
 //! of one token per thousand seconds, windows of an hour); the tests that
@@ -29,9 +28,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{FixedWindow, MIGRATIONS_TABLE, SlidingWindow, TokenBucket};
-use sqlx::migrate::Migrator;
-use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
+use pg_semaphore::{FixedWindow, SlidingWindow, TokenBucket};
+use sqlx::{PgConnection, PgExecutor, PgPool};
 use support::{TestResult, connect};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep, timeout};
@@ -40,9 +38,6 @@ const HOUR: Duration = Duration::from_secs(3600);
 
 /// How long a test waits for a lock wait to show, or for a waiter to finish.
 const PATIENCE: Duration = Duration::from_secs(10);
-
-/// The version of the migration that brings the ledger (schema version 12).
-const LEDGER_MIGRATION: i64 = 20261129000006;
 
 /// The three limiter kinds, checked straight through their SQL functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -743,82 +738,5 @@ async fn exactly_the_limit_is_admitted_while_the_horizon_is_held() -> TestResult
         );
     }
     sqlx::raw_sql("COMMIT").execute(&mut snapshot).await?;
-    Ok(())
-}
-
-/// The upgrade from version 11: a drained token bucket key (burst 2, two
-/// admitted checks, a rate of one token per 1,000 s) and a full fixed window
-/// key (2 an hour, two admitted) keep their state through `migrate`: both
-/// still refuse, and the view shows them as they were.
-#[tokio::test]
-async fn a_key_s_state_survives_the_upgrade_from_version_11() -> TestResult {
-    let db = support::empty_db().await;
-    {
-        let mut conn = connect(&db).await?;
-        let before_ledger: Vec<_> = pg_semaphore::migrator()
-            .iter()
-            .filter(|m| m.version < LEDGER_MIGRATION)
-            .cloned()
-            .collect();
-        assert_eq!(before_ledger.len(), 11, "the migrations of version 11");
-        let mut migrator = Migrator::with_migrations(before_ledger);
-        migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
-        migrator.create_schema(pg_semaphore::SCHEMA);
-        migrator.run(&mut conn).await?;
-        conn.close().await?;
-    }
-    let version: (i32, i32) = sqlx::query_as("SELECT * FROM pgsemaphore.schema_version()")
-        .fetch_one(&db.pool)
-        .await?;
-    assert_eq!(version.0, 11);
-    for _ in 0..2 {
-        assert!(check(&db.pool, Kind::Bucket, "upgraded", "k", 2).await?.0);
-        assert!(check(&db.pool, Kind::Fixed, "upgraded", "k", 2).await?.0);
-    }
-    let bucket_before = view_rows(&db.pool, "token_bucket", "upgraded", "k").await?;
-    let window_before = view_rows(&db.pool, "fixed_window", "upgraded", "k").await?;
-    assert_eq!((bucket_before.len(), window_before.len()), (1, 1));
-
-    pg_semaphore::migrate(&db.pool).await?;
-    let version: (i32, i32) = sqlx::query_as("SELECT * FROM pgsemaphore.schema_version()")
-        .fetch_one(&db.pool)
-        .await?;
-    assert_eq!(
-        i64::from(version.0),
-        pg_semaphore::migrator().iter().count() as i64,
-        "migrated to the latest"
-    );
-    assert_eq!(
-        view_rows(&db.pool, "token_bucket", "upgraded", "k").await?,
-        bucket_before,
-        "the view shows the bucket as it was"
-    );
-    assert_eq!(
-        view_rows(&db.pool, "fixed_window", "upgraded", "k").await?,
-        window_before,
-        "the view shows the window as it was"
-    );
-    for kind in ["token_bucket", "fixed_window"] {
-        assert_eq!(
-            ledger_rows(&db.pool, kind, "upgraded", "k").await?,
-            1,
-            "{kind}"
-        );
-    }
-    let bucket = TokenBucket::builder("upgraded")
-        .rate(0.001)
-        .burst(2)
-        .build(&db.pool)?;
-    let window = FixedWindow::builder("upgraded")
-        .permit_limit(2)
-        .window(HOUR)
-        .build(&db.pool)?;
-    let refused = bucket.check("k", 1).await?;
-    assert!(!refused.allowed, "the drained bucket refilled: {refused:?}");
-    let refused = window.check("k", 1).await?;
-    assert!(!refused.allowed, "the full window emptied: {refused:?}");
-    // Other keys start afresh.
-    assert!(bucket.check("other", 2).await?.allowed);
-    assert!(window.check("other", 2).await?.allowed);
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! schema/pgsemaphore.sql, the one file to read the schema in, is exactly
 //! what the migrations build: applied to an empty database it gives the
-//! same catalog (tables, columns, indexes, constraints, functions with their
-//! bodies, SECURITY DEFINER and search_path, and their privileges).
+//! same catalog (tables with their privileges, columns, indexes,
+//! constraints, functions with their bodies, SECURITY DEFINER and
+//! search_path, their privileges, triggers, and the comments on all of
+//! them).
 
 mod support;
 

@@ -1447,6 +1447,102 @@ async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_boun
     .await
 }
 
+/// The baseline's privileges, routine by routine: PUBLIC runs none, and
+/// with the README's grants the application runs exactly the application
+/// functions (claim_all, release_all and release_all_then_wake beside
+/// claim; every reservation beside its check; open_family and
+/// open_family_key beside open), the operator exactly the operator
+/// functions (the families', fair weights and the rate limits' among them),
+/// and neither an internal helper (the windows' bookings, the families'
+/// recomputation). What the migrations of the upgrades from the 0.1
+/// histories granted, pinned on the schema as it is now.
+#[tokio::test]
+async fn privileges_each_routine_runs_for_exactly_its_documented_roles() -> TestResult {
+    as_roles(|db, app, operator| async move {
+        let routines = "SELECT p.oid::regprocedure::text FROM pg_proc p
+                          JOIN pg_namespace n ON n.oid = p.pronamespace
+                         WHERE n.nspname = 'pgsemaphore' AND has_function_privilege(p.oid, 'EXECUTE')";
+        let public: Vec<String> = sqlx::query_scalar(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p
+               JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE n.nspname = 'pgsemaphore' AND has_function_privilege('public', p.oid, 'EXECUTE')",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        assert_eq!(public, Vec::<String>::new(), "PUBLIC runs these");
+        let mut application = [
+            "schema_version()",
+            "open(text,integer,interval,boolean)",
+            "claim(text,text,interval,jsonb,bytea,integer,smallint,integer,bigint,bytea,interval)",
+            "release(bigint[],bytea,boolean)",
+            "claim_all(text[],text,interval,jsonb,bytea,integer[])",
+            "release_all(bigint[],bytea,boolean)",
+            "release_by_token(text,bytea)",
+            "renew(bigint[],bytea,interval)",
+            "fence(bigint[],bytea)",
+            "enqueue(text,integer,smallint,text,integer,interval,bytea,text)",
+            "leave_queue(bigint,bytea)",
+            "keep_waiting(text,interval,bigint[],bytea,boolean,bigint)",
+            "stop_waiting(text,bytea,bigint)",
+            "wake(text)",
+            "wake_claimed(bigint)",
+            "release_then_wake(bigint[],bytea,boolean,text,bigint,timestamp with time zone)",
+            "release_all_then_wake(bigint[],bytea,boolean,text,bigint,timestamp with time zone)",
+            "token_bucket(text,text,double precision,double precision,double precision)",
+            "token_bucket_reserve(text,text,double precision,double precision,double precision,interval)",
+            "fixed_window(text,text,bigint,interval,bigint)",
+            "sliding_window(text,text,bigint,interval,bigint)",
+            "fixed_window_reserve(text,text,bigint,interval,bigint,interval)",
+            "sliding_window_reserve(text,text,bigint,interval,bigint,interval)",
+            "check_limits(text[],text[],text[],double precision[],double precision[],bigint[],interval[],bigint)",
+            "check_limits_reserve(text[],text[],text[],double precision[],double precision[],bigint[],interval[],bigint,interval)",
+            "pause_rate_limit(text,text,text,interval)",
+            "rate_limit_in_force(text,text,text)",
+            "open_advisory(text,integer)",
+            "advisory_claim(text,integer,integer[])",
+            "advisory_claim_check(text,bigint,integer)",
+            "advisory_release(text,bigint,integer[])",
+            "advisory_release_one(text,bigint,bigint)",
+            "advisory_drained(text)",
+            "advisory_log(jsonb)",
+            "open_family(text,integer,interval,interval)",
+            "open_family_key(text,text)",
+        ]
+        .map(|f| format!("pgsemaphore.{f}"));
+        application.sort();
+        let mut operators = [
+            "schema_version()",
+            "configure(text,integer,interval,boolean,boolean)",
+            "force_release(bigint)",
+            "clear_queue(text)",
+            "reap()",
+            "prune(interval,integer)",
+            "prune_rate_limits(interval,text,text,text,integer)",
+            "configure_advisory(text,integer)",
+            "set_fair_weight(text,text,integer)",
+            "set_rate_limit(text,text,text,double precision,double precision,bigint,interval)",
+            "clear_rate_limit(text,text,text)",
+            "resume_rate_limit(text,text,text)",
+            "pause_rate_limit(text,text,text,interval)",
+            "configure_family(text,integer,interval,interval,boolean)",
+            "set_family_rule(text,text,text,integer)",
+            "set_family_tier(text,text,text)",
+            "reap_family_keys(integer)",
+        ]
+        .map(|f| format!("pgsemaphore.{f}"));
+        operators.sort();
+        let mut app_runs: Vec<String> = sqlx::query_scalar(routines).fetch_all(&app).await?;
+        app_runs.sort();
+        assert_eq!(app_runs, application, "the application's routines");
+        let mut operator_runs: Vec<String> =
+            sqlx::query_scalar(routines).fetch_all(&operator).await?;
+        operator_runs.sort();
+        assert_eq!(operator_runs, operators, "the operator's routines");
+        Ok(())
+    })
+    .await
+}
+
 /// README: "Run the operator functions or the internal helpers."
 #[tokio::test]
 async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {

@@ -1,12 +1,12 @@
 //! The SQL API is a contract (docs/sql-api.md): its worked example runs, as
 //! written, from `psql` as a role with exactly the README's application
 //! grants, and prints what the document shows; and the document's table of
-//! application functions names every function the application role is
-//! granted, each with the migration that last defines it.
+//! application functions names exactly the functions the application role
+//! is granted.
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
 
@@ -128,22 +128,6 @@ async fn the_documented_psql_example_runs_as_written_with_the_application_grants
     Ok(())
 }
 
-/// `pgsemaphore.NAME(` or `PROCEDURE pgsemaphore.NAME(`: the name of each
-/// routine a migration creates (CREATE [OR REPLACE] FUNCTION/PROCEDURE).
-fn created_routines(sql: &str) -> Vec<String> {
-    sql.lines()
-        .filter_map(|line| {
-            let rest = line
-                .strip_prefix("CREATE OR REPLACE ")
-                .or_else(|| line.strip_prefix("CREATE "))?;
-            let rest = rest
-                .strip_prefix("FUNCTION pgsemaphore.")
-                .or_else(|| rest.strip_prefix("PROCEDURE pgsemaphore."))?;
-            Some(rest.split('(').next()?.to_owned())
-        })
-        .collect()
-}
-
 /// The routines the README grants to the application role.
 fn granted_to_app() -> Vec<String> {
     let grants = support::documented_grants("app", "operator");
@@ -165,66 +149,34 @@ fn granted_to_app() -> Vec<String> {
 }
 
 #[test]
-fn the_function_table_names_every_application_function_and_the_file_that_defines_it() -> TestResult
-{
+fn the_function_table_names_every_application_function() -> TestResult {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    // Each routine's last definition: the migrations apply in file-name order.
-    let mut files: Vec<_> = std::fs::read_dir(root.join("migrations"))?
-        .filter_map(|entry| {
-            let name = entry.ok()?.file_name().to_str()?.to_owned();
-            name.ends_with(".sql").then_some(name)
-        })
-        .collect();
-    files.sort();
-    let mut defined_in = BTreeMap::new();
-    for file in &files {
-        let sql = std::fs::read_to_string(root.join("migrations").join(file))?;
-        for routine in created_routines(&sql) {
-            defined_in.insert(routine, format!("migrations/{file}"));
-        }
-    }
-
-    // The table: rows `| `pgsemaphore.NAME(...)` | ... | `migrations/FILE` |`
-    // between the markers.
+    // The table: rows `| `pgsemaphore.NAME(...)` | ... |` between the markers.
     let doc = std::fs::read_to_string(root.join("docs/sql-api.md"))?;
     let table = doc
         .split("<!-- functions:begin")
         .nth(1)
         .and_then(|rest| rest.split("<!-- functions:end -->").next())
         .ok_or("docs/sql-api.md has no functions:begin/functions:end markers")?;
-    let mut listed = BTreeMap::new();
+    let mut listed = BTreeSet::new();
     for row in table.lines().filter(|l| l.starts_with("| `pgsemaphore.")) {
         let name = row["| `pgsemaphore.".len()..]
             .split(['(', '`'])
             .next()
             .unwrap_or_default()
             .to_owned();
-        let file = row
-            .split('`')
-            .find(|cell| cell.starts_with("migrations/"))
-            .ok_or_else(|| format!("row names no migration: {row}"))?
-            .to_owned();
-        assert!(
-            listed.insert(name.clone(), file).is_none(),
-            "{name} listed twice"
-        );
+        assert!(listed.insert(name.clone()), "{name} listed twice");
     }
 
     let granted = granted_to_app();
     assert!(granted.len() >= 20, "parsed too few grants: {granted:?}");
     for name in &granted {
-        let Some(file) = listed.get(name) else {
-            panic!(
-                "docs/sql-api.md's table does not list pgsemaphore.{name}, granted to the application"
-            );
-        };
-        assert_eq!(
-            Some(file),
-            defined_in.get(name),
-            "pgsemaphore.{name} is last defined in another file than the table says"
+        assert!(
+            listed.contains(name),
+            "docs/sql-api.md's table does not list pgsemaphore.{name}, granted to the application"
         );
     }
-    for name in listed.keys() {
+    for name in &listed {
         assert!(
             granted.contains(name),
             "docs/sql-api.md lists pgsemaphore.{name}, which the README does not grant to the application"

@@ -1,5 +1,5 @@
 -- pg-semaphore's SQL API driven from psql: the worked example of
--- docs/sql-api.md. Run it against a database migrated to schema version 11,
+-- docs/sql-api.md. Run it against a database migrated to schema version 1,
 -- as a role with the application's grants (README, "Privileges"):
 --
 --   psql -X -f docs/sql-api/example.sql "$DATABASE_URL"
@@ -11,7 +11,7 @@
 \set VERBOSITY verbose
 \set SHOW_CONTEXT never
 
--- The contract this database speaks: version 11, and the oldest version
+-- The contract this database speaks: version 1, and the oldest version
 -- whose callers still work against it.
 SELECT * FROM pgsemaphore.schema_version();
 
@@ -94,7 +94,7 @@ UNLISTEN pgsemaphore;
 SELECT o_outcome, o_id = :claim_a AS claim_a
   FROM pgsemaphore.release(p_ids => ARRAY[:claim_a]::bigint[], p_token => :'token_a');
 
--- 7b. Several limits at once (version 8): a slot of 'upstream' and one of
+-- 7b. Several limits at once: a slot of 'upstream' and one of
 -- 'upstream:tenant-7' (at most one call per tenant), all or nothing, in
 -- one call; the names in any order. 'upstream' is full (workers b and c):
 -- nothing is claimed, not even the tenant's free slot.
@@ -149,7 +149,7 @@ SELECT pgsemaphore.advisory_release(p_semaphore => 'reports', p_key_base => :key
                                     p_slots => '{0}') AS released;
 SELECT count(*) AS holders FROM pgsemaphore.advisory_holders WHERE semaphore = 'reports';
 
--- 10. Rate limits (schema version 9): two limits on one key checked
+-- 10. Rate limits: two limits on one key checked
 -- together, all or none; then a pause (an upstream answered 429 with
 -- Retry-After: 30) refuses the key in every process, taking nothing.
 SELECT o_allowed, o_remaining, o_deciding

@@ -1,7 +1,7 @@
 //! Limits stored in the database, pauses, and the wake-ups of waiting
-//! acquires when an operator changes either (schema version 9,
-//! `migrations/20261129000003_pgsemaphore_limiter_settings.sql`, whose
-//! header writes down the decisions).
+//! acquires when an operator changes either
+//! (`migrations/20261128010006_pgsemaphore_rate_limits.sql`, whose header
+//! writes down the decisions).
 //!
 //! - **Stored limits.** `pgsemaphore.rate_limit_settings` holds, per limiter
 //!   and optionally per key, a pair (rate and burst, or permit limit and

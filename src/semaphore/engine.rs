@@ -3,9 +3,7 @@
 //! that decides admission or ends it: claim, release, renew, fence. Each
 //! calls one SQL function whose header (the comment that opens its body)
 //! names the invariant it keeps and the concurrent transactions it meets:
-//! `pgsemaphore.claim` in `migrations/20261127000001_pgsemaphore_fair_keys.sql`,
-//! the others in `migrations/20261124000001_pgsemaphore_validated_api.sql`
-//! (the table in `docs/sql-api.md`, checked by `tests/sql_api.rs`; the
+//! all in `migrations/20261128010002_pgsemaphore_admission.sql` (the table in `docs/sql-api.md`, checked by `tests/sql_api.rs`; the
 //! same headers read in `schema/pgsemaphore.sql`).
 //!
 //! Nothing here waits or retries; [`wait`](super::wait) does. Every claim is
@@ -13,7 +11,7 @@
 //! several, high or low priority, in the fair queue or not), decoded by one
 //! decoder into an [`Admission`]; a claim of several semaphores at once is
 //! one round trip to `pgsemaphore.claim_all` (which runs `claim` for each,
-//! all or nothing: `migrations/20261129000002_pgsemaphore_claim_all.sql`),
+//! all or nothing, in the same file),
 //! released by `pgsemaphore.release_all_then_wake`.
 
 use std::sync::Arc;

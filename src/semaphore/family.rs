@@ -5,7 +5,7 @@
 //! claim, wait, release, lease, fence and audit path is the named
 //! semaphore's, and a claim on a key is the same single round trip to
 //! `pgsemaphore.claim`. What a family adds lives in SQL
-//! (`migrations/20261129000001_pgsemaphore_families.sql`, whose header
+//! (`migrations/20261128010005_pgsemaphore_families.sql`, whose header
 //! writes the decisions down):
 //!
 //! - the key's semaphore is created on first use by
@@ -343,7 +343,7 @@ impl SemaphoreFamily {
     ///
     /// - [`Error::InvalidArgument`] for a key that is empty, longer than
     ///   [`MAX_FAMILY_KEY_LEN`](crate::MAX_FAMILY_KEY_LEN) or contains NUL,
-    ///   or whose semaphore name a named semaphore took before version 7.
+    ///   or whose semaphore name a named semaphore has.
     /// - [`Error::FamilyNotFound`], [`Error::Schema`],
     ///   [`Error::Database`].
     ///

@@ -9,12 +9,13 @@ use sqlx::PgPool;
 const HISTORY: &str = "(_sqlx_migrations|refinery_schema_history)";
 
 /// The catalog of the `pgsemaphore` schema, one sorted list of definitions
-/// per kind of object.
+/// per kind of object (privileges and comments included).
 pub async fn catalog(pool: &PgPool) -> Vec<(&'static str, Vec<String>)> {
     let queries = [
         (
             "relations",
             "SELECT c.relname || ' kind=' || c.relkind::text || ' options=' || coalesce(array_to_string(c.reloptions, ','), '')
+                    || ' acl=' || coalesce(c.relacl, acldefault((CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END)::\"char\", c.relowner))::text
                FROM pg_class c
               WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND c.relname !~ $1",
         ),
@@ -57,6 +58,17 @@ pub async fn catalog(pool: &PgPool) -> Vec<(&'static str, Vec<String>)> {
             "triggers",
             "SELECT pg_get_triggerdef(g.oid) FROM pg_trigger g JOIN pg_class c ON c.oid = g.tgrelid
               WHERE c.relnamespace = 'pgsemaphore'::regnamespace AND NOT g.tgisinternal AND c.relname !~ $1",
+        ),
+        (
+            "comments",
+            // COMMENT ON every object of the schema (obj_description and
+            // col_description read these rows): tables, views, columns,
+            // functions, indexes, constraints, triggers, the schema itself.
+            "SELECT pg_describe_object(d.classoid, d.objoid, d.objsubid) || ' = ' || d.description
+               FROM pg_description d
+              WHERE ((pg_identify_object(d.classoid, d.objoid, d.objsubid)).schema = 'pgsemaphore'
+                     OR (d.classoid = 'pg_namespace'::regclass AND d.objoid = 'pgsemaphore'::regnamespace))
+                AND pg_describe_object(d.classoid, d.objoid, d.objsubid) !~ $1",
         ),
     ];
     let mut catalog = Vec::new();

@@ -67,7 +67,7 @@ const AVAILABLE: &str = "SELECT a.capacity - (SELECT count(DISTINCT h.slot)::int
 
 /// The first of the 16 waiting keys of a semaphore whose keys start at
 /// `base` (the comment above `CREATE TABLE pgsemaphore.advisory_semaphores`
-/// in `migrations/20261125000001_pgsemaphore_advisory.sql`).
+/// in `migrations/20261128010001_pgsemaphore_tables.sql`).
 fn waiting_keys(base: i64) -> i64 {
     base + 1_048_560
 }

@@ -1,204 +1,21 @@
--- pg-semaphore, schema version 3: semaphores whose slots are advisory locks.
+-- pg-semaphore's schema, version 1 (the 0.1 baseline), part 4 of 7: the
+-- advisory semaphore, whose slots are advisory locks.
 --
 -- A lease semaphore (pgsemaphore.claim) writes a row per claim and makes it
 -- dead at release; while a long transaction anywhere in the database holds
 -- the xmin horizon, VACUUM can remove none of those versions, every claim
--- visits them, and the semaphore slows down without bound. An *advisory*
--- semaphore writes nothing on its claim and release path: each slot is a
--- session-level advisory lock, held by the holder process's dedicated
--- connection. Advisory locks live in shared memory and have no versions, so
--- a held horizon does not touch them. What it reads per claim is its own row
--- of pgsemaphore.advisory_semaphores, which changes only when an operator
--- changes its capacity.
---
--- What this migration adds, and nothing else changes:
---   * pgsemaphore.advisory_semaphores: name, capacity, peak_capacity, the
---     base of its advisory keys;
---   * a name belongs to one kind: a trigger on each table refuses a name
---     the other kind has (SQLSTATE 22023 naming p_name);
---   * application functions open_advisory, advisory_claim,
---     advisory_release, advisory_release_one, advisory_drained,
---     advisory_log; operator function configure_advisory;
---   * pgsemaphore.advisory_claims: the audit log, insert-only, written in
---     batches off the hot path (advisory_log);
---   * schema_version() returns (3, 2): code built for version 2 works
---     against it unchanged.
--- Grants: re-run the README's grants (the new functions are granted there).
-
-CREATE OR REPLACE FUNCTION pgsemaphore.schema_version()
-RETURNS TABLE (o_version integer, o_compatible_from integer)
-LANGUAGE sql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 3, 2 $$;
-
--- ---------------------------------------------------------------------------
--- Tables
--- ---------------------------------------------------------------------------
-
--- One row per advisory semaphore. Its slots are the advisory locks
--- key_base + 0 .. key_base + capacity - 1 (64-bit keys: PostgreSQL's
--- one-bigint key space); key_base + 1048560 .. key_base + 1048575 are its
--- 16 "waiting" keys (a waiter holds all of them in shared mode; a release
--- tries one; see advisory_release). key_base is the name's
--- hashtextextended (stable: hash partitioning depends on it) with its low
--- 20 bits cleared (capacities stay below 2^20). Two names whose bases
--- collide share their slots: each still admits at most its own capacity,
--- and the other's holders only make it look fuller, never emptier.
---   peak_capacity: the highest capacity whose slots may still be held. A
---   capacity change never moves a holder, so after a drop, holders may sit
---   on slots at or above the new capacity until they release; while
---   peak_capacity > capacity, a claim counts every held slot below
---   peak_capacity (see advisory_claim), and the claim that finds all of
---   them above capacity free lowers it back.
---   highest_capacity: the highest capacity the semaphore has had, kept by a
---   trigger (advisory_highest_capacity): every slot ever held lies below
---   it, so the audit log (advisory_log) accepts only slots below it. A
---   holder's row may be written after a drop has ended (peak_capacity
---   lowered again), so peak_capacity alone would refuse an honest row.
-CREATE TABLE pgsemaphore.advisory_semaphores (
-    name          text        PRIMARY KEY,
-    capacity      integer     NOT NULL,
-    peak_capacity integer     NOT NULL,
-    highest_capacity integer  NOT NULL DEFAULT 1,
-    key_base      bigint      NOT NULL GENERATED ALWAYS AS
-                  (hashtextextended(name, 0) & ~1048575::bigint) STORED,
-    created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
-    updated_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
-    CONSTRAINT advisory_semaphores_name_length CHECK (char_length(name) BETWEEN 1 AND 200),
-    CONSTRAINT advisory_semaphores_capacity_range CHECK (capacity BETWEEN 1 AND 100000),
-    CONSTRAINT advisory_semaphores_peak CHECK (peak_capacity BETWEEN capacity AND 100000),
-    CONSTRAINT advisory_semaphores_highest CHECK (highest_capacity BETWEEN peak_capacity AND 100000)
-);
-
--- Keeps advisory_semaphores.highest_capacity, whoever writes the row
--- (open_advisory creates it, configure_advisory changes the capacity,
--- advisory_drained lowers the peak): it is raised to the peak, never
--- lowered.
-CREATE FUNCTION pgsemaphore.advisory_highest_capacity()
-RETURNS trigger
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        NEW.highest_capacity := greatest(OLD.highest_capacity, NEW.peak_capacity);
-    ELSE
-        NEW.highest_capacity := NEW.peak_capacity;
-    END IF;
-    RETURN NEW;
-END;
-$$;
-
-CREATE TRIGGER advisory_semaphores_highest_capacity
-    BEFORE INSERT OR UPDATE ON pgsemaphore.advisory_semaphores
-    FOR EACH ROW EXECUTE FUNCTION pgsemaphore.advisory_highest_capacity();
-
--- The audit log of advisory semaphores: one row per finished permit,
--- written by the holder's process in batches after the release (never on
--- the claim or release path), insert-only. A permit whose process died
--- before writing its row is missing from it: the live holders are in
--- pg_locks, not here.
---   outcome: 'released' (its holder released it), 'lost' (its connection
---   died or stopped answering: the slots were freed by the server),
---   'dropped' (released by the permit's Drop).
-CREATE TABLE pgsemaphore.advisory_claims (
-    semaphore   text        NOT NULL,
-    slots       integer[]   NOT NULL,
-    holder      text        NOT NULL,
-    metadata    jsonb,
-    acquired_at timestamptz NOT NULL,
-    ended_at    timestamptz NOT NULL,
-    outcome     text        NOT NULL,
-    CONSTRAINT advisory_claims_outcome CHECK (outcome IN ('released', 'lost', 'dropped'))
-);
--- Rows arrive in about acquired_at order, and a BRIN index costs next to
--- nothing to keep on insert (a B-tree here cost a third of the claims'
--- throughput on a 2-core machine, measured): queries by time window read
--- the matching block ranges and filter by semaphore. A block range is
--- summarised when it fills (autosummarize: autovacuum does it at its next
--- round), so a query, and pgsemaphore.prune with nothing old enough, reads
--- only the ranges that match and the newest ones not summarised yet,
--- however long the log.
-CREATE INDEX advisory_claims_history_idx
-    ON pgsemaphore.advisory_claims USING brin (acquired_at) WITH (autosummarize = on);
-
--- The live holders of advisory semaphores' slots, from pg_locks (shared
--- memory: nothing in a table says who holds a slot). A 64-bit advisory key
--- shows in pg_locks as classid (its high 32 bits) and objid (its low 32
--- bits), objsubid 1. The session's backend pid, application_name and
--- client address identify the holder's process (pg_stat_activity shows
--- them for sessions of other roles only to members of pg_read_all_stats).
-CREATE VIEW pgsemaphore.advisory_holders AS
-    SELECT a.name AS semaphore,
-           (k.key - a.key_base)::integer AS slot,
-           k.pid,
-           p.application_name,
-           p.client_addr,
-           p.backend_start
-      FROM pgsemaphore.advisory_semaphores a
-      JOIN (SELECT l.pid, ((l.classid::bigint << 32) | l.objid::bigint) AS key
-              FROM pg_catalog.pg_locks l
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-               AND l.mode = 'ExclusiveLock') k
-        ON k.key >= a.key_base AND k.key < a.key_base + a.peak_capacity
-      LEFT JOIN pg_catalog.pg_stat_activity p ON p.pid = k.pid;
-
--- ---------------------------------------------------------------------------
--- One name, one kind
--- ---------------------------------------------------------------------------
-
--- A lease semaphore and an advisory semaphore of the same name would each
--- admit up to the capacity: twice the limit for whoever meant one. Each
--- creation (a row inserted in either table, which only opening and the
--- operator's configure do) takes a transaction-scoped advisory lock on the
--- name (class 1885828966, 'pgsf') and then, in a statement of its own (a
--- snapshot taken after the lock, under READ COMMITTED), refuses a name the
--- other table has. Two concurrent creators of different kinds serialise on
--- the lock, and the second sees the first's row.
-CREATE FUNCTION pgsemaphore.one_kind_per_name()
-RETURNS trigger
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        -- The check below needs a snapshot taken after the lock. Opening a
-        -- semaphore that exists (the insert will meet its row and do
-        -- nothing) needs no check; creating one is refused here.
-        IF (TG_TABLE_NAME = 'semaphores'
-            AND EXISTS (SELECT 1 FROM pgsemaphore.semaphores s WHERE s.name = NEW.name))
-           OR (TG_TABLE_NAME = 'advisory_semaphores'
-               AND EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = NEW.name)) THEN
-            RETURN NEW;
-        END IF;
-        RAISE EXCEPTION 'creating a pg-semaphore semaphore needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
-    END IF;
-    PERFORM pg_advisory_xact_lock(1885828966, hashtext(NEW.name));
-    IF TG_TABLE_NAME = 'semaphores'
-       AND EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = NEW.name) THEN
-        PERFORM pgsemaphore.refuse('p_name',
-            format('%s is an advisory semaphore (AdvisorySemaphore): a lease semaphore cannot have its name',
-                   quote_literal(NEW.name)));
-    ELSIF TG_TABLE_NAME = 'advisory_semaphores'
-       AND EXISTS (SELECT 1 FROM pgsemaphore.semaphores s WHERE s.name = NEW.name) THEN
-        PERFORM pgsemaphore.refuse('p_name',
-            format('%s is a lease semaphore (Semaphore): an advisory semaphore cannot have its name',
-                   quote_literal(NEW.name)));
-    END IF;
-    RETURN NEW;
-END;
-$$;
-
-CREATE TRIGGER semaphores_one_kind_per_name
-    BEFORE INSERT ON pgsemaphore.semaphores
-    FOR EACH ROW EXECUTE FUNCTION pgsemaphore.one_kind_per_name();
-CREATE TRIGGER advisory_semaphores_one_kind_per_name
-    BEFORE INSERT ON pgsemaphore.advisory_semaphores
-    FOR EACH ROW EXECUTE FUNCTION pgsemaphore.one_kind_per_name();
-
--- ---------------------------------------------------------------------------
--- Application functions
--- ---------------------------------------------------------------------------
+-- visits them, and the semaphore slows down. An *advisory* semaphore writes
+-- nothing on its claim and release path: each slot is a session-level
+-- advisory lock, held by the holder process's dedicated connection.
+-- Advisory locks live in shared memory and have no versions, so a held
+-- horizon does not touch them. What it reads per claim is its own row of
+-- pgsemaphore.advisory_semaphores, which changes only when an operator
+-- changes its capacity (configure_advisory, 7: operator functions). An
+-- advisory lock belongs to one database (pg_locks.database): two databases
+-- of one cluster may each have an advisory semaphore of the same name and
+-- never share a slot; everything here reads this database's locks only.
+-- Its audit log, pgsemaphore.advisory_claims, is insert-only, written in
+-- batches off the hot path (advisory_log).
 
 CREATE FUNCTION pgsemaphore.open_advisory(p_name text, p_capacity integer)
 RETURNS TABLE (o_capacity integer, o_created boolean, o_key_base bigint)
@@ -518,45 +335,6 @@ BEGIN
 END;
 $$;
 
-CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text)
-RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
--- A capacity drop of p_semaphore may be over (advisory_claim found every
--- slot at or above the capacity free): if pg_locks shows no lock, of any
--- session, on a key between the capacity and the peak, claims stop
--- counting them (none is ever taken again). Decides from pg_locks itself,
--- under the semaphore's row lock (serialised with configure_advisory),
--- never from what its caller says: any role may call it, and calling it
--- early changes nothing. Returns whether the drop is over. With the
--- owner's rights: the application may not write the table.
-DECLARE
-    v_capacity integer;
-    v_peak     integer;
-    v_base     bigint;
-BEGIN
-    IF p_semaphore IS NULL THEN
-        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
-    END IF;
-    SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
-      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore FOR NO KEY UPDATE;
-    IF NOT FOUND OR v_peak <= v_capacity THEN
-        RETURN NOT FOUND OR v_peak <= v_capacity;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_locks l
-                WHERE l.locktype = 'advisory' AND l.objsubid = 1
-                  AND ((l.classid::bigint << 32) | l.objid::bigint)
-                      BETWEEN v_base + v_capacity AND v_base + v_peak - 1) THEN
-        RETURN false;
-    END IF;
-    UPDATE pgsemaphore.advisory_semaphores a
-       SET peak_capacity = a.capacity
-     WHERE a.name = p_semaphore;
-    RETURN true;
-END;
-$$;
-
 CREATE FUNCTION pgsemaphore.advisory_release(p_semaphore text, p_key_base bigint, p_slots integer[])
 RETURNS integer
 LANGUAGE plpgsql
@@ -641,6 +419,74 @@ AS $$
                                     THEN -1 ELSE -1 END
                      END
                 ELSE 0 END
+$$;
+
+CREATE FUNCTION pgsemaphore.advisory_drained(p_semaphore text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+AS $$
+-- A capacity drop of p_semaphore may be over (advisory_claim found every
+-- slot at or above the capacity free): if pg_locks shows no lock, of any
+-- session of this database, in any mode, granted or awaited, on a key
+-- between the capacity and the peak, claims stop counting them (none is
+-- ever taken again). Decides from pg_locks itself, under the semaphore's
+-- row lock (serialised with configure_advisory), never from what its
+-- caller says: any role may call it, and calling it early changes nothing.
+-- Returns whether the drop is over: true also for a semaphore that does
+-- not exist, or has no drop pending; false while a key above the capacity
+-- is held, or while another transaction holds the row (a
+-- configure_advisory, or another advisory_drained, still open: a later
+-- claim ends the drop then). With the owner's rights: the application may
+-- not write the table.
+-- READ COMMITTED only (else 0A000). Waits for nothing: it reads the row
+-- first without locking it (no drop pending: done, nothing locked), then
+-- locks it SKIP LOCKED. A caller that leaves this in an open transaction
+-- holds the row only while a drop is pending, delays no claim (claims
+-- never wait for the row), and delays configure_advisory by at most its
+-- lock_timeout (2 s, then 55P03). (lock_timeout here bounds what is left:
+-- the table's own relation lock, which only DDL could hold.)
+DECLARE
+    v_capacity integer;
+    v_peak     integer;
+    v_base     bigint;
+BEGIN
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'advisory_drained needs READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
+    SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
+    IF NOT FOUND OR v_peak <= v_capacity THEN
+        RETURN true;
+    END IF;
+    SELECT a.capacity, a.peak_capacity, a.key_base INTO v_capacity, v_peak, v_base
+      FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore
+       FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NOT EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore);
+    END IF;
+    IF v_peak <= v_capacity THEN
+        RETURN true;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_locks l
+                WHERE l.locktype = 'advisory' AND l.objsubid = 1
+                  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                                     WHERE d.datname = pg_catalog.current_database())
+                  AND ((l.classid::bigint << 32) | l.objid::bigint)
+                      BETWEEN v_base + v_capacity AND v_base + v_peak - 1) THEN
+        RETURN false;
+    END IF;
+    UPDATE pgsemaphore.advisory_semaphores a
+       SET peak_capacity = a.capacity
+     WHERE a.name = p_semaphore;
+    RETURN true;
+END;
 $$;
 
 CREATE FUNCTION pgsemaphore.advisory_log(p_claims jsonb)
@@ -763,59 +609,6 @@ BEGIN
                FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
-END;
-$$;
-
--- ---------------------------------------------------------------------------
--- Operator functions
--- ---------------------------------------------------------------------------
-
-CREATE FUNCTION pgsemaphore.configure_advisory(p_name text, p_capacity integer)
-RETURNS TABLE (o_capacity integer, o_previous_capacity integer)
-LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
-SET lock_timeout = '2s'
-AS $$
--- Changes the capacity of an existing advisory semaphore (P0002 if there is
--- none). Holders above a reduced capacity keep their slots until they
--- release, and are counted by every claim until then (peak_capacity, see
--- advisory_claim); claims see the new capacity at once. Wakes the
--- semaphore's waiters when the capacity grew (the NOTIFY goes out at this
--- transaction's commit).
---   p_name 1..200 characters; p_capacity 1..100000
--- READ COMMITTED only (else 0A000, changing nothing). The one wait it can
--- meet is for the semaphore's row (another configure_advisory, or an
--- advisory_drained ending a drop, in a transaction still open): at most
--- lock_timeout, 2 s, then 55P03 (Error::Stalled), nothing changed.
-DECLARE
-    v_old integer;
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'configure_advisory needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
-    END IF;
-    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
-    IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
-        PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
-    END IF;
-    SELECT a.capacity INTO v_old FROM pgsemaphore.advisory_semaphores a
-     WHERE a.name = p_name FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_name)
-            USING ERRCODE = 'no_data_found';
-    END IF;
-    IF p_capacity <> v_old THEN
-        UPDATE pgsemaphore.advisory_semaphores a
-           SET capacity = p_capacity, peak_capacity = greatest(a.peak_capacity, p_capacity),
-               updated_at = clock_timestamp()
-         WHERE a.name = p_name;
-    END IF;
-    IF p_capacity > v_old THEN
-        PERFORM pg_notify('pgsemaphore', p_name);
-    END IF;
-    RETURN QUERY SELECT p_capacity, v_old;
 END;
 $$;
 

@@ -1,21 +1,16 @@
--- pg-semaphore, schema version 12: the rate limiters keep their state in an
--- insert-only ledger, so a long transaction elsewhere no longer slows them.
+-- pg-semaphore's schema, version 1 (the 0.1 baseline), part 6 of 7: rate
+-- limits (a token bucket, a fixed window, a sliding window, and several
+-- limits in one atomic check), with their stored limits and pauses.
 --
--- Until now a key's state was one row of pgsemaphore.rate_limits, locked
--- (SELECT ... FOR UPDATE) and updated in place by every check. Every update
--- leaves a dead version behind, and while any transaction holds the xmin
--- horizon back (a long query, pg_dump, a replica's hot_standby_feedback)
--- none of them can be removed: a hot key's checks walked an ever longer
--- chain of versions and fell to 0.08x-0.14x of their rate within minutes
--- (BENCHMARKS.md, the pressure workload). Now:
---   * table pgsemaphore.rate_ledger holds a key's states as rows numbered by
---     seq; the newest (highest seq) is the key's state. An admitted check
---     INSERTs the new state as seq + 1; a refused one writes nothing (its
---     refill or roll forward is recomputed from the same row by the next
---     check, with the same result). A check reads the newest row with a
---     backward scan of the primary key, which meets the live newest entry
---     first: no dead version is on its path whatever the horizon;
---   * the checks of one key are serialised by a transaction-level advisory
+-- Storage. pgsemaphore.rate_ledger holds a key's states as rows numbered by
+-- seq; the newest (highest seq) is the key's state. An admitted check
+-- INSERTs the new state as seq + 1; a refused one writes nothing (its
+-- refill or roll forward is recomputed from the same row by the next check,
+-- with the same result). A check reads the newest row with a backward scan
+-- of the primary key, which meets the live newest entry first: no dead
+-- version is on its path, however long another transaction holds the xmin
+-- horizon back (a long query, pg_dump, a replica's hot_standby_feedback).
+--   * The checks of one key are serialised by a transaction-level advisory
 --     lock, pg_advisory_xact_lock(1885828967, hashtext(kind/limiter/key)),
 --     taken before the newest row is read, in an earlier statement: in READ
 --     COMMITTED each statement takes a new snapshot, and a lock is released
@@ -26,45 +21,53 @@
 --     only share a lock, they never share a state.) A check in REPEATABLE
 --     READ or SERIALIZABLE would read with its transaction's first snapshot
 --     and could miss the previous holder's row: every check raises 0A000
---     there, before it takes anything;
---   * old rows go in batches: the admission that writes a seq divisible by
+--     there, before it takes anything.
+--   * Old rows go in batches: the admission that writes a seq divisible by
 --     16 deletes the key's rows 16 to 32 behind it (the range, not "all
 --     older": under a held horizon the older ones are deleted but not yet
 --     removed, and a scan of "all older" would visit every one of them). A
 --     key keeps at most 32 rows whatever its traffic; prune_rate_limits
---     deletes the rest of every key it scans, and keys at rest entirely, as
---     before (it takes no lock: it deletes only up to the newest row it
---     read);
---   * pgsemaphore.rate_limits becomes a view of the newest row per key, with
---     the table's columns; the table's rows are moved into the ledger (seq
---     1), so every key keeps its state across the upgrade;
---   * every check, reservation and check_limits runs on one engine
+--     deletes the rest of every key it scans, and keys at rest entirely (it
+--     takes no lock: it deletes only up to the newest row it read).
+--   * Every check, reservation and check_limits runs on one engine
 --     (rate_take, and rate_take_all for several limits), with the
---     arithmetic of versions 1-11 in pure functions (bucket_step,
---     fixed_step, sliding_step): the decisions are unchanged. check_limits
---     no longer calls each limit's function in a subtransaction: it locks
---     the keys in one statement, reads their rows in one, decides, and
---     inserts every new state in one statement only when all admit;
---   * application function check_limits_reserve: check_limits that waits,
---     for LimiterSet::acquire (granted to whoever may run check_limits);
---   * schema_version() returns (12, 2): code built for versions 2 to 11
---     works against it unchanged (it calls the same functions).
--- Hostile callers (issue 32), decided in this version:
---   * a limiter's limits belong to the database, never to one caller: a
---     check that finds no stored pair in force (key's, else limiter's)
---     stores its caller's pair as the limiter's (rate_limit_settings, key
---     '', by rate_limit_first_use under the functions' owner: INSERT ... ON
---     CONFLICT, then a re-read, so two racing first uses decide under the
---     same pair); from then on every check, whatever it passes, is decided
---     under the stored pair, which only the operator changes
---     (set_rate_limit, clear_rate_limit, per limiter or per key). A deploy
---     that changes limits in code must store them (set_rate_limit, or the
---     CLI's `pg-semaphore limits set`); the crate warns once per limiter
---     and process when its pair differs from the stored one. After
---     clear_rate_limit of a limiter, its next check is a first use again
---     and stores its caller's pair. Keys of earlier versions keep their
---     state; their limiter's first check afterwards stores its pair;
---   * a reservation books no further ahead than the limits in force allow:
+--     arithmetic in pure functions (bucket_step, fixed_step, sliding_step).
+--     check_limits locks the keys in one statement, reads their rows in one,
+--     decides, and inserts every new state in one statement only when all
+--     admit.
+--   * Waiting: a reservation (token_bucket_reserve, fixed_window_reserve,
+--     sliding_window_reserve, check_limits_reserve) takes the permits now,
+--     even those not yet refilled or in a later window, and answers how long
+--     the caller must wait before it may act, so each admission costs one
+--     round trip and waiters are admitted in the order they reserved.
+--
+-- Limits belong to the database, never to one caller.
+--   * Limits are stored in pairs (pgsemaphore.rate_limit_settings),
+--     validated as the checks validate passed ones: a token bucket's rate
+--     and burst together, a window's permit limit and window together. The
+--     pair in force is the key's row's if it has one, else the limiter's
+--     row's (key ''); pairs are never mixed, so every combination in force
+--     was validated whole.
+--   * A check that finds no stored pair in force stores its caller's pair
+--     as the limiter's (rate_limit_first_use, under the functions' owner:
+--     INSERT ... ON CONFLICT, then a re-read, so two racing first uses
+--     decide under the same pair); from then on every check, whatever it
+--     passes, is decided under the stored pair, which only the operator
+--     changes (set_rate_limit, clear_rate_limit, per limiter or per key). A
+--     deploy that changes limits in code must store them (set_rate_limit,
+--     or the CLI's `pg-semaphore limits set`); the crate warns once per
+--     limiter and process when its pair differs from the stored one. After
+--     clear_rate_limit of a limiter, its next check is a first use again.
+--   * A stored limit applies from each key's next check, to the key's
+--     existing state: a lowered burst caps the stored tokens at the next
+--     refill (least(burst, ...)), a raised rate refills the time since the
+--     key's last check at the new rate, a window's new limit counts the
+--     permits already granted in the current window, and a new window
+--     length starts from the key's current window start.
+--   * A check asking for more permits than the limit in force (p_n above the
+--     stored burst or permit limit) could never be admitted: it raises 22023
+--     naming p_n.
+--   * A reservation books no further ahead than the limits in force allow:
 --     p_max_wait is clamped to burst / rate (a bucket) or one window (a
 --     window; for several limits, the least of theirs), never refused, so
 --     callers passing a longer wait (up to 366 days) keep working and are
@@ -74,8 +77,8 @@
 --     under bookings of the old one): every wait stays within 2 x 366 days
 --     and no arithmetic on a key overflows. A window's permit limit is at
 --     most 1e15, as a bucket's burst (check_window; the p_n casts and the
---     remaining counts stay exact);
---   * every wait is bounded: each rate check, reservation, check_limits
+--     remaining counts stay exact).
+--   * Every wait is bounded: each rate check, reservation, check_limits
 --     (_reserve), and the settings functions (set_rate_limit,
 --     clear_rate_limit, pause_rate_limit, resume_rate_limit) run with SET
 --     lock_timeout = '2s', as the semaphore functions: a key's advisory lock
@@ -83,88 +86,291 @@
 --     may call pg_advisory_lock on the documented key), a settings row held
 --     by an open pause or first use, answer 55P03 after 2 s (the crate's
 --     Error::Stalled; waiting acquires retry within their deadline).
-
-CREATE OR REPLACE FUNCTION pgsemaphore.schema_version()
-RETURNS TABLE (o_version integer, o_compatible_from integer)
-LANGUAGE sql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
-AS $$ SELECT 12, 2 $$;
+--   * Pauses: the application sees the upstream's 429, so
+--     pause_rate_limit is an application function. It only ever extends a
+--     pause (greatest of the stored end and now + p_for; never shortens one
+--     set by another process) and p_for is 1 ms to 1 hour, so a hostile
+--     caller can hold a limiter back by at most an hour past its last call,
+--     which it could as well by not calling. Only the operator shortens or
+--     ends one (resume_rate_limit). A key is paused while its own pause or
+--     its limiter's (key '') runs; a paused check is refused with
+--     o_remaining 0 and o_retry_after_us until the pause ends, and takes
+--     nothing. Pause-only rows whose pause has ended are deleted by the next
+--     pause of the same limiter (100 at a time) or by the operator.
+--   * Wake-ups: set_rate_limit, clear_rate_limit and resume_rate_limit send
+--     NOTIFY on channel 'pgsemaphore_rate' with payload kind || '/' || limiter
+--     at their commit. Waiting acquires re-read the limits in force when they
+--     get one (rate_limit_in_force): a hint backed by a re-check, never a
+--     correctness device (any role may NOTIFY any channel). They are rare
+--     operator actions, so the instance-wide serialisation of notifying
+--     commits costs nothing; pauses notify nobody (a pause only lengthens
+--     waits).
 
 -- ---------------------------------------------------------------------------
--- The ledger
+-- Internal helpers (not granted to anyone)
 -- ---------------------------------------------------------------------------
 
--- A key's states, newest last. Written only by the functions below: an
--- admission inserts, a trim or a prune deletes; no row is ever updated.
--- The columns mean what they meant in rate_limits (version 1):
---   tokens        token_bucket: the level after the decision (below zero
---                 while reservations are owed)
---   hits          windows: permits booked in stamp's window
---   previous_hits sliding_window: permits of the window before it
---   stamp         token_bucket: when tokens was computed; windows: the
---                 start of the latest window with bookings
---   idle_at       from this instant the key is at rest (a full bucket, or
---                 every window that counted a permit has ended): deleting
---                 it then never admits more
-CREATE TABLE pgsemaphore.rate_ledger (
-    kind          text        NOT NULL,
-    limiter       text        NOT NULL,
-    key           text        NOT NULL,
-    seq           bigint      NOT NULL,
-    tokens        double precision,
-    hits          bigint,
-    previous_hits bigint,
-    stamp         timestamptz NOT NULL,
-    idle_at       timestamptz NOT NULL,
-    PRIMARY KEY (kind, limiter, key, seq),
-    CONSTRAINT rate_ledger_kind CHECK (kind IN ('token_bucket', 'fixed_window', 'sliding_window')),
-    CONSTRAINT rate_ledger_limiter_length CHECK (char_length(limiter) BETWEEN 1 AND 200),
-    CONSTRAINT rate_ledger_key_length CHECK (char_length(key) BETWEEN 1 AND 256)
-);
-
--- Insert-only with batch deletes: vacuum after 2% changed, as the queues.
-ALTER TABLE pgsemaphore.rate_ledger SET (
-    autovacuum_vacuum_scale_factor = 0.02,
-    autovacuum_vacuum_insert_scale_factor = 0.02,
-    autovacuum_analyze_scale_factor = 0.02
-);
-
--- Every key keeps its state across the upgrade.
-INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)
-SELECT r.kind, r.limiter, r.key, 1, r.tokens, r.hits, r.previous_hits, r.stamp, r.idle_at
-  FROM pgsemaphore.rate_limits r;
-
-DROP TABLE pgsemaphore.rate_limits;
-
--- What rate_limits was: each key's state, one row per key (its newest).
-CREATE VIEW pgsemaphore.rate_limits AS
-SELECT DISTINCT ON (l.kind, l.limiter, l.key)
-       l.kind, l.limiter, l.key, l.tokens, l.hits, l.previous_hits, l.stamp, l.idle_at
-  FROM pgsemaphore.rate_ledger l
- ORDER BY l.kind, l.limiter, l.key, l.seq DESC;
-
-REVOKE ALL ON pgsemaphore.rate_limits FROM PUBLIC;
-
--- Whoever may read the semaphores (the README grants SELECT on every table
--- to both roles, which covered the old table) may read the ledger and the view.
-DO $$
-DECLARE
-    r record;
+-- The limiter's name and the key, as every check takes them.
+CREATE FUNCTION pgsemaphore.check_limiter_key(p_limiter text, p_key text)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
 BEGIN
-    FOR r IN
-        SELECT a.grantee::regrole AS grantee
-          FROM pg_class t
-         CROSS JOIN LATERAL aclexplode(t.relacl) a
-         WHERE t.oid = 'pgsemaphore.semaphores'::regclass
-           AND a.privilege_type = 'SELECT'
-           AND a.grantee <> t.relowner AND a.grantee <> 0
-    LOOP
-        EXECUTE format('GRANT SELECT ON pgsemaphore.rate_ledger, pgsemaphore.rate_limits TO %s', r.grantee);
+    IF p_limiter IS NULL OR char_length(p_limiter) NOT BETWEEN 1 AND 200 THEN
+        PERFORM pgsemaphore.checked_text(p_limiter, 'p_limiter', 200);
+    END IF;
+    IF p_key IS NULL OR char_length(p_key) NOT BETWEEN 1 AND 256 THEN
+        PERFORM pgsemaphore.checked_text(p_key, 'p_key', 256);
+    END IF;
+END;
+$$;
+
+-- A window limiter's limit, window and permits.
+CREATE FUNCTION pgsemaphore.check_window(p_limit bigint, p_window interval, p_n bigint)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- (At most 1e15, as a bucket's burst: every count and every sum of two
+    -- stays exact in a double and far inside a bigint.)
+    IF p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 1000000000000000 THEN
+        PERFORM pgsemaphore.refuse('p_limit', format('1 to 1e15, got %s', coalesce(p_limit::text, 'NULL')));
+    END IF;
+    PERFORM pgsemaphore.checked_interval(p_window, 'p_window', interval '1 ms', interval '366 days');
+    IF p_n IS NULL OR p_n NOT BETWEEN 1 AND p_limit THEN
+        PERFORM pgsemaphore.refuse('p_n', format('1 to the limit (%s), got %s', p_limit, coalesce(p_n::text, 'NULL')));
+    END IF;
+END;
+$$;
+
+-- A token bucket's pair, checked as token_bucket checks passed ones.
+CREATE FUNCTION pgsemaphore.check_bucket(p_rate double precision, p_burst double precision)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF p_rate IS NULL OR NOT (p_rate > 0 AND p_rate <= 1e9) THEN
+        PERFORM pgsemaphore.refuse('p_rate', format('above 0 and at most 1e9, got %s', coalesce(p_rate::text, 'NULL')));
+    END IF;
+    IF p_burst IS NULL OR NOT (p_burst >= 1 AND p_burst <= 1e15) OR p_burst / p_rate > 366 * 86400 THEN
+        PERFORM pgsemaphore.refuse('p_burst',
+            format('1 to 1e15, refilled within 366 days at the rate, got %s', coalesce(p_burst::text, 'NULL')));
+    END IF;
+END;
+$$;
+
+-- p_n against the limit in force when it is a stored one.
+CREATE FUNCTION pgsemaphore.check_n_stored(p_n double precision, p_limit double precision)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF p_n > p_limit THEN
+        PERFORM pgsemaphore.refuse('p_n',
+            format('%s is above the stored limit in force (%s): it could never be admitted', p_n, p_limit));
+    END IF;
+END;
+$$;
+
+-- The stored arguments' shared checks: a kind, a limiter, and a key that may
+-- be NULL (the whole limiter).
+CREATE FUNCTION pgsemaphore.check_setting_target(p_kind text, p_limiter text, p_key text)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF p_kind IS NULL OR p_kind NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
+        PERFORM pgsemaphore.refuse('p_kind',
+            format('token_bucket, fixed_window or sliding_window, got %s', coalesce(quote_literal(left(p_kind, 50)), 'NULL')));
+    END IF;
+    PERFORM pgsemaphore.checked_text(p_limiter, 'p_limiter', 200);
+    IF p_key IS NOT NULL THEN
+        PERFORM pgsemaphore.checked_text(p_key, 'p_key', 256);
+    END IF;
+END;
+$$;
+
+-- The arguments of several limits at once (check_limits,
+-- check_limits_reserve): the arrays' shapes, then each element as its
+-- kind's own function checks it (22023 naming p_rate, p_burst, p_limit,
+-- p_window or p_n, as that function does), no key twice.
+-- Returns the limits' indexes in the canonical order (kind, limiter, key,
+-- by byte), the order in which they decide.
+CREATE FUNCTION pgsemaphore.checked_limits(
+    p_kinds text[], p_limiters text[], p_keys text[],
+    p_rates double precision[], p_bursts double precision[],
+    p_limits bigint[], p_windows interval[], p_n bigint)
+RETURNS integer[]
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_count integer;
+    v_order integer[];
+    v_i     integer;
+BEGIN
+    IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1 OR array_lower(p_kinds, 1) <> 1
+       OR array_length(p_kinds, 1) > 16 THEN
+        PERFORM pgsemaphore.refuse('p_kinds', 'a one-dimensional array of 1 to 16 kinds, from index 1');
+    END IF;
+    v_count := array_length(p_kinds, 1);
+    IF p_limiters IS NULL OR array_ndims(p_limiters) IS DISTINCT FROM 1 OR array_lower(p_limiters, 1) <> 1
+       OR array_length(p_limiters, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_limiters', format('a one-dimensional array of %s names, from index 1', v_count));
+    END IF;
+    IF p_keys IS NULL OR array_ndims(p_keys) IS DISTINCT FROM 1 OR array_lower(p_keys, 1) <> 1
+       OR array_length(p_keys, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_keys', format('a one-dimensional array of %s keys, from index 1', v_count));
+    END IF;
+    IF p_rates IS NULL OR array_ndims(p_rates) IS DISTINCT FROM 1 OR array_lower(p_rates, 1) <> 1
+       OR array_length(p_rates, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_rates', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_bursts IS NULL OR array_ndims(p_bursts) IS DISTINCT FROM 1 OR array_lower(p_bursts, 1) <> 1
+       OR array_length(p_bursts, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_bursts', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_limits IS NULL OR array_ndims(p_limits) IS DISTINCT FROM 1 OR array_lower(p_limits, 1) <> 1
+       OR array_length(p_limits, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_limits', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_windows IS NULL OR array_ndims(p_windows) IS DISTINCT FROM 1 OR array_lower(p_windows, 1) <> 1
+       OR array_length(p_windows, 1) <> v_count THEN
+        PERFORM pgsemaphore.refuse('p_windows', format('a one-dimensional array of %s elements, from index 1', v_count));
+    END IF;
+    IF p_n IS NULL OR p_n < 1 THEN
+        PERFORM pgsemaphore.refuse('p_n', format('at least 1, got %s', coalesce(p_n::text, 'NULL')));
+    END IF;
+    FOR v_i IN 1 .. v_count LOOP
+        IF p_kinds[v_i] IS NULL OR p_kinds[v_i] NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
+            PERFORM pgsemaphore.refuse('p_kinds', format('element %s: token_bucket, fixed_window or sliding_window', v_i));
+        END IF;
+        -- (Plain expressions; a helper is called only to raise.)
+        IF p_limiters[v_i] IS NULL OR char_length(p_limiters[v_i]) NOT BETWEEN 1 AND 200
+           OR p_keys[v_i] IS NULL OR char_length(p_keys[v_i]) NOT BETWEEN 1 AND 256 THEN
+            PERFORM pgsemaphore.check_limiter_key(p_limiters[v_i], p_keys[v_i]);
+        END IF;
+        IF p_kinds[v_i] = 'token_bucket' THEN
+            IF p_rates[v_i] IS NULL OR NOT (p_rates[v_i] > 0 AND p_rates[v_i] <= 1e9)
+               OR p_bursts[v_i] IS NULL OR NOT (p_bursts[v_i] >= 1 AND p_bursts[v_i] <= 1e15)
+               OR p_bursts[v_i] / p_rates[v_i] > 366 * 86400 THEN
+                PERFORM pgsemaphore.check_bucket(p_rates[v_i], p_bursts[v_i]);
+            END IF;
+            IF NOT (p_n <= p_bursts[v_i]) THEN
+                PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_bursts[v_i], p_n));
+            END IF;
+        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] NOT BETWEEN 1 AND 1000000000000000 OR p_windows[v_i] IS NULL
+              OR p_windows[v_i] < interval '1 ms' OR p_windows[v_i] > interval '366 days'
+              OR p_n NOT BETWEEN 1 AND p_limits[v_i] THEN
+            PERFORM pgsemaphore.check_window(p_limits[v_i], p_windows[v_i], p_n);
+        END IF;
     END LOOP;
+    SELECT array_agg(i ORDER BY p_kinds[i] COLLATE "C", p_limiters[i] COLLATE "C", p_keys[i] COLLATE "C")
+      INTO v_order
+      FROM generate_subscripts(p_kinds, 1) i;
+    FOR v_i IN 2 .. v_count LOOP
+        IF p_kinds[v_order[v_i]] = p_kinds[v_order[v_i - 1]]
+           AND p_limiters[v_order[v_i]] = p_limiters[v_order[v_i - 1]]
+           AND p_keys[v_order[v_i]] = p_keys[v_order[v_i - 1]] THEN
+            PERFORM pgsemaphore.refuse('p_limiters',
+                format('limit %s and limit %s are the same key of the same limiter', v_order[v_i - 1], v_order[v_i]));
+        END IF;
+    END LOOP;
+    RETURN v_order;
+END;
+$$;
+
+-- Raised by every check outside READ COMMITTED (see this file's header).
+CREATE FUNCTION pgsemaphore.refuse_isolation()
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RAISE EXCEPTION 'rate limiter checks need READ COMMITTED, this transaction is %',
+        upper(current_setting('transaction_isolation'))
+        USING ERRCODE = 'feature_not_supported',
+              HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
+                     'its snapshot could not see the previous check''s state';
+END;
+$$;
+
+-- The microseconds until p_until, from the clock now (at least 1).
+CREATE FUNCTION pgsemaphore.us_until(p_until timestamptz)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+AS $$ SELECT greatest(1, ceil(extract(epoch FROM p_until - clock_timestamp()) * 1e6))::bigint $$;
+
+-- What the limits in force for a key are: the key's stored pair, else the
+-- limiter's, else NULL (the caller's own); and the later of the two pauses.
+-- One index range scan of at most two rows. PL/pgSQL, not SQL: a SQL
+-- function that is not inlined is planned again at every call (about a
+-- third of a check's time, measured), a PL/pgSQL one keeps its plan for the
+-- session.
+CREATE FUNCTION pgsemaphore.rate_limit_stored(p_kind text, p_limiter text, p_key text,
+    OUT o_rate double precision, OUT o_burst double precision,
+    OUT o_limit bigint, OUT o_window interval, OUT o_paused_until timestamptz)
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    SELECT (array_agg(s.rate ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
+           (array_agg(s.burst ORDER BY s.key = '') FILTER (WHERE s.rate IS NOT NULL))[1],
+           (array_agg(s.permit_limit ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
+           (array_agg(s.window_length ORDER BY s.key = '') FILTER (WHERE s.permit_limit IS NOT NULL))[1],
+           max(s.paused_until)
+      INTO o_rate, o_burst, o_limit, o_window, o_paused_until
+      FROM pgsemaphore.rate_limit_settings s
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key IN (p_key, '');
+END;
+$$;
+
+-- FIRST USE: stores the caller's pair (p_rate, p_burst for a token bucket;
+-- p_limit, p_window for a window) as the limiter's (key ''), unless a pair
+-- is stored already, and returns the limiter's stored pair. Called by the
+-- engine, as the owner, when a check finds no pair in force: a limiter's
+-- limits then belong to the database, as a semaphore's capacity does, and
+-- no later caller's arguments redefine the state every caller of a key
+-- shares. A pause-only row gets the pair; a stored pair is never replaced.
+-- Meets: another first use of the limiter (any key): the upsert waits for
+-- its uncommitted row (lock_timeout of the calling function: 2 s, 55P03),
+-- then keeps the committed one, and the re-read, a new statement, returns
+-- it: both decide under the same pair; the operator's set_rate_limit: the
+-- same, whichever commits first stays until the operator's own write;
+-- clear_rate_limit committed between the upsert and the re-read: NULLs, and
+-- the caller's pair applies to this one check (the next stores it again).
+CREATE FUNCTION pgsemaphore.rate_limit_first_use(
+    p_kind text, p_limiter text,
+    p_rate double precision, p_burst double precision, p_limit bigint, p_window interval,
+    OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_bucket boolean := p_kind = 'token_bucket';
+BEGIN
+    INSERT INTO pgsemaphore.rate_limit_settings AS s
+           (kind, limiter, key, rate, burst, permit_limit, window_length, updated_at)
+    VALUES (p_kind, p_limiter, '',
+            CASE WHEN v_bucket THEN p_rate END, CASE WHEN v_bucket THEN p_burst END,
+            CASE WHEN NOT v_bucket THEN p_limit END, CASE WHEN NOT v_bucket THEN p_window END, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET rate = excluded.rate, burst = excluded.burst,
+           permit_limit = excluded.permit_limit, window_length = excluded.window_length,
+           updated_at = now()
+     WHERE s.rate IS NULL AND s.permit_limit IS NULL
+    RETURNING s.rate, s.burst, s.permit_limit, s.window_length
+         INTO o_rate, o_burst, o_limit, o_window;
+    IF NOT FOUND THEN
+        -- Another first use or the operator stored one first: that one.
+        SELECT s.rate, s.burst, s.permit_limit, s.window_length
+          INTO o_rate, o_burst, o_limit, o_window
+          FROM pgsemaphore.rate_limit_settings s
+         WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = '';
+    END IF;
 END;
 $$;
 
 -- ---------------------------------------------------------------------------
+-- The engine
+-- ---------------------------------------------------------------------------
+
 -- The arithmetic: pure functions of a key's state, the clock and the limits
 -- (no table, no grants). Each takes the state read (NULL when the key has
 -- none: a full bucket, empty windows), the clock p_now, and p_from, the
@@ -173,16 +379,26 @@ $$;
 -- o_allowed (admitted at an instant within p_max_wait of p_now), o_wait_us
 -- (microseconds from p_now to that instant; refused: to the instant it
 -- would have been), o_remaining (what is left after the decision), and the
--- state to write when admitted. The arithmetic and its invariants are those
--- of versions 1 to 11: token_bucket_reserve (version 6,
--- migrations/20261128000001_pgsemaphore_waiting_bucket.sql) and
--- fixed_window_book, sliding_window_book (version 10,
--- migrations/20261129000004_pgsemaphore_limiter_ledger.sql).
--- An instant later than p_now is booked conservatively: the bucket holds
--- the tokens back from every check before that instant (it admits less
--- before it, never more), a window closes the windows before it.
--- ---------------------------------------------------------------------------
+-- state to write when admitted. A plain check is a reservation or booking
+-- that may not wait (p_max_wait 0). An instant later than p_now is booked
+-- conservatively: the bucket holds the tokens back from every check before
+-- that instant (it admits less before it, never more), a window closes the
+-- windows before it. The decisions of one key are serialised (rate_take),
+-- so each step sees the state the decision before it left.
 
+-- Invariant (bucket_step): over any interval of length d, the admissions of
+-- a key at their admitted instants (decision + o_wait_us), plain checks
+-- included, take at most p_burst + p_rate x d tokens. The stored level is
+-- the bucket's level once every reservation made so far has been paid: a
+-- reservation takes p_n now and is admitted exactly when the level,
+-- refilling, would have reached p_n again had it not taken them. So every
+-- admission, plain or reserved, is admitted at an instant when a plain
+-- bucket debited at those instants, in the order the key's lock served
+-- them, would hold its tokens; and such a bucket never passes more than
+-- p_burst + p_rate x d in d. A later decision is never admitted before an
+-- earlier one: while tokens are owed, the level is below p_n until the last
+-- reservation's instant. A caller that abandons a reservation leaves its
+-- tokens taken: the key admits less, never more.
 CREATE FUNCTION pgsemaphore.bucket_step(
     p_tokens double precision, p_stamp timestamptz, p_now timestamptz, p_from timestamptz,
     p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval,
@@ -230,6 +446,13 @@ BEGIN
 END;
 $$;
 
+-- Invariant (fixed_step): at most p_limit permits are admitted in any one
+-- window of the key's grid, counting each booking in the window it was
+-- booked in, where it is admitted (at the later of the decision and the
+-- window's start, both within that window). A booking goes only into
+-- stamp's window (if it has room and has not ended) or the one after it
+-- (which is empty: p_n <= p_limit fits), so the count of every window is
+-- the sum of the hits it was given, each time checked against p_limit.
 CREATE FUNCTION pgsemaphore.fixed_step(
     p_hits bigint, p_start timestamptz, p_now timestamptz, p_from timestamptz,
     p_limit bigint, p_window interval, p_n bigint, p_max_wait interval,
@@ -281,6 +504,17 @@ BEGIN
 END;
 $$;
 
+-- Invariant (sliding_step): at every admission instant t of a booking in
+-- window W, previous(W) x (1 - elapsed(t)) + (the permits of W admitted at
+-- or before t) <= p_limit; and at most p_limit permits are booked in one
+-- window of the grid. Of the bookings of W admitted by t, the one booked
+-- last saw all the others in hits (they were booked before it) and checked
+-- the estimate at its own instant, no later than t; the weight of
+-- previous(W) only falls with time, so the estimate at t is no higher.
+-- previous(W) is final when W gets its first booking: bookings go only into
+-- stamp's window or later ones. A booking goes into stamp's window, or else
+-- the next (previous := hits), or else the one after (previous := 0), where
+-- it always fits.
 CREATE FUNCTION pgsemaphore.sliding_step(
     p_hits bigint, p_previous bigint, p_start timestamptz, p_now timestamptz, p_from timestamptz,
     p_limit bigint, p_window interval, p_n bigint, p_max_wait interval,
@@ -368,20 +602,6 @@ BEGIN
 END;
 $$;
 
--- Raised by every check outside READ COMMITTED (see the header).
-CREATE FUNCTION pgsemaphore.refuse_isolation()
-RETURNS void
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    RAISE EXCEPTION 'rate limiter checks need READ COMMITTED, this transaction is %',
-        upper(current_setting('transaction_isolation'))
-        USING ERRCODE = 'feature_not_supported',
-              HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
-                     'its snapshot could not see the previous check''s state';
-END;
-$$;
-
 -- Deletes the rows of a key with p_from <= seq < p_to, skipping any row
 -- another transaction is deleting (a check's trim or a prune not yet
 -- committed): nobody ever waits for it, and the row goes with that
@@ -401,55 +621,6 @@ BEGIN
                FOR UPDATE SKIP LOCKED));
 END;
 $$;
-
--- FIRST USE: stores the caller's pair (p_rate, p_burst for a token bucket;
--- p_limit, p_window for a window) as the limiter's (key ''), unless a pair
--- is stored already, and returns the limiter's stored pair. Called by the
--- engine, as the owner, when a check finds no pair in force: a limiter's
--- limits then belong to the database, as a semaphore's capacity does, and
--- no later caller's arguments redefine the state every caller of a key
--- shares. A pause-only row gets the pair; a stored pair is never replaced.
--- Meets: another first use of the limiter (any key): the upsert waits for
--- its uncommitted row (lock_timeout of the calling function: 2 s, 55P03),
--- then keeps the committed one, and the re-read, a new statement, returns
--- it: both decide under the same pair; the operator's set_rate_limit: the
--- same, whichever commits first stays until the operator's own write;
--- clear_rate_limit committed between the upsert and the re-read: NULLs, and
--- the caller's pair applies to this one check (the next stores it again).
-CREATE FUNCTION pgsemaphore.rate_limit_first_use(
-    p_kind text, p_limiter text,
-    p_rate double precision, p_burst double precision, p_limit bigint, p_window interval,
-    OUT o_rate double precision, OUT o_burst double precision, OUT o_limit bigint, OUT o_window interval)
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    v_bucket boolean := p_kind = 'token_bucket';
-BEGIN
-    INSERT INTO pgsemaphore.rate_limit_settings AS s
-           (kind, limiter, key, rate, burst, permit_limit, window_length, updated_at)
-    VALUES (p_kind, p_limiter, '',
-            CASE WHEN v_bucket THEN p_rate END, CASE WHEN v_bucket THEN p_burst END,
-            CASE WHEN NOT v_bucket THEN p_limit END, CASE WHEN NOT v_bucket THEN p_window END, now())
-    ON CONFLICT (kind, limiter, key) DO UPDATE
-       SET rate = excluded.rate, burst = excluded.burst,
-           permit_limit = excluded.permit_limit, window_length = excluded.window_length,
-           updated_at = now()
-     WHERE s.rate IS NULL AND s.permit_limit IS NULL
-    RETURNING s.rate, s.burst, s.permit_limit, s.window_length
-         INTO o_rate, o_burst, o_limit, o_window;
-    IF NOT FOUND THEN
-        -- Another first use or the operator stored one first: that one.
-        SELECT s.rate, s.burst, s.permit_limit, s.window_length
-          INTO o_rate, o_burst, o_limit, o_window
-          FROM pgsemaphore.rate_limit_settings s
-         WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = '';
-    END IF;
-END;
-$$;
-
--- ---------------------------------------------------------------------------
--- The engine (caller's rights, no grants): one key
--- ---------------------------------------------------------------------------
 
 CREATE FUNCTION pgsemaphore.rate_take(
     p_kind text, p_limiter text, p_key text,
@@ -636,10 +807,6 @@ BEGIN
     RETURN NEXT;
 END;
 $$;
-
--- ---------------------------------------------------------------------------
--- The engine: several limits at once
--- ---------------------------------------------------------------------------
 
 CREATE FUNCTION pgsemaphore.rate_take_all(
     p_kinds text[], p_limiters text[], p_keys text[],
@@ -905,102 +1072,14 @@ BEGIN
 END;
 $$;
 
--- The arguments of several limits at once (check_limits,
--- check_limits_reserve), as version 9 checked them: the arrays' shapes, then
--- each element as its kind's own function checks it (22023 naming p_rate,
--- p_burst, p_limit, p_window or p_n, as that function did), no key twice.
--- Returns the limits' indexes in the canonical order (kind, limiter, key,
--- by byte), the order in which they decide.
-CREATE FUNCTION pgsemaphore.checked_limits(
-    p_kinds text[], p_limiters text[], p_keys text[],
-    p_rates double precision[], p_bursts double precision[],
-    p_limits bigint[], p_windows interval[], p_n bigint)
-RETURNS integer[]
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    v_count integer;
-    v_order integer[];
-    v_i     integer;
-BEGIN
-    IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1 OR array_lower(p_kinds, 1) <> 1
-       OR array_length(p_kinds, 1) > 16 THEN
-        PERFORM pgsemaphore.refuse('p_kinds', 'a one-dimensional array of 1 to 16 kinds, from index 1');
-    END IF;
-    v_count := array_length(p_kinds, 1);
-    IF p_limiters IS NULL OR array_ndims(p_limiters) IS DISTINCT FROM 1 OR array_lower(p_limiters, 1) <> 1
-       OR array_length(p_limiters, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_limiters', format('a one-dimensional array of %s names, from index 1', v_count));
-    END IF;
-    IF p_keys IS NULL OR array_ndims(p_keys) IS DISTINCT FROM 1 OR array_lower(p_keys, 1) <> 1
-       OR array_length(p_keys, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_keys', format('a one-dimensional array of %s keys, from index 1', v_count));
-    END IF;
-    IF p_rates IS NULL OR array_ndims(p_rates) IS DISTINCT FROM 1 OR array_lower(p_rates, 1) <> 1
-       OR array_length(p_rates, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_rates', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_bursts IS NULL OR array_ndims(p_bursts) IS DISTINCT FROM 1 OR array_lower(p_bursts, 1) <> 1
-       OR array_length(p_bursts, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_bursts', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_limits IS NULL OR array_ndims(p_limits) IS DISTINCT FROM 1 OR array_lower(p_limits, 1) <> 1
-       OR array_length(p_limits, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_limits', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_windows IS NULL OR array_ndims(p_windows) IS DISTINCT FROM 1 OR array_lower(p_windows, 1) <> 1
-       OR array_length(p_windows, 1) <> v_count THEN
-        PERFORM pgsemaphore.refuse('p_windows', format('a one-dimensional array of %s elements, from index 1', v_count));
-    END IF;
-    IF p_n IS NULL OR p_n < 1 THEN
-        PERFORM pgsemaphore.refuse('p_n', format('at least 1, got %s', coalesce(p_n::text, 'NULL')));
-    END IF;
-    FOR v_i IN 1 .. v_count LOOP
-        IF p_kinds[v_i] IS NULL OR p_kinds[v_i] NOT IN ('token_bucket', 'fixed_window', 'sliding_window') THEN
-            PERFORM pgsemaphore.refuse('p_kinds', format('element %s: token_bucket, fixed_window or sliding_window', v_i));
-        END IF;
-        -- (Plain expressions; a helper is called only to raise.)
-        IF p_limiters[v_i] IS NULL OR char_length(p_limiters[v_i]) NOT BETWEEN 1 AND 200
-           OR p_keys[v_i] IS NULL OR char_length(p_keys[v_i]) NOT BETWEEN 1 AND 256 THEN
-            PERFORM pgsemaphore.check_limiter_key(p_limiters[v_i], p_keys[v_i]);
-        END IF;
-        IF p_kinds[v_i] = 'token_bucket' THEN
-            IF p_rates[v_i] IS NULL OR NOT (p_rates[v_i] > 0 AND p_rates[v_i] <= 1e9)
-               OR p_bursts[v_i] IS NULL OR NOT (p_bursts[v_i] >= 1 AND p_bursts[v_i] <= 1e15)
-               OR p_bursts[v_i] / p_rates[v_i] > 366 * 86400 THEN
-                PERFORM pgsemaphore.check_bucket(p_rates[v_i], p_bursts[v_i]);
-            END IF;
-            IF NOT (p_n <= p_bursts[v_i]) THEN
-                PERFORM pgsemaphore.refuse('p_n', format('1 to the burst (%s), got %s', p_bursts[v_i], p_n));
-            END IF;
-        ELSIF p_limits[v_i] IS NULL OR p_limits[v_i] NOT BETWEEN 1 AND 1000000000000000 OR p_windows[v_i] IS NULL
-              OR p_windows[v_i] < interval '1 ms' OR p_windows[v_i] > interval '366 days'
-              OR p_n NOT BETWEEN 1 AND p_limits[v_i] THEN
-            PERFORM pgsemaphore.check_window(p_limits[v_i], p_windows[v_i], p_n);
-        END IF;
-    END LOOP;
-    SELECT array_agg(i ORDER BY p_kinds[i] COLLATE "C", p_limiters[i] COLLATE "C", p_keys[i] COLLATE "C")
-      INTO v_order
-      FROM generate_subscripts(p_kinds, 1) i;
-    FOR v_i IN 2 .. v_count LOOP
-        IF p_kinds[v_order[v_i]] = p_kinds[v_order[v_i - 1]]
-           AND p_limiters[v_order[v_i]] = p_limiters[v_order[v_i - 1]]
-           AND p_keys[v_order[v_i]] = p_keys[v_order[v_i - 1]] THEN
-            PERFORM pgsemaphore.refuse('p_limiters',
-                format('limit %s and limit %s are the same key of the same limiter', v_order[v_i - 1], v_order[v_i]));
-        END IF;
-    END LOOP;
-    RETURN v_order;
-END;
-$$;
-
 -- ---------------------------------------------------------------------------
--- The application's functions: same signatures, results, checks and grants
--- as before; each checks its arguments with plain expressions (a helper is
--- called only to raise) and calls the engine once.
+-- Application functions
 -- ---------------------------------------------------------------------------
 
-CREATE OR REPLACE FUNCTION pgsemaphore.token_bucket(
+-- Each checks its arguments with plain expressions (a helper is called only
+-- to raise) and calls the engine once.
+
+CREATE FUNCTION pgsemaphore.token_bucket(
     p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision)
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
@@ -1047,7 +1126,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.token_bucket_reserve(
+CREATE FUNCTION pgsemaphore.token_bucket_reserve(
     p_limiter text, p_key text, p_rate double precision, p_burst double precision,
     p_n double precision, p_max_wait interval)
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
@@ -1093,7 +1172,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.fixed_window(
+CREATE FUNCTION pgsemaphore.fixed_window(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
@@ -1132,7 +1211,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.sliding_window(
+CREATE FUNCTION pgsemaphore.sliding_window(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE plpgsql SECURITY DEFINER
@@ -1172,7 +1251,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.fixed_window_reserve(
+CREATE FUNCTION pgsemaphore.fixed_window_reserve(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval)
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
@@ -1207,7 +1286,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.sliding_window_reserve(
+CREATE FUNCTION pgsemaphore.sliding_window_reserve(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval)
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE plpgsql SECURITY DEFINER
@@ -1241,7 +1320,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.check_limits(
+CREATE FUNCTION pgsemaphore.check_limits(
     p_kinds text[], p_limiters text[], p_keys text[],
     p_rates double precision[], p_bursts double precision[],
     p_limits bigint[], p_windows interval[], p_n bigint)
@@ -1322,12 +1401,74 @@ BEGIN
 END;
 $$;
 
+CREATE FUNCTION pgsemaphore.pause_rate_limit(p_kind text, p_limiter text, p_key text, p_for interval)
+RETURNS timestamptz
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+AS $$
+-- PAUSE (waits at most lock_timeout, 2 s, for the row, then 55P03): refuses
+-- every check (and reservation) of key p_key of limiter
+-- (p_kind, p_limiter), or of all its keys when p_key is NULL, for p_for
+-- from now, in every process; for an upstream that answered 429 with
+-- Retry-After. Only ever extends the pause in force (never shortens one set
+-- by another caller). Returns the instant the row's pause ends.
+--   p_kind token_bucket, fixed_window or sliding_window; p_limiter
+--   1..200 characters; p_key NULL or 1..256 characters; p_for 1 ms to 1 hour
+-- Meets: a concurrent pause of the same row (the upsert serialises them and
+-- keeps the later end); set/clear/resume_rate_limit (the same row lock; a
+-- resume after us ends our pause, the operator's choice); checks (they read
+-- the row in their own statement: one that read it before our commit is
+-- not paused, which is the case of a check a moment earlier).
+DECLARE
+    v_until timestamptz;
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    PERFORM pgsemaphore.checked_interval(p_for, 'p_for', interval '1 ms', interval '1 hour');
+    -- Pause-only rows whose pause ended: a few go each time.
+    DELETE FROM pgsemaphore.rate_limit_settings s
+     WHERE (s.kind, s.limiter, s.key) IN (
+            SELECT d.kind, d.limiter, d.key
+              FROM pgsemaphore.rate_limit_settings d
+             WHERE d.kind = p_kind AND d.limiter = p_limiter
+               AND d.rate IS NULL AND d.permit_limit IS NULL AND d.paused_until < now()
+             LIMIT 100
+               FOR UPDATE SKIP LOCKED);
+    INSERT INTO pgsemaphore.rate_limit_settings AS s (kind, limiter, key, paused_until, updated_at)
+    VALUES (p_kind, p_limiter, coalesce(p_key, ''), clock_timestamp() + p_for, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET paused_until = greatest(s.paused_until, excluded.paused_until),
+           updated_at = now()
+    RETURNING s.paused_until INTO v_until;
+    RETURN v_until;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.rate_limit_in_force(p_kind text, p_limiter text, p_key text)
+RETURNS TABLE (o_rate double precision, o_burst double precision, o_limit bigint,
+               o_window interval, o_paused_until timestamptz)
+LANGUAGE plpgsql SECURITY DEFINER STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- What a check of key p_key (NULL: a key with no override of its own) of
+-- limiter (p_kind, p_limiter) applies now from the stored settings: the
+-- stored pair in force (NULLs: none is stored, the caller's own applies)
+-- and the end of the pause in force (NULL or past: not paused). Reads only.
+--   p_kind, p_limiter, p_key as pause_rate_limit
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    RETURN QUERY SELECT * FROM pgsemaphore.rate_limit_stored(p_kind, p_limiter, coalesce(p_key, ''));
+END;
+$$;
+
 -- ---------------------------------------------------------------------------
--- The internal functions of earlier versions (no grants), on the engine:
--- the caller's limits, no stored ones, no pause.
+-- The owner's unchecked forms (granted to nobody)
 -- ---------------------------------------------------------------------------
 
-CREATE OR REPLACE FUNCTION pgsemaphore.token_bucket_unchecked(
+-- The caller's limits, no stored ones, no pause, on the same engine: kept
+-- for whatever an operator builds on them as the owner.
+
+CREATE FUNCTION pgsemaphore.token_bucket_unchecked(
     p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_n double precision)
 RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
 LANGUAGE sql
@@ -1337,7 +1478,9 @@ AS $$
                                  p_n, interval '0', false) t
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.fixed_window_book(
+-- The windows' bookings: the windows' arithmetic, able to book ahead
+-- (fixed_window_unchecked and sliding_window_unchecked call them too).
+CREATE FUNCTION pgsemaphore.fixed_window_book(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval)
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE sql
@@ -1346,7 +1489,7 @@ AS $$
                                         p_n, p_max_wait, false)
 $$;
 
-CREATE OR REPLACE FUNCTION pgsemaphore.sliding_window_book(
+CREATE FUNCTION pgsemaphore.sliding_window_book(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval)
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE sql
@@ -1355,14 +1498,167 @@ AS $$
                                         p_n, p_max_wait, false)
 $$;
 
--- (fixed_window_unchecked and sliding_window_unchecked call the two above,
--- as since version 10.)
+-- The plain checks' arithmetic: a booking that may not wait. Admitted only
+-- in the window open now with room now; refused, the retry-after is the
+-- wait a booking would get (when nothing is booked ahead: the end of the
+-- window for a fixed window, the instant enough has slid out for a sliding
+-- one). Nothing in the crate calls them (the checked functions call the
+-- booking directly): they are the owner's, for whatever an operator builds
+-- on them.
+CREATE FUNCTION pgsemaphore.fixed_window_unchecked(
+    p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
+RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+LANGUAGE sql
+AS $$
+    SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
+      FROM pgsemaphore.fixed_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
+$$;
+
+CREATE FUNCTION pgsemaphore.sliding_window_unchecked(
+    p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
+RETURNS TABLE (o_allowed boolean, o_remaining bigint, o_retry_after_us bigint)
+LANGUAGE sql
+AS $$
+    SELECT b.o_allowed, b.o_remaining, CASE WHEN b.o_allowed THEN 0 ELSE b.o_wait_us END
+      FROM pgsemaphore.sliding_window_book(p_limiter, p_key, p_limit, p_window, p_n, interval '0') b
+$$;
 
 -- ---------------------------------------------------------------------------
--- Pruning (operator)
+-- Operator functions
 -- ---------------------------------------------------------------------------
 
-CREATE OR REPLACE FUNCTION pgsemaphore.prune_rate_limits_unchecked(
+CREATE FUNCTION pgsemaphore.set_rate_limit(
+    p_kind text, p_limiter text, p_key text,
+    p_rate double precision, p_burst double precision, p_limit bigint, p_window interval)
+RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+AS $$
+-- STORES the limits of limiter (p_kind, p_limiter), or of its key p_key's
+-- override when p_key is not NULL: a token bucket's p_rate and p_burst (p_limit
+-- and p_window NULL), a window's p_limit and p_window (p_rate and p_burst
+-- NULL), validated as the checks validate passed ones. Applies from each
+-- key's next check (see the migration's header for how it meets a key's
+-- state) and sends NOTIFY pgsemaphore_rate 'kind/limiter' at commit, so that
+-- waiting acquires re-read it. Since version 12 a limiter's first check
+-- stores its caller's pair (migrations/20261129000006_pgsemaphore_rate_ledger.sql):
+-- this function is how that pair changes. The row is waited for at most
+-- lock_timeout, 2 s (an application's pause or first use left in an open
+-- transaction holds it), then 55P03.
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    IF p_kind = 'token_bucket' THEN
+        PERFORM pgsemaphore.check_bucket(p_rate, p_burst);
+        IF p_limit IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_limit', 'NULL for a token bucket (it has a rate and a burst)');
+        END IF;
+        IF p_window IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_window', 'NULL for a token bucket (it has a rate and a burst)');
+        END IF;
+    ELSE
+        PERFORM pgsemaphore.check_window(p_limit, p_window, 1);
+        IF p_rate IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_rate', 'NULL for a window (it has a permit limit and a window)');
+        END IF;
+        IF p_burst IS NOT NULL THEN
+            PERFORM pgsemaphore.refuse('p_burst', 'NULL for a window (it has a permit limit and a window)');
+        END IF;
+    END IF;
+    INSERT INTO pgsemaphore.rate_limit_settings AS s
+           (kind, limiter, key, rate, burst, permit_limit, window_length, updated_at)
+    VALUES (p_kind, p_limiter, coalesce(p_key, ''), p_rate, p_burst, p_limit, p_window, now())
+    ON CONFLICT (kind, limiter, key) DO UPDATE
+       SET rate = excluded.rate, burst = excluded.burst,
+           permit_limit = excluded.permit_limit, window_length = excluded.window_length,
+           updated_at = now();
+    PERFORM pg_notify('pgsemaphore_rate', p_kind || '/' || p_limiter);
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.clear_rate_limit(p_kind text, p_limiter text, p_key text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+AS $$
+-- FORGETS the stored limits of limiter (p_kind, p_limiter) (p_key NULL) or
+-- of its key p_key's override: the next checks apply the limiter's stored
+-- pair (for a key) or, for the limiter, the next check is a first use
+-- again and stores its caller's pair (version 12). A pause stays. Returns
+-- whether a pair was stored. NOTIFY as set_rate_limit. The row is waited
+-- for at most lock_timeout, 2 s, then 55P03.
+DECLARE
+    v_had boolean;
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    UPDATE pgsemaphore.rate_limit_settings s
+       SET rate = NULL, burst = NULL, permit_limit = NULL, window_length = NULL, updated_at = now()
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND (s.rate IS NOT NULL OR s.permit_limit IS NOT NULL);
+    v_had := FOUND;
+    DELETE FROM pgsemaphore.rate_limit_settings s
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND s.rate IS NULL AND s.permit_limit IS NULL
+       AND (s.paused_until IS NULL OR s.paused_until <= now());
+    IF v_had THEN
+        PERFORM pg_notify('pgsemaphore_rate', p_kind || '/' || p_limiter);
+    END IF;
+    RETURN v_had;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.resume_rate_limit(p_kind text, p_limiter text, p_key text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+AS $$
+-- ENDS the pause of limiter (p_kind, p_limiter) (p_key NULL) or of its key
+-- p_key, now (the row waited for at most lock_timeout, 2 s, then 55P03). Returns whether one was running. NOTIFY as set_rate_limit, so
+-- that acquires waiting for the pause's end retry at once.
+DECLARE
+    v_had boolean;
+BEGIN
+    PERFORM pgsemaphore.check_setting_target(p_kind, p_limiter, p_key);
+    UPDATE pgsemaphore.rate_limit_settings s
+       SET paused_until = NULL, updated_at = now()
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND s.paused_until > now();
+    v_had := FOUND;
+    DELETE FROM pgsemaphore.rate_limit_settings s
+     WHERE s.kind = p_kind AND s.limiter = p_limiter AND s.key = coalesce(p_key, '')
+       AND s.rate IS NULL AND s.permit_limit IS NULL;
+    IF v_had THEN
+        PERFORM pg_notify('pgsemaphore_rate', p_kind || '/' || p_limiter);
+    END IF;
+    RETURN v_had;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.prune_rate_limits(
+    p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer)
+RETURNS TABLE (o_deleted bigint, o_kind text, o_limiter text, o_key text)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- Deletes rate-limit keys at rest since at least p_idle_for, p_batch rows
+-- looked at per call, from the cursor (p_kind, p_limiter, p_key) on (see
+-- pgsemaphore.prune_rate_limits_unchecked).
+--   p_idle_for 0..100 years; the cursor: three NULLs or three values;
+--   p_batch 1..1000000
+BEGIN
+    PERFORM pgsemaphore.checked_interval(p_idle_for, 'p_idle_for', interval '0', interval '100 years');
+    IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
+        PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
+    END IF;
+    RETURN QUERY SELECT * FROM pgsemaphore.prune_rate_limits_unchecked(
+        p_idle_for, p_kind, p_limiter, p_key, p_batch);
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.prune_rate_limits_unchecked(
     p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer)
 RETURNS TABLE (o_deleted bigint, o_kind text, o_limiter text, o_key text)
 LANGUAGE plpgsql
@@ -1440,27 +1736,4 @@ BEGIN
 END;
 $$;
 
--- ---------------------------------------------------------------------------
--- Privileges: nobody but the owner runs anything until granted; whoever may
--- run check_limits may run check_limits_reserve, so an upgrade asks for no
--- new grants. The engine and the step functions are granted to nobody.
--- ---------------------------------------------------------------------------
-
 REVOKE ALL ON ALL ROUTINES IN SCHEMA pgsemaphore FROM PUBLIC;
-DO $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN
-        SELECT a.grantee::regrole AS grantee, a.is_grantable
-          FROM pg_proc p
-         CROSS JOIN LATERAL aclexplode(p.proacl) a
-         WHERE p.oid = 'pgsemaphore.check_limits(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint)'::regprocedure
-           AND a.privilege_type = 'EXECUTE'
-           AND a.grantee <> p.proowner AND a.grantee <> 0
-    LOOP
-        EXECUTE format('GRANT EXECUTE ON FUNCTION pgsemaphore.check_limits_reserve(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint, interval) TO %s%s',
-                       r.grantee, CASE WHEN r.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
-    END LOOP;
-END;
-$$;

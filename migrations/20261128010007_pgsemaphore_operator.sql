@@ -1,0 +1,409 @@
+-- pg-semaphore's schema, version 1 (the 0.1 baseline), part 7 of 7: the
+-- operator's functions for semaphores (configure, force_release,
+-- clear_queue, fair weights), the reaper and retention, and
+-- schema_version(), last: a schema reports its version only once every
+-- file of the baseline is in.
+--
+-- Grants. No routine of the schema is executable by PUBLIC (each file
+-- revokes it from the routines it defines). The README grants EXECUTE on
+-- the application's functions to an application role and on these (and the
+-- families' and rate limits' operator functions) to an operator role.
+
+CREATE FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval,
+                                      p_create boolean DEFAULT true,
+                                      p_queue_lifo boolean DEFAULT NULL)
+RETURNS TABLE (o_capacity integer, o_default_lease interval, o_previous_capacity integer,
+               o_queue_lifo boolean)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- Creates a semaphore or changes its capacity, default lease and queue
+-- order (a NULL keeps the current value; p_create false: an unknown name is
+-- an error, P0002, not a new semaphore; creating needs a capacity and a
+-- lease). Holders above a reduced capacity keep their slots until they
+-- release; claims see the new capacity and order at once (they lock the
+-- same row). Wakes waiters (wake_at_commit) when the capacity grew or the
+-- order changed. Returns the settings now and the previous capacity (NULL
+-- when it was created).
+--   p_name 1..200 characters; p_capacity NULL or 1..100000; p_lease NULL
+--   or 10 ms..366 days; p_create not NULL
+DECLARE
+    v_old_capacity integer;
+    v_old_lease    interval;
+    v_old_lifo     boolean;
+    v_capacity     integer;
+    v_lease        interval;
+    v_lifo         boolean;
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
+    IF p_capacity NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_capacity', format('NULL or 1 to 100000, got %s', p_capacity));
+    END IF;
+    PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days', true);
+    IF p_create IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_create', 'true or false, got NULL');
+    END IF;
+    LOOP
+        SELECT s.capacity, s.default_lease, s.queue_lifo INTO v_old_capacity, v_old_lease, v_old_lifo
+          FROM pgsemaphore.semaphores s
+         WHERE s.name = p_name
+           FOR NO KEY UPDATE;
+        IF FOUND THEN
+            v_capacity := coalesce(p_capacity, v_old_capacity);
+            v_lease := coalesce(p_lease, v_old_lease);
+            v_lifo := coalesce(p_queue_lifo, v_old_lifo);
+            IF v_old_capacity <> v_capacity OR v_old_lease <> v_lease OR v_old_lifo <> v_lifo THEN
+                UPDATE pgsemaphore.semaphores s
+                   SET capacity = v_capacity, default_lease = v_lease, queue_lifo = v_lifo,
+                       updated_at = clock_timestamp()
+                 WHERE s.name = p_name;
+            END IF;
+            IF v_capacity > v_old_capacity OR v_lifo <> v_old_lifo THEN
+                -- Rare: an operator's action.
+                PERFORM pgsemaphore.wake_at_commit(p_name);
+            END IF;
+            RETURN QUERY SELECT v_capacity, v_lease, v_old_capacity, v_lifo;
+            RETURN;
+        END IF;
+        IF NOT p_create THEN
+            RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_name)
+                USING ERRCODE = 'no_data_found';
+        END IF;
+        IF p_capacity IS NULL THEN
+            PERFORM pgsemaphore.refuse('p_capacity', 'a new semaphore needs a capacity, got NULL');
+        END IF;
+        IF p_lease IS NULL THEN
+            PERFORM pgsemaphore.refuse('p_lease', 'a new semaphore needs a lease, got NULL');
+        END IF;
+        INSERT INTO pgsemaphore.semaphores (name, capacity, default_lease, queue_lifo)
+        VALUES (p_name, p_capacity, p_lease, coalesce(p_queue_lifo, false))
+        ON CONFLICT (name) DO NOTHING;
+        IF FOUND THEN
+            RETURN QUERY SELECT p_capacity, p_lease, NULL::integer, coalesce(p_queue_lifo, false);
+            RETURN;
+        END IF;
+        -- Lost a race with a concurrent creator: the next SELECT sees its row.
+    END LOOP;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.force_release(p_id bigint)
+RETURNS TABLE (o_outcome text, o_semaphore text, o_at timestamptz)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- Ends a claim by id, whoever holds it (an operator freeing a stuck slot).
+-- Returns 'released' (ended now), 'timed_out' or 'completed' (already ended,
+-- at o_at) or 'missing', and wakes the semaphore's waiters (wake_at_commit).
+--   p_id not NULL
+-- Durable. Meets: the holder's release, renewal or fence (the row lock:
+-- this waits for them, and the clock is read after it).
+DECLARE
+    v_semaphore    text;
+    v_completed_at timestamptz;
+    v_timed_out_at timestamptz;
+BEGIN
+    IF p_id IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_id', 'a claim id, got NULL');
+    END IF;
+    PERFORM pgsemaphore.durable_commit();
+    PERFORM 1 FROM pgsemaphore.slots s WHERE s.id = p_id FOR UPDATE;
+    UPDATE pgsemaphore.slots s
+       SET completed_at = clock_timestamp()
+     WHERE s.id = p_id
+       AND s.completed_at IS NULL AND s.timed_out_at IS NULL
+    RETURNING s.semaphore, s.completed_at INTO v_semaphore, v_completed_at;
+    IF FOUND THEN
+        PERFORM pgsemaphore.wake_at_commit(v_semaphore);
+        RETURN QUERY SELECT 'released'::text, v_semaphore, v_completed_at;
+        RETURN;
+    END IF;
+    SELECT s.semaphore, s.completed_at, s.timed_out_at
+      INTO v_semaphore, v_completed_at, v_timed_out_at
+      FROM pgsemaphore.slots s
+     WHERE s.id = p_id;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'missing'::text, NULL::text, NULL::timestamptz;
+    ELSIF v_timed_out_at IS NOT NULL THEN
+        RETURN QUERY SELECT 'timed_out'::text, v_semaphore, v_timed_out_at;
+    ELSE
+        RETURN QUERY SELECT 'completed'::text, v_semaphore, v_completed_at;
+    END IF;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.clear_queue(p_semaphore text)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- Removes every waiter of p_semaphore's queue (a waiter that blocks the
+-- queue: a process that renews its place but never claims), and wakes the
+-- semaphore's waiters (wake_at_commit). Returns how many it removed. A
+-- waiter of a live process notices at its next claim ('no_ticket') and
+-- queues again, at the back. Serialised with claims and enqueues on the
+-- semaphore's row. P0002 for an unknown semaphore.
+--   p_semaphore 1..200 characters
+DECLARE
+    v_count bigint;
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    DELETE FROM pgsemaphore.waiters w WHERE w.semaphore = p_semaphore;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    UPDATE pgsemaphore.semaphores s SET queue_used = false WHERE s.name = p_semaphore AND s.queue_used;
+    PERFORM pgsemaphore.wake_at_commit(p_semaphore);
+    RETURN v_count;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.set_fair_weight(p_semaphore text, p_fair_key text, p_weight integer)
+RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
+AS $$
+-- Sets the weight of fairness key p_fair_key (NULL: the shared default key)
+-- in p_semaphore's fair queue: how many of its waiters one turn of the
+-- rotation serves (pgsemaphore.enqueue). Returns the previous weight (1 if
+-- none was set). Waiters queued after this commits get turns by the new
+-- weight; those queued already keep theirs.
+--   p_semaphore an existing semaphore (else P0002); p_fair_key NULL or
+--   1..200 characters; p_weight NULL or 1..1000 (NULL and 1: the default,
+--   the row is removed)
+-- Every bad argument raises SQLSTATE 22023 naming it in COLUMN. Locks the
+-- semaphore's row (FOR NO KEY UPDATE, at most lock_timeout, 2 s, then
+-- 55P03), so that an enqueue reads the weight as of before or after this,
+-- never half.
+DECLARE
+    v_previous integer;
+BEGIN
+    PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
+    IF char_length(p_fair_key) NOT BETWEEN 1 AND 200 THEN
+        PERFORM pgsemaphore.refuse('p_fair_key',
+            format('NULL (the shared default key) or 1 to 200 characters, got %s characters',
+                   char_length(p_fair_key)));
+    END IF;
+    IF p_weight NOT BETWEEN 1 AND 1000 THEN
+        PERFORM pgsemaphore.refuse('p_weight', format('NULL or 1 to 1000, got %s', p_weight));
+    END IF;
+    PERFORM 1 FROM pgsemaphore.semaphores s WHERE s.name = p_semaphore FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'semaphore % does not exist', quote_literal(p_semaphore)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    SELECT f.weight INTO v_previous
+      FROM pgsemaphore.fair_weights f
+     WHERE f.semaphore = p_semaphore AND f.fair_key = coalesce(p_fair_key, '');
+    IF coalesce(p_weight, 1) = 1 THEN
+        DELETE FROM pgsemaphore.fair_weights f
+         WHERE f.semaphore = p_semaphore AND f.fair_key = coalesce(p_fair_key, '');
+    ELSE
+        INSERT INTO pgsemaphore.fair_weights AS f (semaphore, fair_key, weight)
+        VALUES (p_semaphore, coalesce(p_fair_key, ''), p_weight)
+        ON CONFLICT (semaphore, fair_key)
+        DO UPDATE SET weight = excluded.weight, updated_at = clock_timestamp();
+    END IF;
+    RETURN coalesce(v_previous, 1);
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.configure_advisory(p_name text, p_capacity integer)
+RETURNS TABLE (o_capacity integer, o_previous_capacity integer)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
+AS $$
+-- Changes the capacity of an existing advisory semaphore (P0002 if there is
+-- none). Holders above a reduced capacity keep their slots until they
+-- release, and are counted by every claim until then (peak_capacity, see
+-- advisory_claim); claims see the new capacity at once. Wakes the
+-- semaphore's waiters when the capacity grew (the NOTIFY goes out at this
+-- transaction's commit).
+--   p_name 1..200 characters; p_capacity 1..100000
+-- READ COMMITTED only (else 0A000, changing nothing). The one wait it can
+-- meet is for the semaphore's row (another configure_advisory, or an
+-- advisory_drained ending a drop, in a transaction still open): at most
+-- lock_timeout, 2 s, then 55P03 (Error::Stalled), nothing changed.
+DECLARE
+    v_old integer;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'configure_advisory needs READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
+    PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
+    IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
+        PERFORM pgsemaphore.refuse('p_capacity', format('1 to 100000, got %s', coalesce(p_capacity::text, 'NULL')));
+    END IF;
+    SELECT a.capacity INTO v_old FROM pgsemaphore.advisory_semaphores a
+     WHERE a.name = p_name FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'advisory semaphore % does not exist', quote_literal(p_name)
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    IF p_capacity <> v_old THEN
+        UPDATE pgsemaphore.advisory_semaphores a
+           SET capacity = p_capacity, peak_capacity = greatest(a.peak_capacity, p_capacity),
+               updated_at = clock_timestamp()
+         WHERE a.name = p_name;
+    END IF;
+    IF p_capacity > v_old THEN
+        PERFORM pg_notify('pgsemaphore', p_name);
+    END IF;
+    RETURN QUERY SELECT p_capacity, v_old;
+END;
+$$;
+
+-- The reaper (its contract opens its body).
+CREATE FUNCTION pgsemaphore.reap()
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- Marks every expired live claim (of every semaphore) timed out, deletes
+-- queue waiters whose process stopped renewing them, wakes the semaphores
+-- that gained room or lost a waiter (through the wake-up gate,
+-- wake_at_commit: a waiter registering while this is uncommitted is never
+-- missed), deletes ended registrations and tombstones, removes idle keys
+-- of families among the next 1000 of each (pgsemaphore.reap_family_keys),
+-- and returns how many claims it reaped.
+-- SKIP LOCKED: a row locked by a release, renewal or fence is left (and
+-- counted as held by every claim) until that transaction ends.
+DECLARE
+    v_now       timestamptz := clock_timestamp();
+    v_total     bigint := 0;
+    v_semaphore text;
+    v_count     bigint;
+BEGIN
+    -- Reaped rows were certainly not held: nothing here needs a WAL flush
+    -- before the wake-ups (which hold an instance-wide lock until commit).
+    PERFORM pgsemaphore.fast_commit();
+    FOR v_semaphore, v_count IN
+        WITH expired AS (
+            SELECT e.id
+              FROM pgsemaphore.live_slots e
+             WHERE e.expires_at <= v_now
+               FOR UPDATE SKIP LOCKED
+        ), reaped AS (
+            UPDATE pgsemaphore.slots s
+               SET timed_out_at = v_now
+              FROM expired
+             WHERE s.id = expired.id
+            RETURNING s.semaphore
+        )
+        SELECT r.semaphore, count(*) FROM reaped r GROUP BY r.semaphore
+    LOOP
+        PERFORM pgsemaphore.wake_at_commit(v_semaphore);
+        v_total := v_total + v_count;
+    END LOOP;
+    FOR v_semaphore IN
+        WITH dead AS (
+            DELETE FROM pgsemaphore.waiters w
+             WHERE w.id IN (SELECT d.id FROM pgsemaphore.waiters d
+                             WHERE d.expires_at <= v_now
+                               FOR UPDATE SKIP LOCKED)
+            RETURNING w.semaphore
+        )
+        SELECT DISTINCT d.semaphore FROM dead d
+    LOOP
+        PERFORM pgsemaphore.wake_at_commit(v_semaphore);
+    END LOOP;
+    DELETE FROM pgsemaphore.wakeups k WHERE k.until <= v_now;
+    DELETE FROM pgsemaphore.released_tokens t WHERE t.until <= v_now;
+    PERFORM pgsemaphore.reap_family_keys(1000);
+    RETURN v_total;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+-- Retention: deletes finished claims of lease semaphores that ended before
+-- now - p_older_than (see pgsemaphore.prune_unchecked), then, with what is
+-- left of the batch, finished permits of advisory semaphores
+-- (pgsemaphore.prune_advisory_claims, version 3): at most p_batch rows in
+-- all per call; a caller repeats it until it returns less than p_batch.
+--   p_older_than 0..100 years; p_batch 1..1000000
+DECLARE
+    v_count bigint;
+BEGIN
+    PERFORM pgsemaphore.checked_interval(p_older_than, 'p_older_than', interval '0', interval '100 years');
+    IF p_batch IS NULL OR p_batch NOT BETWEEN 1 AND 1000000 THEN
+        PERFORM pgsemaphore.refuse('p_batch', format('1 to 1000000, got %s', coalesce(p_batch::text, 'NULL')));
+    END IF;
+    v_count := pgsemaphore.prune_unchecked(p_older_than, p_batch);
+    IF v_count < p_batch THEN
+        v_count := v_count + pgsemaphore.prune_advisory_claims(p_older_than, (p_batch - v_count)::integer);
+    END IF;
+    RETURN v_count;
+END;
+$$;
+
+-- Retention's first step, called by pgsemaphore.prune with checked
+-- arguments (granted to nobody): deletes finished claims (completed or
+-- timed out) that ended before now - p_older_than, at most p_batch rows per call, oldest first per
+-- semaphore, so a large backlog is removed in short transactions. Live claims
+-- are never touched. Driven by the history index: a claim ended after it
+-- began, so only claims *created* before the cutoff are looked at, and with
+-- nothing old enough it reads next to nothing, however long the log.
+CREATE FUNCTION pgsemaphore.prune_unchecked(p_older_than interval, p_batch integer)
+RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_ids    bigint[];
+    v_count  bigint;
+BEGIN
+    -- Per semaphore, the oldest claims created before the cutoff (the
+    -- history index), those that ended before it, locked; rows a reaper,
+    -- release or fence holds right now are left for the next round.
+    SELECT array_agg(o.id) INTO v_ids
+      FROM (SELECT d.id
+              FROM pgsemaphore.semaphores m,
+                   LATERAL (SELECT h.id
+                              FROM pgsemaphore.slots h
+                             WHERE h.semaphore = m.name AND h.created_at < v_cutoff
+                               AND coalesce(h.completed_at, h.timed_out_at) < v_cutoff
+                             ORDER BY h.created_at
+                             LIMIT p_batch
+                               FOR UPDATE SKIP LOCKED) d
+             LIMIT p_batch) o;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM pgsemaphore.slots s WHERE s.id = ANY (v_ids);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+-- The schema's version, and the oldest version whose code still works
+-- against it: a process built for schema version v may use a database
+-- whose version is >= v if compatible_from <= v. The baseline is version 1;
+-- each migration file after it brings the schema to the next version and
+-- redefines this function (src/migrate.rs says how).
+CREATE FUNCTION pgsemaphore.schema_version()
+RETURNS TABLE (o_version integer, o_compatible_from integer)
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT 1, 1 $$;
+
+REVOKE ALL ON ALL ROUTINES IN SCHEMA pgsemaphore FROM PUBLIC;
