@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{FixedWindow, MIGRATIONS_TABLE, SlidingWindow, TokenBucket};
+use pg_semaphore::{MIGRATIONS_TABLE, RateLimiter, RatePolicy};
 use sqlx::migrate::Migrator;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
 use support::{TestResult, connect};
@@ -427,17 +427,11 @@ async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
     const CHECKS: u32 = 1_000;
     const BOUND: i64 = 34;
     let db = support::migrated_db().await;
-    let fixed = FixedWindow::builder("busy")
-        .permit_limit(10 * CHECKS)
-        .window(HOUR)
+    let fixed = RateLimiter::builder("busy", RatePolicy::fixed_window(10 * CHECKS, HOUR))
         .build(&db.pool)?;
-    let bucket = TokenBucket::builder("busy")
-        .rate(0.001)
-        .burst(10 * CHECKS)
+    let bucket = RateLimiter::builder("busy", RatePolicy::token_bucket(0.001, 10 * CHECKS))
         .build(&db.pool)?;
-    let sliding = SlidingWindow::builder("busy")
-        .permit_limit(10 * CHECKS)
-        .window(HOUR)
+    let sliding = RateLimiter::builder("busy", RatePolicy::sliding_window(10 * CHECKS, HOUR))
         .build(&db.pool)?;
     for kind in Kind::ALL {
         let mut most = 0;
@@ -805,14 +799,10 @@ async fn a_key_s_state_survives_the_upgrade_from_version_11() -> TestResult {
             "{kind}"
         );
     }
-    let bucket = TokenBucket::builder("upgraded")
-        .rate(0.001)
-        .burst(2)
-        .build(&db.pool)?;
-    let window = FixedWindow::builder("upgraded")
-        .permit_limit(2)
-        .window(HOUR)
-        .build(&db.pool)?;
+    let bucket =
+        RateLimiter::builder("upgraded", RatePolicy::token_bucket(0.001, 2)).build(&db.pool)?;
+    let window =
+        RateLimiter::builder("upgraded", RatePolicy::fixed_window(2, HOUR)).build(&db.pool)?;
     let refused = bucket.check("k", 1).await?;
     assert!(!refused.allowed, "the drained bucket refilled: {refused:?}");
     let refused = window.check("k", 1).await?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sqlx::postgres::types::PgInterval;
 
-use super::{Decision, FixedWindow, Limiter, Policy, SlidingWindow, TokenBucket};
+use super::{Decision, Limiter, RateLimiter, RatePolicy};
 use crate::db::Statement;
 use crate::error::{Error, Result, WaitedFor};
 use crate::validate::{self, MAX_LIMITS, MAX_RATE_WAIT};
@@ -31,35 +31,6 @@ const CHECK_LIMITS_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining, o_
                                         p_bursts => $5, p_limits => $6, p_windows => $7, \
                                         p_n => $8, p_max_wait => $9)";
 
-mod sealed {
-    /// The limiters a [`LimiterSet`](super::LimiterSet) takes.
-    pub trait Sealed {
-        /// The shared engine.
-        #[allow(private_interfaces)]
-        fn limiter(&self) -> &std::sync::Arc<super::Limiter>;
-    }
-}
-
-/// A rate limiter that a [`LimiterSet`] can check with others:
-/// [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`]. Sealed.
-pub trait RateLimiter: sealed::Sealed {}
-
-macro_rules! set_member {
-    ($limiter:ident) => {
-        impl sealed::Sealed for $limiter {
-            #[allow(private_interfaces)]
-            fn limiter(&self) -> &Arc<Limiter> {
-                &self.inner
-            }
-        }
-        impl RateLimiter for $limiter {}
-    };
-}
-
-set_member!(TokenBucket);
-set_member!(FixedWindow);
-set_member!(SlidingWindow);
-
 /// Several rate limits checked as one: admitted only if every limit admits,
 /// and then charged to every one; refused if any refuses, and then charged
 /// to none, with the longest retry-after of the limits that refused.
@@ -70,20 +41,21 @@ set_member!(SlidingWindow);
 /// the database locks the limits' keys in one order for every caller (two
 /// sets never deadlock, whatever order they list their limits in) and
 /// decides each as its own limiter's check would, so stored limits and
-/// pauses apply as in a single [`check`](TokenBucket::check). A set can
+/// pauses apply as in a single [`check`](RateLimiter::check). A set can
 /// wait too ([`acquire`](Self::acquire)).
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use pg_semaphore::{FixedWindow, LimiterSet, TokenBucket};
+/// use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// let per_second = TokenBucket::builder("api-s").rate(100.0).burst(100).build(&pool)?;
-/// let per_day = FixedWindow::builder("api-day")
-///     .permit_limit(10_000)
-///     .window(Duration::from_secs(86_400))
+/// let per_second = RateLimiter::builder("api-s", RatePolicy::token_bucket(100.0, 100))
 ///     .build(&pool)?;
-/// let everyone = TokenBucket::builder("api-all").rate(5_000.0).burst(5_000).build(&pool)?;
+/// let day = Duration::from_secs(86_400);
+/// let per_day = RateLimiter::builder("api-day", RatePolicy::fixed_window(10_000, day))
+///     .build(&pool)?;
+/// let everyone = RateLimiter::builder("api-all", RatePolicy::token_bucket(5_000.0, 5_000))
+///     .build(&pool)?;
 /// let limits = LimiterSet::new()
 ///     .with(&per_second)
 ///     .with(&per_day)
@@ -106,15 +78,14 @@ impl LimiterSet {
     }
 
     /// Adds `limiter`, checked on the key passed to [`check`](Self::check).
-    pub fn with(mut self, limiter: &impl RateLimiter) -> LimiterSet {
-        self.limits.push((limiter.limiter().clone(), None));
+    pub fn with(mut self, limiter: &RateLimiter) -> LimiterSet {
+        self.limits.push((limiter.inner.clone(), None));
         self
     }
 
     /// Adds `limiter`, always checked on `key` (a global limit: `"all"`).
-    pub fn with_key(mut self, limiter: &impl RateLimiter, key: impl Into<String>) -> LimiterSet {
-        self.limits
-            .push((limiter.limiter().clone(), Some(key.into())));
+    pub fn with_key(mut self, limiter: &RateLimiter, key: impl Into<String>) -> LimiterSet {
+        self.limits.push((limiter.inner.clone(), Some(key.into())));
         self
     }
 
@@ -141,7 +112,7 @@ impl LimiterSet {
     ///   [`MAX_LIMITS`](crate::MAX_LIMITS) limits (`limits`), limiters built
     ///   on different pools (`limits`), the same key of the same limiter
     ///   twice (`limits`, from the database), and as each limiter's
-    ///   [`check`](TokenBucket::check) for the key and `permits`.
+    ///   [`check`](RateLimiter::check) for the key and `permits`.
     /// - [`Error::MigrationsMissing`] when the schema is older than version
     ///   9 (no `check_limits`) or missing.
     /// - [`Error::Stalled`] (naming the set's limiters) when a key's lock
@@ -207,13 +178,13 @@ impl LimiterSet {
     ///
     /// ```no_run
     /// use std::time::Duration;
-    /// use pg_semaphore::{FixedWindow, LimiterSet, TokenBucket};
+    /// use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-    /// let per_second = TokenBucket::builder("sms-s").rate(10.0).burst(10).build(&pool)?;
-    /// let per_day = FixedWindow::builder("sms-day")
-    ///     .permit_limit(1_000)
-    ///     .window(Duration::from_secs(86_400))
+    /// let per_second = RateLimiter::builder("sms-s", RatePolicy::token_bucket(10.0, 10))
+    ///     .build(&pool)?;
+    /// let day = Duration::from_secs(86_400);
+    /// let per_day = RateLimiter::builder("sms-day", RatePolicy::fixed_window(1_000, day))
     ///     .build(&pool)?;
     /// let limits = LimiterSet::new().with(&per_second).with(&per_day);
     /// limits.acquire_timeout("tenant-7", 1, Duration::from_secs(30)).await?;
@@ -412,21 +383,26 @@ impl LimiterSet {
             }
             let key = own_key.as_deref().unwrap_or(key);
             limiter.request(key, permits)?;
-            kinds.push(limiter.policy.kind());
+            kinds.push(limiter.policy.kind().as_str());
             names.push(limiter.name.clone());
             keys.push(key.to_owned());
             let (rate, burst, limit, window): (_, _, _, Option<PgInterval>) = match limiter.policy {
-                Policy::TokenBucket { rate, burst } => {
+                RatePolicy::TokenBucket { rate, burst } => {
                     (Some(rate), Some(f64::from(burst)), None, None)
                 }
-                Policy::FixedWindow { limit, window } | Policy::SlidingWindow { limit, window } => {
-                    (
-                        None,
-                        None,
-                        Some(i64::from(limit)),
-                        Some(validate::window(window)?),
-                    )
+                RatePolicy::FixedWindow {
+                    permit_limit,
+                    window,
                 }
+                | RatePolicy::SlidingWindow {
+                    permit_limit,
+                    window,
+                } => (
+                    None,
+                    None,
+                    Some(i64::from(permit_limit)),
+                    Some(validate::window(window)?),
+                ),
             };
             rates.push(rate);
             bursts.push(burst);

@@ -37,7 +37,7 @@ use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{Limiter, Policy};
+use super::{Limiter, RatePolicy};
 use crate::error::Result;
 use crate::per_pool::{PerPool, lock};
 use crate::validate;
@@ -80,7 +80,9 @@ impl Limiter {
         let code_pair = format!("{:?}", self.policy);
         let first = NOTED
             .lock()
-            .map(|mut noted| noted.insert((self.policy.kind(), self.name.clone(), code_pair)))
+            .map(|mut noted| {
+                noted.insert((self.policy.kind().as_str(), self.name.clone(), code_pair))
+            })
             .unwrap_or(true);
         if !first {
             return;
@@ -90,7 +92,7 @@ impl Limiter {
             .query_as::<(Option<f64>, Option<f64>, Option<i64>, Option<PgInterval>)>(
                 LIMITER_IN_FORCE,
             )
-            .bind(self.policy.kind())
+            .bind(self.policy.kind().as_str())
             .bind(self.name.clone());
         let (rate, burst, limit, window) = match self.db.fetch_one(query).await {
             Ok(row) => row,
@@ -100,7 +102,7 @@ impl Limiter {
             }
         };
         let (code, stored) = match self.policy {
-            Policy::TokenBucket {
+            RatePolicy::TokenBucket {
                 rate: own,
                 burst: own_burst,
             } => {
@@ -115,12 +117,12 @@ impl Limiter {
                     format!("rate {rate}/s, burst {burst}"),
                 )
             }
-            Policy::FixedWindow {
-                limit: own,
+            RatePolicy::FixedWindow {
+                permit_limit: own,
                 window: own_window,
             }
-            | Policy::SlidingWindow {
-                limit: own,
+            | RatePolicy::SlidingWindow {
+                permit_limit: own,
                 window: own_window,
             } => {
                 let (Some(limit), Some(window)) = (limit, window) else {
@@ -142,7 +144,7 @@ impl Limiter {
         {
             tracing::warn!(
                 limiter = %self.name,
-                kind = self.policy.kind(),
+                kind = self.policy.kind().as_str(),
                 code_limits = %code,
                 stored_limits = %stored,
                 "rate limiter {:?} is decided under its stored limits ({stored}), not this code's ({code}): \
@@ -162,7 +164,7 @@ impl Limiter {
         let query = self
             .db
             .query_as::<(bool,)>(PAUSE)
-            .bind(self.policy.kind())
+            .bind(self.policy.kind().as_str())
             .bind(self.name.clone())
             .bind(key.map(str::to_owned))
             .bind(duration);
@@ -179,7 +181,7 @@ impl Limiter {
         let query = self
             .db
             .query_as::<(Option<f64>,)>(RATE_IN_FORCE)
-            .bind(self.policy.kind())
+            .bind(self.policy.kind().as_str())
             .bind(self.name.clone())
             .bind(key.to_owned());
         Ok(self.db.fetch_one(query).await?.0.unwrap_or(own))
