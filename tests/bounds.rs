@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use pg_semaphore::{
     AuditLog, Claim, Decision, Error, LimiterKind, LimiterSet, LostReason, Mutex, MutexGuard,
-    Permit, RateLimitSetting, RateLimiter, RateLimiterBuilder, RatePolicy, Reaper, Semaphore, SemaphoreBuilder,
-    SemaphoreFamily, SemaphoreFamilyBuilder, SessionGuard, StoredLimit, WaitedFor,
+    Permit, RateLimitSetting, RateLimiter, RateLimiterBuilder, RatePolicy, Reaper, Semaphore,
+    SemaphoreBuilder, SemaphoreFamily, SemaphoreFamilyBuilder, SessionGuard, StoredLimit,
+    WaitedFor,
 };
 use sqlx::PgPool;
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
-use super::{Decision, RatePolicy, settings};
+use super::{Decision, RatePolicy, SqlLimits, settings};
 use crate::db::{Db, Statement};
 use crate::error::{Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
@@ -154,6 +154,13 @@ impl Limiter {
         line
     }
 
+    /// After the database decided a check: counts the decision, and
+    /// compares this handle's limits with the stored ones (once).
+    pub(super) async fn decided(&self, allowed: bool) {
+        self.metrics.decided(allowed);
+        self.note_stored_limits().await;
+    }
+
     /// A waiting acquire's answer when its wait would pass `timeout` (the
     /// longest wait when none): counted as refused.
     pub(super) fn timed_out(&self, key: &str, timeout: Option<Duration>) -> Error {
@@ -202,22 +209,13 @@ impl Limiter {
             .query_as(sql)
             .bind(self.name.clone())
             .bind(key.to_owned());
-        let query = match self.policy {
-            RatePolicy::TokenBucket { rate, burst } => query
-                .bind(rate)
-                .bind(f64::from(burst))
-                .bind(f64::from(permits)),
-            RatePolicy::FixedWindow {
-                permit_limit,
-                window,
+        let query = match self.policy.sql_limits()? {
+            SqlLimits::Bucket { rate, burst } => {
+                query.bind(rate).bind(burst).bind(f64::from(permits))
             }
-            | RatePolicy::SlidingWindow {
-                permit_limit,
-                window,
-            } => query
-                .bind(i64::from(permit_limit))
-                .bind(validate::window(window)?)
-                .bind(i64::from(permits)),
+            SqlLimits::Window { limit, window } => {
+                query.bind(limit).bind(window).bind(i64::from(permits))
+            }
         };
         Ok(match max_wait {
             Some(max_wait) => query.bind(max_wait),
@@ -227,20 +225,16 @@ impl Limiter {
 
     pub(super) async fn check(&self, key: &str, permits: u32) -> Result<Decision> {
         self.request(key, permits)?;
-        let limit = self.policy.limit();
-        let db = &self.db;
         let query = self.statement(key, permits, None)?;
-        match db.fetch_one(query).await {
+        match self.db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us)) => {
-                self.metrics.decided(allowed);
-                self.note_stored_limits().await;
-                Ok(Decision {
+                self.decided(allowed).await;
+                Ok(Decision::new(
                     allowed,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
-                    limit,
-                    failed_open: false,
-                })
+                    remaining,
+                    retry_after_us,
+                    self.policy.limit(),
+                ))
             }
             Err(error) => self.failed(error).await,
         }
@@ -262,49 +256,23 @@ impl Limiter {
         timeout: Option<Duration>,
     ) -> Result<Decision> {
         self.request(key, permits)?;
-        let limit = self.policy.limit();
-        let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
-        let started = tokio::time::Instant::now();
+        let mut waiting = Waiting::new(timeout);
         // Before the reservation, so that a change committed after it is
         // heard. Behind a transaction pooler nothing can listen.
         let mut wake = self.subscribe();
         let topic = self.topic();
-        let mut stalled_warned = false;
-        // This process's waiters of the key go to the database one at a
-        // time, in arrival order: a reservation books at most burst / rate
-        // (one window) ahead, so waiters beyond that are refused with the
-        // same instant, and without the line all of them would come back at
-        // once, every one a round trip, again and again. In line, only the
-        // head asks; it leaves the line when it is booked.
         let line = self.line(key);
-        let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
+        let Some(head) = waiting.head(&line).await else {
             return Err(self.timed_out(key, timeout));
         };
         loop {
-            let left = budget.saturating_sub(started.elapsed());
-            let max_wait = validate::rate_wait(left)?;
-            let db = &self.db;
+            let (left, max_wait) = waiting.left()?;
             let query = self.statement(key, permits, Some(max_wait))?;
-            let (allowed, wait_us, remaining) = match db.fetch_one(query).await {
+            let (allowed, wait_us, remaining) = match self.db.fetch_one(query).await {
                 Ok(reply) => reply,
                 Err(error) => match self.stalled(error) {
-                    // The key's lock held past 2 s (a check left in an open
-                    // transaction, a session holding the advisory key):
-                    // again, within the caller's wait.
-                    Error::Stalled { .. } if started.elapsed() < budget => {
-                        if !stalled_warned {
-                            stalled_warned = true;
-                            tracing::warn!(
-                                limiter = %self.name,
-                                key,
-                                "the rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
-                            );
-                        }
-                        continue;
-                    }
-                    Error::Stalled { .. } => {
-                        return Err(self.timed_out(key, timeout));
-                    }
+                    Error::Stalled { .. } if waiting.retry_stalled(&self.name, key) => continue,
+                    Error::Stalled { .. } => return Err(self.timed_out(key, timeout)),
                     error => return self.failed(error).await,
                 },
             };
@@ -322,13 +290,7 @@ impl Limiter {
                     _ if !wait.is_zero() => tokio::time::sleep(wait).await,
                     _ => {}
                 }
-                return Ok(Decision {
-                    allowed: true,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::ZERO,
-                    limit,
-                    failed_open: false,
-                });
+                return Ok(Decision::new(true, remaining, 0, self.policy.limit()));
             }
             if wait.is_zero() || wait > left {
                 return Err(self.timed_out(key, timeout));
@@ -344,5 +306,64 @@ impl Limiter {
                 None => tokio::time::sleep(wait).await,
             }
         }
+    }
+}
+
+/// The clock of one waiting acquire, of a limiter or of a set: how long it
+/// may still wait, and its retries while a key's lock is stuck.
+pub(super) struct Waiting {
+    budget: Duration,
+    started: tokio::time::Instant,
+    stalled_warned: bool,
+}
+
+impl Waiting {
+    /// `timeout`: the longest wait the caller accepts (`None`, or more
+    /// than [`MAX_RATE_WAIT`]: that).
+    pub(super) fn new(timeout: Option<Duration>) -> Waiting {
+        Waiting {
+            budget: timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT),
+            started: tokio::time::Instant::now(),
+            stalled_warned: false,
+        }
+    }
+
+    /// Waits to be the head of `line` ([`Limiter::line`]), within the wait
+    /// (`None` when it runs out first). This process's waiters of a key go
+    /// to the database one at a time, in arrival order: a reservation books
+    /// at most burst / rate (one window) ahead, so waiters beyond that are
+    /// refused with the same instant, and without the line all of them
+    /// would come back at once, every one a round trip, again and again. In
+    /// line, only the head asks; it leaves the line when it is booked.
+    pub(super) async fn head<'a>(
+        &self,
+        line: &'a tokio::sync::Mutex<()>,
+    ) -> Option<tokio::sync::MutexGuard<'a, ()>> {
+        tokio::time::timeout(self.budget, line.lock()).await.ok()
+    }
+
+    /// What is left of the wait, and that as a reservation's `max_wait`.
+    pub(super) fn left(&self) -> Result<(Duration, PgInterval)> {
+        let left = self.budget.saturating_sub(self.started.elapsed());
+        Ok((left, validate::rate_wait(left)?))
+    }
+
+    /// After a reservation answered [`Error::Stalled`] (a key's lock held
+    /// past 2 s: a check left in an open transaction, a session holding the
+    /// advisory key): whether to try again, within the caller's wait. Warns
+    /// once per acquire.
+    pub(super) fn retry_stalled(&mut self, limiter: &str, key: &str) -> bool {
+        if self.started.elapsed() >= self.budget {
+            return false;
+        }
+        if !self.stalled_warned {
+            self.stalled_warned = true;
+            tracing::warn!(
+                limiter,
+                key,
+                "a rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
+            );
+        }
+        true
     }
 }

@@ -53,6 +53,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
+use sqlx::postgres::types::PgInterval;
 
 use crate::LimiterKind;
 use crate::db::Db;
@@ -116,6 +117,18 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The database's decision, its `remaining` and retry-after (in
+    /// microseconds) as the SQL functions answer them.
+    fn new(allowed: bool, remaining: i64, retry_after_us: i64, limit: u32) -> Decision {
+        Decision {
+            allowed,
+            remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+            retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
+            limit,
+            failed_open: false,
+        }
+    }
+
     fn open(limit: u32) -> Decision {
         Decision {
             allowed: true,
@@ -266,35 +279,52 @@ impl RatePolicy {
 
     /// The checks of [`RateLimiterBuilder::build`].
     fn validate(self) -> Result<()> {
-        match self {
-            RatePolicy::TokenBucket { rate, burst } => {
-                if !(rate.is_finite() && rate > 0.0) {
-                    return Err(Error::invalid(
-                        "rate",
-                        format!("{rate} is not a positive number of tokens per second"),
-                    ));
-                }
-                if rate > MAX_RATE {
-                    return Err(Error::invalid(
-                        "rate",
-                        format!("{rate} tokens per second is above the maximum, {MAX_RATE}"),
-                    ));
-                }
-                if burst == 0 {
-                    return Err(Error::invalid("burst", "must be at least 1"));
-                }
-                let refill = f64::from(burst) / rate;
-                if refill > MAX_WINDOW.as_secs_f64() {
-                    return Err(Error::invalid(
-                        "rate",
-                        format!(
-                            "refilling {burst} tokens at {rate} per second takes {refill:.0} s; \
-                             at most {} s is allowed",
-                            MAX_WINDOW.as_secs()
-                        ),
-                    ));
-                }
+        if let RatePolicy::TokenBucket { rate, burst } = self {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(Error::invalid(
+                    "rate",
+                    format!("{rate} is not a positive number of tokens per second"),
+                ));
             }
+            if rate > MAX_RATE {
+                return Err(Error::invalid(
+                    "rate",
+                    format!("{rate} tokens per second is above the maximum, {MAX_RATE}"),
+                ));
+            }
+            if burst == 0 {
+                return Err(Error::invalid("burst", "must be at least 1"));
+            }
+            let refill = f64::from(burst) / rate;
+            if refill > MAX_WINDOW.as_secs_f64() {
+                return Err(Error::invalid(
+                    "rate",
+                    format!(
+                        "refilling {burst} tokens at {rate} per second takes {refill:.0} s; \
+                         at most {} s is allowed",
+                        MAX_WINDOW.as_secs()
+                    ),
+                ));
+            }
+        } else if self.limit() == 0 {
+            return Err(Error::invalid("permit_limit", "must be at least 1"));
+        }
+        // A window's length.
+        self.sql_limits().map(drop)
+    }
+
+    /// The policy's limits as its SQL functions take them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a window outside
+    /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`].
+    fn sql_limits(self) -> Result<SqlLimits> {
+        Ok(match self {
+            RatePolicy::TokenBucket { rate, burst } => SqlLimits::Bucket {
+                rate,
+                burst: f64::from(burst),
+            },
             RatePolicy::FixedWindow {
                 permit_limit,
                 window,
@@ -302,15 +332,22 @@ impl RatePolicy {
             | RatePolicy::SlidingWindow {
                 permit_limit,
                 window,
-            } => {
-                if permit_limit == 0 {
-                    return Err(Error::invalid("permit_limit", "must be at least 1"));
-                }
-                validate::window(window)?;
-            }
-        }
-        Ok(())
+            } => SqlLimits::Window {
+                limit: i64::from(permit_limit),
+                window: validate::window(window)?,
+            },
+        })
     }
+}
+
+/// A [`RatePolicy`]'s limits as its SQL functions take them (`p_rate`,
+/// `p_burst`, or `p_limit`, `p_window`).
+#[derive(Debug)]
+enum SqlLimits {
+    /// A token bucket's rate (tokens per second) and burst.
+    Bucket { rate: f64, burst: f64 },
+    /// A window's permit limit and length.
+    Window { limit: i64, window: PgInterval },
 }
 
 // ---------------------------------------------------------------------------

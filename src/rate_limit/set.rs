@@ -7,12 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::types::PgInterval;
-
-use super::{Decision, Limiter, RateLimiter, RatePolicy};
+use super::engine::Waiting;
+use super::{Decision, Limiter, RateLimiter, SqlLimits};
 use crate::db::Statement;
 use crate::error::{Error, Result, WaitedFor};
-use crate::validate::{self, MAX_LIMITS, MAX_RATE_WAIT};
+use crate::validate::{MAX_LIMITS, MAX_RATE_WAIT};
 
 /// `$8` permits against every limit `i` (kind `$1[i]`, limiter `$2[i]`, key
 /// `$3[i]`, with the token bucket's `$4[i]`, `$5[i]` or the window's `$6[i]`,
@@ -131,16 +130,14 @@ impl LimiterSet {
         match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us, deciding)) => {
                 for (limiter, _) in &self.limits {
-                    limiter.metrics.decided(allowed);
-                    limiter.note_stored_limits().await;
+                    limiter.decided(allowed).await;
                 }
-                Ok(Decision {
+                Ok(Decision::new(
                     allowed,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
-                    limit: self.decider(deciding).0.policy.limit(),
-                    failed_open: false,
-                })
+                    remaining,
+                    retry_after_us,
+                    self.decider(deciding).0.policy.limit(),
+                ))
             }
             Err(error) if self.fails_open() => first.failed(error).await,
             Err(error) => Err(self.stalled(error)),
@@ -227,41 +224,23 @@ impl LimiterSet {
         timeout: Option<Duration>,
     ) -> Result<Decision> {
         let first = self.first()?;
-        let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
-        let started = tokio::time::Instant::now();
-        let mut stalled_warned = false;
+        let mut waiting = Waiting::new(timeout);
         // In line with this process's other waiting acquires of the key on
-        // the first limiter (its own included), as `Limiter::acquire` is:
-        // only the head asks the database, and leaves the line when booked.
+        // the first limiter (its own included), as `Limiter::acquire` is.
         let line = first.line(key);
-        let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
+        let Some(head) = waiting.head(&line).await else {
             return Err(self.timed_out(first, key, timeout));
         };
         loop {
-            let left = budget.saturating_sub(started.elapsed());
+            let (left, max_wait) = waiting.left()?;
             let query = self
                 .statement(CHECK_LIMITS_RESERVE, key, permits)?
-                .bind(validate::rate_wait(left)?);
+                .bind(max_wait);
             let (allowed, wait_us, remaining, deciding) = match first.db.fetch_one(query).await {
                 Ok(reply) => reply,
                 Err(error) => match self.stalled(error) {
-                    // A key's lock held past 2 s (a check left in an open
-                    // transaction, a session holding the advisory key):
-                    // again, within the caller's wait.
-                    Error::Stalled { .. } if started.elapsed() < budget => {
-                        if !stalled_warned {
-                            stalled_warned = true;
-                            tracing::warn!(
-                                limiter = %first.name,
-                                key,
-                                "a rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
-                            );
-                        }
-                        continue;
-                    }
-                    Error::Stalled { .. } => {
-                        return Err(self.timed_out(first, key, timeout));
-                    }
+                    Error::Stalled { .. } if waiting.retry_stalled(&first.name, key) => continue,
+                    Error::Stalled { .. } => return Err(self.timed_out(first, key, timeout)),
                     error if self.fails_open() => return first.failed(error).await,
                     error => return Err(error),
                 },
@@ -279,13 +258,7 @@ impl LimiterSet {
                 if !wait.is_zero() {
                     tokio::time::sleep(wait).await;
                 }
-                return Ok(Decision {
-                    allowed: true,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::ZERO,
-                    limit: decider.policy.limit(),
-                    failed_open: false,
-                });
+                return Ok(Decision::new(true, remaining, 0, decider.policy.limit()));
             }
             if wait.is_zero() || wait > left {
                 return Err(self.timed_out(decider, decider_key.unwrap_or(key), timeout));
@@ -386,23 +359,9 @@ impl LimiterSet {
             kinds.push(limiter.policy.kind().as_str());
             names.push(limiter.name.clone());
             keys.push(key.to_owned());
-            let (rate, burst, limit, window): (_, _, _, Option<PgInterval>) = match limiter.policy {
-                RatePolicy::TokenBucket { rate, burst } => {
-                    (Some(rate), Some(f64::from(burst)), None, None)
-                }
-                RatePolicy::FixedWindow {
-                    permit_limit,
-                    window,
-                }
-                | RatePolicy::SlidingWindow {
-                    permit_limit,
-                    window,
-                } => (
-                    None,
-                    None,
-                    Some(i64::from(permit_limit)),
-                    Some(validate::window(window)?),
-                ),
+            let (rate, burst, limit, window) = match limiter.policy.sql_limits()? {
+                SqlLimits::Bucket { rate, burst } => (Some(rate), Some(burst), None, None),
+                SqlLimits::Window { limit, window } => (None, None, Some(limit), Some(window)),
             };
             rates.push(rate);
             bursts.push(burst);
