@@ -46,8 +46,9 @@
 //!
 //! This module is the face: each method of [`RateLimiter`] is a short
 //! delegation to `engine` (the `Limiter` every handle of a limiter shares,
-//! and one SQL function per policy and statement). A policy's limits and
-//! the checks on them are in `validate`.
+//! and one SQL function per policy and statement, and the clock of a
+//! waiting acquire). A policy's limits are checked by the builder, against
+//! the bounds in `validate`.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -165,6 +165,11 @@ impl LimiterSet {
     /// [`Decision`]; if it would take longer, returns [`Error::Timeout`] at
     /// once, without waiting and without taking anything.
     ///
+    /// Cheaper than `tokio::time::timeout` over [`acquire`](Self::acquire),
+    /// as [`RateLimiter::acquire_timeout`] is: a booking beyond `timeout` is
+    /// refused in the same round trip, so nothing is booked and then
+    /// forfeited, and nobody waits to be told no.
+    ///
     /// One round trip per call (`pgsemaphore.check_limits_reserve`): the
     /// database finds the earliest instant at which every limit admits the
     /// permits, books them there in every limit (all or none, as
