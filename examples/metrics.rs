@@ -34,7 +34,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use pg_semaphore::{Error, Mutex, Reaper, Semaphore, TokenBucket};
+use pg_semaphore::{Error, Mutex, RateLimiter, RatePolicy, Reaper, Semaphore};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 
@@ -102,10 +102,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let guard = nightly.lock(&pool).await?;
     let _ = nightly.locking().no_wait().lock(&pool).await; // busy: counted, not an error here
     guard.commit().await?;
-    let limiter = TokenBucket::builder("api")
-        .rate(5.0)
-        .burst(3)
-        .build(&pool)?;
+    let limiter = RateLimiter::builder("api", RatePolicy::token_bucket(5.0, 3)).build(&pool)?;
     for _ in 0..5 {
         let _ = limiter.check("user-42", 1).await?; // the key never becomes a label
     }

@@ -624,8 +624,8 @@ async fn run_configure(
     Ok(previous.map(|p| p.max(0) as u32))
 }
 
-/// A rate limiter's kind: which of [`TokenBucket`](crate::TokenBucket),
-/// [`FixedWindow`](crate::FixedWindow), [`SlidingWindow`](crate::SlidingWindow)
+/// A rate limiter's kind: which [`RatePolicy`](crate::RatePolicy) it
+/// enforces, as [`RatePolicy::kind`](crate::RatePolicy::kind) says
 /// (limiters of different kinds never share a name's state or settings).
 ///
 /// With the `serde` feature it serializes as `"token_bucket"`,
@@ -635,11 +635,11 @@ async fn run_configure(
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum LimiterKind {
-    /// A [`TokenBucket`](crate::TokenBucket).
+    /// A [`RatePolicy::TokenBucket`](crate::RatePolicy::TokenBucket).
     TokenBucket,
-    /// A [`FixedWindow`](crate::FixedWindow).
+    /// A [`RatePolicy::FixedWindow`](crate::RatePolicy::FixedWindow).
     FixedWindow,
-    /// A [`SlidingWindow`](crate::SlidingWindow).
+    /// A [`RatePolicy::SlidingWindow`](crate::RatePolicy::SlidingWindow).
     SlidingWindow,
 }
 
@@ -690,15 +690,14 @@ impl std::str::FromStr for LimiterKind {
 #[cfg_attr(feature = "serde", serde(untagged))]
 #[non_exhaustive]
 pub enum StoredLimit {
-    /// A [`TokenBucket`](crate::TokenBucket)'s rate (tokens per second) and burst.
+    /// A token bucket's rate (tokens per second) and burst.
     TokenBucket {
         /// Tokens per second.
         rate: f64,
         /// The bucket's capacity.
         burst: u32,
     },
-    /// A [`FixedWindow`](crate::FixedWindow)'s or
-    /// [`SlidingWindow`](crate::SlidingWindow)'s permit limit and window.
+    /// A fixed or sliding window's permit limit and window.
     Window {
         /// Permits per window.
         permit_limit: u32,
@@ -993,7 +992,7 @@ fn rate_settings_stalled(error: Error, limiter: &str) -> Error {
 }
 
 /// Pauses `limiter` (`key` `None`: every key) or its key `key` for
-/// `duration`, as [`TokenBucket::pause`](crate::TokenBucket::pause) does
+/// `duration`, as [`RateLimiter::pause`](crate::RateLimiter::pause) does
 /// from an application (never shortens a pause in force); returns when the
 /// pause in force ends.
 ///

@@ -401,9 +401,9 @@ pub enum WaitedFor {
         /// The mutex, as [`Mutex::name`](crate::Mutex::name) spells it.
         mutex: String,
     },
-    /// Tokens of this key of a rate limiter
-    /// ([`TokenBucket::acquire_timeout`](crate::TokenBucket::acquire_timeout)):
-    /// the key's tokens would not have been there within the timeout, so
+    /// Permits of this key of a rate limiter
+    /// ([`RateLimiter::acquire_timeout`](crate::RateLimiter::acquire_timeout)):
+    /// the key's permits would not have been there within the timeout, so
     /// the wait was refused at once, and nothing was taken.
     RateLimit {
         /// The limiter's name.

@@ -120,8 +120,9 @@
 //!
 //! # Rate limiters
 //!
-//! [`TokenBucket`] (Stripe's semantics), [`FixedWindow`] and [`SlidingWindow`]
-//! limit how many requests *start* per unit of time, per key (a user, an IP).
+//! A [`RateLimiter`] limits how many requests *start* per unit of time, per
+//! key (a user, an IP), under its [`RatePolicy`]: a token bucket (Stripe's
+//! semantics), a fixed window or a sliding window.
 //! Each check is one round trip to a SQL function that locks the key,
 //! reads the database clock and returns a [`Decision`] (`allowed`,
 //! `remaining`, `retry_after`), so concurrent processes never admit more than
@@ -132,12 +133,11 @@
 //! limits its handle was built with, every process is decided under the
 //! stored ones, read inside the same check, and only an operator changes
 //! them, per limiter or per key ([`set_rate_limit`]; a process whose code
-//! says otherwise logs one `WARN`). [`TokenBucket::pause`]
-//! holds back a key (or [`pause_all`](TokenBucket::pause_all), a limiter)
+//! says otherwise logs one `WARN`). [`RateLimiter::pause`]
+//! holds back a key (or [`pause_all`](RateLimiter::pause_all), a limiter)
 //! in every process after an upstream's 429, and a [`LimiterSet`] checks
 //! several limits at once, charging all or none.
-//! Each limiter can also wait ([`TokenBucket::acquire`],
-//! [`FixedWindow::acquire`], [`SlidingWindow::acquire`]): one round trip
+//! Each limiter can also wait ([`RateLimiter::acquire`]): one round trip
 //! reserves the permits at the instant the key will admit them, then the
 //! caller sleeps until then.
 //!
@@ -253,7 +253,7 @@
 //! | `semaphore::family` | [`SemaphoreFamily`]: a semaphore per key, each key's handle cached per process |
 //! | `semaphore::advisory` | the advisory semaphore ([`AdvisorySemaphore`], [`AdvisoryPermit`]), its dedicated sessions and audit batches |
 //! | `mutex` | [`Mutex`]: transaction-scoped and session-scoped advisory locks |
-//! | `rate_limit` | [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`] |
+//! | `rate_limit`, `rate_limit::engine` | [`RateLimiter`] and its [`RatePolicy`]; the state a handle shares and the check and reservation statements of each policy, one SQL function each |
 //! | `rate_limit::settings`, `rate_limit::set` | stored limits, pauses and the waiters' `LISTEN` for their changes; [`LimiterSet`], several limits in one check |
 //! | `reaper`, `admin`, `family_admin`, `audit`, `horizon` | the operator's side: reaping and pruning, listing and force-releasing, families' rules and busiest keys, the audit log, what holds the xmin horizon |
 //! | `migrate`, `refinery` | creating, upgrading and adopting the schema |
@@ -403,8 +403,7 @@ pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
 pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
 pub use mutex::{Locking, Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{
-    Decision, FixedWindow, LimiterSet, RateLimiter, SlidingWindow, TokenBucket, TokenBucketBuilder,
-    WindowBuilder, prune_rate_limits,
+    Decision, LimiterSet, RateLimiter, RateLimiterBuilder, RatePolicy, prune_rate_limits,
 };
 pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
 pub use semaphore::{

@@ -56,22 +56,22 @@ pub const MAX_KEY_LEN: usize = 256;
 /// limit; higher rates would overflow the refill arithmetic).
 pub const MAX_RATE: f64 = 1e9;
 
-/// The shortest window of a [`FixedWindow`](crate::FixedWindow) or
-/// [`SlidingWindow`](crate::SlidingWindow).
+/// The shortest window of a fixed or sliding window
+/// [`RatePolicy`](crate::RatePolicy).
 pub const MIN_WINDOW: Duration = Duration::from_millis(1);
 
-/// The longest window of a [`FixedWindow`](crate::FixedWindow) or
-/// [`SlidingWindow`](crate::SlidingWindow) (366 days), and the longest time
-/// a [`TokenBucket`](crate::TokenBucket) may take to refill from empty.
+/// The longest window of a fixed or sliding window
+/// [`RatePolicy`](crate::RatePolicy) (366 days), and the longest time a
+/// token bucket may take to refill from empty.
 pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
-/// The longest a [`TokenBucket::acquire`](crate::TokenBucket::acquire)
+/// The longest a [`RateLimiter::acquire`](crate::RateLimiter::acquire)
 /// reserves ahead (366 days): a wait the key's tokens would take longer to
 /// cover is refused, and a longer timeout waits at most this.
 pub const MAX_RATE_WAIT: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
 /// The longest a rate limiter's pause may reach ahead of now (1 hour):
-/// [`TokenBucket::pause`](crate::TokenBucket::pause) and its kin pause a key
+/// [`RateLimiter::pause`](crate::RateLimiter::pause) and its kin pause a key
 /// for 1 ms to this long; a longer pause is refused (an upstream's
 /// `Retry-After` beyond an hour is better served by an operator).
 pub const MAX_PAUSE: Duration = Duration::from_secs(3600);

@@ -5,9 +5,10 @@
 use std::time::Duration;
 
 use pg_semaphore::{
-    AuditLog, Claim, Decision, Error, FixedWindow, LimiterKind, LimiterSet, LostReason, Mutex,
-    MutexGuard, Permit, RateLimitSetting, Reaper, Semaphore, SemaphoreBuilder, SemaphoreFamily,
-    SemaphoreFamilyBuilder, SessionGuard, SlidingWindow, StoredLimit, TokenBucket, WaitedFor,
+    AuditLog, Claim, Decision, Error, LimiterKind, LimiterSet, LostReason, Mutex, MutexGuard,
+    Permit, RateLimitSetting, RateLimiter, RateLimiterBuilder, RatePolicy, Reaper, Semaphore,
+    SemaphoreBuilder, SemaphoreFamily, SemaphoreFamilyBuilder, SessionGuard, StoredLimit,
+    WaitedFor,
 };
 use sqlx::PgPool;
 
@@ -30,9 +31,9 @@ fn handles_and_guards_are_send_and_sync() {
     all::<SessionGuard>();
     all::<Reaper>();
     all::<AuditLog>();
-    all::<TokenBucket>();
-    all::<FixedWindow>();
-    all::<SlidingWindow>();
+    all::<RateLimiter>();
+    all::<RateLimiterBuilder>();
+    all::<RatePolicy>();
     all::<LimiterSet>();
     all::<LimiterKind>();
     all::<StoredLimit>();
@@ -53,7 +54,7 @@ fn futures_are_send(
     mutex: Mutex,
     pool: PgPool,
     session: SessionGuard,
-    bucket: TokenBucket,
+    bucket: RateLimiter,
     mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
 ) {
     let second = Duration::from_secs(1);
@@ -88,6 +89,7 @@ fn futures_are_send(
     send(&session.unlock());
     send(&bucket.check("key", 1));
     send(&bucket.acquire("key", 1));
+    send(&bucket.acquire_timeout("key", 1, second));
     send(&bucket.pause("key", second));
     send(&bucket.pause_all(second));
     let set = LimiterSet::new().with(&bucket);

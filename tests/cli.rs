@@ -943,10 +943,11 @@ async fn audit_shows_which_claims_a_multi_limit_permit_took_together() -> TestRe
 #[tokio::test]
 async fn limits_stores_lists_pauses_and_clears_rate_limits() -> TestResult {
     let db = support::migrated_db().await;
-    let limiter = pg_semaphore::TokenBucket::builder("partner-api")
-        .rate(0.001)
-        .burst(10)
-        .build(&db.pool)?;
+    let limiter = pg_semaphore::RateLimiter::builder(
+        "partner-api",
+        pg_semaphore::RatePolicy::token_bucket(0.001, 10),
+    )
+    .build(&db.pool)?;
     let out = run(
         &db,
         &[

@@ -18,7 +18,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pg_semaphore::{Error, FixedWindow, LimiterSet, SlidingWindow, TokenBucket};
+use pg_semaphore::{Error, LimiterSet, RateLimiter, RatePolicy};
 use sqlx::{AssertSqlSafe, PgPool};
 use support::TestResult;
 use support::roles::Roles;
@@ -88,18 +88,18 @@ const RESETS: [&str; 4] = [
 /// used up.
 async fn honest_limiters_used_up(
     app: &PgPool,
-) -> Result<(FixedWindow, SlidingWindow, TokenBucket), support::BoxError> {
-    let fixed = FixedWindow::builder("tenant-fixed")
-        .permit_limit(3)
-        .window(Duration::from_secs(3600))
-        .build(app)?;
-    let sliding = SlidingWindow::builder("tenant-sliding")
-        .permit_limit(3)
-        .window(Duration::from_secs(3600))
-        .build(app)?;
-    let bucket = TokenBucket::builder("tenant-bucket")
-        .rate(3.0 / 3600.0)
-        .burst(3)
+) -> Result<(RateLimiter, RateLimiter, RateLimiter), support::BoxError> {
+    let fixed = RateLimiter::builder(
+        "tenant-fixed",
+        RatePolicy::fixed_window(3, Duration::from_secs(3600)),
+    )
+    .build(app)?;
+    let sliding = RateLimiter::builder(
+        "tenant-sliding",
+        RatePolicy::sliding_window(3, Duration::from_secs(3600)),
+    )
+    .build(app)?;
+    let bucket = RateLimiter::builder("tenant-bucket", RatePolicy::token_bucket(3.0 / 3600.0, 3))
         .build(app)?;
     for _ in 0..3 {
         assert!(fixed.check("acme", 1).await?.allowed);
@@ -110,7 +110,7 @@ async fn honest_limiters_used_up(
 }
 
 async fn all_refused(
-    (fixed, sliding, bucket): &(FixedWindow, SlidingWindow, TokenBucket),
+    (fixed, sliding, bucket): &(RateLimiter, RateLimiter, RateLimiter),
 ) -> Result<bool, support::BoxError> {
     Ok(!fixed.check("acme", 1).await?.allowed
         && !sliding.check("acme", 1).await?.allowed
@@ -194,14 +194,16 @@ async fn a_role_without_grants_cannot_reset_another_tenants_key() -> TestResult 
 async fn two_deployed_versions_with_different_limits_both_decide_under_the_stored_pair()
 -> TestResult {
     let db = support::migrated_db().await;
-    let old = FixedWindow::builder("rolling")
-        .permit_limit(2)
-        .window(Duration::from_secs(3600))
-        .build(&db.pool)?;
-    let new = FixedWindow::builder("rolling")
-        .permit_limit(100)
-        .window(Duration::from_millis(1))
-        .build(&db.pool)?;
+    let old = RateLimiter::builder(
+        "rolling",
+        RatePolicy::fixed_window(2, Duration::from_secs(3600)),
+    )
+    .build(&db.pool)?;
+    let new = RateLimiter::builder(
+        "rolling",
+        RatePolicy::fixed_window(100, Duration::from_millis(1)),
+    )
+    .build(&db.pool)?;
     assert!(old.check("k", 1).await?.allowed); // the first use stores 2 per hour
     assert!(new.check("k", 1).await?.allowed);
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -229,14 +231,10 @@ async fn two_deployed_versions_with_different_limits_both_decide_under_the_store
 #[tokio::test]
 async fn a_cleared_limiter_stores_the_next_callers_pair() -> TestResult {
     let db = support::migrated_db().await;
-    let first = TokenBucket::builder("cleared")
-        .rate(1.0)
-        .burst(2)
-        .build(&db.pool)?;
-    let second = TokenBucket::builder("cleared")
-        .rate(5.0)
-        .burst(9)
-        .build(&db.pool)?;
+    let first =
+        RateLimiter::builder("cleared", RatePolicy::token_bucket(1.0, 2)).build(&db.pool)?;
+    let second =
+        RateLimiter::builder("cleared", RatePolicy::token_bucket(5.0, 9)).build(&db.pool)?;
     assert_eq!(first.check("k", 1).await?.remaining, 1);
     assert!(
         pg_semaphore::clear_rate_limit(
@@ -270,10 +268,11 @@ async fn a_key_with_state_and_no_stored_pair_keeps_its_state_and_stores_the_pair
     )
     .execute(&db.pool)
     .await?;
-    let limiter = FixedWindow::builder("upgraded")
-        .permit_limit(2)
-        .window(Duration::from_secs(3600))
-        .build(&db.pool)?;
+    let limiter = RateLimiter::builder(
+        "upgraded",
+        RatePolicy::fixed_window(2, Duration::from_secs(3600)),
+    )
+    .build(&db.pool)?;
     assert!(!limiter.check("k", 1).await?.allowed, "the state was lost");
     let (limit,): (i64,) = sqlx::query_as(
         "SELECT permit_limit FROM pgsemaphore.rate_limit_settings
@@ -486,9 +485,7 @@ async fn no_argument_at_its_extreme_overflows_or_bricks_a_key() -> TestResult {
         }
         // The issue's brick: a bucket booked a year deep under a large pair,
         // then an operator's slowest pair; every later check still answers.
-        let honest = TokenBucket::builder("bricked")
-            .rate(1e9)
-            .burst(u32::MAX)
+        let honest = RateLimiter::builder("bricked", RatePolicy::token_bucket(1e9, u32::MAX))
             .build(&p.app)?;
         assert!(honest.check("k", 1).await?.allowed);
         for _ in 0..5 {
@@ -550,14 +547,13 @@ async fn a_held_key_lock_stalls_checks_for_at_most_the_bound(
     holder: &PgPool,
     app: &PgPool,
 ) -> TestResult {
-    let bucket = TokenBucket::builder("stalled")
-        .rate(100.0)
-        .burst(100)
-        .build(app)?;
-    let window = FixedWindow::builder("stalled-window")
-        .permit_limit(100)
-        .window(Duration::from_secs(60))
-        .build(app)?;
+    let bucket =
+        RateLimiter::builder("stalled", RatePolicy::token_bucket(100.0, 100)).build(app)?;
+    let window = RateLimiter::builder(
+        "stalled-window",
+        RatePolicy::fixed_window(100, Duration::from_secs(60)),
+    )
+    .build(app)?;
     assert!(bucket.check("k", 1).await?.allowed);
     assert!(window.check("k", 1).await?.allowed);
     let mut held = hold_key_lock(holder, "token_bucket", "stalled", "k").await?;
@@ -631,10 +627,11 @@ async fn the_application_holding_a_key_lock_stalls_its_checks_for_at_most_the_bo
         )
         .execute(&mut *open)
         .await?;
-        let window = FixedWindow::builder("stalled-window")
-            .permit_limit(100)
-            .window(Duration::from_secs(60))
-            .build(&p.app)?;
+        let window = RateLimiter::builder(
+            "stalled-window",
+            RatePolicy::fixed_window(100, Duration::from_secs(60)),
+        )
+        .build(&p.app)?;
         let error = tokio::time::timeout(LIVENESS, window.check("k", 1))
             .await
             .expect("a check waited for an open transaction without bound")
@@ -651,9 +648,7 @@ async fn the_application_holding_a_key_lock_stalls_its_checks_for_at_most_the_bo
 async fn an_operator_change_waits_at_most_the_bound_for_an_applications_open_transaction()
 -> TestResult {
     with_roles(|p| async move {
-        let bucket = TokenBucket::builder("paused")
-            .rate(1.0)
-            .burst(5)
+        let bucket = RateLimiter::builder("paused", RatePolicy::token_bucket(1.0, 5))
             .build(&p.app)?;
         assert!(bucket.check("k", 1).await?.allowed);
         // The application pauses the limiter and leaves the transaction

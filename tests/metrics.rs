@@ -26,9 +26,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::PrometheusBuilder;
-use pg_semaphore::{
-    Error, FixedWindow, Mutex, QueueOrder, Semaphore, SemaphoreFamily, TokenBucket,
-};
+use pg_semaphore::{Error, Mutex, QueueOrder, RateLimiter, RatePolicy, Semaphore, SemaphoreFamily};
 use support::TestDb;
 use support::TestResult;
 use support::proxy::Proxy;
@@ -485,11 +483,12 @@ async fn queue_full_lost_permits_reaps_and_fail_open_are_counted() -> TestResult
         .fail_open(true)
         .build(&remote)
         .await?;
-    let limiter = TokenBucket::builder("metrics-fail-open-limiter")
-        .rate(1.0)
-        .burst(1)
-        .fail_open(true)
-        .build(&remote)?;
+    let limiter = RateLimiter::builder(
+        "metrics-fail-open-limiter",
+        RatePolicy::token_bucket(1.0, 1),
+    )
+    .fail_open(true)
+    .build(&remote)?;
     proxy.cut().await;
     let unchecked = open.try_acquire().await?;
     assert!(unchecked.is_unchecked());
@@ -595,14 +594,13 @@ async fn mutex_waits_timeouts_deadlocks_and_busy_refusals_are_counted() -> TestR
 async fn rate_limit_decisions_are_counted_without_their_keys() -> TestResult {
     exporter();
     let db = support::migrated_db().await;
-    let bucket = TokenBucket::builder("metrics-api")
-        .rate(0.001)
-        .burst(2)
-        .build(&db.pool)?;
-    let window = FixedWindow::builder("metrics-api")
-        .permit_limit(1)
-        .window(Duration::from_secs(60))
-        .build(&db.pool)?;
+    let bucket =
+        RateLimiter::builder("metrics-api", RatePolicy::token_bucket(0.001, 2)).build(&db.pool)?;
+    let window = RateLimiter::builder(
+        "metrics-api",
+        RatePolicy::fixed_window(1, Duration::from_secs(60)),
+    )
+    .build(&db.pool)?;
     for _ in 0..3 {
         let _ = bucket.check(SECRET_KEY, 1).await?;
         let _ = window.check(SECRET_KEY, 1).await?;
@@ -755,10 +753,8 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     b.locking().lock_in(&mut two).await?;
     let _ = tokio::join!(b.locking().lock_in(&mut one), a.locking().lock_in(&mut two));
 
-    let limiter = TokenBucket::builder("metrics-every")
-        .rate(0.001)
-        .burst(1)
-        .build(pool)?;
+    let limiter =
+        RateLimiter::builder("metrics-every", RatePolicy::token_bucket(0.001, 1)).build(pool)?;
     let _ = limiter.check(SECRET_KEY, 1).await?;
     let _ = limiter.check(SECRET_KEY, 1).await?;
 

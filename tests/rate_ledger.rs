@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{FixedWindow, SlidingWindow, TokenBucket};
+use pg_semaphore::{RateLimiter, RatePolicy};
 use sqlx::{PgConnection, PgExecutor, PgPool};
 use support::{TestResult, connect};
 use tokio::task::JoinHandle;
@@ -422,17 +422,11 @@ async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
     const CHECKS: u32 = 1_000;
     const BOUND: i64 = 34;
     let db = support::migrated_db().await;
-    let fixed = FixedWindow::builder("busy")
-        .permit_limit(10 * CHECKS)
-        .window(HOUR)
+    let fixed = RateLimiter::builder("busy", RatePolicy::fixed_window(10 * CHECKS, HOUR))
         .build(&db.pool)?;
-    let bucket = TokenBucket::builder("busy")
-        .rate(0.001)
-        .burst(10 * CHECKS)
+    let bucket = RateLimiter::builder("busy", RatePolicy::token_bucket(0.001, 10 * CHECKS))
         .build(&db.pool)?;
-    let sliding = SlidingWindow::builder("busy")
-        .permit_limit(10 * CHECKS)
-        .window(HOUR)
+    let sliding = RateLimiter::builder("busy", RatePolicy::sliding_window(10 * CHECKS, HOUR))
         .build(&db.pool)?;
     for kind in Kind::ALL {
         let mut most = 0;

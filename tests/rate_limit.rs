@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use pg_semaphore::{
-    Decision, Error, FixedWindow, MAX_KEY_LEN, MAX_NAME_LEN, MAX_WINDOW, Reaper, SlidingWindow,
-    TokenBucket, WaitedFor,
+    Decision, Error, MAX_KEY_LEN, MAX_NAME_LEN, MAX_WINDOW, RateLimiter, RatePolicy, Reaper,
+    WaitedFor,
 };
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -24,65 +24,26 @@ use tokio::time::{Instant, sleep};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
-/// Any of the three limiters, to run one scenario on each.
-#[derive(Debug, Clone)]
-enum AnyLimiter {
-    Bucket(TokenBucket),
-    Fixed(FixedWindow),
-    Sliding(SlidingWindow),
-}
-
-impl AnyLimiter {
-    /// The three kinds, each admitting exactly `limit` per key during a test
-    /// (no refill worth a token within 1,000 s, windows of an hour).
-    fn exact_trio(pool: &PgPool, name: &str, limit: u32, pooled: bool) -> Vec<AnyLimiter> {
-        vec![
-            AnyLimiter::Bucket(
-                TokenBucket::builder(name)
-                    .rate(0.001)
-                    .burst(limit)
-                    .transaction_pooling(pooled)
-                    .build(pool)
-                    .expect("valid token bucket"),
-            ),
-            AnyLimiter::Fixed(
-                FixedWindow::builder(name)
-                    .permit_limit(limit)
-                    .window(HOUR)
-                    .transaction_pooling(pooled)
-                    .build(pool)
-                    .expect("valid fixed window"),
-            ),
-            AnyLimiter::Sliding(
-                SlidingWindow::builder(name)
-                    .permit_limit(limit)
-                    .window(HOUR)
-                    .transaction_pooling(pooled)
-                    .build(pool)
-                    .expect("valid sliding window"),
-            ),
-        ]
-    }
-
-    async fn check(&self, key: &str, permits: u32) -> pg_semaphore::Result<Decision> {
-        match self {
-            AnyLimiter::Bucket(l) => l.check(key, permits).await,
-            AnyLimiter::Fixed(l) => l.check(key, permits).await,
-            AnyLimiter::Sliding(l) => l.check(key, permits).await,
-        }
-    }
-
-    fn kind(&self) -> &'static str {
-        match self {
-            AnyLimiter::Bucket(_) => "token bucket",
-            AnyLimiter::Fixed(_) => "fixed window",
-            AnyLimiter::Sliding(_) => "sliding window",
-        }
-    }
+/// The three policies, each admitting exactly `limit` per key during a
+/// test (no refill worth a token within 1,000 s, windows of an hour).
+fn exact_trio(pool: &PgPool, name: &str, limit: u32, pooled: bool) -> Vec<RateLimiter> {
+    [
+        RatePolicy::token_bucket(0.001, limit),
+        RatePolicy::fixed_window(limit, HOUR),
+        RatePolicy::sliding_window(limit, HOUR),
+    ]
+    .into_iter()
+    .map(|policy| {
+        RateLimiter::builder(name, policy)
+            .transaction_pooling(pooled)
+            .build(pool)
+            .expect("valid policy")
+    })
+    .collect()
 }
 
 /// Checks one permit at a time until the first refusal; returns how many passed.
-async fn admitted_until_refused(limiter: &AnyLimiter, key: &str, at_most: u32) -> u32 {
+async fn admitted_until_refused(limiter: &RateLimiter, key: &str, at_most: u32) -> u32 {
     for passed in 0..=at_most {
         let decision = limiter.check(key, 1).await.expect("check");
         if !decision.allowed {
@@ -109,10 +70,11 @@ async fn token_bucket_burst_then_steady_rate() -> TestResult {
     const RATE: u32 = 2;
     const CAPACITY: u32 = 5 * RATE;
     let db = support::migrated_db().await;
-    let limiter = TokenBucket::builder("request_rate_limiter")
-        .rate(f64::from(RATE))
-        .burst(CAPACITY)
-        .build(&db.pool)?;
+    let limiter = RateLimiter::builder(
+        "request_rate_limiter",
+        RatePolicy::token_bucket(f64::from(RATE), CAPACITY),
+    )
+    .build(&db.pool)?;
     let user = "user-1234";
 
     // Burst works.
@@ -152,36 +114,30 @@ async fn token_bucket_burst_then_steady_rate() -> TestResult {
 async fn retry_after_is_enough_for_every_limiter() -> TestResult {
     let db = support::migrated_db().await;
     let limiters = [
-        AnyLimiter::Bucket(
-            TokenBucket::builder("b")
-                .rate(4.0)
-                .burst(3)
-                .build(&db.pool)?,
-        ),
-        AnyLimiter::Fixed(
-            FixedWindow::builder("f")
-                .permit_limit(3)
-                .window(Duration::from_millis(400))
-                .build(&db.pool)?,
-        ),
-        AnyLimiter::Sliding(
-            SlidingWindow::builder("s")
-                .permit_limit(3)
-                .window(Duration::from_millis(400))
-                .build(&db.pool)?,
-        ),
+        RateLimiter::builder("b", RatePolicy::token_bucket(4.0, 3)).build(&db.pool)?,
+        RateLimiter::builder("f", RatePolicy::fixed_window(3, Duration::from_millis(400)))
+            .build(&db.pool)?,
+        RateLimiter::builder(
+            "s",
+            RatePolicy::sliding_window(3, Duration::from_millis(400)),
+        )
+        .build(&db.pool)?,
     ];
     for limiter in &limiters {
         assert_eq!(limiter.check("k", 3).await?.remaining, 0);
         let refused = limiter.check("k", 2).await?;
-        assert!(!refused.allowed, "{}: {refused:?}", limiter.kind());
-        assert!(refused.retry_after > Duration::ZERO, "{}", limiter.kind());
+        assert!(!refused.allowed, "{}: {refused:?}", limiter.policy().kind());
+        assert!(
+            refused.retry_after > Duration::ZERO,
+            "{}",
+            limiter.policy().kind()
+        );
         sleep(refused.retry_after).await;
         let decision = limiter.check("k", 2).await?;
         assert!(
             decision.allowed,
             "{}: refused after waiting retry_after: {decision:?}",
-            limiter.kind()
+            limiter.policy().kind()
         );
     }
     Ok(())
@@ -191,8 +147,8 @@ async fn retry_after_is_enough_for_every_limiter() -> TestResult {
 #[tokio::test]
 async fn weighted_checks_take_all_or_nothing() -> TestResult {
     let db = support::migrated_db().await;
-    for limiter in AnyLimiter::exact_trio(&db.pool, "weighted", 5, false) {
-        let kind = limiter.kind();
+    for limiter in exact_trio(&db.pool, "weighted", 5, false) {
+        let kind = limiter.policy().kind();
         let first = limiter.check("k", 3).await?;
         assert!(first.allowed, "{kind}");
         assert_eq!(first.remaining, 2, "{kind}");
@@ -214,12 +170,8 @@ async fn fixed_window_resets_at_the_end_of_the_window() -> TestResult {
     const LIMIT: u32 = 4;
     let db = support::migrated_db().await;
     let window = Duration::from_secs(1);
-    let limiter = AnyLimiter::Fixed(
-        FixedWindow::builder("fixed")
-            .permit_limit(LIMIT)
-            .window(window)
-            .build(&db.pool)?,
-    );
+    let limiter =
+        RateLimiter::builder("fixed", RatePolicy::fixed_window(LIMIT, window)).build(&db.pool)?;
     assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
     let refused = limiter.check("k", 1).await?;
     assert!(!refused.allowed);
@@ -238,12 +190,8 @@ async fn sliding_window_holds_back_the_burst_after_a_boundary() -> TestResult {
     const LIMIT: u32 = 10;
     let db = support::migrated_db().await;
     let window = Duration::from_secs(3);
-    let limiter = AnyLimiter::Sliding(
-        SlidingWindow::builder("sliding")
-            .permit_limit(LIMIT)
-            .window(window)
-            .build(&db.pool)?,
-    );
+    let limiter = RateLimiter::builder("sliding", RatePolicy::sliding_window(LIMIT, window))
+        .build(&db.pool)?;
     assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
     let refused = limiter.check("k", 1).await?;
     assert!(!refused.allowed);
@@ -267,8 +215,8 @@ async fn sliding_window_holds_back_the_burst_after_a_boundary() -> TestResult {
 #[tokio::test]
 async fn keys_names_and_kinds_are_independent() -> TestResult {
     let db = support::migrated_db().await;
-    let a = AnyLimiter::exact_trio(&db.pool, "a", 2, false);
-    let b = AnyLimiter::exact_trio(&db.pool, "b", 2, false);
+    let a = exact_trio(&db.pool, "a", 2, false);
+    let b = exact_trio(&db.pool, "b", 2, false);
     // Exhaust key "alice" on every limiter named "a".
     for limiter in &a {
         assert_eq!(admitted_until_refused(limiter, "alice", 2).await, 2);
@@ -279,7 +227,7 @@ async fn keys_names_and_kinds_are_independent() -> TestResult {
             admitted_until_refused(limiter, "bob", 2).await,
             2,
             "{}",
-            limiter.kind()
+            limiter.policy().kind()
         );
     }
     for limiter in &b {
@@ -288,7 +236,7 @@ async fn keys_names_and_kinds_are_independent() -> TestResult {
             admitted_until_refused(limiter, "alice", 2).await,
             2,
             "{}",
-            limiter.kind()
+            limiter.policy().kind()
         );
     }
     // Three kinds x (two keys of "a" + one of "b").
@@ -314,7 +262,7 @@ async fn exactly_the_limit_is_admitted_under_contention() -> TestResult {
         let tasks: Vec<_> = (0..TASKS)
             .map(|task| {
                 let pool = &pools[task % pools.len()];
-                let limiter = AnyLimiter::exact_trio(pool, "hot", LIMIT, false).swap_remove(kind);
+                let limiter = exact_trio(pool, "hot", LIMIT, false).swap_remove(kind);
                 let admitted = admitted.clone();
                 tokio::spawn(async move {
                     for _ in 0..CHECKS {
@@ -322,15 +270,15 @@ async fn exactly_the_limit_is_admitted_under_contention() -> TestResult {
                             admitted.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    Ok::<_, Error>(limiter.kind())
+                    Ok::<_, Error>(limiter.policy().kind())
                 })
             })
             .collect();
-        let mut name = "";
+        let mut name = None;
         for task in tasks {
-            name = task.await??;
+            name = Some(task.await??);
         }
-        assert_eq!(admitted.load(Ordering::Relaxed), LIMIT, "{name}");
+        assert_eq!(admitted.load(Ordering::Relaxed), LIMIT, "{name:?}");
     }
     Ok(())
 }
@@ -344,7 +292,7 @@ async fn exactly_the_limit_is_admitted_through_pgbouncer() -> TestResult {
     const LIMIT: u32 = 30;
     let db = support::migrated_db().await;
     let pool = support::pgbouncer::pool_through_bouncer(&db, 4).await;
-    for limiter in AnyLimiter::exact_trio(&pool, "bounced", LIMIT, true) {
+    for limiter in exact_trio(&pool, "bounced", LIMIT, true) {
         let admitted = Arc::new(AtomicU32::new(0));
         let tasks: Vec<_> = (0..8)
             .map(|_| {
@@ -367,7 +315,7 @@ async fn exactly_the_limit_is_admitted_through_pgbouncer() -> TestResult {
             admitted.load(Ordering::Relaxed),
             LIMIT,
             "{}",
-            limiter.kind()
+            limiter.policy().kind()
         );
     }
     Ok(())
@@ -380,12 +328,9 @@ async fn exactly_the_limit_is_admitted_through_pgbouncer() -> TestResult {
 async fn prune_deletes_only_idle_keys() -> TestResult {
     let db = support::migrated_db().await;
     // At rest a millisecond after its check: the bucket refills at once.
-    let fast = TokenBucket::builder("fast")
-        .rate(1000.0)
-        .burst(1)
-        .build(&db.pool)?;
+    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(1000.0, 1)).build(&db.pool)?;
     // Still limited for the whole test.
-    let limited = AnyLimiter::exact_trio(&db.pool, "limited", 1, false);
+    let limited = exact_trio(&db.pool, "limited", 1, false);
     assert!(fast.check("idle-key", 1).await?.allowed);
     for limiter in &limited {
         assert!(limiter.check("busy-key", 1).await?.allowed);
@@ -404,7 +349,7 @@ async fn prune_deletes_only_idle_keys() -> TestResult {
         assert!(
             !limiter.check("busy-key", 1).await?.allowed,
             "{}: pruning forgot a limited key",
-            limiter.kind()
+            limiter.policy().kind()
         );
     }
     // The pruned key starts afresh.
@@ -435,14 +380,8 @@ async fn prune_walks_every_batch() -> TestResult {
 #[tokio::test]
 async fn reaper_prunes_idle_keys() -> TestResult {
     let db = support::migrated_db().await;
-    let fast = TokenBucket::builder("fast")
-        .rate(1000.0)
-        .burst(1)
-        .build(&db.pool)?;
-    let slow = TokenBucket::builder("slow")
-        .rate(0.001)
-        .burst(1)
-        .build(&db.pool)?;
+    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(1000.0, 1)).build(&db.pool)?;
+    let slow = RateLimiter::builder("slow", RatePolicy::token_bucket(0.001, 1)).build(&db.pool)?;
     assert!(fast.check("k", 1).await?.allowed);
     assert!(slow.check("k", 1).await?.allowed);
     let reaper = Reaper::builder()
@@ -479,30 +418,18 @@ async fn fail_open_admits_when_the_database_is_down() -> TestResult {
         .connect_lazy_with(closed_port(&db));
     for fail_open in [true, false] {
         let limiters = [
-            AnyLimiter::Bucket(
-                TokenBucket::builder("down")
-                    .rate(1.0)
-                    .burst(1)
-                    .fail_open(fail_open)
-                    .build(&down)?,
-            ),
-            AnyLimiter::Fixed(
-                FixedWindow::builder("down")
-                    .permit_limit(1)
-                    .window(HOUR)
-                    .fail_open(fail_open)
-                    .build(&down)?,
-            ),
-            AnyLimiter::Sliding(
-                SlidingWindow::builder("down")
-                    .permit_limit(1)
-                    .window(HOUR)
-                    .fail_open(fail_open)
-                    .build(&down)?,
-            ),
+            RateLimiter::builder("down", RatePolicy::token_bucket(1.0, 1))
+                .fail_open(fail_open)
+                .build(&down)?,
+            RateLimiter::builder("down", RatePolicy::fixed_window(1, HOUR))
+                .fail_open(fail_open)
+                .build(&down)?,
+            RateLimiter::builder("down", RatePolicy::sliding_window(1, HOUR))
+                .fail_open(fail_open)
+                .build(&down)?,
         ];
         for limiter in &limiters {
-            let kind = limiter.kind();
+            let kind = limiter.policy().kind();
             let outcome = limiter.check("k", 1).await;
             if fail_open {
                 let decision = outcome?;
@@ -528,9 +455,7 @@ async fn fail_open_admits_when_the_database_is_down() -> TestResult {
 #[tokio::test]
 async fn fail_open_does_not_hide_missing_migrations() -> TestResult {
     let db = support::empty_db().await;
-    let limiter = TokenBucket::builder("unmigrated")
-        .rate(1.0)
-        .burst(1)
+    let limiter = RateLimiter::builder("unmigrated", RatePolicy::token_bucket(1.0, 1))
         .fail_open(true)
         .build(&db.pool)?;
     let outcome = limiter.check("k", 1).await;
@@ -558,23 +483,17 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
         other => panic!("expected InvalidArgument, got {other:?}"),
     };
     let bucket = |rate: f64, burst: u32| {
-        TokenBucket::builder("b")
-            .rate(rate)
-            .burst(burst)
+        RateLimiter::builder("b", RatePolicy::token_bucket(rate, burst))
             .build(pool)
             .map(drop)
     };
     let fixed = |limit: u32, window: Duration| {
-        FixedWindow::builder("f")
-            .permit_limit(limit)
-            .window(window)
+        RateLimiter::builder("f", RatePolicy::fixed_window(limit, window))
             .build(pool)
             .map(drop)
     };
     let sliding = |limit: u32, window: Duration| {
-        SlidingWindow::builder("s")
-            .permit_limit(limit)
-            .window(window)
+        RateLimiter::builder("s", RatePolicy::sliding_window(limit, window))
             .build(pool)
             .map(drop)
     };
@@ -588,34 +507,20 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
         ("rate", bucket(1e-9, 10)),  // ten billion seconds to refill
         ("burst", bucket(1.0, 0)),
         (
-            "rate",
-            TokenBucket::builder("b").burst(1).build(pool).map(drop),
-        ),
-        (
-            "burst",
-            TokenBucket::builder("b").rate(1.0).build(pool).map(drop),
-        ),
-        (
             "name",
-            TokenBucket::builder("")
-                .rate(1.0)
-                .burst(1)
+            RateLimiter::builder("", RatePolicy::token_bucket(1.0, 1))
                 .build(pool)
                 .map(drop),
         ),
         (
             "name",
-            TokenBucket::builder(huge.as_str())
-                .rate(1.0)
-                .burst(1)
+            RateLimiter::builder(huge.as_str(), RatePolicy::token_bucket(1.0, 1))
                 .build(pool)
                 .map(drop),
         ),
         (
             "name",
-            TokenBucket::builder("a\0b")
-                .rate(1.0)
-                .burst(1)
+            RateLimiter::builder("a\0b", RatePolicy::token_bucket(1.0, 1))
                 .build(pool)
                 .map(drop),
         ),
@@ -624,25 +529,12 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
         ("window", fixed(1, Duration::from_micros(999))),
         ("window", fixed(1, MAX_WINDOW + Duration::from_secs(1))),
         ("window", fixed(1, Duration::MAX)),
-        (
-            "permit_limit",
-            FixedWindow::builder("f").window(HOUR).build(pool).map(drop),
-        ),
-        (
-            "window",
-            FixedWindow::builder("f")
-                .permit_limit(1)
-                .build(pool)
-                .map(drop),
-        ),
         ("permit_limit", sliding(0, HOUR)),
         ("window", sliding(1, Duration::ZERO)),
         ("window", sliding(1, Duration::MAX)),
         (
             "name",
-            SlidingWindow::builder("")
-                .permit_limit(1)
-                .window(HOUR)
+            RateLimiter::builder("", RatePolicy::sliding_window(1, HOUR))
                 .build(pool)
                 .map(drop),
         ),
@@ -652,8 +544,8 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
     }
 
     let long_key = "k".repeat(MAX_KEY_LEN + 1);
-    for limiter in AnyLimiter::exact_trio(pool, "valid", 5, false) {
-        let kind = limiter.kind();
+    for limiter in exact_trio(pool, "valid", 5, false) {
+        let kind = limiter.policy().kind();
         let cases: [(&str, &str, u32); 6] = [
             ("key", "", 1),
             ("key", &long_key, 1),
@@ -692,20 +584,20 @@ async fn hostile_keys_are_stored_as_data() -> TestResult {
         widest.as_str(),
     ];
     for limiters in [
-        AnyLimiter::exact_trio(&db.pool, "hostile", 1, false),
-        AnyLimiter::exact_trio(&db.pool, &name, 1, false),
+        exact_trio(&db.pool, "hostile", 1, false),
+        exact_trio(&db.pool, &name, 1, false),
     ] {
         for limiter in &limiters {
             for key in keys {
                 assert!(
                     limiter.check(key, 1).await?.allowed,
                     "{}: {key:?}",
-                    limiter.kind()
+                    limiter.policy().kind()
                 );
                 assert!(
                     !limiter.check(key, 1).await?.allowed,
                     "{}: {key:?}",
-                    limiter.kind()
+                    limiter.policy().kind()
                 );
             }
         }
@@ -741,9 +633,7 @@ async fn waiting_acquires_are_admitted_at_the_rate_and_never_faster() -> TestRes
     let start = Instant::now();
     let tasks: Vec<_> = (0..WAITERS)
         .map(|i| {
-            let limiter = TokenBucket::builder("waiting")
-                .rate(RATE)
-                .burst(BURST)
+            let limiter = RateLimiter::builder("waiting", RatePolicy::token_bucket(RATE, BURST))
                 .build(&pools[i % pools.len()]);
             tokio::spawn(async move {
                 let decision = limiter?.acquire("the-key", 1).await?;
@@ -848,10 +738,11 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
     // 100 per second, a burst of 30: the second 30 queue for about 0.3 s.
     let tasks: Vec<_> = (0..WAITERS)
         .map(|i| {
-            let limiter = TokenBucket::builder("counted")
-                .rate(100.0)
-                .burst(WAITERS as u32 / 2)
-                .build(&pools[i % pools.len()]);
+            let limiter = RateLimiter::builder(
+                "counted",
+                RatePolicy::token_bucket(100.0, WAITERS as u32 / 2),
+            )
+            .build(&pools[i % pools.len()]);
             tokio::spawn(async move { limiter?.acquire("the-key", 1).await })
         })
         .collect();
@@ -880,10 +771,8 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
 async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestResult {
     let db = support::migrated_db().await;
     // One token per 1,000 s: the second token of a key is 1,000 s away.
-    let limiter = TokenBucket::builder("slow")
-        .rate(0.001)
-        .burst(2)
-        .build(&db.pool)?;
+    let limiter =
+        RateLimiter::builder("slow", RatePolicy::token_bucket(0.001, 2)).build(&db.pool)?;
     assert!(limiter.check("k", 1).await?.allowed);
     let timeout = Duration::from_secs(5);
     let asked = Instant::now();
@@ -909,10 +798,7 @@ async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestR
     );
     // Within the timeout: a key of 2 per second, its burst spent, admits
     // the next 500 ms after the first.
-    let fast = TokenBucket::builder("fast")
-        .rate(2.0)
-        .burst(1)
-        .build(&db.pool)?;
+    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(2.0, 1)).build(&db.pool)?;
     let asked = Instant::now();
     assert!(fast.acquire_timeout("k", 1, Duration::ZERO).await?.allowed);
     let outcome = fast.acquire_timeout("k", 1, Duration::ZERO).await;
@@ -945,10 +831,7 @@ async fn checks_wait_behind_reservations() -> TestResult {
     let second: (bool, i64, i64) = sqlx::query_as(reserve).fetch_one(&db.pool).await?;
     assert!(second.0 && second.2 == -1, "{second:?}");
     assert!((1..=100_000).contains(&second.1), "{second:?}");
-    let limiter = TokenBucket::builder("r")
-        .rate(10.0)
-        .burst(1)
-        .build(&db.pool)?;
+    let limiter = RateLimiter::builder("r", RatePolicy::token_bucket(10.0, 1)).build(&db.pool)?;
     let refused = limiter.check("k", 1).await?;
     assert!(
         !refused.allowed,
@@ -974,41 +857,15 @@ fn window_limiter(
     name: &str,
     limit: u32,
     window: Duration,
-) -> AnyLimiter {
+) -> RateLimiter {
     if sliding {
-        AnyLimiter::Sliding(
-            SlidingWindow::builder(name)
-                .permit_limit(limit)
-                .window(window)
-                .build(pool)
-                .expect("valid sliding window"),
-        )
+        RateLimiter::builder(name, RatePolicy::sliding_window(limit, window))
+            .build(pool)
+            .expect("valid sliding window")
     } else {
-        AnyLimiter::Fixed(
-            FixedWindow::builder(name)
-                .permit_limit(limit)
-                .window(window)
-                .build(pool)
-                .expect("valid fixed window"),
-        )
-    }
-}
-
-impl AnyLimiter {
-    async fn acquire_timeout(
-        &self,
-        key: &str,
-        permits: u32,
-        timeout: Option<Duration>,
-    ) -> pg_semaphore::Result<Decision> {
-        match (self, timeout) {
-            (AnyLimiter::Bucket(l), None) => l.acquire(key, permits).await,
-            (AnyLimiter::Bucket(l), Some(t)) => l.acquire_timeout(key, permits, t).await,
-            (AnyLimiter::Fixed(l), None) => l.acquire(key, permits).await,
-            (AnyLimiter::Fixed(l), Some(t)) => l.acquire_timeout(key, permits, t).await,
-            (AnyLimiter::Sliding(l), None) => l.acquire(key, permits).await,
-            (AnyLimiter::Sliding(l), Some(t)) => l.acquire_timeout(key, permits, t).await,
-        }
+        RateLimiter::builder(name, RatePolicy::fixed_window(limit, window))
+            .build(pool)
+            .expect("valid fixed window")
     }
 }
 
@@ -1036,7 +893,7 @@ async fn waiting_window_acquires_never_pass_the_limit() -> TestResult {
                 let limiter =
                     window_limiter(&pools[i % pools.len()], sliding, "waiting", LIMIT, WINDOW);
                 tokio::spawn(async move {
-                    let decision = limiter.acquire_timeout("the-key", 1, None).await?;
+                    let decision = limiter.acquire("the-key", 1).await?;
                     assert!(decision.allowed && !decision.failed_open, "{decision:?}");
                     Ok::<_, Error>(Instant::now())
                 })
@@ -1100,7 +957,7 @@ async fn each_waiting_window_acquire_costs_one_reservation() -> TestResult {
                 WAITERS as u32 / 2,
                 Duration::from_millis(300),
             );
-            tokio::spawn(async move { limiter.acquire_timeout("the-key", 1, None).await })
+            tokio::spawn(async move { limiter.acquire("the-key", 1).await })
         })
         .collect();
     for task in tasks {
@@ -1141,7 +998,7 @@ async fn a_window_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -
         assert!(limiter.check("k", 1).await?.allowed);
         let timeout = Duration::from_secs(5);
         let asked = Instant::now();
-        let outcome = limiter.acquire_timeout("k", 2, Some(timeout)).await;
+        let outcome = limiter.acquire_timeout("k", 2, timeout).await;
         match outcome {
             Err(Error::Timeout {
                 waited_for: WaitedFor::RateLimit { limiter, key },
@@ -1165,14 +1022,10 @@ async fn a_window_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -
 
         let fast = window_limiter(&db.pool, sliding, "fast", 1, Duration::from_millis(500));
         let asked = Instant::now();
-        assert!(
-            fast.acquire_timeout("k", 1, Some(Duration::ZERO))
-                .await?
-                .allowed
-        );
-        let outcome = fast.acquire_timeout("k", 1, Some(Duration::ZERO)).await;
+        assert!(fast.acquire_timeout("k", 1, Duration::ZERO).await?.allowed);
+        let outcome = fast.acquire_timeout("k", 1, Duration::ZERO).await;
         assert!(matches!(outcome, Err(Error::Timeout { .. })), "{outcome:?}");
-        assert!(fast.acquire_timeout("k", 1, Some(timeout)).await?.allowed);
+        assert!(fast.acquire_timeout("k", 1, timeout).await?.allowed);
         assert!(
             asked.elapsed() >= Duration::from_millis(500),
             "sliding {sliding}: admitted after {:?}, before the next window",
@@ -1256,21 +1109,15 @@ async fn checks_wait_behind_window_bookings() -> TestResult {
 fn limiters_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>(_: &T) {}
-    send_sync::<TokenBucket>();
-    send_sync::<FixedWindow>();
-    send_sync::<SlidingWindow>();
+    send_sync::<RateLimiter>();
     send_sync::<Decision>();
     #[allow(dead_code)]
-    async fn futures(b: TokenBucket, f: FixedWindow, s: SlidingWindow, pool: PgPool) {
-        send(&b.check("k", 1));
-        send(&b.acquire("k", 1));
-        send(&b.acquire_timeout("k", 1, HOUR));
-        send(&f.check("k", 1));
-        send(&f.acquire("k", 1));
-        send(&f.acquire_timeout("k", 1, HOUR));
-        send(&s.check("k", 1));
-        send(&s.acquire("k", 1));
-        send(&s.acquire_timeout("k", 1, HOUR));
+    async fn futures(limiter: RateLimiter, pool: PgPool) {
+        send(&limiter.check("k", 1));
+        send(&limiter.acquire("k", 1));
+        send(&limiter.acquire_timeout("k", 1, HOUR));
+        send(&limiter.pause("k", HOUR));
+        send(&limiter.pause_all(HOUR));
         send(&pg_semaphore::prune_rate_limits(&pool, HOUR));
     }
 }
@@ -1290,14 +1137,13 @@ async fn a_queue_deeper_than_a_reservation_costs_at_most_two_per_admission() -> 
     const APPLICATION: &str = "deep-queue-counter";
     let db = support::migrated_db().await;
     let pool = counted_pool(&db, APPLICATION).await?;
-    let bucket = TokenBucket::builder("deep-bucket")
-        .rate(50.0)
-        .burst(5)
-        .build(&pool)?;
-    let window = FixedWindow::builder("deep-window")
-        .permit_limit(5)
-        .window(Duration::from_millis(100))
-        .build(&pool)?;
+    let bucket =
+        RateLimiter::builder("deep-bucket", RatePolicy::token_bucket(50.0, 5)).build(&pool)?;
+    let window = RateLimiter::builder(
+        "deep-window",
+        RatePolicy::fixed_window(5, Duration::from_millis(100)),
+    )
+    .build(&pool)?;
     let mut tasks = Vec::new();
     for _ in 0..WAITERS {
         let bucket = bucket.clone();

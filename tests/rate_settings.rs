@@ -11,8 +11,7 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{
-    Error, FixedWindow, LimiterKind, LimiterSet, MAX_LIMITS, MAX_PAUSE, SlidingWindow, StoredLimit,
-    TokenBucket,
+    Error, LimiterKind, LimiterSet, MAX_LIMITS, MAX_PAUSE, RateLimiter, RatePolicy, StoredLimit,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -22,18 +21,14 @@ use tokio::time::Instant;
 const HOUR: Duration = Duration::from_secs(3600);
 
 /// A token bucket that refills nothing worth a token during a test.
-fn bucket(pool: &PgPool, name: &str, burst: u32) -> TokenBucket {
-    TokenBucket::builder(name)
-        .rate(0.001)
-        .burst(burst)
+fn bucket(pool: &PgPool, name: &str, burst: u32) -> RateLimiter {
+    RateLimiter::builder(name, RatePolicy::token_bucket(0.001, burst))
         .build(pool)
         .expect("valid token bucket")
 }
 
-fn window(pool: &PgPool, name: &str, limit: u32) -> FixedWindow {
-    FixedWindow::builder(name)
-        .permit_limit(limit)
-        .window(HOUR)
+fn window(pool: &PgPool, name: &str, limit: u32) -> RateLimiter {
+    RateLimiter::builder(name, RatePolicy::fixed_window(limit, HOUR))
         .build(pool)
         .expect("valid fixed window")
 }
@@ -45,7 +40,7 @@ async fn admitted(
 }
 
 /// How many of `n` single checks of `key` are admitted.
-async fn admits(limiter: &TokenBucket, key: &str, n: usize) -> pg_semaphore::Result<usize> {
+async fn admits(limiter: &RateLimiter, key: &str, n: usize) -> pg_semaphore::Result<usize> {
     let mut count = 0;
     for _ in 0..n {
         if limiter.check(key, 1).await?.allowed {
@@ -336,10 +331,7 @@ async fn waiting_acquires_wake_early_when_a_pause_ends_or_the_rate_is_raised() -
         "not woken when the pause ended"
     );
 
-    let slow = TokenBucket::builder("raised")
-        .rate(0.01)
-        .burst(1)
-        .build(&db.pool)?;
+    let slow = RateLimiter::builder("raised", RatePolicy::token_bucket(0.01, 1)).build(&db.pool)?;
     assert!(slow.check("k", 1).await?.allowed);
     let asked = Instant::now();
     let waiter = tokio::spawn(async move { slow.acquire("k", 1).await });
@@ -418,10 +410,9 @@ async fn multi_limit_checks_under_contention_never_exceed_any_limit() -> TestRes
         let pool = pools[i % 2].clone();
         tasks.push(tokio::spawn(async move {
             let per_key = bucket(&pool, "contended", 30);
-            let sliding = SlidingWindow::builder("contended-sliding")
-                .permit_limit(20)
-                .window(HOUR)
-                .build(&pool)?;
+            let sliding =
+                RateLimiter::builder("contended-sliding", RatePolicy::sliding_window(20, HOUR))
+                    .build(&pool)?;
             let global = bucket(&pool, "contended-global", 25);
             let key = if i % 4 < 2 { "a" } else { "b" };
             let set = if i % 2 == 0 {
@@ -544,16 +535,11 @@ async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
         .acquire_timeout(Duration::from_millis(300))
         .connect_lazy_with(db.options.clone().host("127.0.0.1").port(port));
     let open = |name: &str| {
-        TokenBucket::builder(name)
-            .rate(1.0)
-            .burst(1)
+        RateLimiter::builder(name, RatePolicy::token_bucket(1.0, 1))
             .fail_open(true)
             .build(&down)
     };
-    let closed = TokenBucket::builder("closed")
-        .rate(1.0)
-        .burst(1)
-        .build(&down)?;
+    let closed = RateLimiter::builder("closed", RatePolicy::token_bucket(1.0, 1)).build(&down)?;
     let both_open = LimiterSet::new().with(&open("a")?).with(&open("b")?);
     let decision = both_open.check("k", 1).await?;
     assert!(decision.allowed && decision.failed_open, "{decision:?}");
@@ -571,14 +557,10 @@ async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
 async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
     let db = support::migrated_db().await;
     let other = support::another_pool(&db, 2).await;
-    let here = FixedWindow::builder("paused-window")
-        .permit_limit(5)
-        .window(HOUR)
-        .build(&db.pool)?;
-    let there = FixedWindow::builder("paused-window")
-        .permit_limit(5)
-        .window(HOUR)
-        .build(&other)?;
+    let here =
+        RateLimiter::builder("paused-window", RatePolicy::fixed_window(5, HOUR)).build(&db.pool)?;
+    let there =
+        RateLimiter::builder("paused-window", RatePolicy::fixed_window(5, HOUR)).build(&other)?;
     there.pause("k", Duration::from_millis(1500)).await?;
     let asked = Instant::now();
     assert!(matches!(
@@ -596,9 +578,7 @@ async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
         "admitted during the pause"
     );
 
-    let sliding = SlidingWindow::builder("stored-window")
-        .permit_limit(100)
-        .window(HOUR)
+    let sliding = RateLimiter::builder("stored-window", RatePolicy::sliding_window(100, HOUR))
         .build(&db.pool)?;
     pg_semaphore::set_rate_limit(
         &db.pool,
@@ -644,16 +624,15 @@ async fn a_set_s_waiting_acquires_never_pass_any_of_its_limits() -> TestResult {
     let tasks: Vec<_> = (0..WAITERS)
         .map(|i| {
             let pool = &pools[i % pools.len()];
-            let fast = TokenBucket::builder("set-wait-bucket")
-                .rate(10.0)
-                .burst(2)
+            let fast = RateLimiter::builder("set-wait-bucket", RatePolicy::token_bucket(10.0, 2))
                 .build(pool)
                 .expect("valid bucket");
-            let slow = FixedWindow::builder("set-wait-window")
-                .permit_limit(8)
-                .window(Duration::from_secs(1))
-                .build(pool)
-                .expect("valid window");
+            let slow = RateLimiter::builder(
+                "set-wait-window",
+                RatePolicy::fixed_window(8, Duration::from_secs(1)),
+            )
+            .build(pool)
+            .expect("valid window");
             tokio::spawn(async move {
                 let set = LimiterSet::new().with(&fast).with(&slow);
                 let decision = set.acquire("k", 1).await?;

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use chrono::Utc;
 use pg_semaphore::{
-    AuditLog, Error, FixedWindow, LostReason, Mutex, Priority, QueueOrder, Reaper, Semaphore,
-    SemaphoreInfo, SemaphoreKind, SlidingWindow, TokenBucket,
+    AuditLog, Error, LostReason, Mutex, Priority, QueueOrder, RateLimiter, RatePolicy, Reaper,
+    Semaphore, SemaphoreInfo, SemaphoreKind,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
@@ -156,18 +156,18 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         mutex.locking().lock_session(&app).await?.unlock().await?;
 
         // Rate limiters: check (insert, then update).
-        let bucket = TokenBucket::builder("least-privilege")
-            .rate(1000.0)
-            .burst(1)
+        let bucket = RateLimiter::builder("least-privilege", RatePolicy::token_bucket(1000.0, 1))
             .build(&app)?;
-        let fixed = FixedWindow::builder("least-privilege")
-            .permit_limit(1)
-            .window(Duration::from_millis(10))
-            .build(&app)?;
-        let sliding = SlidingWindow::builder("least-privilege")
-            .permit_limit(1)
-            .window(Duration::from_millis(10))
-            .build(&app)?;
+        let fixed = RateLimiter::builder(
+            "least-privilege",
+            RatePolicy::fixed_window(1, Duration::from_millis(10)),
+        )
+        .build(&app)?;
+        let sliding = RateLimiter::builder(
+            "least-privilege",
+            RatePolicy::sliding_window(1, Duration::from_millis(10)),
+        )
+        .build(&app)?;
         for _ in 0..2 {
             // The first check inserts the key's row, the second updates it.
             assert!(!bucket.check("k", 1).await?.failed_open);
@@ -236,10 +236,8 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
             })
         ));
 
-        let bucket = TokenBucket::builder("operated")
-            .rate(1000.0)
-            .burst(1)
-            .build(&app)?;
+        let bucket =
+            RateLimiter::builder("operated", RatePolicy::token_bucket(1000.0, 1)).build(&app)?;
         assert!(bucket.check("k", 1).await?.allowed);
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(
@@ -534,9 +532,7 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
         ));
         guard.commit().await?;
 
-        let bucket = TokenBucket::builder("bounced-app")
-            .rate(1.0)
-            .burst(1)
+        let bucket = RateLimiter::builder("bounced-app", RatePolicy::token_bucket(1.0, 1))
             .transaction_pooling(true)
             .build(&app)?;
         assert!(bucket.check("k", 1).await?.allowed);
@@ -1082,10 +1078,8 @@ async fn privileges_rate_limits_are_the_stored_ones() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestResult {
     as_roles(|_db, app, _operator| async move {
-        let limiter = TokenBucket::builder("held-key")
-            .rate(10.0)
-            .burst(10)
-            .build(&app)?;
+        let limiter =
+            RateLimiter::builder("held-key", RatePolicy::token_bucket(10.0, 10)).build(&app)?;
         assert!(limiter.check("k", 1).await?.allowed);
         let mut holder = app.acquire().await?;
         sqlx::query("SELECT pg_advisory_lock(1885828967, hashtext('token_bucket/held-key/k'))")

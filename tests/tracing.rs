@@ -208,29 +208,32 @@ async fn the_reaper_warns_about_a_session_holding_back_vacuum_naming_it() -> Tes
 #[tokio::test(flavor = "current_thread")]
 async fn a_handle_whose_limits_differ_from_the_stored_ones_is_warned_once_naming_both_pairs()
 -> TestResult {
-    use pg_semaphore::FixedWindow;
+    use pg_semaphore::{RateLimiter, RatePolicy};
     let db = support::migrated_db().await;
     let capture = Capture::default();
     let _default = tracing::subscriber::set_default(capture.clone());
 
     // The first use stores 3 per hour; a handle with the same pair says nothing.
-    let stored = FixedWindow::builder("deployed")
-        .permit_limit(3)
-        .window(Duration::from_secs(3600))
-        .build(&db.pool)?;
+    let stored = RateLimiter::builder(
+        "deployed",
+        RatePolicy::fixed_window(3, Duration::from_secs(3600)),
+    )
+    .build(&db.pool)?;
     assert_eq!(stored.check("k", 1).await?.remaining, 2);
     // A later deploy's code says 50 per minute: decided under the stored
     // pair, and told so once.
-    let newer = FixedWindow::builder("deployed")
-        .permit_limit(50)
-        .window(Duration::from_secs(60))
-        .build(&db.pool)?;
+    let newer = RateLimiter::builder(
+        "deployed",
+        RatePolicy::fixed_window(50, Duration::from_secs(60)),
+    )
+    .build(&db.pool)?;
     assert_eq!(newer.check("k", 1).await?.remaining, 1);
     assert!(newer.check("k", 1).await?.allowed);
-    let again = FixedWindow::builder("deployed")
-        .permit_limit(50)
-        .window(Duration::from_secs(60))
-        .build(&db.pool)?;
+    let again = RateLimiter::builder(
+        "deployed",
+        RatePolicy::fixed_window(50, Duration::from_secs(60)),
+    )
+    .build(&db.pool)?;
     assert!(!again.check("k", 1).await?.allowed);
 
     let events = capture.events();

@@ -1,12 +1,12 @@
 //! Workload 13, several limits per check: one `LimiterSet` of three limits
 //! (a token bucket, a fixed window and a sliding window on the same key)
-//! against a single `TokenBucket` check, in the same run. Target (issue 24):
+//! against a single token bucket's check, in the same run. Target (issue 24):
 //! the multi-limit check costs at most 1.5x a single check.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use pg_semaphore::{FixedWindow, LimiterSet, SlidingWindow, TokenBucket};
+use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
 use serde_json::{Value, json};
 
 use crate::load::{Outcome, pool, run_load, splitmix64};
@@ -27,7 +27,7 @@ pub const LIMITS_MULTI: &str = "ours: LimiterSet of 3 (bucket + fixed + sliding)
 
 /// What a cell calls.
 enum Op {
-    Single(TokenBucket),
+    Single(RateLimiter),
     Multi(LimiterSet),
 }
 
@@ -99,7 +99,7 @@ pub async fn limits_workload(ctx: &mut Ctx) -> Res<()> {
     ctx.report.print(&format!(
         "## 13. Several limits per check\n\n\
          Each client loops: one decision of one permit. The baseline is one \
-         `TokenBucket::check`; the set checks a token bucket, a fixed window and a sliding \
+         token bucket's `RateLimiter::check`; the set checks a token bucket, a fixed window and a sliding \
          window on the same key in one `pgsemaphore.check_limits` call (all or none). Each \
          limit allows {} per second per key. hot = one key; spread = a random key out of \
          1,000. Ratios are decisions/s divided by the single check's on the same server in \
@@ -148,22 +148,25 @@ async fn limits_cell(
     let pool = pool(&server.opts, clients as u32 + POOL_SPARE).await?;
     // Limiter names per cell: no cell starts with another's state.
     let name = format!("bench-limits-c{clients}-{}-{salt:x}", keys.label());
-    let bucket = TokenBucket::builder(format!("{name}-bucket"))
-        .rate(f64::from(LIMIT))
-        .burst(LIMIT)
-        .build(&pool)?;
+    let bucket = RateLimiter::builder(
+        format!("{name}-bucket"),
+        RatePolicy::token_bucket(f64::from(LIMIT), LIMIT),
+    )
+    .build(&pool)?;
     let op = Arc::new(if implementation == LIMITS_SINGLE {
         Op::Single(bucket)
     } else {
         let window = Duration::from_secs(1);
-        let fixed = FixedWindow::builder(format!("{name}-fixed"))
-            .permit_limit(LIMIT)
-            .window(window)
-            .build(&pool)?;
-        let sliding = SlidingWindow::builder(format!("{name}-sliding"))
-            .permit_limit(LIMIT)
-            .window(window)
-            .build(&pool)?;
+        let fixed = RateLimiter::builder(
+            format!("{name}-fixed"),
+            RatePolicy::fixed_window(LIMIT, window),
+        )
+        .build(&pool)?;
+        let sliding = RateLimiter::builder(
+            format!("{name}-sliding"),
+            RatePolicy::sliding_window(LIMIT, window),
+        )
+        .build(&pool)?;
         Op::Multi(LimiterSet::new().with(&bucket).with(&fixed).with(&sliding))
     });
     let load = run_load(clients, s.warmup, s.cell, move |client, seq| {

@@ -34,9 +34,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{
-    AdvisorySemaphore, Error, FixedWindow, Mutex, Semaphore, SlidingWindow, TokenBucket,
-};
+use pg_semaphore::{AdvisorySemaphore, Error, Mutex, RateLimiter, RatePolicy, Semaphore};
 use serde_json::json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::io::AsyncReadExt;
@@ -622,10 +620,11 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
             })
         }
         P_BUCKET => {
-            let limiter = TokenBucket::builder(unique("bench-pressure-bucket"))
-                .rate(1_000.0)
-                .burst(1_000)
-                .build(pool)?;
+            let limiter = RateLimiter::builder(
+                unique("bench-pressure-bucket"),
+                RatePolicy::token_bucket(1_000.0, 1_000),
+            )
+            .build(pool)?;
             Arc::new(move |client, seq| {
                 let limiter = limiter.clone();
                 Box::pin(async move {
@@ -640,10 +639,11 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
         P_GCRA_LEDGER => ledger::proto_op(pool, ledger::GCRA_LEDGER).await?,
         P_SLIDING_LEDGER => ledger::proto_op(pool, ledger::SLIDING_LEDGER).await?,
         P_BUCKET_HOT => {
-            let limiter = TokenBucket::builder(unique("bench-pressure-bucket-hot"))
-                .rate(1e6)
-                .burst(1_000_000)
-                .build(pool)?;
+            let limiter = RateLimiter::builder(
+                unique("bench-pressure-bucket-hot"),
+                RatePolicy::token_bucket(1e6, 1_000_000),
+            )
+            .build(pool)?;
             Arc::new(move |_, _| {
                 let limiter = limiter.clone();
                 Box::pin(async move {
@@ -653,10 +653,11 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
             })
         }
         P_SLIDING_HOT => {
-            let limiter = SlidingWindow::builder(unique("bench-pressure-sliding-hot"))
-                .permit_limit(1_000_000_000)
-                .window(Duration::from_secs(1))
-                .build(pool)?;
+            let limiter = RateLimiter::builder(
+                unique("bench-pressure-sliding-hot"),
+                RatePolicy::sliding_window(1_000_000_000, Duration::from_secs(1)),
+            )
+            .build(pool)?;
             Arc::new(move |_, _| {
                 let limiter = limiter.clone();
                 Box::pin(async move {
@@ -666,10 +667,11 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
             })
         }
         P_FIXED_HOT => {
-            let limiter = FixedWindow::builder(unique("bench-pressure-fixed-hot"))
-                .permit_limit(1_000_000_000)
-                .window(Duration::from_secs(1))
-                .build(pool)?;
+            let limiter = RateLimiter::builder(
+                unique("bench-pressure-fixed-hot"),
+                RatePolicy::fixed_window(1_000_000_000, Duration::from_secs(1)),
+            )
+            .build(pool)?;
             Arc::new(move |_, _| {
                 let limiter = limiter.clone();
                 Box::pin(async move {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{FixedWindow, SlidingWindow, TokenBucket};
+use pg_semaphore::{RateLimiter, RatePolicy};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -56,9 +56,9 @@ const RATE_ROWS: [&str; 5] = [
 #[derive(Debug)]
 pub enum RateOp {
     Update(PgPool),
-    Bucket(TokenBucket),
-    Fixed(FixedWindow),
-    Sliding(SlidingWindow),
+    Bucket(RateLimiter),
+    Fixed(RateLimiter),
+    Sliding(RateLimiter),
     /// `bench_proto.gcra_ledger` with the token bucket's rate and burst.
     GcraLedger {
         pool: PgPool,
@@ -322,21 +322,18 @@ pub async fn rate_cell(
     let op = Arc::new(match implementation {
         RATE_UPDATE => RateOp::Update(pool.clone()),
         RATE_BUCKET => RateOp::Bucket(
-            TokenBucket::builder(name)
-                .rate(f64::from(RATE_LIMIT))
-                .burst(RATE_LIMIT)
-                .build(&pool)?,
+            RateLimiter::builder(
+                name,
+                RatePolicy::token_bucket(f64::from(RATE_LIMIT), RATE_LIMIT),
+            )
+            .build(&pool)?,
         ),
         RATE_FIXED => RateOp::Fixed(
-            FixedWindow::builder(name)
-                .permit_limit(RATE_LIMIT)
-                .window(window)
+            RateLimiter::builder(name, RatePolicy::fixed_window(RATE_LIMIT, window))
                 .build(&pool)?,
         ),
         RATE_SLIDING => RateOp::Sliding(
-            SlidingWindow::builder(name)
-                .permit_limit(RATE_LIMIT)
-                .window(window)
+            RateLimiter::builder(name, RatePolicy::sliding_window(RATE_LIMIT, window))
                 .build(&pool)?,
         ),
         RATE_GCRA_LEDGER => RateOp::GcraLedger {

@@ -7,12 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::types::PgInterval;
-
-use super::{Decision, FixedWindow, Limiter, Policy, SlidingWindow, TokenBucket};
+use super::engine::Waiting;
+use super::{Decision, Limiter, RateLimiter, SqlLimits};
 use crate::db::Statement;
 use crate::error::{Error, Result, WaitedFor};
-use crate::validate::{self, MAX_LIMITS, MAX_RATE_WAIT};
+use crate::validate::{MAX_LIMITS, MAX_RATE_WAIT};
 
 /// `$8` permits against every limit `i` (kind `$1[i]`, limiter `$2[i]`, key
 /// `$3[i]`, with the token bucket's `$4[i]`, `$5[i]` or the window's `$6[i]`,
@@ -31,35 +30,6 @@ const CHECK_LIMITS_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining, o_
                                         p_bursts => $5, p_limits => $6, p_windows => $7, \
                                         p_n => $8, p_max_wait => $9)";
 
-mod sealed {
-    /// The limiters a [`LimiterSet`](super::LimiterSet) takes.
-    pub trait Sealed {
-        /// The shared engine.
-        #[allow(private_interfaces)]
-        fn limiter(&self) -> &std::sync::Arc<super::Limiter>;
-    }
-}
-
-/// A rate limiter that a [`LimiterSet`] can check with others:
-/// [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`]. Sealed.
-pub trait RateLimiter: sealed::Sealed {}
-
-macro_rules! set_member {
-    ($limiter:ident) => {
-        impl sealed::Sealed for $limiter {
-            #[allow(private_interfaces)]
-            fn limiter(&self) -> &Arc<Limiter> {
-                &self.inner
-            }
-        }
-        impl RateLimiter for $limiter {}
-    };
-}
-
-set_member!(TokenBucket);
-set_member!(FixedWindow);
-set_member!(SlidingWindow);
-
 /// Several rate limits checked as one: admitted only if every limit admits,
 /// and then charged to every one; refused if any refuses, and then charged
 /// to none, with the longest retry-after of the limits that refused.
@@ -70,20 +40,21 @@ set_member!(SlidingWindow);
 /// the database locks the limits' keys in one order for every caller (two
 /// sets never deadlock, whatever order they list their limits in) and
 /// decides each as its own limiter's check would, so stored limits and
-/// pauses apply as in a single [`check`](TokenBucket::check). A set can
+/// pauses apply as in a single [`check`](RateLimiter::check). A set can
 /// wait too ([`acquire`](Self::acquire)).
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use pg_semaphore::{FixedWindow, LimiterSet, TokenBucket};
+/// use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// let per_second = TokenBucket::builder("api-s").rate(100.0).burst(100).build(&pool)?;
-/// let per_day = FixedWindow::builder("api-day")
-///     .permit_limit(10_000)
-///     .window(Duration::from_secs(86_400))
+/// let per_second = RateLimiter::builder("api-s", RatePolicy::token_bucket(100.0, 100))
 ///     .build(&pool)?;
-/// let everyone = TokenBucket::builder("api-all").rate(5_000.0).burst(5_000).build(&pool)?;
+/// let day = Duration::from_secs(86_400);
+/// let per_day = RateLimiter::builder("api-day", RatePolicy::fixed_window(10_000, day))
+///     .build(&pool)?;
+/// let everyone = RateLimiter::builder("api-all", RatePolicy::token_bucket(5_000.0, 5_000))
+///     .build(&pool)?;
 /// let limits = LimiterSet::new()
 ///     .with(&per_second)
 ///     .with(&per_day)
@@ -106,15 +77,14 @@ impl LimiterSet {
     }
 
     /// Adds `limiter`, checked on the key passed to [`check`](Self::check).
-    pub fn with(mut self, limiter: &impl RateLimiter) -> LimiterSet {
-        self.limits.push((limiter.limiter().clone(), None));
+    pub fn with(mut self, limiter: &RateLimiter) -> LimiterSet {
+        self.limits.push((limiter.inner.clone(), None));
         self
     }
 
     /// Adds `limiter`, always checked on `key` (a global limit: `"all"`).
-    pub fn with_key(mut self, limiter: &impl RateLimiter, key: impl Into<String>) -> LimiterSet {
-        self.limits
-            .push((limiter.limiter().clone(), Some(key.into())));
+    pub fn with_key(mut self, limiter: &RateLimiter, key: impl Into<String>) -> LimiterSet {
+        self.limits.push((limiter.inner.clone(), Some(key.into())));
         self
     }
 
@@ -141,7 +111,7 @@ impl LimiterSet {
     ///   [`MAX_LIMITS`](crate::MAX_LIMITS) limits (`limits`), limiters built
     ///   on different pools (`limits`), the same key of the same limiter
     ///   twice (`limits`, from the database), and as each limiter's
-    ///   [`check`](TokenBucket::check) for the key and `permits`.
+    ///   [`check`](RateLimiter::check) for the key and `permits`.
     /// - [`Error::Schema`] when the schema is older than version
     ///   9 (no `check_limits`) or missing.
     /// - [`Error::Stalled`] (naming the set's limiters) when a key's lock
@@ -160,16 +130,14 @@ impl LimiterSet {
         match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us, deciding)) => {
                 for (limiter, _) in &self.limits {
-                    limiter.metrics.decided(allowed);
-                    limiter.note_stored_limits().await;
+                    limiter.decided(allowed).await;
                 }
-                Ok(Decision {
+                Ok(Decision::new(
                     allowed,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::from_micros(retry_after_us.max(0) as u64),
-                    limit: self.decider(deciding).0.policy.limit(),
-                    failed_open: false,
-                })
+                    remaining,
+                    retry_after_us,
+                    self.decider(deciding).0.policy.limit(),
+                ))
             }
             Err(error) if self.fails_open() => first.failed(error).await,
             Err(error) => Err(self.stalled(error)),
@@ -197,6 +165,11 @@ impl LimiterSet {
     /// [`Decision`]; if it would take longer, returns [`Error::Timeout`] at
     /// once, without waiting and without taking anything.
     ///
+    /// Cheaper than `tokio::time::timeout` over [`acquire`](Self::acquire),
+    /// as [`RateLimiter::acquire_timeout`] is: a booking beyond `timeout` is
+    /// refused in the same round trip, so nothing is booked and then
+    /// forfeited, and nobody waits to be told no.
+    ///
     /// One round trip per call (`pgsemaphore.check_limits_reserve`): the
     /// database finds the earliest instant at which every limit admits the
     /// permits, books them there in every limit (all or none, as
@@ -207,13 +180,13 @@ impl LimiterSet {
     ///
     /// ```no_run
     /// use std::time::Duration;
-    /// use pg_semaphore::{FixedWindow, LimiterSet, TokenBucket};
+    /// use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-    /// let per_second = TokenBucket::builder("sms-s").rate(10.0).burst(10).build(&pool)?;
-    /// let per_day = FixedWindow::builder("sms-day")
-    ///     .permit_limit(1_000)
-    ///     .window(Duration::from_secs(86_400))
+    /// let per_second = RateLimiter::builder("sms-s", RatePolicy::token_bucket(10.0, 10))
+    ///     .build(&pool)?;
+    /// let day = Duration::from_secs(86_400);
+    /// let per_day = RateLimiter::builder("sms-day", RatePolicy::fixed_window(1_000, day))
     ///     .build(&pool)?;
     /// let limits = LimiterSet::new().with(&per_second).with(&per_day);
     /// limits.acquire_timeout("tenant-7", 1, Duration::from_secs(30)).await?;
@@ -256,41 +229,23 @@ impl LimiterSet {
         timeout: Option<Duration>,
     ) -> Result<Decision> {
         let first = self.first()?;
-        let budget = timeout.unwrap_or(MAX_RATE_WAIT).min(MAX_RATE_WAIT);
-        let started = tokio::time::Instant::now();
-        let mut stalled_warned = false;
+        let mut waiting = Waiting::new(timeout);
         // In line with this process's other waiting acquires of the key on
-        // the first limiter (its own included), as `Limiter::acquire` is:
-        // only the head asks the database, and leaves the line when booked.
+        // the first limiter (its own included), as `Limiter::acquire` is.
         let line = first.line(key);
-        let Ok(head) = tokio::time::timeout(budget, line.lock()).await else {
+        let Some(head) = waiting.head(&line).await else {
             return Err(self.timed_out(first, key, timeout));
         };
         loop {
-            let left = budget.saturating_sub(started.elapsed());
+            let (left, max_wait) = waiting.left()?;
             let query = self
                 .statement(CHECK_LIMITS_RESERVE, key, permits)?
-                .bind(validate::rate_wait(left)?);
+                .bind(max_wait);
             let (allowed, wait_us, remaining, deciding) = match first.db.fetch_one(query).await {
                 Ok(reply) => reply,
                 Err(error) => match self.stalled(error) {
-                    // A key's lock held past 2 s (a check left in an open
-                    // transaction, a session holding the advisory key):
-                    // again, within the caller's wait.
-                    Error::Stalled { .. } if started.elapsed() < budget => {
-                        if !stalled_warned {
-                            stalled_warned = true;
-                            tracing::warn!(
-                                limiter = %first.name,
-                                key,
-                                "a rate limiter key's lock is held by a stuck transaction; retrying until it is free or the wait times out"
-                            );
-                        }
-                        continue;
-                    }
-                    Error::Stalled { .. } => {
-                        return Err(self.timed_out(first, key, timeout));
-                    }
+                    Error::Stalled { .. } if waiting.retry_stalled(&first.name, key) => continue,
+                    Error::Stalled { .. } => return Err(self.timed_out(first, key, timeout)),
                     error if self.fails_open() => return first.failed(error).await,
                     error => return Err(error),
                 },
@@ -308,13 +263,7 @@ impl LimiterSet {
                 if !wait.is_zero() {
                     tokio::time::sleep(wait).await;
                 }
-                return Ok(Decision {
-                    allowed: true,
-                    remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
-                    retry_after: Duration::ZERO,
-                    limit: decider.policy.limit(),
-                    failed_open: false,
-                });
+                return Ok(Decision::new(true, remaining, 0, decider.policy.limit()));
             }
             if wait.is_zero() || wait > left {
                 return Err(self.timed_out(decider, decider_key.unwrap_or(key), timeout));
@@ -412,21 +361,12 @@ impl LimiterSet {
             }
             let key = own_key.as_deref().unwrap_or(key);
             limiter.request(key, permits)?;
-            kinds.push(limiter.policy.kind());
+            kinds.push(limiter.policy.kind().as_str());
             names.push(limiter.name.clone());
             keys.push(key.to_owned());
-            let (rate, burst, limit, window): (_, _, _, Option<PgInterval>) = match limiter.policy {
-                Policy::TokenBucket { rate, burst } => {
-                    (Some(rate), Some(f64::from(burst)), None, None)
-                }
-                Policy::FixedWindow { limit, window } | Policy::SlidingWindow { limit, window } => {
-                    (
-                        None,
-                        None,
-                        Some(i64::from(limit)),
-                        Some(validate::window(window)?),
-                    )
-                }
+            let (rate, burst, limit, window) = match limiter.policy.sql_limits()? {
+                SqlLimits::Bucket { rate, burst } => (Some(rate), Some(burst), None, None),
+                SqlLimits::Window { limit, window } => (None, None, Some(limit), Some(window)),
             };
             rates.push(rate);
             bursts.push(burst);

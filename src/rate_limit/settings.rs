@@ -31,22 +31,19 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sqlx::postgres::PgConnectOptions;
 use sqlx::postgres::types::PgInterval;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{Limiter, Policy};
+use super::{Limiter, RatePolicy};
 use crate::error::Result;
-use crate::per_pool::{PerPool, lock};
+use crate::per_pool::{self, PerPool, lock};
 use crate::validate;
 
 /// The channel the operator functions notify on; the payload is `kind/limiter`.
 const CHANNEL: &str = "pgsemaphore_rate";
-
-/// Back-off after the listener fails to (re)connect.
-const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
 
 /// Pauses key `$3` (NULL: every key) of limiter `$2` of kind `$1` for `$4`.
 const PAUSE: &str = "SELECT pgsemaphore.pause_rate_limit(p_kind => $1, p_limiter => $2, \
@@ -80,7 +77,9 @@ impl Limiter {
         let code_pair = format!("{:?}", self.policy);
         let first = NOTED
             .lock()
-            .map(|mut noted| noted.insert((self.policy.kind(), self.name.clone(), code_pair)))
+            .map(|mut noted| {
+                noted.insert((self.policy.kind().as_str(), self.name.clone(), code_pair))
+            })
             .unwrap_or(true);
         if !first {
             return;
@@ -90,7 +89,7 @@ impl Limiter {
             .query_as::<(Option<f64>, Option<f64>, Option<i64>, Option<PgInterval>)>(
                 LIMITER_IN_FORCE,
             )
-            .bind(self.policy.kind())
+            .bind(self.policy.kind().as_str())
             .bind(self.name.clone());
         let (rate, burst, limit, window) = match self.db.fetch_one(query).await {
             Ok(row) => row,
@@ -100,7 +99,7 @@ impl Limiter {
             }
         };
         let (code, stored) = match self.policy {
-            Policy::TokenBucket {
+            RatePolicy::TokenBucket {
                 rate: own,
                 burst: own_burst,
             } => {
@@ -115,12 +114,12 @@ impl Limiter {
                     format!("rate {rate}/s, burst {burst}"),
                 )
             }
-            Policy::FixedWindow {
-                limit: own,
+            RatePolicy::FixedWindow {
+                permit_limit: own,
                 window: own_window,
             }
-            | Policy::SlidingWindow {
-                limit: own,
+            | RatePolicy::SlidingWindow {
+                permit_limit: own,
                 window: own_window,
             } => {
                 let (Some(limit), Some(window)) = (limit, window) else {
@@ -142,7 +141,7 @@ impl Limiter {
         {
             tracing::warn!(
                 limiter = %self.name,
-                kind = self.policy.kind(),
+                kind = self.policy.kind().as_str(),
                 code_limits = %code,
                 stored_limits = %stored,
                 "rate limiter {:?} is decided under its stored limits ({stored}), not this code's ({code}): \
@@ -162,7 +161,7 @@ impl Limiter {
         let query = self
             .db
             .query_as::<(bool,)>(PAUSE)
-            .bind(self.policy.kind())
+            .bind(self.policy.kind().as_str())
             .bind(self.name.clone())
             .bind(key.map(str::to_owned))
             .bind(duration);
@@ -179,7 +178,7 @@ impl Limiter {
         let query = self
             .db
             .query_as::<(Option<f64>,)>(RATE_IN_FORCE)
-            .bind(self.policy.kind())
+            .bind(self.policy.kind().as_str())
             .bind(self.name.clone())
             .bind(key.to_owned());
         Ok(self.db.fetch_one(query).await?.0.unwrap_or(own))
@@ -324,44 +323,14 @@ impl Limiter {
 
 /// The `LISTEN` loop. Runs until aborted.
 async fn listen_loop(options: PgConnectOptions, sender: broadcast::Sender<Arc<str>>) {
-    // A pool of one, apart from the application's pool, used by PgListener to reconnect.
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .min_connections(0)
-        .max_lifetime(None)
-        .idle_timeout(None)
-        .connect_lazy_with(options);
-    loop {
-        let mut listener = match PgListener::connect_with(&pool).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::warn!(%error, "pg-semaphore rate listener cannot connect; waiters sleep their full wait");
-                tokio::time::sleep(RECONNECT_BACKOFF).await;
-                continue;
-            }
-        };
-        listener.ignore_pool_close_event(true);
-        if let Err(error) = listener.listen(CHANNEL).await {
-            tracing::warn!(%error, "pg-semaphore rate listener cannot LISTEN");
-            tokio::time::sleep(RECONNECT_BACKOFF).await;
-            continue;
-        }
-        // Anything changed before LISTEN took effect is re-read now.
-        let _ = sender.send(Arc::from(""));
-        loop {
-            match listener.try_recv().await {
-                Ok(Some(notification)) => {
-                    let _ = sender.send(Arc::from(notification.payload()));
-                }
-                Ok(None) => {
-                    let _ = sender.send(Arc::from(""));
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "pg-semaphore rate listener lost its connection");
-                    tokio::time::sleep(RECONNECT_BACKOFF).await;
-                    break;
-                }
-            }
-        }
-    }
+    per_pool::listen_loop(
+        options,
+        CHANNEL,
+        "pg-semaphore rate listener",
+        "waiters sleep their full wait",
+        |payload| {
+            let _ = sender.send(Arc::from(payload.unwrap_or("")));
+        },
+    )
+    .await;
 }

@@ -33,14 +33,14 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
 use sqlx::postgres::types::PgInterval;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::db::Db;
-use crate::per_pool::{PerPool, lock};
+use crate::per_pool::{self, PerPool, lock};
 use crate::token::Token;
 
 /// The channel every pg-semaphore notification is sent on; the payload is the
@@ -49,9 +49,6 @@ const CHANNEL: &str = "pgsemaphore";
 
 /// How often the fallback ticker looks for semaphores that are due a re-check.
 const TICK: Duration = Duration::from_millis(100);
-
-/// Back-off after the listener fails to (re)connect.
-const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
 
 /// How long a wake-up registration, and a queued waiter's row, outlive the
 /// process's last renewal: a crashed waiter holds up a queue, or makes
@@ -169,47 +166,17 @@ impl Wakeups {
 
 /// The `LISTEN` loop. Runs until aborted.
 async fn listen_loop(options: PgConnectOptions, entries: Arc<Entries>) {
-    // A pool of one, apart from the application's pool, used by PgListener to reconnect.
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .min_connections(0)
-        .max_lifetime(None)
-        .idle_timeout(None)
-        .connect_lazy_with(options);
-    loop {
-        let mut listener = match PgListener::connect_with(&pool).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::warn!(%error, "pg-semaphore listener cannot connect; waiters fall back to polling");
-                tokio::time::sleep(RECONNECT_BACKOFF).await;
-                continue;
-            }
-        };
-        listener.ignore_pool_close_event(true);
-        if let Err(error) = listener.listen(CHANNEL).await {
-            tracing::warn!(%error, "pg-semaphore listener cannot LISTEN; waiters fall back to polling");
-            tokio::time::sleep(RECONNECT_BACKOFF).await;
-            continue;
-        }
-        // Anything released before LISTEN took effect is re-checked now.
-        entries.wake_all();
-        loop {
-            match listener.try_recv().await {
-                Ok(Some(notification)) => entries.wake(notification.payload()),
-                Ok(None) => {
-                    // The connection dropped and was re-established (and
-                    // re-LISTENed): notifications in between are lost.
-                    tracing::debug!("pg-semaphore listener reconnected");
-                    entries.wake_all();
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "pg-semaphore listener lost its connection");
-                    tokio::time::sleep(RECONNECT_BACKOFF).await;
-                    break;
-                }
-            }
-        }
-    }
+    per_pool::listen_loop(
+        options,
+        CHANNEL,
+        "pg-semaphore listener",
+        "waiters fall back to polling",
+        |payload| match payload {
+            Some(semaphore) => entries.wake(semaphore),
+            None => entries.wake_all(),
+        },
+    )
+    .await;
 }
 
 /// The fallback ticker: wakes the waiters of each semaphore whose re-check is due.
