@@ -10,7 +10,7 @@
 //! ```
 //!
 //! With `--serve`, try `curl -X POST localhost:3000/charge` from a few shells
-//! at once, and `pg-semaphore status` (feature `cli`) to see the holders.
+//! at once, and `pg-semaphore status` (the `cli/` crate) to see the holders.
 //! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
 //! starts a throwaway PostgreSQL, exactly as the tests do.
 

@@ -177,7 +177,7 @@
 //! [`AuditLog`] reads history; [`rate_limit_settings`], [`set_rate_limit`],
 //! [`clear_rate_limit`], [`pause_rate_limit`] and [`resume_rate_limit`]
 //! manage rate limiters' stored limits and pauses.
-//! The `pg-semaphore` binary (feature `cli`) does the same from a shell:
+//! The `pg-semaphore` binary (crate `pg-semaphore-cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
 //!
 //! # Privileges
@@ -218,7 +218,6 @@
 //!
 //! # Features
 //!
-//! - `cli`: the `pg-semaphore` operator binary (enables `serde`).
 //! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
 //!   [`Holder`], [`SemaphoreKind`], [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
 //!   [`ReleaseOutcome`], [`Decision`], [`FamilyInfo`] and [`FamilyKeyInfo`]. Times are RFC 3339 strings,

@@ -2,7 +2,7 @@
 //! back VACUUM on this database, and only this database's (a session of
 //! another database does not hold its tables' horizon). The reaper's warning
 //! is tested in tests/tracing.rs, its metrics in tests/metrics.rs, the
-//! `doctor` command in tests/cli.rs. Last, the lease semaphore in a
+//! `doctor` command in cli/tests/cli.rs. Last, the lease semaphore in a
 //! database of its own, as the README suggests to keep it out of the
 //! application's horizon.
 

@@ -33,8 +33,7 @@
 //! 6. **rate**: rate limiter decisions (token bucket, fixed window, sliding
 //!    window) at 1, 8 and 32 clients, hot key and spread keys, against a
 //!    bare single-row `UPDATE` counter (a ≥ 0.5x target per limiter and
-//!    cell), with the GCRA ledger prototype of `ledger.rs` beside them,
-//!    called the same way (issue 24, item 5; judged by no target);
+//!    cell);
 //! 7. **fleet**: 1, 10, 50 and 100 OS processes (this program, re-executed as
 //!    workers), each with its own pool and LISTEN connection, sharing 100
 //!    semaphores with the same total number of clients: cycles/s, wake-up
@@ -57,9 +56,9 @@
 //!     just before. `--minutes M` (10 by default) sets the time under each
 //!     pressure, `--pressure NAME` runs one (query|idle-xact|other-db|pg-dump),
 //!     `--designs a,b` only these designs
-//!     (lease|advisory|mutex|bucket|counter|raw, and the hot-key limiter
-//!     designs and storage prototypes of `ledger.rs`:
-//!     update-hot|bucket-hot|sliding-hot|fixed-hot|gcra-row|gcra-ledger|sliding-ledger).
+//!     (lease|advisory|mutex|bucket|counter|raw, and the hot-key limiters
+//!     with their bare `UPDATE` baseline:
+//!     update-hot|bucket-hot|sliding-hot|fixed-hot).
 //!     `--interleave` runs the chosen designs in turns of 5 s (two
 //!     undisturbed rounds, then rounds under the pressure for `--minutes`)
 //!     instead of one after the other, so that they meet the same machine
@@ -94,7 +93,6 @@ mod fleet;
 mod growth;
 mod lateness;
 mod lease;
-mod ledger;
 mod limits;
 mod load;
 mod multi;
@@ -125,7 +123,7 @@ const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
                      [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
-                     [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,fixed-hot,gcra-row,gcra-ledger,sliding-ledger]";
+                     [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,fixed-hot]";
 
 /// The schema the baselines' tables live in; never `pgsemaphore`.
 pub const BASELINE_SCHEMA: &str = "bench_baseline";

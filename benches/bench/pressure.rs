@@ -40,7 +40,6 @@ use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 use tokio::io::AsyncReadExt;
 
 use crate::advisory::raw_cycle;
-use crate::ledger;
 use crate::load::{Outcome, connect, create_database, pool, run_load, splitmix64, unique};
 use crate::mutex::Keys;
 use crate::rate::rate_key;
@@ -69,14 +68,11 @@ pub const P_UPDATE_HOT: &str = "bare UPDATE counter row (hot key)";
 pub const P_BUCKET_HOT: &str = "TokenBucket (hot key)";
 pub const P_SLIDING_HOT: &str = "SlidingWindow (hot key)";
 pub const P_FIXED_HOT: &str = "FixedWindow (hot key)";
-pub const P_GCRA_ROW: &str = "prototype: GCRA, one row (hot key)";
-pub const P_GCRA_LEDGER: &str = "prototype: GCRA ledger (hot key)";
-pub const P_SLIDING_LEDGER: &str = "prototype: sliding window ledger (hot key)";
-/// The designs a default run measures (the limiter prototypes only when
-/// named in `--designs`).
+/// The designs a default run measures (the hot-key ones only when named in
+/// `--designs`).
 const DESIGNS: [&str; 6] = [P_LEASE, P_ADVISORY, P_MUTEX, P_BUCKET, P_COUNTER, P_RAW];
 /// Every design and the short name `--designs` takes, in the order they run.
-const ALL_DESIGNS: [(&str, &str); 13] = [
+const ALL_DESIGNS: [(&str, &str); 10] = [
     (P_LEASE, "lease"),
     (P_ADVISORY, "advisory"),
     (P_MUTEX, "mutex"),
@@ -87,9 +83,6 @@ const ALL_DESIGNS: [(&str, &str); 13] = [
     (P_BUCKET_HOT, "bucket-hot"),
     (P_SLIDING_HOT, "sliding-hot"),
     (P_FIXED_HOT, "fixed-hot"),
-    (P_GCRA_ROW, "gcra-row"),
-    (P_GCRA_LEDGER, "gcra-ledger"),
-    (P_SLIDING_LEDGER, "sliding-ledger"),
 ];
 
 /// `--designs lease,advisory`: the designs to run, in the workload's order.
@@ -261,7 +254,7 @@ async fn interleaved(
     for design in &designs {
         ops.push((*design, design_op(server, &pool, design).await?));
     }
-    let calm = ledger::rounds(
+    let calm = rounds(
         &ops,
         slice,
         Duration::from_secs(2),
@@ -271,8 +264,7 @@ async fn interleaved(
     )
     .await?;
     let held = Held::start(server, pressure, other_db).await?;
-    let pressed =
-        ledger::rounds(&ops, slice, Duration::ZERO, usize::MAX, minutes, "pressure").await?;
+    let pressed = rounds(&ops, slice, Duration::ZERO, usize::MAX, minutes, "pressure").await?;
     let horizon = horizon_age(&pool).await.unwrap_or(0);
     held.stop(server).await?;
     drop(ops);
@@ -284,20 +276,19 @@ async fn interleaved(
     let mut rows = Vec::new();
     for (i, design) in designs.iter().enumerate() {
         let (calm, pressed) = &rates[i];
-        let base = ledger::median(calm);
+        let base = median(calm);
         let spread = calm
             .iter()
             .map(|r| (r / base - 1.0).abs())
             .fold(0.0, f64::max);
         let ratios: Vec<f64> = pressed.iter().map(|r| r / base.max(1e-9)).collect();
-        let versus =
-            |rounds: &[f64], of: &[f64]| ledger::median(rounds) / ledger::median(of).max(1e-9);
+        let versus = |rounds: &[f64], of: &[f64]| median(rounds) / median(of).max(1e-9);
         rows.push(vec![
             design.to_string(),
             fmt_rate(base),
             format!("±{:.0}%", spread * 100.0),
             fmt_ratio(ratios.iter().copied().reduce(f64::min)),
-            fmt_ratio(Some(ledger::median(&tail(&ratios)))),
+            fmt_ratio(Some(median(&tail(&ratios)))),
             baseline.map_or(String::new(), |b| {
                 fmt_ratio(Some(versus(calm, &rates[b].0)))
             }),
@@ -339,6 +330,53 @@ async fn interleaved(
         &rows,
     ));
     Ok(())
+}
+
+/// `--interleave`: the designs measured in turns of `slice` each, rather
+/// than one after the other, so that every design meets the same machine
+/// (the bench shares it) and the same held horizon: rounds until `rounds`
+/// are done or `minutes` have passed, whichever is first; the first slice of
+/// each design after `warmup`. Returns each design's cycles/s per round.
+async fn rounds(
+    ops: &[(&'static str, Op)],
+    slice: Duration,
+    warmup: Duration,
+    rounds: usize,
+    minutes: f64,
+    phase: &str,
+) -> Res<Vec<Vec<f64>>> {
+    let mut rates = vec![Vec::new(); ops.len()];
+    let started = Instant::now();
+    let mut round = 0;
+    while round < rounds && started.elapsed().as_secs_f64() < minutes * 60.0 {
+        for (i, (design, op)) in ops.iter().enumerate() {
+            let op = op.clone();
+            let warm = if round == 0 { warmup } else { Duration::ZERO };
+            let load = run_load(CLIENTS, warm, slice, move |client, seq| op(client, seq)).await?;
+            let rate = load.samples.len() as f64 / load.elapsed.as_secs_f64().max(1e-9);
+            eprintln!(
+                "  {phase} round {round} at {:.0} s: {design}: {rate:.0}/s{}",
+                started.elapsed().as_secs_f64(),
+                load.first_error
+                    .map(|e| format!(" ({} errors: {e})", load.errors))
+                    .unwrap_or_default()
+            );
+            rates[i].push(rate);
+        }
+        round += 1;
+    }
+    Ok(rates)
+}
+
+/// The median of `values` (0 for none).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
 }
 
 fn row(cell: &Cell) -> Vec<String> {
@@ -634,10 +672,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 })
             })
         }
-        P_UPDATE_HOT => ledger::update_op(pool).await?,
-        P_GCRA_ROW => ledger::proto_op(pool, ledger::GCRA_ROW).await?,
-        P_GCRA_LEDGER => ledger::proto_op(pool, ledger::GCRA_LEDGER).await?,
-        P_SLIDING_LEDGER => ledger::proto_op(pool, ledger::SLIDING_LEDGER).await?,
+        P_UPDATE_HOT => update_op(pool).await?,
         P_BUCKET_HOT => {
             let limiter = RateLimiter::builder(
                 unique("bench-pressure-bucket-hot"),
@@ -710,6 +745,32 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
             })
         }
     })
+}
+
+/// `update-hot`: a bare single-row `UPDATE ... SET n = n + 1` on one hot
+/// key, the baseline the hot-key limiters are held against.
+async fn update_op(pool: &PgPool) -> Res<Op> {
+    let key: Arc<str> = unique("hot").into();
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS bench_baseline.hot_counters (key text PRIMARY KEY, n bigint NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    sqlx::query("INSERT INTO bench_baseline.hot_counters VALUES ($1, 0)")
+        .bind(&*key)
+        .execute(pool)
+        .await?;
+    let pool = pool.clone();
+    Ok(Arc::new(move |_, _| {
+        let (pool, key) = (pool.clone(), key.clone());
+        Box::pin(async move {
+            sqlx::query("UPDATE bench_baseline.hot_counters SET n = n + 1 WHERE key = $1")
+                .bind(&*key)
+                .execute(&pool)
+                .await?;
+            Ok(Outcome::Done)
+        })
+    }))
 }
 
 /// The pressure, while it lasts.

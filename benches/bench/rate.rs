@@ -2,14 +2,6 @@
 //! sliding window, against a bare single-row `UPDATE`, at 1, 8 and 32
 //! clients, on one hot key and on keys spread over 1,000 (issue 24: every
 //! limiter ≥ 0.5x the `UPDATE` in each of these cells, on both servers).
-//!
-//! Beside them, for issue 24's item 5 (is GCRA, one timestamp per key,
-//! cheaper than the token bucket?), the GCRA ledger prototype of
-//! [`ledger`](crate::ledger) (`bench_proto.gcra_ledger`), called the same
-//! way: a key per decision, the token bucket's rate and burst. It is not a
-//! limiter kind of the crate: plain PL/pgSQL in the bench's schema, without
-//! the limiters' argument checks, stored limits or pauses, so its figures
-//! are what the storage costs, not what a limiter built on it would.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +11,6 @@ use pg_semaphore::{RateLimiter, RatePolicy};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::ledger;
 use crate::load::{Outcome, pool, run_load, splitmix64};
 use crate::mutex::Keys;
 use crate::report::{
@@ -39,18 +30,9 @@ pub const RATE_BUCKET: &str = "ours: TokenBucket";
 pub const RATE_FIXED: &str = "ours: FixedWindow";
 pub const RATE_SLIDING: &str = "ours: SlidingWindow";
 pub const RATE_LIMITERS: [&str; 3] = [RATE_BUCKET, RATE_FIXED, RATE_SLIDING];
-/// Issue 24, item 5: not a limiter of the crate, and judged by no target.
-pub const RATE_GCRA_LEDGER: &str = "prototype: GCRA ledger (not a limiter kind)";
 /// Every row of a configuration, in the order each repetition runs them:
-/// the baseline first (the ratios' denominator), then the limiters, then
-/// the prototype.
-const RATE_ROWS: [&str; 5] = [
-    RATE_UPDATE,
-    RATE_BUCKET,
-    RATE_FIXED,
-    RATE_SLIDING,
-    RATE_GCRA_LEDGER,
-];
+/// the baseline first (the ratios' denominator), then the limiters.
+const RATE_ROWS: [&str; 4] = [RATE_UPDATE, RATE_BUCKET, RATE_FIXED, RATE_SLIDING];
 
 /// What a rate cell calls: the baseline statement or one of our limiters.
 #[derive(Debug)]
@@ -59,11 +41,6 @@ pub enum RateOp {
     Bucket(RateLimiter),
     Fixed(RateLimiter),
     Sliding(RateLimiter),
-    /// `bench_proto.gcra_ledger` with the token bucket's rate and burst.
-    GcraLedger {
-        pool: PgPool,
-        limiter: String,
-    },
 }
 
 impl RateOp {
@@ -80,15 +57,6 @@ impl RateOp {
             RateOp::Bucket(limiter) => limiter.check(key, 1).await?.allowed,
             RateOp::Fixed(limiter) => limiter.check(key, 1).await?.allowed,
             RateOp::Sliding(limiter) => limiter.check(key, 1).await?.allowed,
-            RateOp::GcraLedger { pool, limiter } => {
-                sqlx::query_scalar("SELECT bench_proto.gcra_ledger($1, $2, $3, $4, 1)")
-                    .bind(limiter)
-                    .bind(key)
-                    .bind(f64::from(RATE_LIMIT))
-                    .bind(f64::from(RATE_LIMIT))
-                    .fetch_one(pool)
-                    .await?
-            }
         })
     }
 }
@@ -106,7 +74,7 @@ pub fn rate_key(keys: Keys, salt: u64, client: usize, seq: u64) -> String {
 }
 
 /// Decisions at 1, 8 and 32 clients, on one hot key or spread over 1,000
-/// keys, each limiter and the GCRA ledger prototype against a bare
+/// keys, each limiter against a bare
 /// `UPDATE ... SET n = n + 1 WHERE key = $1`, interleaved repetition by
 /// repetition; a target per limiter and cell.
 pub async fn rate_workload(ctx: &mut Ctx) -> Res<()> {
@@ -126,13 +94,10 @@ pub async fn rate_workload(ctx: &mut Ctx) -> Res<()> {
         )))
         .execute(&pool)
         .await?;
-        ledger::install(&pool).await?;
         pool.close().await;
     }
     let mut all = Vec::new();
     let mut targets = Vec::new();
-    // Item 5: the prototype's decisions/s over the token bucket's, per cell.
-    let mut gcra_vs_bucket = Vec::new();
     let servers = ctx.servers.clone();
     let s = ctx.settings.clone();
     for clients in RATE_CLIENTS {
@@ -189,14 +154,6 @@ pub async fn rate_workload(ctx: &mut Ctx) -> Res<()> {
                         ),
                     ));
                 }
-                let bucket = group[1].ops_per_sec();
-                let gcra = &mut group[RATE_ROWS.len() - 1];
-                let ratio = match (gcra.ops_per_sec(), bucket) {
-                    (Some(gcra), Some(bucket)) if bucket > 0.0 => Some(gcra / bucket),
-                    _ => None,
-                };
-                gcra.ratios.push(("vs_bucket".to_owned(), ratio));
-                gcra_vs_bucket.push(format!("{label}: {}", fmt_ratio(ratio)));
                 all.extend(group);
             }
         }
@@ -241,23 +198,13 @@ pub async fn rate_workload(ctx: &mut Ctx) -> Res<()> {
          the bucket or window had left when the measurement began. Ratios are decisions/s \
          divided by the baseline's on the same server in the same configuration; decisions/s \
          is the median of {} runs (min–max), the rows of a configuration taking turns within \
-         each run.\n\n\
-         The last row of each configuration is a prototype, not a limiter kind of the crate \
-         (issue 24, item 5: is GCRA, one timestamp per key, cheaper than the token bucket?): \
-         `bench_proto.gcra_ledger` of the pressure workload's prototypes, an insert-only \
-         ledger serialised per key by a transaction advisory lock, with the token bucket's \
-         rate and burst ({} per second, {}), so it admits as the bucket does. Unlike the \
-         limiters, it writes nothing when it refuses (most hot-key decisions) and has no \
-         argument checks, stored limits or pauses. No target judges it; its decisions/s over \
-         the token bucket's is listed below the table.\n",
+         each run.\n",
         fmt_int(RATE_KEYS),
         fmt_int(u64::from(RATE_LIMIT)),
         fmt_int(u64::from(RATE_LIMIT)),
         fmt_int(u64::from(RATE_LIMIT)),
         fmt_int(u64::from(RATE_LIMIT)),
         s.reps,
-        fmt_int(u64::from(RATE_LIMIT)),
-        fmt_int(u64::from(RATE_LIMIT)),
     ));
     ctx.report.print(&markdown_table(
         &[
@@ -273,10 +220,6 @@ pub async fn rate_workload(ctx: &mut Ctx) -> Res<()> {
             "errors",
         ],
         &rows,
-    ));
-    ctx.report.print(&format!(
-        "{RATE_GCRA_LEDGER} ÷ {RATE_BUCKET}, decisions/s: {}.\n",
-        gcra_vs_bucket.join("; ")
     ));
     ctx.report.targets.extend(targets);
     ctx.report.add_cells(all);
@@ -336,10 +279,6 @@ pub async fn rate_cell(
             RateLimiter::builder(name, RatePolicy::sliding_window(RATE_LIMIT, window))
                 .build(&pool)?,
         ),
-        RATE_GCRA_LEDGER => RateOp::GcraLedger {
-            pool: pool.clone(),
-            limiter: name,
-        },
         other => return Err(format!("no rate row {other:?}").into()),
     });
     let admitted = Arc::new(AtomicU64::new(0));

@@ -6,13 +6,12 @@
 //! does not depend on pg-semaphore; this module re-exports it under the names
 //! the tests use (`support::empty_db`, `support::server::url_for`, ...) and
 //! adds what calls pg-semaphore or reads its schema. A helper that two test
-//! files need lives here (or in the testkit), never in both files.
+//! files need lives here (or in the testkit), never in both files. The
+//! CLI's tests (`cli/tests/support/mod.rs`) include this module too.
 #![allow(dead_code, unused_imports)]
 
 pub mod catalog;
 pub mod chaos;
-#[cfg(feature = "cli")]
-pub mod cli;
 pub mod roles;
 
 pub use testkit::{

@@ -1,6 +1,5 @@
 //! The `pg-semaphore` binary, run as an operator would (`tests/cli.rs`,
-//! `tests/report.rs`): its output and exit status. Only with the `cli`
-//! feature, which builds the binary.
+//! `tests/report.rs`): its output and exit status.
 
 use std::path::PathBuf;
 use std::process::Output;

@@ -1,9 +1,9 @@
 //! `pg-semaphore`: the operator's command line for pg-semaphore.
 //!
-//! Built with the `cli` feature:
+//! The workspace's `cli/` crate (`pg-semaphore-cli`):
 //!
 //! ```text
-//! cargo install pg-semaphore --features cli     # or: cargo run --features cli -- status
+//! cargo install --path cli     # or: cargo run -p pg-semaphore-cli -- status
 //! ```
 //!
 //! The library returns data; this binary only parses and renders:
