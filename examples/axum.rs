@@ -23,7 +23,7 @@ use http_body_util::Empty;
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use pg_semaphore::{AuditLog, Semaphore, SemaphoreLayer};
+use pg_semaphore::{Semaphore, audit::AuditLog, tower::SemaphoreLayer};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 

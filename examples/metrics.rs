@@ -34,7 +34,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use pg_semaphore::{Error, Mutex, RateLimiter, RatePolicy, Reaper, Semaphore};
+use pg_semaphore::{Error, Mutex, RateLimiter, RatePolicy, Semaphore, admin::Reaper};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 

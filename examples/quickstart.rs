@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{Error, Reaper, Semaphore};
+use pg_semaphore::{Error, Semaphore, admin::Reaper};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 use tokio::sync::oneshot;

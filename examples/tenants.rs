@@ -27,7 +27,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use pg_semaphore::{Error, RuleKind, SemaphoreFamily};
+use pg_semaphore::{Error, SemaphoreFamily, admin::RuleKind};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 
@@ -102,11 +102,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     // The operator (here the same program; in production `pg-semaphore rule
     // set example-tenants --tier premium 4` and friends, as the operator role).
-    pg_semaphore::configure_family(&pool, "example-tenants", Some(2), None, None).await?;
-    pg_semaphore::set_family_rule(&pool, "example-tenants", RuleKind::Tier, "premium", Some(4))
+    pg_semaphore::admin::configure_family(&pool, "example-tenants", Some(2), None, None).await?;
+    pg_semaphore::admin::set_family_rule(
+        &pool,
+        "example-tenants",
+        RuleKind::Tier,
+        "premium",
+        Some(4),
+    )
+    .await?;
+    pg_semaphore::admin::set_family_tier(&pool, "example-tenants", "globex", Some("premium"))
         .await?;
-    pg_semaphore::set_family_tier(&pool, "example-tenants", "globex", Some("premium")).await?;
-    pg_semaphore::set_family_rule(&pool, "example-tenants", RuleKind::Key, "acme", Some(6)).await?;
+    pg_semaphore::admin::set_family_rule(&pool, "example-tenants", RuleKind::Key, "acme", Some(6))
+        .await?;
 
     // The fragile upstream: each request takes 300 ms.
     let upstream = serve(Router::new().route(
@@ -147,7 +155,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         println!("{tenant}: {served} served, {limited} answered 429");
     }
-    for key in pg_semaphore::busiest_keys(&pool, "example-tenants", 10).await? {
+    for key in pg_semaphore::admin::busiest_keys(&pool, "example-tenants", 10).await? {
         println!("still held: {} ({} of {})", key.key, key.held, key.capacity);
     }
     Ok(())

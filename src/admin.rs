@@ -1,13 +1,22 @@
-//! Operator functions: list every semaphore (lease or advisory) with its
-//! live holders, force a claim's release, change a capacity or lease. The
-//! `pg-semaphore` CLI is built on them; applications can call them too (an
-//! admin endpoint, a runbook script). Under the README's grants, listing
-//! needs only the application role; the others need the operator role.
+//! The operator's side: everything an application needs no more than
+//! reading rights for, and everything that needs the operator role under
+//! the README's grants. The `pg-semaphore` CLI is built on these;
+//! applications can call them too (an admin endpoint, a runbook script).
 //!
-//! Rate limiters' stored limits and pauses (schema version 9):
-//! [`rate_limit_settings`] lists them, [`set_rate_limit`] and
-//! [`clear_rate_limit`] store and forget a limiter's (or a key's) limits,
-//! [`pause_rate_limit`] and [`resume_rate_limit`] pause and resume.
+//! - Semaphores of either kind: [`semaphores`] lists them with their live
+//!   holders (the application role may); [`configure`], [`set_capacity`],
+//!   [`force_release`], [`clear_queue`], [`set_queue_order`] and
+//!   [`set_fairness_weight`] change them.
+//! - Families: [`families`], [`busiest_keys`], [`configure_family`],
+//!   [`set_family_rule`], [`set_family_tier`].
+//! - Rate limiters' stored limits and pauses: [`rate_limit_settings`] lists
+//!   them, [`set_rate_limit`] and [`clear_rate_limit`] store and forget a
+//!   limiter's (or a key's) limits, [`pause_rate_limit`] and
+//!   [`resume_rate_limit`] pause and resume; [`prune_rate_limits`] forgets
+//!   idle keys.
+//! - Housekeeping: [`Reaper`] (a background task doing [`reap`],
+//!   [`prune_claims`] and [`prune_rate_limits`] on an interval), and
+//!   [`horizon`], the sessions holding back VACUUM.
 
 use std::time::Duration;
 
@@ -19,6 +28,14 @@ use crate::db::Db;
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::semaphore::QueueOrder;
 use crate::validate;
+
+pub use crate::family_admin::{
+    FamilyInfo, FamilyKeyInfo, FamilyRule, RuleKind, busiest_keys, configure_family, families,
+    set_family_rule, set_family_tier,
+};
+pub use crate::horizon::{HorizonHolder, HorizonHolderKind, horizon};
+pub use crate::rate_limit::prune_rate_limits;
+pub use crate::reaper::{Reaper, ReaperBuilder, prune_claims, reap};
 
 /// Every semaphore of either kind with its live holders, read in one
 /// statement (one snapshot): a lease semaphore's live claims (`lease`
@@ -253,12 +270,12 @@ struct StatusRow {
 /// advisory semaphore's slots, by slot. A name belongs to one kind only. A
 /// key of a [semaphore family](crate::SemaphoreFamily) (named
 /// `@family/key`) is listed only while it is held: a family may have a
-/// million keys ([`families`](crate::families) and
-/// [`busiest_keys`](crate::busiest_keys) list them by family).
+/// million keys ([`families`] and
+/// [`busiest_keys`] list them by family).
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// for sem in pg_semaphore::semaphores(&pool).await? {
+/// for sem in pg_semaphore::admin::semaphores(&pool).await? {
 ///     println!("{} ({:?}): {} of {} held", sem.name, sem.kind, sem.held(), sem.capacity);
 ///     for h in &sem.holders {
 ///         match (h.id, &h.holder, h.pid) {
@@ -325,8 +342,8 @@ pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// use pg_semaphore::ReleaseOutcome;
-/// match pg_semaphore::force_release(&pool, 42).await? {
+/// use pg_semaphore::admin::ReleaseOutcome;
+/// match pg_semaphore::admin::force_release(&pool, 42).await? {
 ///     ReleaseOutcome::Released { semaphore, .. } => println!("freed a slot of {semaphore}"),
 ///     ReleaseOutcome::NotFound => println!("no claim #42"),
 ///     other => println!("nothing to do: {other:?}"),
@@ -375,7 +392,7 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// let previous = pg_semaphore::set_capacity(&pool, "payments-api", 8).await?;
+/// let previous = pg_semaphore::admin::set_capacity(&pool, "payments-api", 8).await?;
 /// println!("payments-api: {previous} -> 8");
 /// # Ok(())
 /// # }
@@ -384,7 +401,7 @@ pub async fn force_release(pool: &PgPool, id: i64) -> Result<ReleaseOutcome> {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a capacity of 0 or above
-/// [`MAX_CAPACITY`](crate::MAX_CAPACITY) or a bad name (nothing is
+/// [`MAX_CAPACITY`](crate::limits::MAX_CAPACITY) or a bad name (nothing is
 /// written); [`Error::SemaphoreNotFound`] when no semaphore has this name;
 /// [`Error::Stalled`] when an advisory semaphore's row stayed locked by
 /// another transaction for 2 s (nothing was changed; retry);
@@ -441,7 +458,7 @@ pub async fn set_capacity(pool: &PgPool, name: &str, capacity: u32) -> Result<u3
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use std::time::Duration;
-/// pg_semaphore::configure(&pool, "payments-api", 8, Duration::from_secs(60)).await?;
+/// pg_semaphore::admin::configure(&pool, "payments-api", 8, Duration::from_secs(60)).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -483,7 +500,7 @@ pub async fn configure(
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use pg_semaphore::QueueOrder;
-/// pg_semaphore::set_queue_order(&pool, "exports", QueueOrder::NewestFirst).await?;
+/// pg_semaphore::admin::set_queue_order(&pool, "exports", QueueOrder::NewestFirst).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -511,7 +528,7 @@ pub async fn set_queue_order(pool: &PgPool, name: &str, order: QueueOrder) -> Re
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// let removed = pg_semaphore::clear_queue(&pool, "exports").await?;
+/// let removed = pg_semaphore::admin::clear_queue(&pool, "exports").await?;
 /// println!("removed {removed} waiters");
 /// # Ok(())
 /// # }
@@ -551,7 +568,7 @@ pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// // The paying tenant gets three grants for every one of each other tenant.
-/// pg_semaphore::set_fairness_weight(&pool, "exports", Some("tenant-42"), 3).await?;
+/// pg_semaphore::admin::set_fairness_weight(&pool, "exports", Some("tenant-42"), 3).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -559,7 +576,7 @@ pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a weight of 0 or above
-/// [`MAX_FAIRNESS_WEIGHT`](crate::MAX_FAIRNESS_WEIGHT), a bad name or key (nothing is written);
+/// [`MAX_FAIRNESS_WEIGHT`](crate::limits::MAX_FAIRNESS_WEIGHT), a bad name or key (nothing is written);
 /// [`Error::SemaphoreNotFound`] when no lease semaphore has this name;
 /// [`Error::Schema`], [`Error::Database`].
 ///
@@ -764,7 +781,7 @@ type SettingRow = (
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// for setting in pg_semaphore::rate_limit_settings(&pool).await? {
+/// for setting in pg_semaphore::admin::rate_limit_settings(&pool).await? {
 ///     println!("{} {} {:?}: {:?}", setting.kind, setting.limiter, setting.key, setting.limit);
 /// }
 /// # Ok(())
@@ -841,10 +858,10 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// use pg_semaphore::{LimiterKind, StoredLimit};
+/// use pg_semaphore::admin::{LimiterKind, StoredLimit};
 /// // The partner raised our quota: 50 per second, bursts of 100, from now on, everywhere.
 /// let limit = StoredLimit::TokenBucket { rate: 50.0, burst: 100 };
-/// pg_semaphore::set_rate_limit(&pool, LimiterKind::TokenBucket, "partner-api", None, limit).await?;
+/// pg_semaphore::admin::set_rate_limit(&pool, LimiterKind::TokenBucket, "partner-api", None, limit).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -853,9 +870,9 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 ///
 /// [`Error::InvalidArgument`] for a bad name or key, a limit of another
 /// kind than `kind` (`limit`), and limits a builder would refuse (a rate
-/// that is not positive or above [`MAX_RATE`](crate::MAX_RATE), a burst or
+/// that is not positive or above [`MAX_RATE`](crate::limits::MAX_RATE), a burst or
 /// permit limit of 0, a window outside
-/// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW); a
+/// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`](crate::limits::MAX_WINDOW); a
 /// bucket refilled in more than 366 days: `p_burst`, from the database);
 /// [`Error::Schema`] before schema version 9; [`Error::Stalled`]
 /// when an application's pause or a limiter's first check left in an open
@@ -875,10 +892,10 @@ pub async fn set_rate_limit(
     rate_target(limiter, key)?;
     let (rate, burst, permit_limit, window) = match (kind, limit) {
         (LimiterKind::TokenBucket, StoredLimit::TokenBucket { rate, burst }) => {
-            if !(rate.is_finite() && rate > 0.0 && rate <= crate::MAX_RATE) {
+            if !(rate.is_finite() && rate > 0.0 && rate <= crate::limits::MAX_RATE) {
                 return Err(Error::invalid(
                     "rate",
-                    format!("{rate}: above 0, at most {}", crate::MAX_RATE),
+                    format!("{rate}: above 0, at most {}", crate::limits::MAX_RATE),
                 ));
             }
             validate::positive("burst", burst.into())?;
@@ -999,7 +1016,7 @@ fn rate_settings_stalled(error: Error, limiter: &str) -> Error {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad name or key, a `duration` below 1 ms
-/// or above [`MAX_PAUSE`](crate::MAX_PAUSE); [`Error::Schema`],
+/// or above [`MAX_PAUSE`](crate::limits::MAX_PAUSE); [`Error::Schema`],
 /// [`Error::Stalled`] (the settings row held by an open transaction for 2
 /// s), [`Error::Database`].
 ///

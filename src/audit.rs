@@ -343,7 +343,7 @@ const REPORT_MAX_LANES: u32 = 100;
 /// bins, and at most `max_claims` claims.
 ///
 /// ```
-/// use pg_semaphore::ReportShape;
+/// use pg_semaphore::audit::ReportShape;
 /// // A narrow picture: 60 columns, 10 histogram bars, no claim listed.
 /// let shape = ReportShape::new().buckets(60).hold_time_bins(10).max_claims(0);
 /// assert_ne!(shape, ReportShape::default());
@@ -422,7 +422,7 @@ impl Default for ReportShape {
 ///
 /// ```no_run
 /// use chrono::{Duration, Utc};
-/// use pg_semaphore::AuditLog;
+/// use pg_semaphore::audit::AuditLog;
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let log = AuditLog::new(&pool);
@@ -443,7 +443,7 @@ pub struct AuditLog {
 }
 
 /// Which kind of semaphore a [`Holder`], [`ClaimRecord`], [`Summary`],
-/// [`SemaphoreInfo`](crate::SemaphoreInfo) or [`Report`] is about: where
+/// [`SemaphoreInfo`](crate::admin::SemaphoreInfo) or [`Report`] is about: where
 /// the two kinds differ, it says which fields are filled.
 ///
 /// With the `serde` feature: `"lease"` or `"advisory"`.
@@ -477,7 +477,7 @@ impl SemaphoreKind {
 }
 
 /// A live holder of a semaphore's slot, as listed by [`AuditLog::holders`]
-/// and in [`SemaphoreInfo::holders`](crate::SemaphoreInfo::holders).
+/// and in [`SemaphoreInfo::holders`](crate::admin::SemaphoreInfo::holders).
 ///
 /// Of a lease semaphore ([`kind`](Self::kind) [`SemaphoreKind::Lease`]): a
 /// live claim, with its id, holder label, metadata and lease. Of an
@@ -610,7 +610,7 @@ pub enum Outcome {
 /// slots, has no claim id (its fencing is its session, not a token) and no
 /// lease, and is only ever finished: the audit writer appends it after it
 /// ends, in batches (about every half second), so live permits are not
-/// here; their slots are in [`semaphores`](crate::semaphores) and
+/// here; their slots are in [`semaphores`](crate::admin::semaphores) and
 /// `pg-semaphore status`. A permit whose process died before its row was
 /// written is missing.
 ///
@@ -745,7 +745,7 @@ impl serde::Serialize for Summary {
 /// [`kind`](Self::kind) is [`SemaphoreKind::Advisory`], and the report is
 /// drawn from its audit log, which holds finished permits only: the
 /// picture ends at the last permit that finished (and was written, about
-/// every half second); live holders are in [`semaphores`](crate::semaphores).
+/// every half second); live holders are in [`semaphores`](crate::admin::semaphores).
 /// Its permits are listed in [`claims`](Self::claims); a permit of n slots
 /// counts n in the occupancy and the lanes, one in the counts and hold
 /// times. The [`summary`](Self::summary) is the advisory one (released,
@@ -1026,7 +1026,7 @@ impl AuditLog {
     ///
     /// ```no_run
     /// use chrono::{Duration, Utc};
-    /// use pg_semaphore::AuditLog;
+    /// use pg_semaphore::audit::AuditLog;
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
     /// let now = Utc::now();
@@ -1071,7 +1071,7 @@ impl AuditLog {
     ///
     /// ```no_run
     /// use chrono::{Duration, Utc};
-    /// use pg_semaphore::AuditLog;
+    /// use pg_semaphore::audit::AuditLog;
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
     /// let now = Utc::now();
@@ -1114,7 +1114,7 @@ impl AuditLog {
     ///
     /// ```no_run
     /// use chrono::{Duration, Utc};
-    /// use pg_semaphore::AuditLog;
+    /// use pg_semaphore::audit::AuditLog;
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
     /// let now = Utc::now();
@@ -1147,7 +1147,7 @@ impl AuditLog {
     ///
     /// ```no_run
     /// use chrono::{Duration, Utc};
-    /// use pg_semaphore::{AuditLog, ReportShape};
+    /// use pg_semaphore::audit::{AuditLog, ReportShape};
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
     /// let now = Utc::now();

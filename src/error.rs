@@ -207,7 +207,7 @@ pub enum Error {
 /// not pg-semaphore's. Every message says what to do.
 ///
 /// ```no_run
-/// use pg_semaphore::{Error, SchemaError};
+/// use pg_semaphore::{Error, schema::SchemaError};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Error> {
 /// match pg_semaphore::migrate(&pool).await {
@@ -330,7 +330,7 @@ impl From<::refinery::Error> for Error {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MigrationHistory {
-    /// pg-semaphore's own sqlx history, [`MIGRATIONS_TABLE`](crate::MIGRATIONS_TABLE):
+    /// pg-semaphore's own sqlx history, [`MIGRATIONS_TABLE`](crate::schema::MIGRATIONS_TABLE):
     /// applied by [`migrate`](crate::migrate), `pg-semaphore migrate` or
     /// `sqlx migrate run --config <pg-semaphore>/migrations/sqlx.toml`.
     Sqlx,
@@ -381,7 +381,7 @@ fn outdated(found: i32, required: i32, history: MigrationHistory, pending: &[Str
         MigrationHistory::Refinery => format!(
             "{what}, and it was applied with refinery (history in \
              pgsemaphore.refinery_schema_history): upgrade it with \
-             `pg_semaphore::refinery_migrate(&mut client)`, not with sqlx"
+             `pg_semaphore::schema::refinery_migrate(&mut client)`, not with sqlx"
         ),
     }
 }

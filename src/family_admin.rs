@@ -207,7 +207,7 @@ fn seconds(s: f64) -> Duration {
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// for family in pg_semaphore::families(&pool).await? {
+/// for family in pg_semaphore::admin::families(&pool).await? {
 ///     println!("{}: {} keys, default {}", family.name, family.keys, family.default_capacity);
 ///     for rule in &family.rules {
 ///         println!("  {:?} {} -> {}", rule.kind, rule.matches, rule.capacity);
@@ -301,7 +301,7 @@ pub async fn busiest_keys(pool: &PgPool, family: &str, limit: u32) -> Result<Vec
 /// to the capacity the rules now give it and to the new lease. Returns how
 /// many keys changed. A lowered capacity admits no claim above it; holders
 /// above it keep their slots until they release (as
-/// [`set_capacity`](crate::set_capacity)).
+/// [`set_capacity`](crate::admin::set_capacity)).
 ///
 /// # Errors
 ///
@@ -355,10 +355,10 @@ pub async fn configure_family(
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// use pg_semaphore::RuleKind;
-/// pg_semaphore::set_family_rule(&pool, "tenants", RuleKind::Tier, "premium", Some(50)).await?;
-/// pg_semaphore::set_family_tier(&pool, "tenants", "tenant-42", Some("premium")).await?;
-/// pg_semaphore::set_family_rule(&pool, "tenants", RuleKind::Key, "tenant-7", Some(200)).await?;
+/// use pg_semaphore::admin::RuleKind;
+/// pg_semaphore::admin::set_family_rule(&pool, "tenants", RuleKind::Tier, "premium", Some(50)).await?;
+/// pg_semaphore::admin::set_family_tier(&pool, "tenants", "tenant-42", Some("premium")).await?;
+/// pg_semaphore::admin::set_family_rule(&pool, "tenants", RuleKind::Key, "tenant-7", Some(200)).await?;
 /// # Ok(())
 /// # }
 /// ```

@@ -8,7 +8,7 @@
 //! transaction` session, a `pg_dump`, a prepared transaction or a
 //! replication slot holds that *xmin horizon* for the whole database, and
 //! every claim then walks more dead versions than the last (see the README,
-//! "Two semaphores"). This module names the culprit; the [`Reaper`](crate::Reaper)
+//! "Two semaphores"). This module names the culprit; the [`Reaper`](crate::admin::Reaper)
 //! warns about it and records it as a metric, and `pg-semaphore doctor`
 //! prints it.
 
@@ -179,7 +179,7 @@ struct Row {
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use std::time::Duration;
-/// if let Some(h) = pg_semaphore::horizon(&pool).await? {
+/// if let Some(h) = pg_semaphore::admin::horizon(&pool).await? {
 ///     if h.held_for.is_some_and(|d| d > Duration::from_secs(300)) {
 ///         eprintln!(
 ///             "VACUUM held back for {:?} by pid {:?} ({:?}, {:?}): {} xids",

@@ -38,7 +38,7 @@
 //!   that mostly does not wait pays nothing for wake-ups.
 //! - [`SemaphoreBuilder::build`] *opens* a semaphore: it creates it if it
 //!   does not exist and never changes a stored capacity or lease; an
-//!   operator changes them ([`set_capacity`], [`configure`]).
+//!   operator changes them ([`set_capacity`](crate::admin::set_capacity), [`configure`](crate::admin::configure)).
 //!
 //! # Beyond one permit
 //!
@@ -64,19 +64,19 @@
 //! give that key: an exact-key rule, else the rule of the key's tier (the
 //! operator puts keys in tiers), else the family's default ("each tenant
 //! may run 10 at once, premium tenants 50, tenant 7 200").
-//! [`set_family_rule`], [`set_family_tier`] and [`configure_family`] change
+//! [`set_family_rule`](crate::admin::set_family_rule), [`set_family_tier`](crate::admin::set_family_tier) and [`configure_family`](crate::admin::configure_family) change
 //! them at run time, for existing keys too, atomically; the application
 //! names keys and never chooses a capacity. A key's semaphore is an
 //! ordinary [`Semaphore`] (named `@family/key`), so a claim on a key costs
 //! what a named claim costs; the reaper removes keys nothing has referenced
 //! for the family's idle time (after their audit history was pruned).
-//! [`families`] and [`busiest_keys`] list them.
+//! [`families`](crate::admin::families) and [`busiest_keys`](crate::admin::busiest_keys) list them.
 //!
 //! # Crashes and timeouts
 //!
 //! Each permit has a **lease** measured on the database clock. If its holder
 //! dies, the slot stays held until the lease expires; then the next claim on
-//! that semaphore, or a [`Reaper`] / [`reap`], marks it timed out. A holder
+//! that semaphore, or a [`Reaper`](crate::admin::Reaper) / [`reap`](crate::admin::reap), marks it timed out. A holder
 //! that releases after being reaped gets [`Error::PermitLost`]: it learns
 //! that someone else may have used its slot. While the holder lives, a
 //! heartbeat renews the lease (every third of it by default,
@@ -126,13 +126,13 @@
 //! Each check is one round trip to a SQL function that locks the key,
 //! reads the database clock and returns a [`Decision`] (`allowed`,
 //! `remaining`, `retry_after`), so concurrent processes never admit more than
-//! the limit. Keys are created on first use; [`prune_rate_limits`] (or a
-//! [`Reaper`] with [`ReaperBuilder::rate_limits`]) deletes keys at rest. With
+//! the limit. Keys are created on first use; [`prune_rate_limits`](crate::admin::prune_rate_limits) (or a
+//! [`Reaper`](crate::admin::Reaper) with [`ReaperBuilder::rate_limits`](crate::admin::ReaperBuilder::rate_limits)) deletes keys at rest. With
 //! `fail_open(true)`, an unreachable database admits instead of failing.
 //! A limiter's limits belong to the database: its first check stores the
 //! limits its handle was built with, every process is decided under the
 //! stored ones, read inside the same check, and only an operator changes
-//! them, per limiter or per key ([`set_rate_limit`]; a process whose code
+//! them, per limiter or per key ([`set_rate_limit`](crate::admin::set_rate_limit); a process whose code
 //! says otherwise logs one `WARN`). [`RateLimiter::pause`]
 //! holds back a key (or [`pause_all`](RateLimiter::pause_all), a limiter)
 //! in every process after an upstream's 429, and a [`LimiterSet`] checks
@@ -145,12 +145,12 @@
 //!
 //! Finished claims stay in the slot table with `completed_at` or
 //! `timed_out_at`; an advisory semaphore's finished permits are written to
-//! its log. [`AuditLog`] reads either kind (its answers say which, as a
-//! [`SemaphoreKind`]): live holders, a window's history with outcomes and
+//! its log. [`AuditLog`](crate::audit::AuditLog) reads either kind (its answers say which, as a
+//! [`SemaphoreKind`](crate::audit::SemaphoreKind)): live holders, a window's history with outcomes and
 //! hold times, a summary with p50/p95 hold time, and a
-//! [`Report`] (occupancy against capacity, each slot's use, hold times),
+//! [`Report`](crate::audit::Report) (occupancy against capacity, each slot's use, hold times),
 //! aggregated by the database at the resolution the caller asks for
-//! ([`ReportShape`]) when the window is busy.
+//! ([`ReportShape`](crate::audit::ReportShape)) when the window is busy.
 //!
 //! # Which primitive when
 //!
@@ -164,18 +164,18 @@
 //!
 //! On a crash: a mutex is freed at once (the server ends the dead
 //! transaction or session); a semaphore slot is freed when its lease expires
-//! (or an operator runs [`force_release`]). On a timeout
+//! (or an operator runs [`force_release`](crate::admin::force_release)). On a timeout
 //! ([`Claim::timeout`], [`Locking::timeout`]): both return
 //! [`Error::Timeout`], and nothing is left held or queued.
 //!
 //! # Operating
 //!
-//! [`semaphores`] lists every semaphore, lease or advisory, with its live
+//! [`semaphores`](crate::admin::semaphores) lists every semaphore, lease or advisory, with its live
 //! holders (an advisory one's: the sessions that hold its slots),
-//! [`force_release`] frees a stuck claim, [`set_capacity`]
-//! resizes a semaphore, [`reap`] and [`prune_claims`] clean up,
-//! [`AuditLog`] reads history; [`rate_limit_settings`], [`set_rate_limit`],
-//! [`clear_rate_limit`], [`pause_rate_limit`] and [`resume_rate_limit`]
+//! [`force_release`](crate::admin::force_release) frees a stuck claim, [`set_capacity`](crate::admin::set_capacity)
+//! resizes a semaphore, [`reap`](crate::admin::reap) and [`prune_claims`](crate::admin::prune_claims) clean up,
+//! [`AuditLog`](crate::audit::AuditLog) reads history; [`rate_limit_settings`](crate::admin::rate_limit_settings), [`set_rate_limit`](crate::admin::set_rate_limit),
+//! [`clear_rate_limit`](crate::admin::clear_rate_limit), [`pause_rate_limit`](crate::admin::pause_rate_limit) and [`resume_rate_limit`](crate::admin::resume_rate_limit)
 //! manage rate limiters' stored limits and pauses.
 //! The `pg-semaphore` binary (crate `pg-semaphore-cli`) does the same from a shell:
 //! `pg-semaphore status`, `audit NAME --last 1h`, `release --id N`, ...
@@ -185,11 +185,11 @@
 //! Every function of the schema runs with its owner's rights and a pinned
 //! `search_path`: the application's role needs `EXECUTE` on the
 //! application's functions and no write privilege on any table; an operator
-//! role gets the operator's functions ([`set_capacity`], [`configure`],
-//! [`set_queue_order`], [`set_fairness_weight`], [`clear_queue`],
-//! [`force_release`], [`reap`], [`prune_claims`], [`configure_family`],
-//! [`set_family_rule`], [`set_family_tier`], [`set_rate_limit`],
-//! [`clear_rate_limit`], [`resume_rate_limit`]). The README lists the exact grants, and what the
+//! role gets the operator's functions ([`set_capacity`](crate::admin::set_capacity), [`configure`](crate::admin::configure),
+//! [`set_queue_order`](crate::admin::set_queue_order), [`set_fairness_weight`](crate::admin::set_fairness_weight), [`clear_queue`](crate::admin::clear_queue),
+//! [`force_release`](crate::admin::force_release), [`reap`](crate::admin::reap), [`prune_claims`](crate::admin::prune_claims), [`configure_family`](crate::admin::configure_family),
+//! [`set_family_rule`](crate::admin::set_family_rule), [`set_family_tier`](crate::admin::set_family_tier), [`set_rate_limit`](crate::admin::set_rate_limit),
+//! [`clear_rate_limit`](crate::admin::clear_rate_limit), [`resume_rate_limit`](crate::admin::resume_rate_limit)). The README lists the exact grants, and what the
 //! application role can and cannot do with them: the SQL functions are the
 //! security boundary, not this crate. They check every argument (a refused
 //! one is [`Error::InvalidArgument`], naming it), never lock or change a
@@ -202,13 +202,13 @@
 //! version first and writes nothing unless migrations are due and this role
 //! may apply them, so it also adopts a schema applied another way: with
 //! `sqlx migrate run --source migrations --config migrations/sqlx.toml` or
-//! `pg-semaphore migrate` (our history, [`MIGRATIONS_TABLE`], apart from
+//! `pg-semaphore migrate` (our history, [`MIGRATIONS_TABLE`](crate::schema::MIGRATIONS_TABLE), apart from
 //! the application's own), through the application's own sqlx history (our
 //! `.sql` files copied into its `migrations/`), or with `refinery_migrate`
 //! (feature `refinery`, history in `pgsemaphore.refinery_schema_history`).
 //! A schema it cannot use is an [`Error::Schema`] that says what to do
-//! ([`SchemaError::NotPermitted`], [`SchemaError::Outdated`],
-//! [`SchemaError::TooNew`], ...).
+//! ([`SchemaError::NotPermitted`](crate::schema::SchemaError::NotPermitted), [`SchemaError::Outdated`](crate::schema::SchemaError::Outdated),
+//! [`SchemaError::TooNew`](crate::schema::SchemaError::TooNew), ...).
 //!
 //! # Tracing
 //!
@@ -218,9 +218,9 @@
 //!
 //! # Features
 //!
-//! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`],
-//!   [`Holder`], [`SemaphoreKind`], [`ClaimRecord`], [`Outcome`], [`Summary`], [`Report`] and its parts,
-//!   [`ReleaseOutcome`], [`Decision`], [`FamilyInfo`] and [`FamilyKeyInfo`]. Times are RFC 3339 strings,
+//! - `serde`: `Serialize` for the data users log or ship: [`SemaphoreInfo`](crate::admin::SemaphoreInfo),
+//!   [`Holder`](crate::audit::Holder), [`SemaphoreKind`](crate::audit::SemaphoreKind), [`ClaimRecord`](crate::audit::ClaimRecord), [`Outcome`](crate::audit::Outcome), [`Summary`](crate::audit::Summary), [`Report`](crate::audit::Report) and its parts,
+//!   [`ReleaseOutcome`](crate::admin::ReleaseOutcome), [`Decision`], [`FamilyInfo`](crate::admin::FamilyInfo) and [`FamilyKeyInfo`](crate::admin::FamilyKeyInfo). Times are RFC 3339 strings,
 //!   durations seconds in fields named `*_seconds`, outcomes `snake_case`:
 //!   the shapes `pg-semaphore ... --json` prints.
 //! - `tower`: `SemaphoreLayer`, a tower layer that limits a service's
@@ -284,7 +284,7 @@
 //!   database clock; the end a renewal moves, and after which a reaper may
 //!   take the slot back.
 //! - **holder**: the text a claim records as who holds it (the audit log's
-//!   "who"); [`Holder`] is a live claim as an operator lists it.
+//!   "who"); [`Holder`](crate::audit::Holder) is a live claim as an operator lists it.
 //! - **token**: the random secret of one permit (16 to 64 bytes; the
 //!   database keeps its SHA-256) without which nobody can release, renew or
 //!   fence its claims; a waiting process also has a token of its own for its
@@ -313,7 +313,7 @@
 //!   a semaphore, numbered, so that the end of an old spell never removes a
 //!   newer spell's registration.
 //! - **reaper**: what marks claims whose lease ended as timed out: any claim
-//!   on the same semaphore, [`reap`], or the background [`Reaper`] (which
+//!   on the same semaphore, [`reap`](crate::admin::reap), or the background [`Reaper`](crate::admin::Reaper) (which
 //!   also prunes history).
 //! - **family**: a [`SemaphoreFamily`]: a name plus a **key** (a tenant)
 //!   gives one lease semaphore, named `@family/key`, created on first use
@@ -351,8 +351,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
-mod admin;
-mod audit;
+pub mod admin;
+pub mod audit;
 mod db;
 mod dead_man;
 mod detached;
@@ -373,52 +373,52 @@ mod semaphore;
 mod serialize;
 mod token;
 #[cfg(feature = "tower")]
-mod tower;
+pub mod tower;
 mod validate;
 
 #[cfg(feature = "metrics")]
 pub use self::metrics::describe_metrics;
-#[cfg(feature = "refinery")]
-pub use self::refinery::{REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner};
-#[cfg(feature = "tower")]
-pub use self::tower::{ResponseFuture, SemaphoreLayer, SemaphoreService};
-pub use admin::{
-    LimiterKind, RateLimitSetting, ReleaseOutcome, SemaphoreInfo, StoredLimit, clear_queue,
-    clear_rate_limit, configure, force_release, pause_rate_limit, rate_limit_settings,
-    resume_rate_limit, semaphores, set_capacity, set_fairness_weight, set_queue_order,
-    set_rate_limit,
-};
-pub use audit::{
-    AuditLog, ClaimRecord, HoldTimeBin, Holder, OccupancyBucket, Outcome, Report, ReportShape,
-    SemaphoreKind, SlotBucket, Summary,
-};
-pub use dead_man::DEFAULT_SESSION_HEARTBEAT;
-pub use error::{Error, LostReason, MigrationHistory, Result, SchemaError, WaitedFor};
-pub use family_admin::{
-    FamilyInfo, FamilyKeyInfo, FamilyRule, RuleKind, busiest_keys, configure_family, families,
-    set_family_rule, set_family_tier,
-};
-pub use horizon::{HorizonHolder, HorizonHolderKind, horizon};
-pub use migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrate, migrator};
+pub use error::{Error, LostReason, Result, WaitedFor};
+pub use migrate::migrate;
 pub use mutex::{Locking, Mutex, MutexGuard, SessionGuard};
-pub use rate_limit::{
-    Decision, LimiterSet, RateLimiter, RateLimiterBuilder, RatePolicy, prune_rate_limits,
-};
-pub use reaper::{DEFAULT_HORIZON_WARNING, Reaper, ReaperBuilder, prune_claims, reap};
+pub use rate_limit::{Decision, LimiterSet, RateLimiter, RateLimiterBuilder, RatePolicy};
 pub use semaphore::{
-    AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim,
-    DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_IDLE_AFTER, DEFAULT_LEASE,
-    Permit, Priority, QueueOrder, Semaphore, SemaphoreBuilder, SemaphoreFamily,
-    SemaphoreFamilyBuilder,
+    AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim, Permit, Priority,
+    QueueOrder, Semaphore, SemaphoreBuilder, SemaphoreFamily, SemaphoreFamilyBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].
 pub use sqlx::postgres::PgAdvisoryLockKey;
-pub use validate::{
-    MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAIRNESS_WEIGHT, MAX_FAMILY_KEY_LEN,
-    MAX_FAMILY_NAME_LEN, MAX_HOLDER_LEN, MAX_IDLE_AFTER, MAX_KEY_LEN, MAX_LEASE, MAX_LIMITS,
-    MAX_NAME_LEN, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_TIER_LEN,
-    MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
-};
+
+/// The bounds every argument is checked against (in Rust for a precise
+/// error, and again by the SQL functions, which are the security boundary),
+/// and the defaults of the builders' settings.
+pub mod limits {
+    pub use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
+    pub use crate::reaper::DEFAULT_HORIZON_WARNING;
+    pub use crate::semaphore::{
+        DEFAULT_ADVISORY_CONNECTIONS, DEFAULT_FALLBACK_INTERVAL, DEFAULT_IDLE_AFTER, DEFAULT_LEASE,
+    };
+    pub use crate::validate::{
+        MAX_CAPACITY, MAX_FAIRNESS_KEY_LEN, MAX_FAIRNESS_WEIGHT, MAX_FAMILY_KEY_LEN,
+        MAX_FAMILY_NAME_LEN, MAX_HOLDER_LEN, MAX_IDLE_AFTER, MAX_KEY_LEN, MAX_LEASE, MAX_LIMITS,
+        MAX_NAME_LEN, MAX_PAUSE, MAX_RATE, MAX_RATE_WAIT, MAX_SEMAPHORES_PER_CLAIM, MAX_TIER_LEN,
+        MAX_WINDOW, MIN_LEASE, MIN_WINDOW,
+    };
+}
+
+/// The schema and its migrations: where the objects live ([`SCHEMA`](crate::schema::SCHEMA)),
+/// the version this crate needs ([`SCHEMA_VERSION`](crate::schema::SCHEMA_VERSION)), sqlx's
+/// [`migrator`](crate::schema::migrator) over the same files [`migrate`] applies,
+/// refinery's (feature `refinery`), and the errors that say why a schema
+/// cannot be used ([`SchemaError`](crate::schema::SchemaError), inside [`Error::Schema`]).
+pub mod schema {
+    pub use crate::error::{MigrationHistory, SchemaError};
+    pub use crate::migrate::{MIGRATIONS_TABLE, SCHEMA, SCHEMA_VERSION, migrator};
+    #[cfg(feature = "refinery")]
+    pub use crate::refinery::{
+        REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner,
+    };
+}
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.
 #[doc = include_str!("../README.md")]

@@ -15,8 +15,8 @@
 //! | `pg_semaphore_queue_full_total` | counter | `semaphore` | acquires refused by the fair queue's limit (`QueueFull`) |
 //! | `pg_semaphore_permits_lost_total` | counter | `semaphore`, `reason` | permits found lost when released or dropped, once per permit |
 //! | `pg_semaphore_fail_open_total` | counter | `semaphore` | fail-open admissions: unchecked permits, and requests `SemaphoreLayer` served without a permit |
-//! | `pg_semaphore_reaped_total` | counter | none | expired claims freed by [`reap`](crate::reap) (and so by a [`Reaper`](crate::Reaper)), every semaphore together |
-//! | `pg_semaphore_horizon_held_seconds` | gauge | none | how long the oldest holder of the database's xmin horizon has held it, as a [`Reaper`](crate::Reaper) last saw it (0: nobody) |
+//! | `pg_semaphore_reaped_total` | counter | none | expired claims freed by [`reap`](crate::admin::reap) (and so by a [`Reaper`](crate::admin::Reaper)), every semaphore together |
+//! | `pg_semaphore_horizon_held_seconds` | gauge | none | how long the oldest holder of the database's xmin horizon has held it, as a [`Reaper`](crate::admin::Reaper) last saw it (0: nobody) |
 //! | `pg_semaphore_horizon_age_xids` | gauge | none | transaction ids begun since that horizon: row versions VACUUM cannot remove yet |
 //! | `pg_semaphore_mutex_wait_seconds` | histogram | `mutex` | a waiting lock's time from its call until it was granted |
 //! | `pg_semaphore_mutex_timeouts_total` | counter | `mutex` | lock waits that gave up (`Timeout`) |
@@ -32,7 +32,7 @@
 //! creation and subtracts when dropped), so a cancelled acquire or a dropped
 //! permit cannot leave them off. Claims reap their own semaphore's expired
 //! slots too; the database does not report those, so the reaped counter only
-//! counts [`reap`](crate::reap)'s.
+//! counts [`reap`](crate::admin::reap)'s.
 //!
 //! Each event goes through the facade's macros where it happens (no handles
 //! registered in advance), so a recorder installed after a semaphore was
@@ -311,14 +311,14 @@ impl Drop for Waiting {
     }
 }
 
-/// [`reap`](crate::reap) freed `reaped` expired claims.
+/// [`reap`](crate::admin::reap) freed `reaped` expired claims.
 #[inline]
 pub(crate) fn reaped(reaped: u64) {
     #[cfg(feature = "metrics")]
     counter!(REAPED).increment(reaped);
 }
 
-/// A [`Reaper`](crate::Reaper) round's look at the xmin horizon.
+/// A [`Reaper`](crate::admin::Reaper) round's look at the xmin horizon.
 #[inline]
 pub(crate) fn horizon(held_for: Duration, age_xids: i64) {
     #[cfg(feature = "metrics")]

@@ -70,8 +70,8 @@ static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let mut conn = pool.acquire().await?;
-/// pg_semaphore::migrator().run(&mut *conn).await?;
-/// for m in pg_semaphore::migrator().iter() {
+/// pg_semaphore::schema::migrator().run(&mut *conn).await?;
+/// for m in pg_semaphore::schema::migrator().iter() {
 ///     println!("{} {}", m.version, m.description);
 /// }
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -889,7 +889,9 @@ mod tests {
         }
         assert!(matches!(
             modified.plan(Tool::Sqlx),
-            Err(Error::Schema(SchemaError::Migrate(MigrateError::VersionMismatch(_))))
+            Err(Error::Schema(SchemaError::Migrate(
+                MigrateError::VersionMismatch(_)
+            )))
         ));
     }
 }

@@ -6,7 +6,7 @@
 //! when a lease ends: a reaper frees slots for semaphores nobody is claiming
 //! and keeps the audit log bounded. Operator functions: under the README's
 //! grants they need the operator role. Each round the reaper also looks at
-//! the database's xmin horizon ([`horizon`](crate::horizon)) and warns when
+//! the database's xmin horizon ([`horizon`](crate::admin::horizon)) and warns when
 //! one session, slot or prepared transaction has held it too long. Each
 //! [`reap`] also examines the next 1,000 keys of
 //! each [semaphore family](crate::SemaphoreFamily) (in turn, so a round's
@@ -39,7 +39,7 @@ const REAP: &str = "SELECT pgsemaphore.reap()";
 ///
 /// Claims already reap their own semaphore before claiming, so a crashed
 /// holder never blocks a claimer beyond its lease; a [`Reaper`] (or a cron
-/// job calling this) also keeps [`AuditLog::holders`](crate::AuditLog::holders)
+/// job calling this) also keeps [`AuditLog::holders`](crate::audit::AuditLog::holders)
 /// and waiting acquires in other processes up to date.
 ///
 /// # Errors
@@ -86,7 +86,7 @@ const PRUNE_BATCH: i32 = 5_000;
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use std::time::Duration;
 /// // Keep a week of history.
-/// let deleted = pg_semaphore::prune_claims(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
+/// let deleted = pg_semaphore::admin::prune_claims(&pool, Duration::from_secs(7 * 24 * 3600)).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -129,7 +129,7 @@ pub async fn prune_claims(pool: &PgPool, older_than: Duration) -> Result<u64> {
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// let reaper = pg_semaphore::Reaper::spawn(&pool, Duration::from_secs(10))?;
+/// let reaper = pg_semaphore::admin::Reaper::spawn(&pool, Duration::from_secs(10))?;
 /// // ... serve ...
 /// reaper.shutdown().await;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -173,7 +173,7 @@ impl ReaperBuilder {
     }
 
     /// Also delete rate limiter keys at rest for `idle_for` or longer, each
-    /// round (see [`prune_rate_limits`](crate::prune_rate_limits)). Default:
+    /// round (see [`prune_rate_limits`](crate::admin::prune_rate_limits)). Default:
     /// rate limiter keys are never deleted.
     pub fn rate_limits(mut self, idle_for: Duration) -> Self {
         self.rate_limits = Some(idle_for);
@@ -227,7 +227,7 @@ impl Reaper {
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
     /// use std::time::Duration;
-    /// let reaper = pg_semaphore::Reaper::builder()
+    /// let reaper = pg_semaphore::admin::Reaper::builder()
     ///     .interval(Duration::from_secs(5))
     ///     .retention(Duration::from_secs(30 * 24 * 3600)) // keep 30 days of history
     ///     .spawn(&pool)?;
@@ -301,7 +301,7 @@ impl Reaper {
                         }
                     }
                     if let Some(idle_for) = rate_limits
-                        && let Err(error) = crate::prune_rate_limits(&pool, idle_for).await
+                        && let Err(error) = crate::admin::prune_rate_limits(&pool, idle_for).await
                     {
                         tracing::warn!(%error, "pruning rate limiter keys failed; retrying next interval");
                     }

@@ -13,7 +13,7 @@ use crate::migrate::{
 
 /// The table where refinery records which pg-semaphore migrations were
 /// applied: in pg-semaphore's own schema, beside
-/// [`MIGRATIONS_TABLE`](crate::MIGRATIONS_TABLE), so it never collides with
+/// [`MIGRATIONS_TABLE`](crate::schema::MIGRATIONS_TABLE), so it never collides with
 /// the application's own `refinery_schema_history`.
 pub const REFINERY_TABLE: &str = "pgsemaphore.refinery_schema_history";
 
@@ -31,7 +31,7 @@ static FILES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/refinery_mig
 /// `set_migration_table_name(REFINERY_TABLE)`.
 ///
 /// ```
-/// let migrations = pg_semaphore::refinery_migrations();
+/// let migrations = pg_semaphore::schema::refinery_migrations();
 /// assert_eq!(migrations[0].name(), "pgsemaphore_tables");
 /// assert_eq!(migrations[0].version(), 1);
 /// ```
@@ -55,7 +55,7 @@ pub fn refinery_migrations() -> Vec<Migration> {
 /// ```no_run
 /// # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
 /// client.batch_execute("CREATE SCHEMA IF NOT EXISTS pgsemaphore").await?;
-/// let report = pg_semaphore::refinery_runner().run_async(client).await?;
+/// let report = pg_semaphore::schema::refinery_runner().run_async(client).await?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }
 /// ```
@@ -79,11 +79,11 @@ pub fn refinery_runner() -> Runner {
 /// - **missing or older**, applied by refinery (history in
 ///   [`REFINERY_TABLE`]): creates the `pgsemaphore` schema if needed, then
 ///   runs [`refinery_runner`], if this role may; else
-///   [`SchemaError::NotPermitted`](crate::SchemaError::NotPermitted);
+///   [`SchemaError::NotPermitted`](crate::schema::SchemaError::NotPermitted);
 /// - **older, applied by another tool**:
-///   [`SchemaError::Outdated`](crate::SchemaError::Outdated), saying which;
+///   [`SchemaError::Outdated`](crate::schema::SchemaError::Outdated), saying which;
 /// - **newer**: an empty report if that schema declares itself compatible
-///   with this version, else [`SchemaError::TooNew`](crate::SchemaError::TooNew).
+///   with this version, else [`SchemaError::TooNew`](crate::schema::SchemaError::TooNew).
 ///
 /// Safe to call from many processes at start-up at once: migrations run
 /// under a session-level advisory lock of its own (refinery takes none), and
@@ -94,7 +94,7 @@ pub fn refinery_runner() -> Runner {
 /// let (mut client, connection) =
 ///     tokio_postgres::connect(&std::env::var("DATABASE_URL")?, tokio_postgres::NoTls).await?;
 /// tokio::spawn(connection);
-/// let report = pg_semaphore::refinery_migrate(&mut client).await?;
+/// let report = pg_semaphore::schema::refinery_migrate(&mut client).await?;
 /// println!("applied {} pg-semaphore migrations", report.applied_migrations().len());
 /// // Then use the crate with sqlx as usual.
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -104,7 +104,7 @@ pub fn refinery_runner() -> Runner {
 /// # Errors
 ///
 /// Those of [`migrate`](crate::migrate) about the schema's state (none
-/// writes anything); [`SchemaError::Refinery`](crate::SchemaError::Refinery) when
+/// writes anything); [`SchemaError::Refinery`](crate::schema::SchemaError::Refinery) when
 /// refinery fails (a statement refused, or the recorded history does not
 /// match these migrations), and for
 /// the statements that examine the schema (as refinery's own connection

@@ -6,8 +6,8 @@
 //! `_seconds`, outcomes in `snake_case`. The `pg-semaphore` CLI prints these
 //! shapes with `--json`. Most types derive `Serialize` with attributes at
 //! their fields, which use the helpers here; the three whose fields depend
-//! on their kind or that add computed fields ([`Holder`](crate::Holder),
-//! [`Summary`](crate::Summary), [`SemaphoreInfo`](crate::SemaphoreInfo))
+//! on their kind or that add computed fields ([`Holder`](crate::audit::Holder),
+//! [`Summary`](crate::audit::Summary), [`SemaphoreInfo`](crate::admin::SemaphoreInfo))
 //! are written out beside their types. This module depends on none of them.
 
 use std::time::Duration;

@@ -46,7 +46,7 @@ use crate::semaphore::{Permit, Semaphore};
 /// use std::time::Duration;
 /// use axum::{Router, routing::post};
 /// use http::StatusCode;
-/// use pg_semaphore::{Semaphore, SemaphoreLayer};
+/// use pg_semaphore::{Semaphore, tower::SemaphoreLayer};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let upstream = Semaphore::builder("payments-api", 4).build(&pool).await?;

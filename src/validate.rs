@@ -28,7 +28,7 @@ pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
 /// (or `pgsemaphore.claim_all`) claims together.
 pub const MAX_SEMAPHORES_PER_CLAIM: usize = 16;
 
-/// The largest weight of a fairness key ([`set_fairness_weight`](crate::set_fairness_weight)).
+/// The largest weight of a fairness key ([`set_fairness_weight`](crate::admin::set_fairness_weight)).
 pub const MAX_FAIRNESS_WEIGHT: u32 = 1000;
 /// The longest semaphore family name ([`SemaphoreFamily`](crate::SemaphoreFamily)),
 /// in characters (letters, digits, `_`, `.`, `:`, `-`).
@@ -237,7 +237,7 @@ pub(crate) fn age(argument: &'static str, age: Duration) -> Result<PgInterval> {
     interval(argument, age, Duration::ZERO..=MAX_AGE)
 }
 
-/// A [`ReportShape`](crate::ReportShape): 1 to 10,000 time buckets, 1 to
+/// A [`ReportShape`](crate::audit::ReportShape): 1 to 10,000 time buckets, 1 to
 /// 1,000 hold-time bins (a report holds about lanes x buckets cells), at
 /// least one lane.
 pub(crate) fn report_shape(buckets: u32, hold_time_bins: u32, max_lanes: u32) -> Result<()> {

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{AdvisorySemaphore, Error, LostReason, Semaphore, SemaphoreInfo, SemaphoreKind};
+use pg_semaphore::{
+    AdvisorySemaphore, Error, LostReason, Semaphore, admin::SemaphoreInfo, audit::SemaphoreKind,
+};
 use sqlx::PgPool;
 use support::TestResult;
 
@@ -144,7 +146,7 @@ async fn a_capacity_drop_admits_nobody_until_the_holders_drain() -> TestResult {
     p0.release().await?;
     p1.release().await?;
     // Slots 2 and 3 (or whichever the two holders have) stay held.
-    pg_semaphore::set_capacity(&db.pool, "dropped", 2).await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "dropped", 2).await?;
     for handle in [&sem, &other] {
         assert!(
             matches!(
@@ -288,14 +290,14 @@ async fn a_name_belongs_to_one_kind_of_semaphore() -> TestResult {
     Ok(())
 }
 
-/// The advisory semaphores `pg_semaphore::semaphores` lists.
+/// The advisory semaphores `pg_semaphore::admin::semaphores` lists.
 async fn advisory_semaphores(pool: &PgPool) -> pg_semaphore::Result<Vec<SemaphoreInfo>> {
-    let mut list = pg_semaphore::semaphores(pool).await?;
+    let mut list = pg_semaphore::admin::semaphores(pool).await?;
     list.retain(|s| s.kind == SemaphoreKind::Advisory);
     Ok(list)
 }
 
-/// `pg_semaphore::semaphores` lists every semaphore of both kinds, by name,
+/// `pg_semaphore::admin::semaphores` lists every semaphore of both kinds, by name,
 /// with its kind; an advisory one with the sessions that hold its slots, by
 /// slot: the
 /// permits' own backends, any session that took a slot's key, and holders
@@ -309,7 +311,7 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
     let listed = advisory(&db.pool, "listed", 4).await?;
     advisory(&db.pool, "idle", 1).await?;
     Semaphore::builder("leased", 1).build(&db.pool).await?;
-    let kinds: Vec<(String, SemaphoreKind)> = pg_semaphore::semaphores(&db.pool)
+    let kinds: Vec<(String, SemaphoreKind)> = pg_semaphore::admin::semaphores(&db.pool)
         .await?
         .into_iter()
         .map(|s| (s.name, s.kind))
@@ -384,7 +386,7 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
         .await?;
 
     // A capacity drop below the slots held: they stay listed until released.
-    pg_semaphore::set_capacity(&db.pool, "listed", 1).await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "listed", 1).await?;
     let list = advisory_semaphores(&db.pool).await?;
     assert_eq!((list[1].capacity, list[1].holders.len()), (1, 3));
 
@@ -425,7 +427,7 @@ async fn a_semaphore_of_the_same_name_in_another_database_is_another_semaphore()
 
     // A drop from 2 to 1 there ends although slot 1 of the same keys is
     // held here.
-    pg_semaphore::set_capacity(&there.pool, "same-name", 1).await?;
+    pg_semaphore::admin::set_capacity(&there.pool, "same-name", 1).await?;
     let c = theirs.try_acquire().await?;
     c.release().await?;
     let peak: i32 = sqlx::query_scalar(

@@ -6,7 +6,10 @@ mod support;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use pg_semaphore::{AdvisorySemaphore, AuditLog, Error, Outcome, Semaphore, SemaphoreKind};
+use pg_semaphore::{
+    AdvisorySemaphore, Error, Semaphore,
+    audit::{AuditLog, Outcome, SemaphoreKind},
+};
 use support::TestResult;
 
 #[tokio::test]
@@ -33,7 +36,7 @@ async fn history_reports_every_claim_with_its_outcome() -> TestResult {
     let abandoned_id = abandoned.id();
     std::mem::forget(abandoned); // as if the process died: no background release
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 1);
 
     let live = sem
         .claim()
@@ -278,7 +281,7 @@ async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
     .execute(&db.pool)
     .await?;
 
-    let deleted = pg_semaphore::prune_claims(&db.pool, Duration::from_secs(3600)).await?;
+    let deleted = pg_semaphore::admin::prune_claims(&db.pool, Duration::from_secs(3600)).await?;
     assert_eq!(deleted, 12_001);
     let left: Vec<String> =
         sqlx::query_scalar("SELECT holder FROM pgsemaphore.slots ORDER BY created_at")
@@ -290,16 +293,16 @@ async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
     );
     assert_eq!(sem.holders().await?.len(), 1, "the live claim is untouched");
     assert_eq!(
-        pg_semaphore::prune_claims(&db.pool, Duration::from_secs(3600)).await?,
+        pg_semaphore::admin::prune_claims(&db.pool, Duration::from_secs(3600)).await?,
         0
     );
     // Zero retention: every finished claim goes, the live one stays.
     assert_eq!(
-        pg_semaphore::prune_claims(&db.pool, Duration::ZERO).await?,
+        pg_semaphore::admin::prune_claims(&db.pool, Duration::ZERO).await?,
         1
     );
     assert!(matches!(
-        pg_semaphore::prune_claims(&db.pool, Duration::MAX).await,
+        pg_semaphore::admin::prune_claims(&db.pool, Duration::MAX).await,
         Err(Error::InvalidArgument {
             argument: "older_than",
             ..
@@ -316,7 +319,7 @@ async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
         sem.try_acquire().await?.release().await?;
     }
     let live = sem.try_acquire().await?;
-    let reaper = pg_semaphore::Reaper::builder()
+    let reaper = pg_semaphore::admin::Reaper::builder()
         .interval(Duration::from_millis(50))
         .retention(Duration::from_millis(200))
         .spawn(&db.pool)?;
@@ -334,7 +337,7 @@ async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
     reaper.shutdown().await;
     assert_eq!(sem.holders().await?[0].id, Some(live.id()));
     assert!(matches!(
-        pg_semaphore::Reaper::builder()
+        pg_semaphore::admin::Reaper::builder()
             .retention(Duration::MAX)
             .spawn(&db.pool),
         Err(Error::InvalidArgument {

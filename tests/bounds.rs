@@ -5,10 +5,11 @@
 use std::time::Duration;
 
 use pg_semaphore::{
-    AuditLog, Claim, Decision, Error, LimiterKind, LimiterSet, LostReason, Mutex, MutexGuard,
-    Permit, RateLimitSetting, RateLimiter, RateLimiterBuilder, RatePolicy, Reaper, Semaphore,
-    SemaphoreBuilder, SemaphoreFamily, SemaphoreFamilyBuilder, SessionGuard, StoredLimit,
-    WaitedFor,
+    Claim, Decision, Error, LimiterSet, LostReason, Mutex, MutexGuard, Permit, RateLimiter,
+    RateLimiterBuilder, RatePolicy, Semaphore, SemaphoreBuilder, SemaphoreFamily,
+    SemaphoreFamilyBuilder, SessionGuard, WaitedFor,
+    admin::{LimiterKind, RateLimitSetting, Reaper, StoredLimit},
+    audit::AuditLog,
 };
 use sqlx::PgPool;
 
@@ -94,17 +95,17 @@ fn futures_are_send(
     send(&bucket.pause_all(second));
     let set = LimiterSet::new().with(&bucket);
     send(&set.check("key", 1));
-    send(&pg_semaphore::rate_limit_settings(&pool));
-    send(&pg_semaphore::resume_rate_limit(
+    send(&pg_semaphore::admin::rate_limit_settings(&pool));
+    send(&pg_semaphore::admin::resume_rate_limit(
         &pool,
         LimiterKind::TokenBucket,
         "b",
         None,
     ));
     send(&pg_semaphore::migrate(&pool));
-    send(&pg_semaphore::reap(&pool));
-    send(&pg_semaphore::semaphores(&pool));
-    send(&pg_semaphore::set_capacity(&pool, "s", 2));
+    send(&pg_semaphore::admin::reap(&pool));
+    send(&pg_semaphore::admin::semaphores(&pool));
+    send(&pg_semaphore::admin::set_capacity(&pool, "s", 2));
     send(&permit.release());
     sync(&sem);
 }
@@ -116,12 +117,12 @@ fn family_futures_are_send(family: SemaphoreFamily, pool: PgPool) {
     send(&family.key("k"));
     send(&family.try_acquire("k"));
     send(&family.acquire("k"));
-    send(&pg_semaphore::families(&pool));
-    send(&pg_semaphore::busiest_keys(&pool, "f", 10));
-    send(&pg_semaphore::set_family_rule(
+    send(&pg_semaphore::admin::families(&pool));
+    send(&pg_semaphore::admin::busiest_keys(&pool, "f", 10));
+    send(&pg_semaphore::admin::set_family_rule(
         &pool,
         "f",
-        pg_semaphore::RuleKind::Key,
+        pg_semaphore::admin::RuleKind::Key,
         "k",
         Some(1),
     ));

@@ -6,7 +6,9 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{
-    Error, LostReason, MAX_CAPACITY, MAX_LEASE, MIN_LEASE, Reaper, Semaphore, SemaphoreBuilder,
+    Error, LostReason, Semaphore, SemaphoreBuilder,
+    admin::Reaper,
+    limits::{MAX_CAPACITY, MAX_LEASE, MIN_LEASE},
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -289,7 +291,7 @@ async fn a_server_that_is_down_gives_a_database_error() -> TestResult {
         "password leaked: {err}"
     );
     assert!(matches!(
-        pg_semaphore::reap(&pool).await,
+        pg_semaphore::admin::reap(&pool).await,
         Err(Error::Database(_))
     ));
     Ok(())

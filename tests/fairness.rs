@@ -14,7 +14,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pg_semaphore::{Error, MAX_FAIRNESS_KEY_LEN, QueueOrder, Semaphore};
+use pg_semaphore::{Error, QueueOrder, Semaphore, limits::MAX_FAIRNESS_KEY_LEN};
 use sqlx::PgPool;
 use support::TestResult;
 
@@ -436,7 +436,8 @@ async fn a_key_of_weight_three_is_served_three_grants_for_every_one_of_a_key_of_
 -> TestResult {
     let db = support::migrated_db().await;
     let held = held_semaphore(&db.pool, "weighted", false).await?;
-    let previous = pg_semaphore::set_fairness_weight(&db.pool, "weighted", Some("A"), 3).await?;
+    let previous =
+        pg_semaphore::admin::set_fairness_weight(&db.pool, "weighted", Some("A"), 3).await?;
     assert_eq!(previous, 1, "every key starts at weight 1");
     let mut queue = Vec::new();
     for i in 0..9 {
@@ -462,14 +463,14 @@ async fn a_key_of_weight_three_is_served_three_grants_for_every_one_of_a_key_of_
 async fn a_weight_change_applies_to_waiters_queued_after_it() -> TestResult {
     let db = support::migrated_db().await;
     let held = held_semaphore(&db.pool, "reweighed", false).await?;
-    pg_semaphore::set_fairness_weight(&db.pool, "reweighed", None, 2).await?;
+    pg_semaphore::admin::set_fairness_weight(&db.pool, "reweighed", None, 2).await?;
     let mut queue = Vec::new();
     for i in 0..4 {
         queue.push(enqueue(&db.pool, "reweighed", &format!("n{i}"), None).await?);
     }
     queue.push(enqueue(&db.pool, "reweighed", "k0", Some("K")).await?);
     // Back to weight 1: the default key's next waiters take a turn each.
-    let previous = pg_semaphore::set_fairness_weight(&db.pool, "reweighed", None, 1).await?;
+    let previous = pg_semaphore::admin::set_fairness_weight(&db.pool, "reweighed", None, 1).await?;
     assert_eq!(previous, 2);
     let (rows,): (i64,) = sqlx::query_as(
         "SELECT count(*) FROM pgsemaphore.fair_weights WHERE semaphore = 'reweighed'",
@@ -494,9 +495,9 @@ async fn a_weight_change_applies_to_waiters_queued_after_it() -> TestResult {
 async fn a_fairness_weight_is_one_to_max_on_an_existing_semaphore() -> TestResult {
     let db = support::migrated_db().await;
     held_semaphore(&db.pool, "bounded", false).await?;
-    for weight in [0, pg_semaphore::MAX_FAIRNESS_WEIGHT + 1] {
+    for weight in [0, pg_semaphore::limits::MAX_FAIRNESS_WEIGHT + 1] {
         let refused =
-            pg_semaphore::set_fairness_weight(&db.pool, "bounded", Some("A"), weight).await;
+            pg_semaphore::admin::set_fairness_weight(&db.pool, "bounded", Some("A"), weight).await;
         assert!(
             matches!(
                 refused,
@@ -510,14 +511,14 @@ async fn a_fairness_weight_is_one_to_max_on_an_existing_semaphore() -> TestResul
     }
     let long = "k".repeat(MAX_FAIRNESS_KEY_LEN + 1);
     assert!(matches!(
-        pg_semaphore::set_fairness_weight(&db.pool, "bounded", Some(&long), 2).await,
+        pg_semaphore::admin::set_fairness_weight(&db.pool, "bounded", Some(&long), 2).await,
         Err(Error::InvalidArgument {
             argument: "fairness_key",
             ..
         })
     ));
     assert!(matches!(
-        pg_semaphore::set_fairness_weight(&db.pool, "nobody", Some("A"), 2).await,
+        pg_semaphore::admin::set_fairness_weight(&db.pool, "nobody", Some("A"), 2).await,
         Err(Error::SemaphoreNotFound { .. })
     ));
     // The database's own checks, for callers of the SQL API.

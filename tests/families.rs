@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{Error, RuleKind, SemaphoreFamily};
+use pg_semaphore::{Error, SemaphoreFamily, admin::RuleKind};
 use sqlx::PgPool;
 use support::TestResult;
 
@@ -39,11 +39,13 @@ async fn stored_capacity(pool: &PgPool, name: &str) -> sqlx::Result<Option<i32>>
 async fn a_key_rule_beats_its_tier_rule_which_beats_the_default() -> TestResult {
     let db = support::migrated_db().await;
     let tenants = family(&db.pool, "tenants", 10).await?;
-    pg_semaphore::set_family_rule(&db.pool, "tenants", RuleKind::Tier, "premium", Some(50)).await?;
-    pg_semaphore::set_family_tier(&db.pool, "tenants", "t-42", Some("premium")).await?;
-    pg_semaphore::set_family_tier(&db.pool, "tenants", "t-7", Some("premium")).await?;
-    pg_semaphore::set_family_tier(&db.pool, "tenants", "t-9", Some("no-such-rule")).await?;
-    pg_semaphore::set_family_rule(&db.pool, "tenants", RuleKind::Key, "t-7", Some(200)).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "tenants", RuleKind::Tier, "premium", Some(50))
+        .await?;
+    pg_semaphore::admin::set_family_tier(&db.pool, "tenants", "t-42", Some("premium")).await?;
+    pg_semaphore::admin::set_family_tier(&db.pool, "tenants", "t-7", Some("premium")).await?;
+    pg_semaphore::admin::set_family_tier(&db.pool, "tenants", "t-9", Some("no-such-rule")).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "tenants", RuleKind::Key, "t-7", Some(200))
+        .await?;
 
     assert_eq!(tenants.key("t-1").await?.capacity(), 10, "the default");
     assert_eq!(tenants.key("t-42").await?.capacity(), 50, "the tier's rule");
@@ -76,7 +78,8 @@ async fn a_rule_change_applies_to_existing_keys() -> TestResult {
     let a = tenants.try_acquire("t-1").await?;
     let b = tenants.try_acquire("t-1").await?;
     let changed =
-        pg_semaphore::set_family_rule(&db.pool, "tenants", RuleKind::Key, "t-1", Some(1)).await?;
+        pg_semaphore::admin::set_family_rule(&db.pool, "tenants", RuleKind::Key, "t-1", Some(1))
+            .await?;
     assert_eq!(changed, 1);
     assert_eq!(stored_capacity(&db.pool, "@tenants/t-1").await?, Some(1));
     assert!(matches!(
@@ -95,9 +98,9 @@ async fn a_rule_change_applies_to_existing_keys() -> TestResult {
     let c = tenants.try_acquire("t-1").await?;
 
     // Removing the rule brings the default back; the default itself changes too.
-    pg_semaphore::set_family_rule(&db.pool, "tenants", RuleKind::Key, "t-1", None).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "tenants", RuleKind::Key, "t-1", None).await?;
     assert_eq!(stored_capacity(&db.pool, "@tenants/t-1").await?, Some(3));
-    pg_semaphore::configure_family(&db.pool, "tenants", Some(5), None, None).await?;
+    pg_semaphore::admin::configure_family(&db.pool, "tenants", Some(5), None, None).await?;
     assert_eq!(stored_capacity(&db.pool, "@tenants/t-1").await?, Some(5));
     let more: Vec<_> = futures_join(&tenants, "t-1", 4).await?;
     assert!(matches!(
@@ -110,14 +113,15 @@ async fn a_rule_change_applies_to_existing_keys() -> TestResult {
     c.release().await?;
 
     // A tier change moves the key too.
-    pg_semaphore::set_family_rule(&db.pool, "tenants", RuleKind::Tier, "gold", Some(7)).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "tenants", RuleKind::Tier, "gold", Some(7))
+        .await?;
     assert_eq!(
-        pg_semaphore::set_family_tier(&db.pool, "tenants", "t-1", Some("gold")).await?,
+        pg_semaphore::admin::set_family_tier(&db.pool, "tenants", "t-1", Some("gold")).await?,
         1
     );
     assert_eq!(stored_capacity(&db.pool, "@tenants/t-1").await?, Some(7));
     assert!(matches!(
-        pg_semaphore::set_family_rule(&db.pool, "nobody", RuleKind::Key, "k", Some(1)).await,
+        pg_semaphore::admin::set_family_rule(&db.pool, "nobody", RuleKind::Key, "k", Some(1)).await,
         Err(Error::FamilyNotFound { .. })
     ));
     Ok(())
@@ -143,7 +147,7 @@ async fn a_key_used_first_by_two_processes_at_once_is_one_semaphore() -> TestRes
     let first = family(&db.pool, "jobs", 2).await?;
     let other_pool = support::another_pool(&db, 4).await;
     let second = family(&other_pool, "jobs", 2).await?;
-    pg_semaphore::set_family_rule(&db.pool, "jobs", RuleKind::Key, "k-0", Some(1)).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "jobs", RuleKind::Key, "k-0", Some(1)).await?;
     for round in 0..20 {
         let key = format!("k-{round}");
         let (a, b) = tokio::join!(first.try_acquire(&key), second.try_acquire(&key));
@@ -193,10 +197,10 @@ async fn no_key_goes_over_its_capacity_while_rules_change_under_load() -> TestRe
     let keys = ["k0", "k1", "k2", "k3"];
     // k0: a key rule 1 <-> 4; k1, k2: tier gold 2 <-> 5; k3: the default 3 <-> 2.
     let setup = family(&db.pool, "load", 3).await?;
-    pg_semaphore::set_family_rule(&db.pool, "load", RuleKind::Key, "k0", Some(1)).await?;
-    pg_semaphore::set_family_rule(&db.pool, "load", RuleKind::Tier, "gold", Some(2)).await?;
-    pg_semaphore::set_family_tier(&db.pool, "load", "k1", Some("gold")).await?;
-    pg_semaphore::set_family_tier(&db.pool, "load", "k2", Some("gold")).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "load", RuleKind::Key, "k0", Some(1)).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "load", RuleKind::Tier, "gold", Some(2)).await?;
+    pg_semaphore::admin::set_family_tier(&db.pool, "load", "k1", Some("gold")).await?;
+    pg_semaphore::admin::set_family_tier(&db.pool, "load", "k2", Some("gold")).await?;
     for key in keys {
         setup.key(key).await?;
     }
@@ -244,7 +248,7 @@ async fn no_key_goes_over_its_capacity_while_rules_change_under_load() -> TestRe
         let before = now(&db.pool).await?;
         match key {
             "k0" => {
-                pg_semaphore::set_family_rule(
+                pg_semaphore::admin::set_family_rule(
                     &db.pool,
                     "load",
                     RuleKind::Key,
@@ -254,7 +258,7 @@ async fn no_key_goes_over_its_capacity_while_rules_change_under_load() -> TestRe
                 .await?;
             }
             "k1" => {
-                pg_semaphore::set_family_rule(
+                pg_semaphore::admin::set_family_rule(
                     &db.pool,
                     "load",
                     RuleKind::Tier,
@@ -264,7 +268,7 @@ async fn no_key_goes_over_its_capacity_while_rules_change_under_load() -> TestRe
                 .await?;
             }
             _ => {
-                pg_semaphore::configure_family(&db.pool, "load", Some(capacity), None, None)
+                pg_semaphore::admin::configure_family(&db.pool, "load", Some(capacity), None, None)
                     .await?;
             }
         }
@@ -358,7 +362,7 @@ async fn idle_keys_are_reaped_once_nothing_references_them() -> TestResult {
     let permit = quick.try_acquire("held").await?;
     quick.try_acquire("done").await?.release().await?;
 
-    pg_semaphore::reap(&db.pool).await?;
+    pg_semaphore::admin::reap(&db.pool).await?;
     let names = |pool: PgPool| async move {
         sqlx::query_scalar::<_, String>("SELECT name FROM pgsemaphore.semaphores ORDER BY name")
             .fetch_all(&pool)
@@ -370,20 +374,20 @@ async fn idle_keys_are_reaped_once_nothing_references_them() -> TestResult {
         "an unclaimed key past idle_after goes; history, a live claim and idle_after keep keys"
     );
 
-    pg_semaphore::prune_claims(&db.pool, Duration::ZERO).await?;
-    pg_semaphore::reap(&db.pool).await?;
+    pg_semaphore::admin::prune_claims(&db.pool, Duration::ZERO).await?;
+    pg_semaphore::admin::reap(&db.pool).await?;
     assert_eq!(
         names(db.pool.clone()).await?,
         ["@quick/held", "@slow/recent", "named"],
         "its history pruned, the released key goes"
     );
     permit.release().await?;
-    pg_semaphore::prune_claims(&db.pool, Duration::ZERO).await?;
-    pg_semaphore::reap(&db.pool).await?;
+    pg_semaphore::admin::prune_claims(&db.pool, Duration::ZERO).await?;
+    pg_semaphore::admin::reap(&db.pool).await?;
     assert_eq!(names(db.pool.clone()).await?, ["@slow/recent", "named"]);
 
     // The next use creates the key again, with the rules in force now.
-    pg_semaphore::set_family_rule(&db.pool, "quick", RuleKind::Key, "held", Some(1)).await?;
+    pg_semaphore::admin::set_family_rule(&db.pool, "quick", RuleKind::Key, "held", Some(1)).await?;
     assert_eq!(quick.key("held").await?.capacity(), 2, "the cached handle");
     let again = quick.try_acquire("held").await?;
     assert_eq!(stored_capacity(&db.pool, "@quick/held").await?, Some(1));

@@ -1,4 +1,4 @@
-//! The xmin horizon: `pg_semaphore::horizon` names the session that holds
+//! The xmin horizon: `pg_semaphore::admin::horizon` names the session that holds
 //! back VACUUM on this database, and only this database's (a session of
 //! another database does not hold its tables' horizon). The reaper's warning
 //! is tested in tests/tracing.rs, its metrics in tests/metrics.rs, the
@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use pg_semaphore::{Error, HorizonHolderKind, SchemaError, Semaphore};
+use pg_semaphore::{Error, Semaphore, admin::HorizonHolderKind, schema::SchemaError};
 use support::TestResult;
 
 /// `n` transactions that each take an xid, so the horizon's age grows.
@@ -26,7 +26,7 @@ async fn burn_xids(pool: &sqlx::PgPool, n: usize) -> Result<(), sqlx::Error> {
 #[tokio::test]
 async fn a_quiet_database_has_no_holder() -> TestResult {
     let db = support::migrated_db().await;
-    assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
+    assert_eq!(pg_semaphore::admin::horizon(&db.pool).await?, None);
     Ok(())
 }
 
@@ -37,7 +37,7 @@ async fn an_idle_transaction_is_named_with_its_state_start_and_age() -> TestResu
     burn_xids(&db.pool, 5).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
-    let holder = pg_semaphore::horizon(&db.pool)
+    let holder = pg_semaphore::admin::horizon(&db.pool)
         .await?
         .expect("the idle transaction holds the horizon");
     assert_eq!(holder.kind, HorizonHolderKind::Session);
@@ -51,7 +51,7 @@ async fn an_idle_transaction_is_named_with_its_state_start_and_age() -> TestResu
 
     // Its end ends the hold.
     sqlx::raw_sql("COMMIT").execute(&mut idle).await?;
-    assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
+    assert_eq!(pg_semaphore::admin::horizon(&db.pool).await?, None);
     Ok(())
 }
 
@@ -61,9 +61,9 @@ async fn a_session_of_another_database_does_not_hold_this_ones_horizon() -> Test
     let other = support::empty_db().await;
     let (idle, _) = support::idle_in_transaction(&other.options, "other-database").await?;
     burn_xids(&db.pool, 3).await?;
-    assert_eq!(pg_semaphore::horizon(&db.pool).await?, None);
+    assert_eq!(pg_semaphore::admin::horizon(&db.pool).await?, None);
     // ... while it holds the other database's.
-    let holder = pg_semaphore::horizon(&other.pool)
+    let holder = pg_semaphore::admin::horizon(&other.pool)
         .await?
         .expect("held there");
     assert_eq!(holder.application_name.as_deref(), Some("other-database"));
@@ -87,8 +87,8 @@ async fn a_semaphore_in_a_database_of_its_own_is_out_of_the_applications_horizon
 
     let (report, _) = support::idle_in_transaction(&app.options, "app-report").await?;
     burn_xids(&own.pool, 3).await?;
-    assert_eq!(pg_semaphore::horizon(&own.pool).await?, None);
-    assert!(pg_semaphore::horizon(&app.pool).await?.is_some());
+    assert_eq!(pg_semaphore::admin::horizon(&own.pool).await?, None);
+    assert!(pg_semaphore::admin::horizon(&app.pool).await?.is_some());
 
     let mut tx = app.pool.begin().await?;
     let error = permit.fence(&mut tx).await.expect_err("no schema there");

@@ -246,7 +246,7 @@ async fn a_negative_reserve_never_exceeds_the_capacity() -> TestResult {
             .execute(&db.pool)
             .await?;
     }
-    pg_semaphore::set_capacity(&db.pool, "reserve", 2).await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "reserve", 2).await?;
     let result = sqlx::query_as::<_, (String,)>(
         "SELECT o_status FROM pgsemaphore.claim(p_semaphore => 'reserve', p_holder => 'low', \
          p_lease => NULL, p_metadata => NULL, p_token => $1, p_permits => 2, \
@@ -810,13 +810,13 @@ async fn an_operator_clears_a_queue_that_a_waiter_blocks() -> TestResult {
         Err(Error::NoSlotsAvailable { .. })
     ));
     assert_eq!(
-        pg_semaphore::clear_queue(&db.pool, "blocked-queue").await?,
+        pg_semaphore::admin::clear_queue(&db.pool, "blocked-queue").await?,
         1
     );
     let permit = sem.try_acquire().await?;
     permit.release().await?;
     assert!(matches!(
-        pg_semaphore::clear_queue(&db.pool, "no-such-semaphore").await,
+        pg_semaphore::admin::clear_queue(&db.pool, "no-such-semaphore").await,
         Err(Error::SemaphoreNotFound { .. })
     ));
     Ok(())

@@ -212,12 +212,12 @@ async fn two_deployed_versions_with_different_limits_both_decide_under_the_store
     assert!(!new.check("k", 1).await?.allowed);
     assert!(!old.check("k", 1).await?.allowed);
     // Only the operator changes the pair; then every version applies it.
-    pg_semaphore::set_rate_limit(
+    pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        pg_semaphore::LimiterKind::FixedWindow,
+        pg_semaphore::admin::LimiterKind::FixedWindow,
         "rolling",
         None,
-        pg_semaphore::StoredLimit::Window {
+        pg_semaphore::admin::StoredLimit::Window {
             permit_limit: 3,
             window: Duration::from_secs(3600),
         },
@@ -237,9 +237,9 @@ async fn a_cleared_limiter_stores_the_next_callers_pair() -> TestResult {
         RateLimiter::builder("cleared", RatePolicy::token_bucket(5.0, 9)).build(&db.pool)?;
     assert_eq!(first.check("k", 1).await?.remaining, 1);
     assert!(
-        pg_semaphore::clear_rate_limit(
+        pg_semaphore::admin::clear_rate_limit(
             &db.pool,
-            pg_semaphore::LimiterKind::TokenBucket,
+            pg_semaphore::admin::LimiterKind::TokenBucket,
             "cleared",
             None
         )
@@ -496,12 +496,12 @@ async fn no_argument_at_its_extreme_overflows_or_bricks_a_key() -> TestResult {
             )
             .await?;
         }
-        pg_semaphore::set_rate_limit(
+        pg_semaphore::admin::set_rate_limit(
             &p.db.pool,
-            pg_semaphore::LimiterKind::TokenBucket,
+            pg_semaphore::admin::LimiterKind::TokenBucket,
             "bricked",
             None,
-            pg_semaphore::StoredLimit::TokenBucket {
+            pg_semaphore::admin::StoredLimit::TokenBucket {
                 rate: slow,
                 burst: 1,
             },
@@ -684,12 +684,12 @@ async fn an_operator_change_waits_at_most_the_bound_for_an_applications_open_tra
         // Through the crate: Error::Stalled, naming the limiter.
         let error = tokio::time::timeout(
             LIVENESS,
-            pg_semaphore::set_rate_limit(
+            pg_semaphore::admin::set_rate_limit(
                 &p.operator,
-                pg_semaphore::LimiterKind::TokenBucket,
+                pg_semaphore::admin::LimiterKind::TokenBucket,
                 "paused",
                 None,
-                pg_semaphore::StoredLimit::TokenBucket { rate: 2.0, burst: 5 },
+                pg_semaphore::admin::StoredLimit::TokenBucket { rate: 2.0, burst: 5 },
             ),
         )
         .await

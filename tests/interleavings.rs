@@ -40,7 +40,7 @@ async fn a_fenced_holder_past_its_lease_still_counts_after_the_capacity_drops() 
     assert_eq!((p0.slot(), p1.slot(), p2.slot(), p3.slot()), (0, 1, 2, 3));
     p0.release().await?;
     p2.release().await?;
-    pg_semaphore::set_capacity(&db.pool, "fenced-drop", 2).await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "fenced-drop", 2).await?;
     // Slots 1 and 3 are held: at capacity 2 nothing more is admitted.
     assert!(matches!(
         sem.try_acquire().await,
@@ -88,7 +88,7 @@ async fn an_uncommitted_renewal_across_the_old_expiry_still_counts() -> TestResu
     assert_eq!((p0.slot(), p2.slot(), p3.slot()), (0, 2, 3));
     p0.release().await?;
     p2.release().await?;
-    pg_semaphore::set_capacity(&db.pool, "renewing", 2).await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "renewing", 2).await?;
 
     // A renewal of slot 1, paused before its commit, across the old expiry.
     let mut renewer = connect(&db).await?;

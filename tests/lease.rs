@@ -36,7 +36,7 @@ async fn a_heartbeat_keeps_a_busy_holders_slot_past_its_lease() -> TestResult {
     let until = tokio::time::Instant::now() + Duration::from_secs(8);
     while tokio::time::Instant::now() < until {
         assert_eq!(
-            pg_semaphore::reap(&db.pool).await?,
+            pg_semaphore::admin::reap(&db.pool).await?,
             0,
             "a renewed slot was reaped"
         );
@@ -83,7 +83,7 @@ async fn without_a_heartbeat_the_lease_runs_out_and_the_holder_is_told() -> Test
     );
     let mut reaped = 0;
     for _ in 0..100 {
-        reaped += pg_semaphore::reap(&db.pool).await?;
+        reaped += pg_semaphore::admin::reap(&db.pool).await?;
         if reaped > 0 {
             break;
         }
@@ -299,7 +299,7 @@ async fn a_weighted_permits_heartbeat_renews_every_claim() -> TestResult {
     assert_eq!(permit.ids().len(), 3);
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(
-        pg_semaphore::reap(&db.pool).await?,
+        pg_semaphore::admin::reap(&db.pool).await?,
         0,
         "a claim of the permit expired"
     );

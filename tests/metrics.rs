@@ -467,7 +467,7 @@ async fn queue_full_lost_permits_reaps_and_fail_open_are_counted() -> TestResult
     let before = scrape().await.value("pg_semaphore_reaped_total", &[]);
     let permit = short.try_acquire().await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let reaped = pg_semaphore::reap(&db.pool).await?;
+    let reaped = pg_semaphore::admin::reap(&db.pool).await?;
     assert!(reaped >= 1, "reaped {reaped}");
     assert!(matches!(
         permit.release().await,
@@ -702,7 +702,7 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     let pool = &db.pool;
     // Nothing has expired in a fresh database: the reaped counter is
     // exported (+0) without moving under another test's feet.
-    assert_eq!(pg_semaphore::reap(pool).await?, 0);
+    assert_eq!(pg_semaphore::admin::reap(pool).await?, 0);
     let sem = Semaphore::builder("metrics-every", 1)
         .holder(SECRET_HOLDER)
         .queue_limit(0)
@@ -759,7 +759,7 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     let _ = limiter.check(SECRET_KEY, 1).await?;
 
     // A reaper's round records the xmin horizon's gauges.
-    let reaper = pg_semaphore::Reaper::builder()
+    let reaper = pg_semaphore::admin::Reaper::builder()
         .interval(Duration::from_secs(3600))
         .spawn(pool)?;
     for _ in 0..100 {

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use pg_semaphore::{
-    Error, MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, SchemaError, Semaphore,
+    Error, Semaphore,
+    schema::{MIGRATIONS_TABLE, MigrationHistory, SCHEMA_VERSION, SchemaError},
 };
 use sqlx::migrate::Migrator;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
@@ -49,7 +50,7 @@ async fn assert_separate_histories(pool: &PgPool) {
     assert_eq!(versions(pool, "public._sqlx_migrations").await, vec![1, 2]);
     assert_eq!(
         versions(pool, MIGRATIONS_TABLE).await,
-        pg_semaphore::migrator()
+        pg_semaphore::schema::migrator()
             .iter()
             .map(|m| m.version)
             .collect::<Vec<_>>()
@@ -191,7 +192,7 @@ async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
     );
     assert!(message.contains("sqlx migrate run"), "{message}");
 
-    let audit = pg_semaphore::AuditLog::new(&db.pool)
+    let audit = pg_semaphore::audit::AuditLog::new(&db.pool)
         .holders("unmigrated")
         .await;
     assert!(matches!(
@@ -199,7 +200,7 @@ async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
         Err(Error::Schema(SchemaError::Missing { .. }))
     ));
     assert!(matches!(
-        pg_semaphore::reap(&db.pool).await,
+        pg_semaphore::admin::reap(&db.pool).await,
         Err(Error::Schema(SchemaError::Missing { .. }))
     ));
     Ok(())
@@ -330,7 +331,7 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
         &["migrate", "run", "--database-url", &url],
     );
     let mut expected = vec![1];
-    expected.extend(pg_semaphore::migrator().iter().map(|m| m.version));
+    expected.extend(pg_semaphore::schema::migrator().iter().map(|m| m.version));
     assert_eq!(
         versions(&db.pool, "public._sqlx_migrations").await,
         expected
@@ -549,7 +550,7 @@ async fn a_schema_migrated_by_a_newer_version_is_used_only_if_compatible() -> Te
     // (On a connection of its own: sqlx's migrator returns an error without
     // releasing its advisory lock, which a pooled connection would keep.)
     let mut conn = PgConnection::connect_with(&db.options).await?;
-    let strict = pg_semaphore::migrator().run(&mut conn).await;
+    let strict = pg_semaphore::schema::migrator().run(&mut conn).await;
     conn.close().await?;
     assert!(
         matches!(
@@ -558,7 +559,7 @@ async fn a_schema_migrated_by_a_newer_version_is_used_only_if_compatible() -> Te
         ),
         "{strict:?}"
     );
-    let mut lenient = pg_semaphore::migrator();
+    let mut lenient = pg_semaphore::schema::migrator();
     lenient.set_ignore_missing(true);
     lenient.run(&db.pool).await?;
     assert_eq!(snapshot(&db.pool).await, before);
@@ -638,7 +639,7 @@ fn sql_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 async fn migrator_of(dir: &Path) -> Result<Migrator, sqlx::migrate::MigrateError> {
     let mut migrator = Migrator::new(dir).await?;
     migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
-    migrator.create_schema(pg_semaphore::SCHEMA);
+    migrator.create_schema(pg_semaphore::schema::SCHEMA);
     Ok(migrator)
 }
 

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{AuditLog, Error, MAX_SEMAPHORES_PER_CLAIM, QueueOrder, Semaphore};
+use pg_semaphore::{
+    Error, QueueOrder, Semaphore, audit::AuditLog, limits::MAX_SEMAPHORES_PER_CLAIM,
+};
 use sqlx::PgPool;
 use support::{TestResult, connect, live_rows, token};
 

@@ -175,7 +175,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{AuditLog, Error, Mutex, Priority, QueueOrder, Semaphore};
+use pg_semaphore::{Error, Mutex, Priority, QueueOrder, Semaphore, audit::AuditLog};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
@@ -227,7 +227,7 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
         .summary("behind-bouncer", now - chrono::Duration::hours(1)..now)
         .await?;
     assert_eq!((summary.completed, summary.live), (50, Some(2)));
-    assert_eq!(pg_semaphore::reap(&pool).await?, 0);
+    assert_eq!(pg_semaphore::admin::reap(&pool).await?, 0);
     a.release().await?;
     b.release().await?;
 
@@ -297,7 +297,7 @@ async fn heartbeats_renew_through_the_bouncer() -> TestResult {
     let permit = sem.try_acquire().await?;
     tokio::time::sleep(lease * 2).await;
     assert!(!permit.is_lost(), "renewals failed behind the bouncer");
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 0);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 0);
     let unexpired: bool = sqlx::query_scalar(
         "SELECT expires_at > clock_timestamp() FROM pgsemaphore.slots WHERE id = $1",
     )

@@ -551,7 +551,7 @@ async fn prune_deletes_keys_at_rest_loses_no_check_and_trims_live_keys() -> Test
 
     timeout(
         PATIENCE,
-        pg_semaphore::prune_rate_limits(pool, Duration::ZERO),
+        pg_semaphore::admin::prune_rate_limits(pool, Duration::ZERO),
     )
     .await
     .expect("the prune waited for the open transaction")?;
@@ -649,7 +649,7 @@ async fn prune_never_waits_for_an_open_check_that_trimmed_its_key() -> TestResul
     }
     let prune = tokio::spawn({
         let pool = pool.clone();
-        async move { pg_semaphore::prune_rate_limits(&pool, Duration::ZERO).await }
+        async move { pg_semaphore::admin::prune_rate_limits(&pool, Duration::ZERO).await }
     });
     let pruning = &prune;
     if !support::eventually(PATIENCE, || async move { pruning.is_finished() }).await {

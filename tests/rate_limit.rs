@@ -14,8 +14,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use pg_semaphore::{
-    Decision, Error, MAX_KEY_LEN, MAX_NAME_LEN, MAX_WINDOW, RateLimiter, RatePolicy, Reaper,
-    WaitedFor,
+    Decision, Error, RateLimiter, RatePolicy, WaitedFor,
+    admin::Reaper,
+    limits::{MAX_KEY_LEN, MAX_NAME_LEN, MAX_WINDOW},
 };
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -339,9 +340,12 @@ async fn prune_deletes_only_idle_keys() -> TestResult {
     sleep(Duration::from_millis(50)).await;
 
     // At rest for 50 ms, not an hour: kept.
-    assert_eq!(pg_semaphore::prune_rate_limits(&db.pool, HOUR).await?, 0);
     assert_eq!(
-        pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+        pg_semaphore::admin::prune_rate_limits(&db.pool, HOUR).await?,
+        0
+    );
+    assert_eq!(
+        pg_semaphore::admin::prune_rate_limits(&db.pool, Duration::ZERO).await?,
         1
     );
     assert_eq!(rows(&db.pool).await, 3);
@@ -370,7 +374,7 @@ async fn prune_walks_every_batch() -> TestResult {
     )
     .execute(&db.pool)
     .await?;
-    let deleted = pg_semaphore::prune_rate_limits(&db.pool, Duration::from_secs(60)).await?;
+    let deleted = pg_semaphore::admin::prune_rate_limits(&db.pool, Duration::from_secs(60)).await?;
     assert_eq!(deleted, 12_000);
     assert_eq!(rows(&db.pool).await, 3_000);
     Ok(())
@@ -462,7 +466,9 @@ async fn fail_open_does_not_hide_missing_migrations() -> TestResult {
     assert!(
         matches!(
             outcome,
-            Err(Error::Schema(pg_semaphore::SchemaError::Missing { .. }))
+            Err(Error::Schema(
+                pg_semaphore::schema::SchemaError::Missing { .. }
+            ))
         ),
         "{outcome:?}"
     );
@@ -842,7 +848,7 @@ async fn checks_wait_behind_reservations() -> TestResult {
         "the retry-after ignores the reservation: {refused:?}"
     );
     assert_eq!(
-        pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+        pg_semaphore::admin::prune_rate_limits(&db.pool, Duration::ZERO).await?,
         0
     );
     sleep(refused.retry_after).await;
@@ -1090,7 +1096,7 @@ async fn checks_wait_behind_window_bookings() -> TestResult {
             second.1
         );
         assert_eq!(
-            pg_semaphore::prune_rate_limits(&db.pool, Duration::ZERO).await?,
+            pg_semaphore::admin::prune_rate_limits(&db.pool, Duration::ZERO).await?,
             0
         );
         // The booked window opens: its permit is the booking's.
@@ -1118,7 +1124,7 @@ fn limiters_are_send_and_sync() {
         send(&limiter.acquire_timeout("k", 1, HOUR));
         send(&limiter.pause("k", HOUR));
         send(&limiter.pause_all(HOUR));
-        send(&pg_semaphore::prune_rate_limits(&pool, HOUR));
+        send(&pg_semaphore::admin::prune_rate_limits(&pool, HOUR));
     }
 }
 

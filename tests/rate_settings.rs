@@ -11,7 +11,9 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{
-    Error, LimiterKind, LimiterSet, MAX_LIMITS, MAX_PAUSE, RateLimiter, RatePolicy, StoredLimit,
+    Error, LimiterSet, RateLimiter, RatePolicy,
+    admin::{LimiterKind, StoredLimit},
+    limits::{MAX_LIMITS, MAX_PAUSE},
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -66,7 +68,7 @@ async fn a_stored_limit_beats_the_code_s_in_every_process_with_no_extra_statemen
     )))
     .execute(&db.pool)
     .await?;
-    pg_semaphore::set_rate_limit(
+    pg_semaphore::admin::set_rate_limit(
         &db.pool,
         LimiterKind::TokenBucket,
         "stored",
@@ -145,7 +147,8 @@ async fn a_stored_limit_beats_the_code_s_in_every_process_with_no_extra_statemen
     );
 
     assert!(
-        pg_semaphore::clear_rate_limit(&db.pool, LimiterKind::TokenBucket, "stored", None).await?
+        pg_semaphore::admin::clear_rate_limit(&db.pool, LimiterKind::TokenBucket, "stored", None)
+            .await?
     );
     // The code's burst of 10 again, for a fresh key (the 3 taken from "k"
     // are not given back: its bucket is empty until it refills).
@@ -162,7 +165,7 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
     let db = support::migrated_db().await;
     let limiter = bucket(&db.pool, "tiers", 10);
     let set = |key: Option<&'static str>, burst| {
-        pg_semaphore::set_rate_limit(
+        pg_semaphore::admin::set_rate_limit(
             &db.pool,
             LimiterKind::TokenBucket,
             "tiers",
@@ -177,7 +180,7 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
     // A window's override too, and a request above the stored limit is an
     // argument error (it could never be admitted), not a refusal.
     let win = window(&db.pool, "win", 10);
-    pg_semaphore::set_rate_limit(
+    pg_semaphore::admin::set_rate_limit(
         &db.pool,
         LimiterKind::FixedWindow,
         "win",
@@ -195,7 +198,7 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
         Err(Error::InvalidArgument { .. })
     ));
     assert_eq!(win.check("other", 10).await?.remaining, 0);
-    let listed = pg_semaphore::rate_limit_settings(&db.pool).await?;
+    let listed = pg_semaphore::admin::rate_limit_settings(&db.pool).await?;
     // The operator's three rows, and "win"'s own pair, stored by its first
     // check of a key with no override ("other").
     assert_eq!(listed.len(), 4, "{listed:?}");
@@ -209,7 +212,7 @@ async fn a_lowered_burst_caps_the_tokens_a_key_saved() -> TestResult {
     let db = support::migrated_db().await;
     let limiter = bucket(&db.pool, "capped", 10);
     assert!(limiter.check("k", 1).await?.allowed); // 9 left
-    pg_semaphore::set_rate_limit(
+    pg_semaphore::admin::set_rate_limit(
         &db.pool,
         LimiterKind::TokenBucket,
         "capped",
@@ -249,11 +252,16 @@ async fn a_pause_refuses_checks_in_every_process_until_it_ends() -> TestResult {
     here.pause_all(Duration::from_secs(60)).await?;
     assert!(!admitted(there.check("someone-else", 1)).await);
     assert!(
-        pg_semaphore::resume_rate_limit(&db.pool, LimiterKind::TokenBucket, "upstream", None)
-            .await?
+        pg_semaphore::admin::resume_rate_limit(
+            &db.pool,
+            LimiterKind::TokenBucket,
+            "upstream",
+            None
+        )
+        .await?
     );
     assert!(
-        pg_semaphore::resume_rate_limit(
+        pg_semaphore::admin::resume_rate_limit(
             &db.pool,
             LimiterKind::TokenBucket,
             "upstream",
@@ -323,8 +331,13 @@ async fn waiting_acquires_wake_early_when_a_pause_ends_or_the_rate_is_raised() -
     let asked = Instant::now();
     let waiter = tokio::spawn(async move { paused.acquire("k", 1).await });
     tokio::time::sleep(Duration::from_millis(700)).await;
-    pg_semaphore::resume_rate_limit(&db.pool, LimiterKind::TokenBucket, "resumed", Some("k"))
-        .await?;
+    pg_semaphore::admin::resume_rate_limit(
+        &db.pool,
+        LimiterKind::TokenBucket,
+        "resumed",
+        Some("k"),
+    )
+    .await?;
     assert!(waiter.await??.allowed);
     assert!(
         asked.elapsed() < Duration::from_secs(30),
@@ -336,7 +349,7 @@ async fn waiting_acquires_wake_early_when_a_pause_ends_or_the_rate_is_raised() -
     let asked = Instant::now();
     let waiter = tokio::spawn(async move { slow.acquire("k", 1).await });
     tokio::time::sleep(Duration::from_millis(700)).await;
-    pg_semaphore::set_rate_limit(
+    pg_semaphore::admin::set_rate_limit(
         &db.pool,
         LimiterKind::TokenBucket,
         "raised",
@@ -580,7 +593,7 @@ async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
 
     let sliding = RateLimiter::builder("stored-window", RatePolicy::sliding_window(100, HOUR))
         .build(&db.pool)?;
-    pg_semaphore::set_rate_limit(
+    pg_semaphore::admin::set_rate_limit(
         &db.pool,
         LimiterKind::SlidingWindow,
         "stored-window",

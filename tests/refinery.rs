@@ -10,7 +10,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use pg_semaphore::{
-    Error, MigrationHistory, REFINERY_TABLE, SCHEMA_VERSION, SchemaError, Semaphore,
+    Error, Semaphore,
+    schema::{MigrationHistory, REFINERY_TABLE, SCHEMA_VERSION, SchemaError},
 };
 use sqlx::PgPool;
 use support::TestResult;
@@ -29,10 +30,10 @@ async fn client(db: &support::TestDb) -> tokio_postgres::Client {
 async fn refinery_builds_the_same_schema_as_sqlx() -> TestResult {
     let by_sqlx = support::migrated_db().await;
     let by_refinery = support::empty_db().await;
-    let report = pg_semaphore::refinery_migrate(&mut client(&by_refinery).await).await?;
+    let report = pg_semaphore::schema::refinery_migrate(&mut client(&by_refinery).await).await?;
     assert_eq!(
         report.applied_migrations().len(),
-        pg_semaphore::migrator().iter().count()
+        pg_semaphore::schema::migrator().iter().count()
     );
 
     support::catalog::assert_same(&by_sqlx.pool, &by_refinery.pool).await;
@@ -62,7 +63,7 @@ async fn our_refinery_history_lives_beside_the_applications_own() -> TestResult 
     // runner sees only its own history (else refinery would report ours as
     // applied migrations missing from the application's files).
     app.run_async(&mut client).await?;
-    pg_semaphore::refinery_migrate(&mut client).await?;
+    pg_semaphore::schema::refinery_migrate(&mut client).await?;
     let again = app.set_abort_missing(true).run_async(&mut client).await?;
     assert!(again.applied_migrations().is_empty());
 
@@ -80,11 +81,11 @@ async fn our_refinery_history_lives_beside_the_applications_own() -> TestResult 
     assert_eq!(count("public.refinery_schema_history").await, 1);
     assert_eq!(
         count(REFINERY_TABLE).await as usize,
-        pg_semaphore::refinery_migrations().len()
+        pg_semaphore::schema::refinery_migrations().len()
     );
 
     // Up to date: nothing more to apply.
-    let report = pg_semaphore::refinery_migrate(&mut client).await?;
+    let report = pg_semaphore::schema::refinery_migrate(&mut client).await?;
     assert!(report.applied_migrations().is_empty());
     Ok(())
 }
@@ -96,7 +97,7 @@ async fn concurrent_refinery_runs_from_many_processes_succeed() -> TestResult {
     for _ in 0..4 {
         let mut client = client(&db).await;
         runs.spawn(async move {
-            pg_semaphore::refinery_migrate(&mut client)
+            pg_semaphore::schema::refinery_migrate(&mut client)
                 .await
                 .map(|report| report.applied_migrations().len())
         });
@@ -107,7 +108,7 @@ async fn concurrent_refinery_runs_from_many_processes_succeed() -> TestResult {
     }
     applied.sort();
     // One run applied everything; the others found it done.
-    let total = pg_semaphore::refinery_migrations().len();
+    let total = pg_semaphore::schema::refinery_migrations().len();
     assert_eq!(applied, [0, 0, 0, total]);
     Semaphore::builder("after-concurrent-refinery", 1)
         .build(&db.pool)
@@ -130,8 +131,8 @@ fn the_refinery_list_follows_the_migrations_directory() {
         })
         .collect();
     files.sort();
-    let sqlx: Vec<_> = pg_semaphore::migrator().iter().cloned().collect();
-    let refinery = pg_semaphore::refinery_migrations();
+    let sqlx: Vec<_> = pg_semaphore::schema::migrator().iter().cloned().collect();
+    let refinery = pg_semaphore::schema::refinery_migrations();
     assert_eq!(
         refinery.len(),
         files.len(),
@@ -194,14 +195,14 @@ async fn refinery_and_sqlx_each_adopt_the_schema_the_other_built() -> TestResult
     // Built with sqlx: refinery finds it up to date, creates no history.
     let by_sqlx = support::migrated_db().await;
     let before = objects(&by_sqlx.pool).await;
-    let report = pg_semaphore::refinery_migrate(&mut client(&by_sqlx).await).await?;
+    let report = pg_semaphore::schema::refinery_migrate(&mut client(&by_sqlx).await).await?;
     assert!(report.applied_migrations().is_empty());
     assert!(!has_table(&by_sqlx.pool, "refinery_schema_history").await);
     assert_eq!(objects(&by_sqlx.pool).await, before, "nothing written");
 
     // Built with refinery: migrate() finds it up to date, creates no history.
     let by_refinery = support::empty_db().await;
-    pg_semaphore::refinery_migrate(&mut client(&by_refinery).await).await?;
+    pg_semaphore::schema::refinery_migrate(&mut client(&by_refinery).await).await?;
     let before = objects(&by_refinery.pool).await;
     pg_semaphore::migrate(&by_refinery.pool).await?;
     assert!(!has_table(&by_refinery.pool, "_sqlx_migrations").await);
@@ -217,7 +218,7 @@ async fn refinery_and_sqlx_each_adopt_the_schema_the_other_built() -> TestResult
     // Outdated: each tool says the other must upgrade it, writing nothing.
     pretend_outdated(&by_sqlx.pool).await;
     let before = objects(&by_sqlx.pool).await;
-    let err = pg_semaphore::refinery_migrate(&mut client(&by_sqlx).await)
+    let err = pg_semaphore::schema::refinery_migrate(&mut client(&by_sqlx).await)
         .await
         .expect_err("refinery does not upgrade sqlx's schema");
     println!("refinery on an outdated sqlx schema: {err}");

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use chrono::Utc;
 use pg_semaphore::{
-    AuditLog, Error, LostReason, Mutex, Priority, QueueOrder, RateLimiter, RatePolicy, Reaper,
-    Semaphore, SemaphoreInfo, SemaphoreKind,
+    Error, LostReason, Mutex, Priority, QueueOrder, RateLimiter, RatePolicy, Semaphore,
+    admin::{Reaper, SemaphoreInfo},
+    audit::{AuditLog, SemaphoreKind},
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
@@ -95,7 +96,7 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
             3
         );
         assert_eq!(sem.summary(started..Utc::now()).await?.completed, 3);
-        assert_eq!(pg_semaphore::semaphores(&app).await?.len(), 2);
+        assert_eq!(pg_semaphore::admin::semaphores(&app).await?.len(), 2);
 
         // Heartbeats renew (and commit durably) under the same grants.
         let renewed = Semaphore::builder("least-privilege-renewed", 1)
@@ -198,7 +199,7 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
             .await?;
         std::mem::forget(short.try_acquire().await?);
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_eq!(pg_semaphore::reap(&operator).await?, 1);
+        assert_eq!(pg_semaphore::admin::reap(&operator).await?, 1);
 
         // Retention (the VACUUM is skipped with a warning).
         let reaper = Reaper::builder()
@@ -209,24 +210,25 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
         tokio::time::sleep(Duration::from_millis(300)).await;
         reaper.shutdown().await;
         assert_eq!(
-            pg_semaphore::prune_claims(&operator, Duration::ZERO).await?,
+            pg_semaphore::admin::prune_claims(&operator, Duration::ZERO).await?,
             0,
             "the reaper pruned it all"
         );
 
         assert_eq!(
-            pg_semaphore::set_capacity(&operator, "operated", 2).await?,
+            pg_semaphore::admin::set_capacity(&operator, "operated", 2).await?,
             1
         );
-        pg_semaphore::configure(&operator, "operated", 3, Duration::from_secs(5)).await?;
+        pg_semaphore::admin::configure(&operator, "operated", 3, Duration::from_secs(5)).await?;
         assert_eq!(
-            pg_semaphore::set_fairness_weight(&operator, "operated", Some("tenant"), 3).await?,
+            pg_semaphore::admin::set_fairness_weight(&operator, "operated", Some("tenant"), 3)
+                .await?,
             1
         );
         let held = short.try_acquire().await?;
         assert!(matches!(
-            pg_semaphore::force_release(&operator, held.id()).await?,
-            pg_semaphore::ReleaseOutcome::Released { .. }
+            pg_semaphore::admin::force_release(&operator, held.id()).await?,
+            pg_semaphore::admin::ReleaseOutcome::Released { .. }
         ));
         assert!(matches!(
             held.release().await,
@@ -241,7 +243,7 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
         assert!(bucket.check("k", 1).await?.allowed);
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(
-            pg_semaphore::prune_rate_limits(&operator, Duration::ZERO).await?,
+            pg_semaphore::admin::prune_rate_limits(&operator, Duration::ZERO).await?,
             1
         );
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
@@ -254,9 +256,9 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
     result
 }
 
-/// The advisory semaphores `pg_semaphore::semaphores` lists.
+/// The advisory semaphores `pg_semaphore::admin::semaphores` lists.
 async fn advisory_semaphores(pool: &PgPool) -> pg_semaphore::Result<Vec<SemaphoreInfo>> {
-    let mut list = pg_semaphore::semaphores(pool).await?;
+    let mut list = pg_semaphore::admin::semaphores(pool).await?;
     list.retain(|s| s.kind == SemaphoreKind::Advisory);
     Ok(list)
 }
@@ -341,10 +343,10 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
             assert!(denied(sqlx::query(sql).execute(&app).await), "allowed: {sql}");
         }
         assert!(matches!(
-            pg_semaphore::set_capacity(&app, "guarded", 100).await,
+            pg_semaphore::admin::set_capacity(&app, "guarded", 100).await,
             Err(Error::Database(_))
         ));
-        assert!(matches!(pg_semaphore::reap(&app).await, Err(Error::Database(_))));
+        assert!(matches!(pg_semaphore::admin::reap(&app).await, Err(Error::Database(_))));
 
         // Releasing, renewing or fencing someone else's claim without its
         // token changes nothing.
@@ -1154,7 +1156,7 @@ async fn privileges_limits_are_checked_together_and_never_changed() -> TestResul
 
 /// README: "Pausing a rate limiter, or any of its keys, refuses every
 /// process's checks of it for at most an hour past its last pause; only an
-/// operator ends a pause early (`pg_semaphore::resume_rate_limit`,
+/// operator ends a pause early (`pg_semaphore::admin::resume_rate_limit`,
 /// `pg-semaphore limits resume`)."
 #[tokio::test]
 async fn privileges_a_pause_lasts_at_most_an_hour_and_only_the_operator_ends_it() -> TestResult {
@@ -1361,7 +1363,7 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
                 .execute(&app)
                 .await
         ));
-        pg_semaphore::prune_claims(&operator, Duration::ZERO).await?;
+        pg_semaphore::admin::prune_claims(&operator, Duration::ZERO).await?;
         assert_eq!(rows().await?, 0, "prune_claims left advisory rows");
         Ok(())
     })
@@ -1649,11 +1651,11 @@ async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResul
         ));
         // The operator's changes wait as long, and change nothing.
         let started = std::time::Instant::now();
-        let resized = pg_semaphore::set_capacity(&operator, "held-row", 5).await;
+        let resized = pg_semaphore::admin::set_capacity(&operator, "held-row", 5).await;
         let waited = started.elapsed();
         assert!(matches!(resized, Err(Error::Stalled { .. })), "{resized:?}");
         assert!(waited < Duration::from_secs(4), "{waited:?}");
-        let cleared = pg_semaphore::clear_queue(&operator, "held-row").await;
+        let cleared = pg_semaphore::admin::clear_queue(&operator, "held-row").await;
         assert!(matches!(cleared, Err(Error::Stalled { .. })), "{cleared:?}");
         let waiter = {
             let sem = sem.clone();
@@ -1671,7 +1673,7 @@ async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResul
 }
 
 /// README: "A queue place that it keeps renewing without claiming blocks
-/// the queue until an operator clears it (`pg_semaphore::clear_queue`,
+/// the queue until an operator clears it (`pg_semaphore::admin::clear_queue`,
 /// `pg-semaphore clear-queue`), and a place it stops renewing ends within
 /// 60 seconds."
 #[tokio::test]
@@ -1683,7 +1685,7 @@ async fn privileges_a_squatted_queue_is_cleared_and_places_end() -> TestResult {
         assert_eq!(refusal(too_long), ("22023".to_owned(), Some("p_waiter_lease".to_owned())));
         sqlx::query(enqueue).bind("60 s").bind(token("squatter")).execute(&app).await?;
         assert!(matches!(sem.try_acquire().await, Err(Error::NoSlotsAvailable { .. })));
-        assert_eq!(pg_semaphore::clear_queue(&operator, "squatted").await?, 1);
+        assert_eq!(pg_semaphore::admin::clear_queue(&operator, "squatted").await?, 1);
         sem.try_acquire().await?.release().await?;
         // A place nobody renews ends with its lease.
         sqlx::query(enqueue).bind("1 s").bind(token("gone")).execute(&app).await?;
@@ -1816,7 +1818,7 @@ async fn privileges_advisory_slots_belong_to_their_sessions() -> TestResult {
         assert!(!unlocked);
         assert_eq!(sem.available_permits().await?, 0);
         // A drop to 1 with both slots held: ending it early is refused.
-        pg_semaphore::set_capacity(&operator, "advisory-owned", 1).await?;
+        pg_semaphore::admin::set_capacity(&operator, "advisory-owned", 1).await?;
         low.release().await?;
         let drained: bool =
             sqlx::query_scalar("SELECT pgsemaphore.advisory_drained('advisory-owned')")
@@ -1980,7 +1982,7 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         .fetch_one(&mut *stale)
         .await?;
         assert_eq!(seen, 4);
-        pg_semaphore::set_capacity(&operator, "adv-drop", 2).await?;
+        pg_semaphore::admin::set_capacity(&operator, "adv-drop", 2).await?;
         let drained: bool = sqlx::query_scalar("SELECT pgsemaphore.advisory_drained('adv-drop')")
             .fetch_one(&app)
             .await?;
@@ -2051,7 +2053,7 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         sqlx::query("SELECT * FROM pgsemaphore.open_advisory('adv-fail', 3)")
             .execute(&app)
             .await?;
-        pg_semaphore::set_capacity(&operator, "adv-fail", 2).await?;
+        pg_semaphore::admin::set_capacity(&operator, "adv-fail", 2).await?;
         let partial = extra_role(
             &db,
             "partial",
@@ -2097,7 +2099,7 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
         let middle = sem.try_acquire().await?;
         let high = sem.try_acquire().await?;
         assert_eq!((low.slot(), middle.slot(), high.slot()), (0, 1, 2));
-        pg_semaphore::set_capacity(&operator, "adv-open", 2).await?;
+        pg_semaphore::admin::set_capacity(&operator, "adv-open", 2).await?;
         // The drop is pending (slot 2 is held): the drain in an open
         // transaction says so, and holds the semaphore's row.
         let mut squatter = app.acquire().await?;
@@ -2124,7 +2126,7 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
         let started = std::time::Instant::now();
         let changed = tokio::time::timeout(
             Duration::from_secs(10),
-            pg_semaphore::set_capacity(&operator, "adv-open", 3),
+            pg_semaphore::admin::set_capacity(&operator, "adv-open", 3),
         )
         .await
         .map_err(|_| "configure_advisory waited for an open advisory_drained")?;
@@ -2136,7 +2138,7 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
         );
         sqlx::query("ROLLBACK").execute(&mut *squatter).await?;
         assert_eq!(
-            pg_semaphore::set_capacity(&operator, "adv-open", 3).await?,
+            pg_semaphore::admin::set_capacity(&operator, "adv-open", 3).await?,
             2
         );
 
@@ -2183,7 +2185,7 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
             .audit(false)
             .build(&app)
             .await?;
-        pg_semaphore::set_capacity(&operator, "adv-wide", 2).await?;
+        pg_semaphore::admin::set_capacity(&operator, "adv-wide", 2).await?;
         let base: i64 = sqlx::query_scalar(
             "SELECT key_base FROM pgsemaphore.advisory_semaphores WHERE name = 'adv-wide'",
         )

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use pg_semaphore::{Error, LostReason, Permit, Reaper, Semaphore, WaitedFor};
+use pg_semaphore::{Error, LostReason, Permit, Semaphore, WaitedFor, admin::Reaper};
 use sqlx::postgres::PgPoolOptions;
 use support::{TestResult, live_rows};
 use tokio::time::Instant;
@@ -324,13 +324,13 @@ async fn reap_once_counts_what_it_freed() -> TestResult {
     let _s2 = short.try_acquire().await?;
     let _l1 = long.try_acquire().await?;
     assert_eq!(
-        pg_semaphore::reap(&db.pool).await?,
+        pg_semaphore::admin::reap(&db.pool).await?,
         0,
         "nothing expired yet"
     );
     tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 2);
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 0);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 2);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 0);
     assert_eq!(
         live_rows(&db.pool, "long").await,
         1,
@@ -463,7 +463,10 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
 
     // Shrink to 1: nobody loses a slot, nobody new gets in until only
     // fewer than 1 remain.
-    assert_eq!(pg_semaphore::set_capacity(&db.pool, "resized", 1).await?, 3);
+    assert_eq!(
+        pg_semaphore::admin::set_capacity(&db.pool, "resized", 1).await?,
+        3
+    );
     let small = Semaphore::builder("resized", 1).build(&db.pool).await?;
     assert_eq!(small.capacity(), 1);
     assert!(matches!(
@@ -494,7 +497,7 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!waiter.is_finished());
-    pg_semaphore::set_capacity(&db.pool, "resized", 2).await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "resized", 2).await?;
     let permit = tokio::time::timeout(Duration::from_secs(20), waiter).await???;
     assert_eq!(permit.slot(), 1);
     Ok(())
@@ -727,7 +730,7 @@ async fn a_fence_keeps_the_permit_live_until_the_callers_transaction_ends() -> T
     // the slot from under the fenced write ...
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        pg_semaphore::reap(&db.pool).await?,
+        pg_semaphore::admin::reap(&db.pool).await?,
         0,
         "a fenced claim was reaped"
     );

@@ -747,7 +747,7 @@ async fn the_reaper_removes_a_crashed_waiter_and_wakes_the_semaphore() -> TestRe
     .fetch_one(&db.pool)
     .await?;
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    pg_semaphore::reap(&db.pool).await?;
+    pg_semaphore::admin::reap(&db.pool).await?;
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters WHERE id = $1")
         .bind(ghost)
         .fetch_one(&db.pool)

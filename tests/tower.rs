@@ -20,7 +20,11 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use pg_semaphore::{AuditLog, Outcome, Semaphore, SemaphoreLayer};
+use pg_semaphore::{
+    Semaphore,
+    audit::{AuditLog, Outcome},
+    tower::SemaphoreLayer,
+};
 use support::TestResult;
 
 /// What the handlers saw: how many were inside at once, at most, and in all.

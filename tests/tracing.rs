@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use pg_semaphore::{Error, Mutex, Reaper, Semaphore};
+use pg_semaphore::{Error, Mutex, Semaphore, admin::Reaper};
 use support::TestResult;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -137,7 +137,7 @@ async fn a_reap_reports_how_many_slots_it_freed() -> TestResult {
     let capture = Capture::default();
     let _default = tracing::subscriber::set_default(capture.clone());
 
-    let reaped = pg_semaphore::reap(&db.pool).await?;
+    let reaped = pg_semaphore::admin::reap(&db.pool).await?;
     assert_eq!(reaped, 2);
     let events = capture.events();
     let reaps: Vec<&Captured> = events
@@ -148,7 +148,7 @@ async fn a_reap_reports_how_many_slots_it_freed() -> TestResult {
     assert_eq!(reaps[0].field("reaped"), Some("2"));
 
     // Nothing to reap: nothing said.
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 0);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 0);
     assert_eq!(
         capture
             .events()

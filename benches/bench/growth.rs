@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{Error, Reaper, Semaphore};
+use pg_semaphore::{Error, Semaphore, admin::Reaper};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection};
 

@@ -76,7 +76,7 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
             format!(
                 "{label}: no polling floor: ours p99 < {} (shortest fallback tested; default {})",
                 fmt_dur(shortest),
-                fmt_dur(pg_semaphore::DEFAULT_FALLBACK_INTERVAL)
+                fmt_dur(pg_semaphore::limits::DEFAULT_FALLBACK_INTERVAL)
             ),
             p99,
             shortest.as_secs_f64() * 1e3,
@@ -84,7 +84,7 @@ pub async fn wakeup_workload(ctx: &mut Ctx) -> Res<()> {
                 "p50 {}, p99 {} (polling at {}: p50 {})",
                 fmt_opt(ours.p50()),
                 fmt_opt(ours.p99()),
-                fmt_dur(pg_semaphore::DEFAULT_FALLBACK_INTERVAL),
+                fmt_dur(pg_semaphore::limits::DEFAULT_FALLBACK_INTERVAL),
                 fmt_opt(cells[3].p50())
             ),
         ));
@@ -182,7 +182,7 @@ async fn wakeup_on(server: &Server, s: &Settings) -> Res<Vec<Cell>> {
     // The notification path disabled: transaction_pooling(true) polls every fallback interval.
     let mut polling = Vec::new();
     for fallback in [
-        pg_semaphore::DEFAULT_FALLBACK_INTERVAL,
+        pg_semaphore::limits::DEFAULT_FALLBACK_INTERVAL,
         Duration::from_millis(100),
     ] {
         let label = format!(

@@ -4,7 +4,10 @@
 use std::time::Duration;
 
 use chrono::Utc;
-use pg_semaphore::{AuditLog, ReleaseOutcome, RuleKind, SemaphoreKind};
+use pg_semaphore::{
+    admin::{ReleaseOutcome, RuleKind},
+    audit::{AuditLog, SemaphoreKind},
+};
 use sqlx::PgPool;
 
 use crate::render::{self, human, plural, rfc3339};
@@ -12,7 +15,7 @@ use crate::{AuditArgs, EXIT_FAILURE, Failure, LimitsCommand, ReportArgs, parse};
 
 pub(crate) async fn migrate(pool: &PgPool) -> Result<String, Failure> {
     pg_semaphore::migrate(pool).await?;
-    let migrator = pg_semaphore::migrator();
+    let migrator = pg_semaphore::schema::migrator();
     let latest = migrator.iter().last();
     Ok(match latest {
         Some(m) => format!(
@@ -30,7 +33,7 @@ pub(crate) async fn status(
     name: Option<&str>,
     json: bool,
 ) -> Result<String, Failure> {
-    let mut list = pg_semaphore::semaphores(pool).await?;
+    let mut list = pg_semaphore::admin::semaphores(pool).await?;
     if let Some(name) = name {
         list.retain(|s| s.name == name);
         if list.is_empty() {
@@ -45,7 +48,7 @@ pub(crate) async fn status(
 }
 
 pub(crate) async fn doctor(pool: &PgPool, json: bool) -> Result<String, Failure> {
-    let holder = pg_semaphore::horizon(pool).await?;
+    let holder = pg_semaphore::admin::horizon(pool).await?;
     Ok(if json {
         render::doctor_json(holder.as_ref())
     } else {
@@ -58,7 +61,7 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
     let log = AuditLog::new(pool);
     // An unknown name would just give an empty log: say so instead.
-    let Some(kind) = pg_semaphore::semaphores(pool)
+    let Some(kind) = pg_semaphore::admin::semaphores(pool)
         .await?
         .iter()
         .find(|s| s.name == args.name)
@@ -122,12 +125,12 @@ pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Fa
 }
 
 pub(crate) async fn reap(pool: &PgPool) -> Result<String, Failure> {
-    let reaped = pg_semaphore::reap(pool).await?;
+    let reaped = pg_semaphore::admin::reap(pool).await?;
     Ok(format!("reaped {reaped} expired claim{}\n", plural(reaped)))
 }
 
 pub(crate) async fn release(pool: &PgPool, id: i64) -> Result<String, Failure> {
-    Ok(match pg_semaphore::force_release(pool, id).await? {
+    Ok(match pg_semaphore::admin::force_release(pool, id).await? {
         ReleaseOutcome::Released { semaphore, at } => {
             format!("released claim {id} of {semaphore:?} at {}\n", rfc3339(at))
         }
@@ -148,7 +151,7 @@ pub(crate) async fn set_capacity(
     name: &str,
     capacity: u32,
 ) -> Result<String, Failure> {
-    let previous = pg_semaphore::set_capacity(pool, name, capacity).await?;
+    let previous = pg_semaphore::admin::set_capacity(pool, name, capacity).await?;
     Ok(format!("{name}: capacity {previous} -> {capacity}\n"))
 }
 
@@ -158,7 +161,7 @@ pub(crate) async fn fair_weight(
     key: Option<&str>,
     weight: u32,
 ) -> Result<String, Failure> {
-    let previous = pg_semaphore::set_fairness_weight(pool, name, key, weight).await?;
+    let previous = pg_semaphore::admin::set_fairness_weight(pool, name, key, weight).await?;
     let key = match key {
         Some(key) => format!("key {key:?}"),
         None => "the default key".to_owned(),
@@ -167,7 +170,7 @@ pub(crate) async fn fair_weight(
 }
 
 pub(crate) async fn clear_queue(pool: &PgPool, name: &str) -> Result<String, Failure> {
-    let removed = pg_semaphore::clear_queue(pool, name).await?;
+    let removed = pg_semaphore::admin::clear_queue(pool, name).await?;
     Ok(format!(
         "{name}: removed {removed} waiter{} from the queue\n",
         plural(removed)
@@ -175,7 +178,7 @@ pub(crate) async fn clear_queue(pool: &PgPool, name: &str) -> Result<String, Fai
 }
 
 pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String, Failure> {
-    let deleted = pg_semaphore::prune_claims(pool, older_than).await?;
+    let deleted = pg_semaphore::admin::prune_claims(pool, older_than).await?;
     Ok(format!(
         "deleted {deleted} finished claim{} that ended more than {} ago\n",
         plural(deleted),
@@ -184,14 +187,14 @@ pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String,
 }
 
 pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<String, Failure> {
-    use pg_semaphore::{LimiterKind, StoredLimit};
+    use pg_semaphore::admin::{LimiterKind, StoredLimit};
     let what = |kind: LimiterKind, limiter: &str, key: Option<&str>| match key {
         Some(key) => format!("{kind} {limiter} key {key:?}"),
         None => format!("{kind} {limiter}"),
     };
     Ok(match command {
         LimitsCommand::List { json } => {
-            let settings = pg_semaphore::rate_limit_settings(pool).await?;
+            let settings = pg_semaphore::admin::rate_limit_settings(pool).await?;
             if json {
                 render::limits_json(&settings)
             } else {
@@ -223,7 +226,8 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
                 }
             };
             let key = target.key.as_deref();
-            pg_semaphore::set_rate_limit(pool, target.kind, &target.limiter, key, limit).await?;
+            pg_semaphore::admin::set_rate_limit(pool, target.kind, &target.limiter, key, limit)
+                .await?;
             format!(
                 "{}: stored {}\n",
                 what(target.kind, &target.limiter, key),
@@ -233,7 +237,8 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
         LimitsCommand::Clear { target } => {
             let key = target.key.as_deref();
             let had =
-                pg_semaphore::clear_rate_limit(pool, target.kind, &target.limiter, key).await?;
+                pg_semaphore::admin::clear_rate_limit(pool, target.kind, &target.limiter, key)
+                    .await?;
             let what = what(target.kind, &target.limiter, key);
             if had {
                 format!("{what}: stored limits cleared\n")
@@ -243,9 +248,14 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
         }
         LimitsCommand::Pause { target, duration } => {
             let key = target.key.as_deref();
-            let until =
-                pg_semaphore::pause_rate_limit(pool, target.kind, &target.limiter, key, duration)
-                    .await?;
+            let until = pg_semaphore::admin::pause_rate_limit(
+                pool,
+                target.kind,
+                &target.limiter,
+                key,
+                duration,
+            )
+            .await?;
             format!(
                 "{}: paused until {}\n",
                 what(target.kind, &target.limiter, key),
@@ -255,7 +265,8 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
         LimitsCommand::Resume { target } => {
             let key = target.key.as_deref();
             let had =
-                pg_semaphore::resume_rate_limit(pool, target.kind, &target.limiter, key).await?;
+                pg_semaphore::admin::resume_rate_limit(pool, target.kind, &target.limiter, key)
+                    .await?;
             let what = what(target.kind, &target.limiter, key);
             if had {
                 format!("{what}: resumed\n")
@@ -267,7 +278,7 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
 }
 
 pub(crate) async fn families(pool: &PgPool, json: bool) -> Result<String, Failure> {
-    let list = pg_semaphore::families(pool).await?;
+    let list = pg_semaphore::admin::families(pool).await?;
     Ok(if json {
         render::families_json(&list)
     } else {
@@ -281,7 +292,7 @@ pub(crate) async fn family(
     top: u32,
     json: bool,
 ) -> Result<String, Failure> {
-    let Some(family) = pg_semaphore::families(pool)
+    let Some(family) = pg_semaphore::admin::families(pool)
         .await?
         .into_iter()
         .find(|f| f.name == name)
@@ -290,7 +301,7 @@ pub(crate) async fn family(
             "no semaphore family named {name:?}"
         )));
     };
-    let busiest = pg_semaphore::busiest_keys(pool, name, top).await?;
+    let busiest = pg_semaphore::admin::busiest_keys(pool, name, top).await?;
     Ok(if json {
         render::family_json(&family, &busiest)
     } else {
@@ -310,7 +321,8 @@ pub(crate) async fn rule(
         (None, Some(tier)) => (RuleKind::Tier, tier, "tier"),
         (None, None) => return Err(Failure::usage("a rule needs --key or --tier")),
     };
-    let changed = pg_semaphore::set_family_rule(pool, family, kind, &matches, capacity).await?;
+    let changed =
+        pg_semaphore::admin::set_family_rule(pool, family, kind, &matches, capacity).await?;
     Ok(match capacity {
         Some(capacity) => format!(
             "{family}: {what} {matches:?} -> capacity {capacity} ({changed} existing key{} changed)\n",
@@ -329,7 +341,7 @@ pub(crate) async fn tier(
     key: &str,
     tier: Option<&str>,
 ) -> Result<String, Failure> {
-    let changed = pg_semaphore::set_family_tier(pool, family, key, tier).await?;
+    let changed = pg_semaphore::admin::set_family_tier(pool, family, key, tier).await?;
     Ok(match tier {
         Some(tier) => format!(
             "{family}: key {key:?} in tier {tier:?} ({changed} existing key{} changed)\n",

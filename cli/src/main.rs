@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Parser, Subcommand};
-use pg_semaphore::{Error, SchemaError};
+use pg_semaphore::{Error, schema::SchemaError};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -360,7 +360,7 @@ enum LimitsCommand {
 #[derive(Debug, Args)]
 struct LimitTarget {
     /// token-bucket, fixed-window or sliding-window.
-    kind: pg_semaphore::LimiterKind,
+    kind: pg_semaphore::admin::LimiterKind,
     /// The limiter's name.
     limiter: String,
     /// One key of the limiter instead of all of them.

@@ -10,8 +10,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
-    ClaimRecord, FamilyInfo, FamilyKeyInfo, Holder, HorizonHolder, HorizonHolderKind, Outcome,
-    RateLimitSetting, RuleKind, SemaphoreInfo, SemaphoreKind, StoredLimit, Summary,
+    admin::{
+        FamilyInfo, FamilyKeyInfo, HorizonHolder, HorizonHolderKind, RateLimitSetting, RuleKind,
+        SemaphoreInfo, StoredLimit,
+    },
+    audit::{ClaimRecord, Holder, Outcome, SemaphoreKind, Summary},
 };
 use serde::Serialize;
 

@@ -143,7 +143,10 @@ async fn the_database_url_can_come_from_a_dotenv_file() -> TestResult {
     let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore._sqlx_migrations")
         .fetch_one(&db.pool)
         .await?;
-    assert_eq!(applied as usize, pg_semaphore::migrator().iter().count());
+    assert_eq!(
+        applied as usize,
+        pg_semaphore::schema::migrator().iter().count()
+    );
     Ok(())
 }
 
@@ -388,7 +391,7 @@ async fn some_history(db: &support::TestDb) -> Result<(Semaphore, pg_semaphore::
         .await?;
     std::mem::forget(doomed);
     wait_until_expired(db).await;
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 1);
     let live = sem
         .claim()
         .holder("web-1, pid 7")
@@ -748,7 +751,7 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     assert_status(&out, 0);
     assert_eq!(stdout(&out).trim(), "resized: capacity 1 -> 3");
     let second = waiter.await??;
-    let info = pg_semaphore::semaphores(&db.pool).await?;
+    let info = pg_semaphore::admin::semaphores(&db.pool).await?;
     assert_eq!(info[0].capacity, 3);
     assert_eq!(info[0].default_lease, Some(Duration::from_secs(45)));
     assert_eq!(info[0].holders.len(), 2);
@@ -758,7 +761,10 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     let out = run(&db, &["set-capacity", "resized", "0"]).await;
     assert_status(&out, 2);
     assert!(stderr(&out).contains("capacity"), "{}", stderr(&out));
-    assert_eq!(pg_semaphore::semaphores(&db.pool).await?[0].capacity, 3);
+    assert_eq!(
+        pg_semaphore::admin::semaphores(&db.pool).await?[0].capacity,
+        3
+    );
     held.release().await?;
     second.release().await?;
     Ok(())
@@ -1165,7 +1171,7 @@ async fn families_show_rules_and_busiest_keys_and_rules_change_at_run_time() -> 
     let out = run(&db, &["tier", "remove", "tenants", "t-42"]).await;
     assert_status(&out, 0);
     assert_eq!(
-        pg_semaphore::busiest_keys(&db.pool, "tenants", 10).await?[0].capacity,
+        pg_semaphore::admin::busiest_keys(&db.pool, "tenants", 10).await?[0].capacity,
         10,
         "t-42 is back to the default"
     );

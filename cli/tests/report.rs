@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
-use pg_semaphore::{AdvisorySemaphore, AuditLog, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Semaphore, audit::AuditLog};
 use support::TestResult;
 use support::cli::{assert_status, run, stderr, stdout};
 use tokio::process::Command;
@@ -241,7 +241,7 @@ async fn a_report_draws_each_claim_and_shows_holders_as_text() -> TestResult {
     let timed_out = doomed.id();
     std::mem::forget(doomed);
     wait_until_expired(&db, timed_out).await?;
-    assert_eq!(pg_semaphore::reap(&db.pool).await?, 1);
+    assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 1);
     let live = sem.claim().holder("still-working").try_acquire().await?;
     let until = Utc::now().duration_trunc(TimeDelta::seconds(1))? + TimeDelta::seconds(2);
 

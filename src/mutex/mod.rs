@@ -142,7 +142,7 @@ impl Mutex {
     }
 
     /// How often a session lock checks that its connection is alive (default
-    /// [`DEFAULT_SESSION_HEARTBEAT`](crate::DEFAULT_SESSION_HEARTBEAT)). A
+    /// [`DEFAULT_SESSION_HEARTBEAT`](crate::limits::DEFAULT_SESSION_HEARTBEAT)). A
     /// check that does not answer within the interval loses the lock
     /// ([`SessionGuard::lost`]); the server ends a session that sent nothing
     /// for three intervals (at least a second: `idle_session_timeout`),

@@ -35,7 +35,7 @@
 //! and every later check, of every process, is decided under the stored
 //! ones in the same statement, whatever its handle says; only an operator
 //! changes them, per limiter or per key (`pg-semaphore limits set`,
-//! [`set_rate_limit`](crate::set_rate_limit)). A handle whose limits differ
+//! [`set_rate_limit`](crate::admin::set_rate_limit)). A handle whose limits differ
 //! from the stored ones logs one `WARN` per limiter and process naming
 //! both. A key's lock held elsewhere for 2 s answers [`Error::Stalled`].
 //! Any process may [`pause`](RateLimiter::pause) a key or a whole limiter
@@ -56,7 +56,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
-use crate::LimiterKind;
+use crate::admin::LimiterKind;
 use crate::db::Db;
 use crate::error::{Error, Result};
 use crate::validate::{self, MAX_RATE, MAX_WINDOW};
@@ -107,8 +107,8 @@ pub struct Decision {
     pub retry_after: Duration,
     /// The limiter's [limit](RatePolicy::limit): a token bucket's burst, a
     /// window's permit limit, as the handle was built (a
-    /// limit stored in the database, [`set_rate_limit`](crate::set_rate_limit),
-    /// may differ; [`rate_limit_settings`](crate::rate_limit_settings) lists
+    /// limit stored in the database, [`set_rate_limit`](crate::admin::set_rate_limit),
+    /// may differ; [`rate_limit_settings`](crate::admin::rate_limit_settings) lists
     /// them).
     pub limit: u32,
     /// `true` when the database could not be reached and the limiter was
@@ -154,11 +154,11 @@ impl Decision {
 /// The limits are checked when the limiter is built
 /// ([`RateLimiterBuilder::build`]). They are stored as the limiter's by its
 /// first check; from then on the stored ones apply, in every process
-/// ([`set_rate_limit`](crate::set_rate_limit)).
+/// ([`set_rate_limit`](crate::admin::set_rate_limit)).
 ///
 /// ```
 /// use std::time::Duration;
-/// use pg_semaphore::{LimiterKind, RatePolicy};
+/// use pg_semaphore::{RatePolicy, admin::LimiterKind};
 ///
 /// // 100 requests per second per key, bursts of up to 500.
 /// let api = RatePolicy::token_bucket(100.0, 500);
@@ -181,12 +181,12 @@ pub enum RatePolicy {
     /// clock, read after the key's lock is taken.
     TokenBucket {
         /// Tokens added to each key's bucket per second: positive, at most
-        /// [`MAX_RATE`](crate::MAX_RATE); may be fractional (`0.5` is one
+        /// [`MAX_RATE`](crate::limits::MAX_RATE); may be fractional (`0.5` is one
         /// every two seconds). Stripe's `REPLENISH_RATE`.
         rate: f64,
         /// The bucket's capacity: the most tokens a key can save up and
         /// spend at once (at least 1; refilling it from empty may take at
-        /// most [`MAX_WINDOW`](crate::MAX_WINDOW)). Stripe's `CAPACITY`,
+        /// most [`MAX_WINDOW`](crate::limits::MAX_WINDOW)). Stripe's `CAPACITY`,
         /// .NET's `TokenLimit`.
         burst: u32,
     },
@@ -202,8 +202,8 @@ pub enum RatePolicy {
     FixedWindow {
         /// Permits granted per key per window (at least 1).
         permit_limit: u32,
-        /// The window's length ([`MIN_WINDOW`](crate::MIN_WINDOW) to
-        /// [`MAX_WINDOW`](crate::MAX_WINDOW); measured on the database
+        /// The window's length ([`MIN_WINDOW`](crate::limits::MIN_WINDOW) to
+        /// [`MAX_WINDOW`](crate::limits::MAX_WINDOW); measured on the database
         /// clock, to the microsecond).
         window: Duration,
     },
@@ -319,7 +319,7 @@ impl RatePolicy {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a window outside
-    /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`].
+    /// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`].
     fn sql_limits(self) -> Result<SqlLimits> {
         Ok(match self {
             RatePolicy::TokenBucket { rate, burst } => SqlLimits::Bucket {
@@ -363,7 +363,7 @@ enum SqlLimits {
 /// built with are stored as the limiter's by its first check; from then on
 /// the stored ones apply, in every process, whatever a handle says, and
 /// only an operator changes them, for the limiter or for one key
-/// ([`set_rate_limit`](crate::set_rate_limit)). A handle built with other
+/// ([`set_rate_limit`](crate::admin::set_rate_limit)). A handle built with other
 /// limits logs one `WARN` naming both.
 ///
 /// ```no_run
@@ -436,13 +436,13 @@ impl RateLimiterBuilder {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a name that is empty, longer than
-    /// [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) or contains NUL; a token
+    /// [`MAX_NAME_LEN`](crate::limits::MAX_NAME_LEN) or contains NUL; a token
     /// bucket's rate that is not a positive finite number or is above
-    /// [`MAX_RATE`](crate::MAX_RATE) (`rate`), a burst of 0 (`burst`), a
-    /// bucket that would take longer than [`MAX_WINDOW`](crate::MAX_WINDOW)
+    /// [`MAX_RATE`](crate::limits::MAX_RATE) (`rate`), a burst of 0 (`burst`), a
+    /// bucket that would take longer than [`MAX_WINDOW`](crate::limits::MAX_WINDOW)
     /// to refill from empty (`rate`); a window's permit limit of 0
     /// (`permit_limit`), a window outside
-    /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW)
+    /// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`](crate::limits::MAX_WINDOW)
     /// (`window`).
     pub fn build(self, pool: &PgPool) -> Result<RateLimiter> {
         validate::name(&self.name)?;
@@ -483,7 +483,7 @@ impl RateLimiter {
     }
 
     /// The policy this handle was built with (the limits in force are the
-    /// stored ones: [`rate_limit_settings`](crate::rate_limit_settings)).
+    /// stored ones: [`rate_limit_settings`](crate::admin::rate_limit_settings)).
     pub fn policy(&self) -> RatePolicy {
         self.inner.policy
     }
@@ -497,7 +497,7 @@ impl RateLimiter {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for a key that is empty, longer than
-    ///   [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) characters or contains NUL,
+    ///   [`MAX_KEY_LEN`](crate::limits::MAX_KEY_LEN) characters or contains NUL,
     ///   and for `permits` of 0 or above the [limit](RatePolicy::limit) (it
     ///   could never be granted). Nothing is sent.
     /// - [`Error::Schema`] when [`migrate`](crate::migrate) was not run.
@@ -519,7 +519,7 @@ impl RateLimiter {
     /// Waits until `key` admits `permits`, then returns the admitting
     /// [`Decision`]: [`acquire_timeout`](Self::acquire_timeout) with the
     /// longest wait that can be reserved,
-    /// [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+    /// [`MAX_RATE_WAIT`](crate::limits::MAX_RATE_WAIT).
     ///
     /// ```no_run
     /// use pg_semaphore::{RateLimiter, RatePolicy};
@@ -538,7 +538,7 @@ impl RateLimiter {
     ///
     /// As [`acquire_timeout`](Self::acquire_timeout); [`Error::Timeout`]
     /// only when the permits could not be admitted within
-    /// [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+    /// [`MAX_RATE_WAIT`](crate::limits::MAX_RATE_WAIT).
     ///
     /// # Cancel safety
     ///
@@ -558,7 +558,7 @@ impl RateLimiter {
     ///
     /// Kept beside [`acquire`](Self::acquire) because it is cheaper than
     /// `tokio::time::timeout(timeout, limiter.acquire(key, permits))`: that
-    /// books the permits up to [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT)
+    /// books the permits up to [`MAX_RATE_WAIT`](crate::limits::MAX_RATE_WAIT)
     /// ahead and then sleeps, so when the timeout fires the caller has
     /// waited all of `timeout` for nothing, and the dropped future forfeits
     /// the permits it booked (the key admits less for that while). This
@@ -586,7 +586,7 @@ impl RateLimiter {
     ///
     /// The wait is fixed when the permits are booked, with one exception:
     /// when an operator raises a token bucket's stored rate
-    /// ([`set_rate_limit`](crate::set_rate_limit)), waiters are told (a
+    /// ([`set_rate_limit`](crate::admin::set_rate_limit)), waiters are told (a
     /// `NOTIFY`, heard by one `LISTEN` connection per pool, opened by a
     /// handle's first `acquire` and kept while the handle lives; none with
     /// [`transaction_pooling`](RateLimiterBuilder::transaction_pooling)),
@@ -598,7 +598,7 @@ impl RateLimiter {
     /// ends: a waiter sleeps until then (woken early if an operator ends
     /// the pause) and reserves again, within its timeout; a pause that ends
     /// after the timeout returns [`Error::Timeout`] at once. A timeout
-    /// above [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT) waits at most that.
+    /// above [`MAX_RATE_WAIT`](crate::limits::MAX_RATE_WAIT) waits at most that.
     ///
     /// With [`fail_open`](RateLimiterBuilder::fail_open), an unreachable
     /// database admits at once, as [`check`](Self::check) does.
@@ -655,7 +655,7 @@ impl RateLimiter {
     /// upstream that answered 429 with `Retry-After`. A pause is only ever
     /// extended: a shorter one than the pause in force changes nothing (an
     /// operator ends one early: `pg-semaphore limits resume`,
-    /// [`resume_rate_limit`](crate::resume_rate_limit)).
+    /// [`resume_rate_limit`](crate::admin::resume_rate_limit)).
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -669,7 +669,7 @@ impl RateLimiter {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for a bad key (as `check`) and a
-    ///   `duration` below 1 ms or above [`MAX_PAUSE`](crate::MAX_PAUSE).
+    ///   `duration` below 1 ms or above [`MAX_PAUSE`](crate::limits::MAX_PAUSE).
     /// - [`Error::Stalled`] when the limiter's settings row was held by
     ///   another transaction for 2 s; [`Error::Schema`] before
     ///   schema version 9; [`Error::Database`] otherwise (a pause never
@@ -713,15 +713,15 @@ impl RateLimiter {
 /// recently active keys' rows around to save their re-insertion. Keys still
 /// limited are never deleted.
 ///
-/// Call it from a cron job, or let a [`Reaper`](crate::Reaper) do it every
-/// round with [`ReaperBuilder::rate_limits`](crate::ReaperBuilder::rate_limits).
+/// Call it from a cron job, or let a [`Reaper`](crate::admin::Reaper) do it every
+/// round with [`ReaperBuilder::rate_limits`](crate::admin::ReaperBuilder::rate_limits).
 /// It walks the table in batches of short transactions and skips keys being
 /// checked at that moment, so it can run while checks go on.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// use std::time::Duration;
-/// let deleted = pg_semaphore::prune_rate_limits(&pool, Duration::from_secs(3600)).await?;
+/// let deleted = pg_semaphore::admin::prune_rate_limits(&pool, Duration::from_secs(3600)).await?;
 /// # Ok(())
 /// # }
 /// ```

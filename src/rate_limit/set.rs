@@ -108,7 +108,7 @@ impl LimiterSet {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for an empty set or one of more than
-    ///   [`MAX_LIMITS`](crate::MAX_LIMITS) limits (`limits`), limiters built
+    ///   [`MAX_LIMITS`](crate::limits::MAX_LIMITS) limits (`limits`), limiters built
     ///   on different pools (`limits`), the same key of the same limiter
     ///   twice (`limits`, from the database), and as each limiter's
     ///   [`check`](RateLimiter::check) for the key and `permits`.
@@ -147,7 +147,7 @@ impl LimiterSet {
     /// Waits until every limit admits `permits` for `key` at the same
     /// instant, then returns the admitting [`Decision`]:
     /// [`acquire_timeout`](Self::acquire_timeout) with the longest wait that
-    /// can be booked, [`MAX_RATE_WAIT`](crate::MAX_RATE_WAIT).
+    /// can be booked, [`MAX_RATE_WAIT`](crate::limits::MAX_RATE_WAIT).
     ///
     /// # Errors
     ///

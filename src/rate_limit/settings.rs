@@ -16,7 +16,7 @@
 //! - **Pauses.** [`Limiter::pause`] (the application: an upstream answered
 //!   429 with `Retry-After`) refuses a key's, or a whole limiter's, checks
 //!   until then in every process; it only ever extends a pause, by at most
-//!   [`MAX_PAUSE`](crate::MAX_PAUSE). A waiting acquire sleeps until the
+//!   [`MAX_PAUSE`](crate::limits::MAX_PAUSE). A waiting acquire sleeps until the
 //!   pause ends, then reserves again.
 //! - **Wake-ups.** The operator functions (`set_rate_limit`,
 //!   `clear_rate_limit`, `resume_rate_limit`) send `NOTIFY pgsemaphore_rate

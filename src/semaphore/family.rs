@@ -13,9 +13,9 @@
 //!   give the key (an exact-key rule, else the rule of the key's tier, else
 //!   the family's default) and the family's lease; the application only
 //!   names the key and can never choose its capacity;
-//! - an operator's rule change ([`set_family_rule`](crate::set_family_rule),
-//!   [`set_family_tier`](crate::set_family_tier),
-//!   [`configure_family`](crate::configure_family)) recomputes the capacity
+//! - an operator's rule change ([`set_family_rule`](crate::admin::set_family_rule),
+//!   [`set_family_tier`](crate::admin::set_family_tier),
+//!   [`configure_family`](crate::admin::configure_family)) recomputes the capacity
 //!   of existing keys in its own transaction;
 //! - the reaper removes keys nothing references any more.
 //!
@@ -72,16 +72,16 @@ const OPEN_KEY: &str = "SELECT o_name, o_capacity, o_default_lease \
 /// of each key is cached in the process, and the claim is one round trip.
 ///
 /// Capacities are the operator's, stored in the database and changed at
-/// run time ([`set_family_rule`](crate::set_family_rule),
-/// [`set_family_tier`](crate::set_family_tier),
-/// [`configure_family`](crate::configure_family), or `pg-semaphore rule
+/// run time ([`set_family_rule`](crate::admin::set_family_rule),
+/// [`set_family_tier`](crate::admin::set_family_tier),
+/// [`configure_family`](crate::admin::configure_family), or `pg-semaphore rule
 /// set`): an exact-key rule wins over the rule of the key's tier, which
 /// wins over the family's default. The application names keys and never
 /// chooses their capacity.
 ///
 /// Keys nothing references (no claim left in the audit log, no waiter),
 /// for the family's [`idle_after`](SemaphoreFamilyBuilder::idle_after), are
-/// removed by the reaper ([`reap`](crate::reap), [`Reaper`](crate::Reaper)):
+/// removed by the reaper ([`reap`](crate::admin::reap), [`Reaper`](crate::admin::Reaper)):
 /// the table holds the keys in use. Metrics label a key's semaphore by its
 /// family (`semaphore="@family"`), never by its key.
 ///
@@ -144,7 +144,7 @@ impl fmt::Debug for SemaphoreFamily {
 ///
 /// The default capacity, lease and idle time given here are the ones a
 /// **new** family is created with; an existing family keeps its own (an
-/// operator changes them with [`configure_family`](crate::configure_family)).
+/// operator changes them with [`configure_family`](crate::admin::configure_family)).
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `.build(&pool).await`"]
 pub struct SemaphoreFamilyBuilder {
@@ -168,9 +168,9 @@ impl SemaphoreFamilyBuilder {
 
     /// How long a key of a new family stays once nothing references it
     /// (default [`DEFAULT_IDLE_AFTER`], at most
-    /// [`MAX_IDLE_AFTER`](crate::MAX_IDLE_AFTER)): the reaper removes a key
+    /// [`MAX_IDLE_AFTER`](crate::limits::MAX_IDLE_AFTER)): the reaper removes a key
     /// whose claims have all been pruned from the audit log
-    /// ([`prune_claims`](crate::prune_claims)), with no waiter, and created
+    /// ([`prune_claims`](crate::admin::prune_claims)), with no waiter, and created
     /// or last changed at least this long ago.
     pub fn idle_after(mut self, idle_after: Duration) -> Self {
         self.idle_after = idle_after;
@@ -215,7 +215,7 @@ impl SemaphoreFamilyBuilder {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for a name that is empty, longer than
-    ///   [`MAX_FAMILY_NAME_LEN`](crate::MAX_FAMILY_NAME_LEN) or has a
+    ///   [`MAX_FAMILY_NAME_LEN`](crate::limits::MAX_FAMILY_NAME_LEN) or has a
     ///   character other than letters, digits, `_`, `.`, `:`, `-`; a
     ///   capacity, lease, idle time, holder, fallback or heartbeat out of
     ///   range. Nothing is written.
@@ -263,7 +263,7 @@ impl SemaphoreFamilyBuilder {
                 requested_capacity = self.capacity,
                 requested_lease_ms = self.lease.as_millis() as u64,
                 "semaphore family exists with other settings, which stay in force; \
-                 change them with pg_semaphore::configure_family"
+                 change them with pg_semaphore::admin::configure_family"
             );
         }
         self.heartbeat.check(stored_lease, "lease")?;
@@ -342,7 +342,7 @@ impl SemaphoreFamily {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for a key that is empty, longer than
-    ///   [`MAX_FAMILY_KEY_LEN`](crate::MAX_FAMILY_KEY_LEN) or contains NUL,
+    ///   [`MAX_FAMILY_KEY_LEN`](crate::limits::MAX_FAMILY_KEY_LEN) or contains NUL,
     ///   or whose semaphore name a named semaphore has.
     /// - [`Error::FamilyNotFound`], [`Error::Schema`],
     ///   [`Error::Database`].

@@ -124,8 +124,8 @@ impl fmt::Debug for Semaphore {
 /// The capacity and lease given here are the ones a **new** semaphore is
 /// created with. An existing semaphore keeps its own (processes of two
 /// versions of an application, in a rolling deploy, never fight over them):
-/// change them with [`configure`](crate::configure) or
-/// [`set_capacity`](crate::set_capacity), or `pg-semaphore set-capacity`.
+/// change them with [`configure`](crate::admin::configure) or
+/// [`set_capacity`](crate::admin::set_capacity), or `pg-semaphore set-capacity`.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -158,7 +158,7 @@ pub struct SemaphoreBuilder {
 impl SemaphoreBuilder {
     /// The default lease of a new semaphore: how long a permit is held
     /// before a reaper may free it (default [`DEFAULT_LEASE`], between
-    /// [`MIN_LEASE`](crate::MIN_LEASE) and [`MAX_LEASE`](crate::MAX_LEASE)).
+    /// [`MIN_LEASE`](crate::limits::MIN_LEASE) and [`MAX_LEASE`](crate::limits::MAX_LEASE)).
     /// Measured on the database clock.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -293,7 +293,7 @@ impl SemaphoreBuilder {
     /// semaphore this builder *creates* gets; an existing semaphore keeps
     /// its own (a `WARN` event says so when it differs), which this handle
     /// then uses, and an operator changes it with
-    /// [`set_queue_order`](crate::set_queue_order).
+    /// [`set_queue_order`](crate::admin::set_queue_order).
     ///
     /// Costs: a waiting acquire takes two round trips more than without a
     /// queue (joining and leaving), and each process renews its waiters in
@@ -341,9 +341,9 @@ impl SemaphoreBuilder {
     /// # Errors
     ///
     /// - [`Error::InvalidArgument`] for a name that is empty, longer than
-    ///   [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) or contains NUL; a capacity
-    ///   of 0 or above [`MAX_CAPACITY`](crate::MAX_CAPACITY); a lease
-    ///   outside [`MIN_LEASE`](crate::MIN_LEASE)..=[`MAX_LEASE`](crate::MAX_LEASE);
+    ///   [`MAX_NAME_LEN`](crate::limits::MAX_NAME_LEN) or contains NUL; a capacity
+    ///   of 0 or above [`MAX_CAPACITY`](crate::limits::MAX_CAPACITY); a lease
+    ///   outside [`MIN_LEASE`](crate::limits::MIN_LEASE)..=[`MAX_LEASE`](crate::limits::MAX_LEASE);
     ///   a zero fallback interval; a zero heartbeat interval or one above half
     ///   the lease; a reserve not below the capacity; a bad holder label.
     ///   Nothing is written.
@@ -391,7 +391,7 @@ impl SemaphoreBuilder {
                 order = ?stored_order,
                 requested_order = ?requested_order,
                 "semaphore's queue order differs from this handle's, and stays in force; \
-                 change it with pg_semaphore::set_queue_order"
+                 change it with pg_semaphore::admin::set_queue_order"
             );
         }
         let capacity = capacity.max(1) as u32;
@@ -406,7 +406,7 @@ impl SemaphoreBuilder {
                 requested_capacity = self.capacity,
                 requested_lease_ms = self.lease.as_millis() as u64,
                 "semaphore exists with other settings, which stay in force; \
-                 change them with pg_semaphore::configure or `pg-semaphore set-capacity`"
+                 change them with pg_semaphore::admin::configure or `pg-semaphore set-capacity`"
             );
         }
         self.heartbeat.check(stored_lease, "lease")?;
@@ -682,7 +682,7 @@ impl Semaphore {
     /// semaphore's, in byte order of the names) and one release; each of
     /// its [`ids`](Permit::ids) is a fencing token on its own semaphore,
     /// and the audit log links the claims (`group_id`,
-    /// [`ClaimRecord::group_id`](crate::ClaimRecord::group_id)).
+    /// [`ClaimRecord::group_id`](crate::audit::ClaimRecord::group_id)).
     ///
     /// A multi-limit claim is of high priority, takes no place in a fair
     /// queue, and is refused while any of its semaphores has a
@@ -706,7 +706,7 @@ impl Semaphore {
     /// - [`Error::NoSlotsAvailable`] naming the first semaphore (in the
     ///   canonical order) that could not admit its permits; nothing is held.
     /// - [`Error::InvalidArgument`] for no semaphore or more than
-    ///   [`MAX_SEMAPHORES_PER_CLAIM`](crate::MAX_SEMAPHORES_PER_CLAIM), a
+    ///   [`MAX_SEMAPHORES_PER_CLAIM`](crate::limits::MAX_SEMAPHORES_PER_CLAIM), a
     ///   semaphore named twice (argument `semaphores`), a count of 0 or more
     ///   than a semaphore's capacity (`permits`), or handles built on
     ///   different pools (`semaphores`). Nothing is sent.
@@ -906,7 +906,7 @@ impl Claim<'_> {
 
     /// The claim's **fairness key** in the semaphore's fair queue (a
     /// tenant, a customer, a job kind; default: none, the one shared
-    /// default key), 1 to [`MAX_FAIRNESS_KEY_LEN`](crate::MAX_FAIRNESS_KEY_LEN) characters.
+    /// default key), 1 to [`MAX_FAIRNESS_KEY_LEN`](crate::limits::MAX_FAIRNESS_KEY_LEN) characters.
     ///
     /// In a FIFO queue ([`QueueOrder::OldestFirst`]), waiters of different
     /// fairness keys take turns: a key with one waiter is served within one
@@ -940,7 +940,7 @@ impl Claim<'_> {
     /// # }
     /// ```
     ///
-    /// A key that is empty, longer than [`MAX_FAIRNESS_KEY_LEN`](crate::MAX_FAIRNESS_KEY_LEN) or contains
+    /// A key that is empty, longer than [`MAX_FAIRNESS_KEY_LEN`](crate::limits::MAX_FAIRNESS_KEY_LEN) or contains
     /// NUL makes the acquire fail with [`Error::InvalidArgument`] (argument
     /// `fairness_key`) before anything is sent.
     pub fn fairness_key(mut self, key: impl Into<String>) -> Self {

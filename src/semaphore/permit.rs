@@ -35,7 +35,7 @@ use super::lease::Lease;
 ///
 /// Each permit carries a secret token (16 random bytes; the database keeps
 /// only its SHA-256): only this permit can release, renew or fence its
-/// claims; an operator's [`force_release`](crate::force_release) can end them.
+/// claims; an operator's [`force_release`](crate::admin::force_release) can end them.
 ///
 /// ```no_run
 /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), Box<dyn std::error::Error>> {

@@ -17,7 +17,7 @@
 //! key's last queued turn, but never below the head's, so a key with one
 //! waiter is served within one turn of the rotation however many waiters
 //! another key has; a key the operator gave weight `w`
-//! ([`set_fairness_weight`](crate::set_fairness_weight)) has up to `w`
+//! ([`set_fairness_weight`](crate::admin::set_fairness_weight)) has up to `w`
 //! waiters in each turn. Without keys, turns follow arrival order. This
 //! process's waiters take their local places in the same order
 //! ([`QueueOrder::place`](super::QueueOrder)), so the one that claims on a

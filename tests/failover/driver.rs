@@ -229,7 +229,7 @@ async fn one_failover(
     // could not reach a server (their leases ended during the failover).
     // A claim still within its lease is checked as held until it ends.
     let reaped_at = now_us();
-    pg_semaphore::reap(&driver).await?;
+    pg_semaphore::admin::reap(&driver).await?;
     driver.close().await;
 
     let rows = slot_rows(&mut direct).await?;

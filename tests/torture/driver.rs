@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use pg_semaphore::{AdvisorySemaphore, Reaper, Semaphore};
+use pg_semaphore::{AdvisorySemaphore, Semaphore, admin::Reaper};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -276,7 +276,7 @@ pub async fn torture() -> TestResult {
 
     // Every lease has ended by now or was released; reap what is left.
     tokio::time::sleep(LEASE + REAP_EVERY).await;
-    pg_semaphore::reap(&driver).await?;
+    pg_semaphore::admin::reap(&driver).await?;
     reaper.shutdown().await;
 
     let mut logs = logs::read_logs(&dir)?;

@@ -8,7 +8,7 @@
 //! every string into the page with `textContent`, never as markup. The
 //! Content-Security-Policy forbids loading anything from anywhere.
 
-use pg_semaphore::{Report, ReportShape};
+use pg_semaphore::audit::{Report, ReportShape};
 
 use super::json_compact;
 

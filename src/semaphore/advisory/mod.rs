@@ -90,7 +90,7 @@ fn waiting_keys(base: i64) -> i64 {
 /// | database restart or failover | every permit lost, every holder told within ~2 heartbeats (the same overlap) | permits survive (durable rows) |
 /// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per pool, held while permits are | none held between round trips |
 /// | behind PgBouncer (transaction pooling) | needs a direct URL for its connections ([`connect_options`](AdvisorySemaphoreBuilder::connect_options)) | works through it |
-/// | audit log | one row per finished permit, written in batches after it ends (`pgsemaphore.advisory_claims`); live holders in `pg_locks` ([`semaphores`](crate::semaphores)) | every claim, live or ended, in `pgsemaphore.slots` |
+/// | audit log | one row per finished permit, written in batches after it ends (`pgsemaphore.advisory_claims`); live holders in `pg_locks` ([`semaphores`](crate::admin::semaphores)) | every claim, live or ended, in `pgsemaphore.slots` |
 /// | fence a write into your transaction | no | [`Permit::fence`](crate::Permit::fence) |
 ///
 /// ```no_run
@@ -280,7 +280,7 @@ impl AdvisorySemaphoreBuilder {
                 capacity,
                 requested_capacity = self.capacity,
                 "advisory semaphore exists with another capacity, which stays in force; \
-                 change it with pg_semaphore::set_capacity or `pg-semaphore set-capacity`"
+                 change it with pg_semaphore::admin::set_capacity or `pg-semaphore set-capacity`"
             );
         }
         let options = match self.options {
