@@ -15,13 +15,13 @@
 //! other, and a claim counts as held every live claim it could not reap
 //! itself. Every rule lives in a SQL function of the `pgsemaphore` schema,
 //! whose contract (arguments, results, the invariant it keeps, the
-//! transactions it meets) is the comment that opens its body, in the
-//! migration that last defines it: `docs/sql-api.md` names that file for
-//! each application function. A function's header also reads in
+//! transactions it meets) is the comment that opens its body, in the one
+//! migration file of its concept (tables, admission, the queue, the
+//! advisory semaphore, families, rate limits, operator functions):
+//! `docs/sql-api.md` names that file for each application function. The
+//! same headers, and the comments on tables, read in
 //! `schema/pgsemaphore.sql` (the whole schema, dumped) and in `psql`'s
-//! `\sf`; the comments on tables and on each schema version's changes are
-//! only in `migrations/` (the dump keeps no comment outside a function
-//! body).
+//! `\sf` and `\d+`.
 //!
 //! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
 //!   answer 429/503 at once.
@@ -235,6 +235,23 @@
 //!   Labels are bounded (names, never a rate limiter key or a holder).
 //!   `describe_metrics()` gives each its help text; the README lists them.
 //!
+//! # Where the names are
+//!
+//! The root holds what an application reaches for: the primitives
+//! ([`Semaphore`], [`SemaphoreFamily`], [`AdvisorySemaphore`], [`Mutex`],
+//! [`RateLimiter`] with its [`RatePolicy`], [`LimiterSet`]), their builders
+//! and options ([`Claim`], [`Locking`]), what they hand out ([`Permit`],
+//! [`AdvisoryPermit`], [`MutexGuard`], [`SessionGuard`], [`Decision`]),
+//! [`Error`] and [`migrate`]. The rest is in modules:
+//!
+//! | module | holds |
+//! |---|---|
+//! | [`admin`] | the operator's functions: listing semaphores and families, capacities, force-release, stored rate limits and pauses, the [`Reaper`](crate::admin::Reaper), the xmin [`horizon`](crate::admin::horizon) |
+//! | [`audit`] | the audit log's reader ([`AuditLog`](crate::audit::AuditLog)) and its records, summaries and reports, for both kinds of semaphore ([`SemaphoreKind`](crate::audit::SemaphoreKind)) |
+//! | [`limits`] | the bounds every argument is checked against, and the builders' defaults |
+//! | [`schema`] | the schema's name and version, sqlx's and refinery's migrators, and [`SchemaError`](crate::schema::SchemaError) |
+//! | `tower` | (feature `tower`) `SemaphoreLayer`, a tower layer over a [`Semaphore`] |
+//!
 //! # Source map
 //!
 //! Each concept is one module, and each reads downwards: a public face,
@@ -260,7 +277,7 @@
 //! | `detached` | cancel safety: a round trip that finishes, or is undone, when its caller goes away |
 //! | `validate`, `error` | limits and the checks made before sending; [`Error`] and the reading of the database's errors |
 //! | `fail_open`, `dead_man`, `token`, `per_pool` | the fail-open decision; a dedicated session's heartbeat and dead-man switch; the holder's secret token; what a process keeps once per pool |
-//! | `migrations/*.sql` | the schema, one file per version: each function's contract opens its body (`docs/sql-api.md` lists the application's, with the file of each, as a versioned interface for clients in any language) |
+//! | `migrations/*.sql` | the schema, one file per concept, each function defined once: its contract opens its body (`docs/sql-api.md` lists the application's, with the file of each, as a versioned interface for clients in any language) |
 //!
 //! # Glossary
 //!
