@@ -4,7 +4,7 @@
 //! admin endpoint, a runbook script). Under the README's grants, listing
 //! needs only the application role; the others need the operator role.
 //!
-//! Rate limiters' stored limits and pauses (schema version 9):
+//! Rate limiters' stored limits and pauses:
 //! [`rate_limit_settings`] lists them, [`set_rate_limit`] and
 //! [`clear_rate_limit`] store and forget a limiter's (or a key's) limits,
 //! [`pause_rate_limit`] and [`resume_rate_limit`] pause and resume.
@@ -773,7 +773,7 @@ type SettingRow = (
 ///
 /// # Errors
 ///
-/// [`Error::Schema`] before schema version 9, [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -857,7 +857,7 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 /// permit limit of 0, a window outside
 /// [`MIN_WINDOW`](crate::MIN_WINDOW)..=[`MAX_WINDOW`](crate::MAX_WINDOW); a
 /// bucket refilled in more than 366 days: `p_burst`, from the database);
-/// [`Error::Schema`] before schema version 9; [`Error::Stalled`]
+/// [`Error::Schema`]; [`Error::Stalled`]
 /// when an application's pause or a limiter's first check left in an open
 /// transaction held the limiter's settings row for 2 s (nothing stored);
 /// [`Error::Database`] (the operator's grants).
@@ -935,7 +935,7 @@ pub async fn set_rate_limit(
 /// Forgets the stored limits of `limiter` (`key` `None`) or of its key
 /// `key`: a key's checks apply the limiter's stored limits again; a
 /// limiter's next check is a first use again and stores its handle's
-/// limits (schema version 12). A pause stays. Returns whether limits were
+/// limits. A pause stays. Returns whether limits were
 /// stored.
 ///
 /// # Errors
