@@ -492,10 +492,10 @@ RETURNS trigger
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    -- Since version 7 a name beginning with '@' is a family key's: only
-    -- open_family_key creates one (family set). A named semaphore that had
-    -- such a name before keeps working: its row exists, so the insert of
-    -- an open meets it and does nothing.
+    -- A name beginning with '@' is a family key's: only open_family_key
+    -- creates one (family set). A named semaphore whose row already has
+    -- such a name (written around this trigger) keeps working: its row
+    -- exists, so the insert of an open meets it and does nothing.
     IF left(NEW.name, 1) = '@' THEN
         IF TG_TABLE_NAME = 'semaphores' THEN
             IF NEW.family IS NULL

@@ -192,7 +192,7 @@ BEGIN
     END IF;
     -- An existing semaphore: its row, and no creation lock to wait for.
     -- (A name beginning with '@' goes on to the insert, whose trigger
-    -- refuses a family key's name: since version 7 they are families'.)
+    -- refuses a family key's name: such names are families'.)
     RETURN QUERY SELECT s.capacity, s.default_lease, false, s.queue_lifo
                    FROM pgsemaphore.semaphores s
                   WHERE s.name = p_name AND left(p_name, 1) <> '@';

@@ -434,8 +434,8 @@ BEGIN
         -- p_rate, moves to the later of itself and that instant, plus p_n /
         -- p_rate): the level left is the lesser of the level now and what a
         -- full bucket would hold minus the refill until that instant. With
-        -- p_from = p_now this is the level minus p_n, as in versions 1 to
-        -- 11; with a later p_from it holds back what that admission will
+        -- p_from = p_now this is the level minus p_n, as a plain bucket
+        -- takes it; with a later p_from it holds back what that admission will
         -- spend from every check before it, so over any interval of length
         -- d the admissions, at their instants and in whatever order they
         -- were decided, take at most p_burst + p_rate x d.
@@ -632,8 +632,7 @@ AS $$
 -- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
 -- kind's limits (p_rate, p_burst for a token bucket; p_limit, p_window for a
 -- window), admitted at once or within p_max_wait; p_stored: the stored
--- limits and pauses of version 9 apply (false only for the _unchecked
--- functions). The arguments were checked by the caller.
+-- limits and pauses apply (false only for the _unchecked functions). The arguments were checked by the caller.
 -- Steps:
 --   1. READ COMMITTED, or 0A000;
 --   2. one statement: the key's advisory lock (waited for at most the
@@ -990,7 +989,8 @@ BEGIN
         v_refused := 0;
         o_remaining := NULL;
         o_deciding := NULL;
-        -- In the canonical order, as version 9 did: ties decide the same.
+        -- In the canonical order (kind, limiter, key): ties decide the same
+        -- whatever order the caller listed the limits in.
         FOREACH v_i IN ARRAY p_order LOOP
             IF p_kinds[v_i] = 'token_bucket' THEN
                 b := pgsemaphore.bucket_step(v_tokens[v_i], v_stamp[v_i], v_now, v_from,
@@ -1091,7 +1091,7 @@ AS $$
 -- per key: p_burst tokens at most, refilled continuously at p_rate per
 -- second; a check of p_n is admitted when p_n tokens are there, and takes
 -- them. The steps, the invariant and what it meets: pgsemaphore.rate_take
--- (version 12) and pgsemaphore.bucket_step.
+-- and pgsemaphore.bucket_step.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_rate finite,
 --   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
 --   refilled from empty within 366 days; p_n finite, 1 to p_burst
@@ -1135,13 +1135,12 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 SET lock_timeout = '2s'
 AS $$
--- TOKEN BUCKET RESERVATION (version 6): p_n tokens taken now even if they
+-- TOKEN BUCKET RESERVATION: p_n tokens taken now even if they
 -- are not there yet, provided they will be within p_max_wait; the caller
 -- waits o_wait_us, then acts: that instant is its admission. The invariant
 -- (over any interval of length d, the admissions of a key at their admitted
 -- instants, plain checks included, take at most p_burst + p_rate x d tokens):
--- migrations/20261128000001_pgsemaphore_waiting_bucket.sql; the steps and
--- what it meets: pgsemaphore.rate_take.
+-- pgsemaphore.bucket_step; the steps and what it meets: pgsemaphore.rate_take.
 --   as token_bucket, and p_max_wait 0 to 366 days, not NULL; a p_max_wait
 --   beyond burst / rate of the pair in force is clamped to it (a
 --   reservation books at most that far ahead)
@@ -1183,8 +1182,7 @@ AS $$
 -- FIXED WINDOW, per key: at most p_limit permits per window of p_window, on
 -- the key's own grid (windows back to back from its first check); a check
 -- is a booking that may not wait. The arithmetic and its invariant:
--- pgsemaphore.fixed_step (version 12; version 10's fixed_window_book); the
--- steps and what it meets: pgsemaphore.rate_take.
+-- pgsemaphore.fixed_step; the steps and what it meets: pgsemaphore.rate_take.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
@@ -1222,9 +1220,8 @@ AS $$
 -- SLIDING WINDOW, per key: the permits of the last p_window, estimated as
 -- previous x (1 - elapsed / p_window) + current (windows on the key's own
 -- grid), at most p_limit; a check is a booking that may not wait. The
--- arithmetic and its invariant: pgsemaphore.sliding_step (version 12;
--- version 10's sliding_window_book); the steps and what it meets:
--- pgsemaphore.rate_take.
+-- arithmetic and its invariant: pgsemaphore.sliding_step; the steps and
+-- what it meets: pgsemaphore.rate_take.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
@@ -1259,7 +1256,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 SET lock_timeout = '2s'
 AS $$
--- FIXED WINDOW RESERVATION (version 10): books p_n permits in the first
+-- FIXED WINDOW RESERVATION: books p_n permits in the first
 -- window of the key's grid with room for them, if it opens within
 -- p_max_wait; the caller waits o_wait_us, then acts. As fixed_window, and
 -- p_max_wait 0 to 366 days, not NULL, clamped to one window of the pair in
@@ -1294,7 +1291,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 SET lock_timeout = '2s'
 AS $$
--- SLIDING WINDOW RESERVATION (version 10): books p_n permits at the earliest
+-- SLIDING WINDOW RESERVATION: books p_n permits at the earliest
 -- instant the weighted estimate admits them, if that is within p_max_wait;
 -- the caller waits o_wait_us, then acts. As sliding_window, and p_max_wait
 -- 0 to 366 days, not NULL, clamped to one window of the pair in force.
@@ -1330,14 +1327,13 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 SET lock_timeout = '2s'
 AS $$
--- SEVERAL LIMITS IN ONE CHECK (version 9): p_n permits against limit i =
+-- SEVERAL LIMITS IN ONE CHECK: p_n permits against limit i =
 -- (p_kinds[i], p_limiters[i], p_keys[i]) for every i, admitted only if every
 -- limit admits now, and then charged to every one; refused if any refuses,
 -- and then charged to none. Each limit decides as its kind's check would
 -- (stored limits and pauses apply). The steps, the invariant and what it
--- meets: pgsemaphore.rate_take_all (version 12: one statement locks every
--- key, one reads them, one writes them, where version 9 called each
--- limit's function in a subtransaction).
+-- meets: pgsemaphore.rate_take_all (one statement locks every key, one
+-- reads them, one writes them).
 --   p_kinds: a one-dimensional array of 1 to 16 kinds, from index 1, no
 --   NULL; the six other arrays: one-dimensional, from index 1, as long
 --   (elements as each kind's function takes them; the other kind's may be
@@ -1373,7 +1369,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 SET lock_timeout = '2s'
 AS $$
--- SEVERAL LIMITS THAT WAIT (version 12): books p_n permits in every limit
+-- SEVERAL LIMITS THAT WAIT: books p_n permits in every limit
 -- at one instant, the earliest at which all admit them, if it is within
 -- p_max_wait; the caller waits o_wait_us, then acts: that instant is its
 -- admission in every limit. As check_limits, and p_max_wait 0 to 366 days,
@@ -1502,8 +1498,8 @@ $$;
 -- in the window open now with room now; refused, the retry-after is the
 -- wait a booking would get (when nothing is booked ahead: the end of the
 -- window for a fixed window, the instant enough has slid out for a sliding
--- one). Nothing in the crate calls them (the checked functions call the
--- booking directly): they are the owner's, for whatever an operator builds
+-- one). Nothing in the crate calls them (the checked functions call
+-- rate_take directly): they are the owner's, for whatever an operator builds
 -- on them.
 CREATE FUNCTION pgsemaphore.fixed_window_unchecked(
     p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint)
@@ -1541,9 +1537,9 @@ AS $$
 -- NULL), validated as the checks validate passed ones. Applies from each
 -- key's next check (see the migration's header for how it meets a key's
 -- state) and sends NOTIFY pgsemaphore_rate 'kind/limiter' at commit, so that
--- waiting acquires re-read it. Since version 12 a limiter's first check
--- stores its caller's pair (migrations/20261129000006_pgsemaphore_rate_ledger.sql):
--- this function is how that pair changes. The row is waited for at most
+-- waiting acquires re-read it. A limiter's first check stores its caller's
+-- pair (pgsemaphore.rate_limit_first_use; see the migration's header): this
+-- function is how that pair changes. The row is waited for at most
 -- lock_timeout, 2 s (an application's pause or first use left in an open
 -- transaction holds it), then 55P03.
 BEGIN
@@ -1585,7 +1581,7 @@ AS $$
 -- FORGETS the stored limits of limiter (p_kind, p_limiter) (p_key NULL) or
 -- of its key p_key's override: the next checks apply the limiter's stored
 -- pair (for a key) or, for the limiter, the next check is a first use
--- again and stores its caller's pair (version 12). A pause stays. Returns
+-- again and stores its caller's pair. A pause stays. Returns
 -- whether a pair was stored. NOTIFY as set_rate_limit. The row is waited
 -- for at most lock_timeout, 2 s, then 55P03.
 DECLARE

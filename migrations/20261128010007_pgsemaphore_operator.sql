@@ -338,7 +338,7 @@ AS $$
 -- Retention: deletes finished claims of lease semaphores that ended before
 -- now - p_older_than (see pgsemaphore.prune_unchecked), then, with what is
 -- left of the batch, finished permits of advisory semaphores
--- (pgsemaphore.prune_advisory_claims, version 3): at most p_batch rows in
+-- (pgsemaphore.prune_advisory_claims): at most p_batch rows in
 -- all per call; a caller repeats it until it returns less than p_batch.
 --   p_older_than 0..100 years; p_batch 1..1000000
 DECLARE

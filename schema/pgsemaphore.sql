@@ -606,8 +606,8 @@ BEGIN
         -- p_rate, moves to the later of itself and that instant, plus p_n /
         -- p_rate): the level left is the lesser of the level now and what a
         -- full bucket would hold minus the refill until that instant. With
-        -- p_from = p_now this is the level minus p_n, as in versions 1 to
-        -- 11; with a later p_from it holds back what that admission will
+        -- p_from = p_now this is the level minus p_n, as a plain bucket
+        -- takes it; with a later p_from it holds back what that admission will
         -- spend from every check before it, so over any interval of length
         -- d the admissions, at their instants and in whatever order they
         -- were decided, take at most p_burst + p_rate x d.
@@ -666,14 +666,13 @@ CREATE FUNCTION pgsemaphore.check_limits(p_kinds text[], p_limiters text[], p_ke
     SET plan_cache_mode TO 'force_generic_plan'
     SET lock_timeout TO '2s'
     AS $$
--- SEVERAL LIMITS IN ONE CHECK (version 9): p_n permits against limit i =
+-- SEVERAL LIMITS IN ONE CHECK: p_n permits against limit i =
 -- (p_kinds[i], p_limiters[i], p_keys[i]) for every i, admitted only if every
 -- limit admits now, and then charged to every one; refused if any refuses,
 -- and then charged to none. Each limit decides as its kind's check would
 -- (stored limits and pauses apply). The steps, the invariant and what it
--- meets: pgsemaphore.rate_take_all (version 12: one statement locks every
--- key, one reads them, one writes them, where version 9 called each
--- limit's function in a subtransaction).
+-- meets: pgsemaphore.rate_take_all (one statement locks every key, one
+-- reads them, one writes them).
 --   p_kinds: a one-dimensional array of 1 to 16 kinds, from index 1, no
 --   NULL; the six other arrays: one-dimensional, from index 1, as long
 --   (elements as each kind's function takes them; the other kind's may be
@@ -710,7 +709,7 @@ CREATE FUNCTION pgsemaphore.check_limits_reserve(p_kinds text[], p_limiters text
     SET plan_cache_mode TO 'force_generic_plan'
     SET lock_timeout TO '2s'
     AS $$
--- SEVERAL LIMITS THAT WAIT (version 12): books p_n permits in every limit
+-- SEVERAL LIMITS THAT WAIT: books p_n permits in every limit
 -- at one instant, the earliest at which all admit them, if it is within
 -- p_max_wait; the caller waits o_wait_us, then acts: that instant is its
 -- admission in every limit. As check_limits, and p_max_wait 0 to 366 days,
@@ -1533,7 +1532,7 @@ CREATE FUNCTION pgsemaphore.clear_rate_limit(p_kind text, p_limiter text, p_key 
 -- FORGETS the stored limits of limiter (p_kind, p_limiter) (p_key NULL) or
 -- of its key p_key's override: the next checks apply the limiter's stored
 -- pair (for a key) or, for the limiter, the next check is a first use
--- again and stores its caller's pair (version 12). A pause stays. Returns
+-- again and stores its caller's pair. A pause stays. Returns
 -- whether a pair was stored. NOTIFY as set_rate_limit. The row is waited
 -- for at most lock_timeout, 2 s, then 55P03.
 DECLARE
@@ -2122,8 +2121,7 @@ CREATE FUNCTION pgsemaphore.fixed_window(p_limiter text, p_key text, p_limit big
 -- FIXED WINDOW, per key: at most p_limit permits per window of p_window, on
 -- the key's own grid (windows back to back from its first check); a check
 -- is a booking that may not wait. The arithmetic and its invariant:
--- pgsemaphore.fixed_step (version 12; version 10's fixed_window_book); the
--- steps and what it meets: pgsemaphore.rate_take.
+-- pgsemaphore.fixed_step; the steps and what it meets: pgsemaphore.rate_take.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
@@ -2173,7 +2171,7 @@ CREATE FUNCTION pgsemaphore.fixed_window_reserve(p_limiter text, p_key text, p_l
     SET plan_cache_mode TO 'force_generic_plan'
     SET lock_timeout TO '2s'
     AS $$
--- FIXED WINDOW RESERVATION (version 10): books p_n permits in the first
+-- FIXED WINDOW RESERVATION: books p_n permits in the first
 -- window of the key's grid with room for them, if it opens within
 -- p_max_wait; the caller waits o_wait_us, then acts. As fixed_window, and
 -- p_max_wait 0 to 366 days, not NULL, clamped to one window of the pair in
@@ -2479,10 +2477,10 @@ CREATE FUNCTION pgsemaphore.one_kind_per_name() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    -- Since version 7 a name beginning with '@' is a family key's: only
-    -- open_family_key creates one (family set). A named semaphore that had
-    -- such a name before keeps working: its row exists, so the insert of
-    -- an open meets it and does nothing.
+    -- A name beginning with '@' is a family key's: only open_family_key
+    -- creates one (family set). A named semaphore whose row already has
+    -- such a name (written around this trigger) keeps working: its row
+    -- exists, so the insert of an open meets it and does nothing.
     IF left(NEW.name, 1) = '@' THEN
         IF TG_TABLE_NAME = 'semaphores' THEN
             IF NEW.family IS NULL
@@ -2562,7 +2560,7 @@ BEGIN
     END IF;
     -- An existing semaphore: its row, and no creation lock to wait for.
     -- (A name beginning with '@' goes on to the insert, whose trigger
-    -- refuses a family key's name: since version 7 they are families'.)
+    -- refuses a family key's name: such names are families'.)
     RETURN QUERY SELECT s.capacity, s.default_lease, false, s.queue_lifo
                    FROM pgsemaphore.semaphores s
                   WHERE s.name = p_name AND left(p_name, 1) <> '@';
@@ -2831,7 +2829,7 @@ CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) RETURN
 -- Retention: deletes finished claims of lease semaphores that ended before
 -- now - p_older_than (see pgsemaphore.prune_unchecked), then, with what is
 -- left of the batch, finished permits of advisory semaphores
--- (pgsemaphore.prune_advisory_claims, version 3): at most p_batch rows in
+-- (pgsemaphore.prune_advisory_claims): at most p_batch rows in
 -- all per call; a caller repeats it until it returns less than p_batch.
 --   p_older_than 0..100 years; p_batch 1..1000000
 DECLARE
@@ -3099,8 +3097,7 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 -- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
 -- kind's limits (p_rate, p_burst for a token bucket; p_limit, p_window for a
 -- window), admitted at once or within p_max_wait; p_stored: the stored
--- limits and pauses of version 9 apply (false only for the _unchecked
--- functions). The arguments were checked by the caller.
+-- limits and pauses apply (false only for the _unchecked functions). The arguments were checked by the caller.
 -- Steps:
 --   1. READ COMMITTED, or 0A000;
 --   2. one statement: the key's advisory lock (waited for at most the
@@ -3458,7 +3455,8 @@ BEGIN
         v_refused := 0;
         o_remaining := NULL;
         o_deciding := NULL;
-        -- In the canonical order, as version 9 did: ties decide the same.
+        -- In the canonical order (kind, limiter, key): ties decide the same
+        -- whatever order the caller listed the limits in.
         FOREACH v_i IN ARRAY p_order LOOP
             IF p_kinds[v_i] = 'token_bucket' THEN
                 b := pgsemaphore.bucket_step(v_tokens[v_i], v_stamp[v_i], v_now, v_from,
@@ -4419,9 +4417,9 @@ CREATE FUNCTION pgsemaphore.set_rate_limit(p_kind text, p_limiter text, p_key te
 -- NULL), validated as the checks validate passed ones. Applies from each
 -- key's next check (see the migration's header for how it meets a key's
 -- state) and sends NOTIFY pgsemaphore_rate 'kind/limiter' at commit, so that
--- waiting acquires re-read it. Since version 12 a limiter's first check
--- stores its caller's pair (migrations/20261129000006_pgsemaphore_rate_ledger.sql):
--- this function is how that pair changes. The row is waited for at most
+-- waiting acquires re-read it. A limiter's first check stores its caller's
+-- pair (pgsemaphore.rate_limit_first_use; see the migration's header): this
+-- function is how that pair changes. The row is waited for at most
 -- lock_timeout, 2 s (an application's pause or first use left in an open
 -- transaction holds it), then 55P03.
 BEGIN
@@ -4556,9 +4554,8 @@ CREATE FUNCTION pgsemaphore.sliding_window(p_limiter text, p_key text, p_limit b
 -- SLIDING WINDOW, per key: the permits of the last p_window, estimated as
 -- previous x (1 - elapsed / p_window) + current (windows on the key's own
 -- grid), at most p_limit; a check is a booking that may not wait. The
--- arithmetic and its invariant: pgsemaphore.sliding_step (version 12;
--- version 10's sliding_window_book); the steps and what it meets:
--- pgsemaphore.rate_take.
+-- arithmetic and its invariant: pgsemaphore.sliding_step; the steps and
+-- what it meets: pgsemaphore.rate_take.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_limit at least
 --   1; p_window 1 ms..366 days; p_n 1 to p_limit
 -- Every bad argument raises 22023 naming it in COLUMN; outside READ
@@ -4608,7 +4605,7 @@ CREATE FUNCTION pgsemaphore.sliding_window_reserve(p_limiter text, p_key text, p
     SET plan_cache_mode TO 'force_generic_plan'
     SET lock_timeout TO '2s'
     AS $$
--- SLIDING WINDOW RESERVATION (version 10): books p_n permits at the earliest
+-- SLIDING WINDOW RESERVATION: books p_n permits at the earliest
 -- instant the weighted estimate admits them, if that is within p_max_wait;
 -- the caller waits o_wait_us, then acts. As sliding_window, and p_max_wait
 -- 0 to 366 days, not NULL, clamped to one window of the pair in force.
@@ -4688,7 +4685,7 @@ CREATE FUNCTION pgsemaphore.token_bucket(p_limiter text, p_key text, p_rate doub
 -- per key: p_burst tokens at most, refilled continuously at p_rate per
 -- second; a check of p_n is admitted when p_n tokens are there, and takes
 -- them. The steps, the invariant and what it meets: pgsemaphore.rate_take
--- (version 12) and pgsemaphore.bucket_step.
+-- and pgsemaphore.bucket_step.
 --   p_limiter 1..200 characters; p_key 1..256 characters; p_rate finite,
 --   above 0, at most 1e9 tokens per second; p_burst finite, 1 to 1e15, and
 --   refilled from empty within 366 days; p_n finite, 1 to p_burst
@@ -4734,13 +4731,12 @@ CREATE FUNCTION pgsemaphore.token_bucket_reserve(p_limiter text, p_key text, p_r
     SET plan_cache_mode TO 'force_generic_plan'
     SET lock_timeout TO '2s'
     AS $$
--- TOKEN BUCKET RESERVATION (version 6): p_n tokens taken now even if they
+-- TOKEN BUCKET RESERVATION: p_n tokens taken now even if they
 -- are not there yet, provided they will be within p_max_wait; the caller
 -- waits o_wait_us, then acts: that instant is its admission. The invariant
 -- (over any interval of length d, the admissions of a key at their admitted
 -- instants, plain checks included, take at most p_burst + p_rate x d tokens):
--- migrations/20261128000001_pgsemaphore_waiting_bucket.sql; the steps and
--- what it meets: pgsemaphore.rate_take.
+-- pgsemaphore.bucket_step; the steps and what it meets: pgsemaphore.rate_take.
 --   as token_bucket, and p_max_wait 0 to 366 days, not NULL; a p_max_wait
 --   beyond burst / rate of the pair in force is clamped to it (a
 --   reservation books at most that far ahead)

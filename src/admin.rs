@@ -790,7 +790,7 @@ type SettingRow = (
 ///
 /// # Errors
 ///
-/// [`Error::Schema`] before schema version 9, [`Error::Database`].
+/// [`Error::Schema`], [`Error::Database`].
 ///
 /// # Cancel safety
 ///
@@ -874,7 +874,7 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 /// permit limit of 0, a window outside
 /// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`](crate::limits::MAX_WINDOW); a
 /// bucket refilled in more than 366 days: `p_burst`, from the database);
-/// [`Error::Schema`] before schema version 9; [`Error::Stalled`]
+/// [`Error::Schema`]; [`Error::Stalled`]
 /// when an application's pause or a limiter's first check left in an open
 /// transaction held the limiter's settings row for 2 s (nothing stored);
 /// [`Error::Database`] (the operator's grants).
@@ -952,7 +952,7 @@ pub async fn set_rate_limit(
 /// Forgets the stored limits of `limiter` (`key` `None`) or of its key
 /// `key`: a key's checks apply the limiter's stored limits again; a
 /// limiter's next check is a first use again and stores its handle's
-/// limits (schema version 12). A pause stays. Returns whether limits were
+/// limits. A pause stays. Returns whether limits were
 /// stored.
 ///
 /// # Errors

@@ -60,10 +60,10 @@ async fn live_with_token(pool: &PgPool, token: &[u8]) -> sqlx::Result<i64> {
 
 /// Item 1. A release with a wrong token, of ids just above the largest one
 /// (a long array stretches its statements), running again and again while
-/// a victim claims: in version 1 its last statement timed out every live
-/// claim among the ids with no token condition, so a claim that committed
-/// between its statements was ended under its holder. No victim claim may
-/// be ended by anyone but its holder.
+/// a victim claims: a last statement that timed out every live claim
+/// among the ids with no token condition would end a claim that committed
+/// between its statements under its holder. No victim claim may be ended
+/// by anyone but its holder.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_with_a_wrong_token_never_ends_a_claim_that_commits_meanwhile() -> TestResult {
     let db = support::migrated_db().await;
@@ -130,9 +130,9 @@ async fn a_release_with_a_wrong_token_never_ends_a_claim_that_commits_meanwhile(
 }
 
 /// Item 2. A release with a wrong token inside a transaction left open:
-/// in version 1 it locked the victim's row (`FOR UPDATE` on every id given)
-/// before answering `not_holder`, so the holder's heartbeat waited behind
-/// it. Nothing may lock a row whose token does not match: the holder
+/// had it locked the victim's row (`FOR UPDATE` on every id given) before
+/// answering `not_holder`, the holder's heartbeat would wait behind it.
+/// Nothing may lock a row whose token does not match: the holder
 /// renews, fences and releases while the stranger's transaction is open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_with_a_wrong_token_locks_nothing() -> TestResult {
@@ -179,9 +179,10 @@ async fn a_release_with_a_wrong_token_locks_nothing() -> TestResult {
     Ok(())
 }
 
-/// Item 3. NULL and too-short tokens: in version 1 a claim made with a NULL
-/// token was released by anyone passing NULL, `fence(NULL)` answered `held`
-/// without a lock and `renew(NULL)` returned no row. Every function that
+/// Item 3. NULL and too-short tokens: were NULL accepted, a claim made with
+/// a NULL token would be released by anyone passing NULL, `fence(NULL)`
+/// would answer `held` without a lock and `renew(NULL)` would return no
+/// row. Every function that
 /// takes a token refuses a NULL, empty or short one (22023, `p_token`).
 #[tokio::test]
 async fn null_empty_and_short_tokens_are_refused_everywhere() -> TestResult {
@@ -225,9 +226,9 @@ async fn null_empty_and_short_tokens_are_refused_everywhere() -> TestResult {
     Ok(())
 }
 
-/// Item 4. A negative reserve: in version 1 a low-priority claim with
+/// Item 4. A negative reserve: unchecked, a low-priority claim with
 /// `p_reserve => -2`, after a capacity drop from 4 to 2 with holders on
-/// slots 2 and 3, took slots 0 and 1: four live claims at capacity 2.
+/// slots 2 and 3, would take slots 0 and 1: four live claims at capacity 2.
 #[tokio::test]
 async fn a_negative_reserve_never_exceeds_the_capacity() -> TestResult {
     let db = support::migrated_db().await;
@@ -410,7 +411,7 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
         ("SELECT * FROM pgsemaphore.fixed_window('l', 'k', 1, '1 s', NULL)".into(), "p_n"),
         ("SELECT * FROM pgsemaphore.sliding_window('l', 'k', 1, '-1 s', 1)".into(), "p_window"),
         ("SELECT * FROM pgsemaphore.sliding_window('', 'k', 1, '1 s', 1)".into(), "p_limiter"),
-        // Schema version 9: several limits, pauses, what is in force.
+        // Several limits, pauses, what is in force.
         (format!("{cm}NULL, '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
         (format!("{cm}'{{}}', '{{}}', '{{}}', '{{}}', '{{}}', '{{}}', '{{}}', 1)"), "p_kinds"),
         (format!("{cm}'{{{{token_bucket}}}}', '{{l}}', '{{k}}', '{{1}}', '{{1}}', '{{NULL}}', '{{NULL}}', 1)"), "p_kinds"),
@@ -533,8 +534,9 @@ async fn every_argument_of_every_application_function_is_checked() -> TestResult
 /// Families: the application names a key and never chooses its capacity.
 /// Opening an existing family with a bigger default changes nothing; a
 /// named semaphore cannot take a family key's name (`@...`), and a family
-/// key never takes over a named semaphore that had such a name before
-/// version 7; a key of a family that does not exist is P0002.
+/// key never takes over a named semaphore whose row already has such a name
+/// (written around the trigger); a key of a family that does not exist is
+/// P0002.
 #[tokio::test]
 async fn an_application_cannot_choose_a_family_keys_capacity() -> TestResult {
     let db = support::migrated_db().await;
@@ -571,8 +573,8 @@ async fn an_application_cannot_choose_a_family_keys_capacity() -> TestResult {
         .as_deref(),
         Some("P0002")
     );
-    // A named semaphore that had an '@' name before version 7 (written here
-    // as the owner) is never adopted as a family key.
+    // A named semaphore with an '@' name written around the trigger (here
+    // by the owner) is never adopted as a family key.
     sqlx::query("ALTER TABLE pgsemaphore.semaphores DISABLE TRIGGER semaphores_one_kind_per_name")
         .execute(&db.pool)
         .await?;
@@ -603,8 +605,8 @@ async fn an_application_cannot_choose_a_family_keys_capacity() -> TestResult {
     Ok(())
 }
 
-/// A fairness key is NULL (the shared default key, also what a call of
-/// version 2's shape, without the argument, gets) or 1 to 200 characters:
+/// A fairness key is NULL (the shared default key, also what a call
+/// without the argument gets) or 1 to 200 characters:
 /// the empty string and 201 characters are refused with 22023 naming
 /// p_fair_key, and write nothing.
 #[tokio::test]
@@ -683,8 +685,8 @@ async fn the_crate_reports_a_refused_argument_as_invalid_argument() -> TestResul
     Ok(())
 }
 
-/// Item 5. A ticket of another semaphore: in version 1 it jumped this
-/// semaphore's queue (the ticket was checked by id and token only). A
+/// Item 5. A ticket of another semaphore: checked by id and token only,
+/// it would jump this semaphore's queue. A
 /// ticket proves a place only in its own semaphore's queue, for the
 /// permits and priority it was queued with.
 #[tokio::test]
@@ -789,8 +791,8 @@ async fn the_queue_order_belongs_to_the_semaphore() -> TestResult {
     Ok(())
 }
 
-/// Item 6. A waiter that blocks the queue: its lease is bounded (60 s; in
-/// version 1 a 100-year lease blocked every plain claim for good), and an
+/// Item 6. A waiter that blocks the queue: its lease is bounded (60 s; a
+/// 100-year lease would block every plain claim for good), and an
 /// operator clears the queue.
 #[tokio::test]
 async fn an_operator_clears_a_queue_that_a_waiter_blocks() -> TestResult {
@@ -823,8 +825,8 @@ async fn an_operator_clears_a_queue_that_a_waiter_blocks() -> TestResult {
 }
 
 /// Item 6. A claim left uncommitted in a caller's transaction holds the
-/// semaphore's row; in version 1 every other claim waited on it without
-/// limit. Now another claim waits at most the functions' lock_timeout (2 s)
+/// semaphore's row; unbounded, every other claim would wait on it without
+/// limit. Another claim waits at most the functions' lock_timeout (2 s)
 /// and is refused with 55P03 (`Error::Stalled` from the crate), and a
 /// waiting acquire rides it out until the row is free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -922,10 +924,10 @@ async fn no_lost_wakeup(db: &support::TestDb, semaphore: &str, free: &str) -> Te
     Ok(())
 }
 
-/// Item 7. `leave_queue` moves the queue's head: in version 1 it looked for
+/// Item 7. `leave_queue` moves the queue's head: had it looked for
 /// registered waiters inside its own transaction without the wake-up gate,
-/// so a waiter that registered and claimed while the leave was uncommitted
-/// was told `behind` and never woken.
+/// a waiter that registered and claimed while the leave was uncommitted
+/// would be told `behind` and never woken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaving_the_queue_never_loses_a_wakeup() -> TestResult {
     let db = support::migrated_db().await;
@@ -944,10 +946,9 @@ async fn leaving_the_queue_never_loses_a_wakeup() -> TestResult {
     no_lost_wakeup(&db, "leaving", &head).await
 }
 
-/// Item 7. `reap` frees slots: in version 1 it, too, checked for waiters
-/// inside its own transaction without the gate; a waiter's claim skips a
-/// row the reaper holds (and counts it), so a registration made meanwhile
-/// was missed.
+/// Item 7. `reap` frees slots: had it, too, checked for waiters inside its
+/// own transaction without the gate, a registration made meanwhile would be
+/// missed (a waiter's claim skips a row the reaper holds, and counts it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reaping_never_loses_a_wakeup() -> TestResult {
     let db = support::migrated_db().await;
@@ -961,8 +962,8 @@ fn support_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Item 8. A release of ids of two semaphores: in version 1 it checked for
-/// waiters on one and woke the other's. Such a call is refused; nothing is
+/// Item 8. A release of ids of two semaphores: it would check for waiters
+/// on one and wake the other's. Such a call is refused; nothing is
 /// released.
 #[tokio::test]
 async fn a_release_of_claims_of_two_semaphores_is_refused() -> TestResult {
@@ -997,12 +998,12 @@ async fn a_release_of_claims_of_two_semaphores_is_refused() -> TestResult {
     Ok(())
 }
 
-/// Item 9. "A claim whose reply is lost does not hold its slot": in version
-/// 1, a client that gave up while its claim still waited for the
-/// semaphore's row ran `release_by_token` first, which found nothing; the
-/// claim then committed and held its slot for its whole lease. Now the
-/// release waits for the claim in flight (or leaves a tombstone that the
-/// claim refuses): once it has returned, no claim with that token is live.
+/// Item 9. "A claim whose reply is lost does not hold its slot": a client
+/// that gives up while its claim still waits for the semaphore's row runs
+/// `release_by_token` first, which would find nothing; the claim would then
+/// commit and hold its slot for its whole lease. So the release waits for
+/// the claim in flight (or leaves a tombstone that the claim refuses): once
+/// it has returned, no claim with that token is live.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_by_token_ends_a_claim_still_in_flight() -> TestResult {
     let db = support::migrated_db().await;
@@ -1054,10 +1055,10 @@ async fn release_by_token_ends_a_claim_still_in_flight() -> TestResult {
     Ok(())
 }
 
-/// Item 10. The audit log showed a release before the fenced work
-/// committed: in version 1 `release` read its clock before waiting for the
-/// row lock that a fence (`Permit::fence`) held. A release that waited is
-/// stamped after the fenced transaction ended.
+/// Item 10. The audit log must not show a release before the fenced work
+/// committed, as it would if `release` read its clock before waiting for
+/// the row lock that a fence (`Permit::fence`) held. A release that waited
+/// is stamped after the fenced transaction ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_that_waited_for_a_fence_is_stamped_after_it() -> TestResult {
     let db = support::migrated_db().await;

@@ -306,7 +306,7 @@ async fn a_check_in_an_open_transaction_holds_back_no_other_key() -> TestResult 
 }
 
 /// Every check function (the three checks, their reservations, and the
-/// multi-limit check and its reservation, version 12's
+/// multi-limit check and its reservation,
 /// `check_limits_reserve`), with a capacity of 2 (bucket: burst 2, windows:
 /// 2 per hour), asking for both permits of key `$1`: `(o_allowed,
 /// o_remaining)`.

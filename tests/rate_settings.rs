@@ -1,5 +1,5 @@
-//! Rate limits stored in the database, pauses and several limits per check
-//! (schema version 9), on a real PostgreSQL: a stored limit beats the code's
+//! Rate limits stored in the database, pauses and several limits per check,
+//! on a real PostgreSQL: a stored limit beats the code's
 //! in every process with no extra statement, a key's override beats its
 //! limiter's, a pause holds back checks and waiting acquires across
 //! processes, a raised rate or an ended pause wakes waiters early, and a
@@ -130,7 +130,7 @@ async fn a_stored_limit_beats_the_code_s_in_every_process_with_no_extra_statemen
     )
     .fetch_all(&db.pool)
     .await?;
-    // Since schema version 12 the settings are read by the engine's first
+    // The settings are read by the engine's first
     // statement (rate_take, once per check), with no function of their own;
     // the crate compares its pair with the stored one once per limiter and
     // process (rate_limit_in_force, which reads rate_limit_stored).
@@ -561,7 +561,7 @@ async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
     Ok(())
 }
 
-/// The windows' waiting acquires (version 10) honour version 9's pauses and
+/// The windows' waiting acquires honour pauses and
 /// stored limits as the token bucket's do: a paused key's acquire sleeps
 /// until the pause ends, then books (and one whose timeout is shorter is
 /// refused at once); a stored limit of 1 an hour replaces the code's 100,
@@ -619,12 +619,12 @@ async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
     Ok(())
 }
 
-/// A set's waiting acquire (schema version 12) is admitted at one instant
+/// A set's waiting acquire is admitted at one instant
 /// that every limit allows: 30 waiters against a token bucket of 10/s
 /// (burst 2) and a fixed window of 8 per second are admitted no faster than
 /// either allows. (A booking at a later instant must hold the bucket's
-/// tokens back from the checks before it: taking them at the decision let
-/// 4 through within 4 ms here.)
+/// tokens back from the checks before it: taking them at the decision would
+/// let 4 through within 4 ms here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_set_s_waiting_acquires_never_pass_any_of_its_limits() -> TestResult {
     const WAITERS: usize = 30;

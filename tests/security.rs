@@ -1955,9 +1955,9 @@ const FAST_CLAIM: &str = "SELECT pgsemaphore.advisory_claim_check(a.name, a.key_
 /// snapshot predates a capacity drop is refused or gives its slots back,
 /// and a claim that fails after taking locks gives them back before it
 /// answers."
-/// (Issue 32, attack 2: a REPEATABLE READ claim whose snapshot predated a
-/// drop 4 -> 2 was admitted on slot 2 after the drain, 3 holders on
-/// capacity 2.) Also as a role with no grants, and as one granted the
+/// (Issue 32, attack 2: a REPEATABLE READ claim whose snapshot predates a
+/// drop 4 -> 2, admitted on slot 2 after the drain, would make 3 holders
+/// on capacity 2.) Also as a role with no grants, and as one granted the
 /// claim but not `advisory_drained`, whose claim fails after its locks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> TestResult {
@@ -2084,8 +2084,9 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
 /// advisory claim, and delays the operator's `configure_advisory` by at
 /// most 2 seconds, which then fails with SQLSTATE 55P03
 /// (`Error::Stalled`)."
-/// (Issue 32, attack 5: the honest claim waited without bound, and kept its
-/// slot when cancelled; `configure_advisory` waited too.) A role without
+/// (Issue 32, attack 5: the honest claim must not wait without bound, nor
+/// keep its slot when cancelled; nor may `configure_advisory` wait without
+/// bound.) A role without
 /// grants can neither call it nor lock the row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_at_most_the_bound()
@@ -2112,7 +2113,7 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
         middle.release().await?;
         // The honest claim counts, finds the drop over, and does not wait
         // for the row (its drain is left to a later claim). The 10 s here
-        // is not the bound: before the fix it waited until cancelled.
+        // is not the bound: a claim that waited for the row would wait until cancelled.
         let permit = tokio::time::timeout(Duration::from_secs(10), sem.try_acquire())
             .await
             .map_err(|_| "an advisory claim waited for an open advisory_drained")??;
@@ -2175,9 +2176,9 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
 /// (`pg_advisory_lock(1885828966, hashtext(name))`) delays the creation of
 /// an advisory semaphore of that name by at most 2 seconds (SQLSTATE
 /// 55P03), and the opening of an existing one not at all."
-/// (Issue 32: a shared hold blocked claims unlisted; after a drop from
-/// 100,000 to 2 with a key held above, every claim walked all 100,000
-/// slots. How long a claim takes is measured in BENCHMARKS.md, not here.)
+/// (Issue 32: a shared hold must not block claims unlisted, and after a
+/// drop from 100,000 to 2 with a key held above, no claim may walk all
+/// 100,000 slots. How long a claim takes is measured in BENCHMARKS.md, not here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> TestResult {
     as_roles(|db, app, operator| async move {

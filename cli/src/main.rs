@@ -113,7 +113,7 @@ enum Command {
     /// The oldest session, replication slot or prepared transaction that
     /// holds the database's xmin horizon: while one does, the lease
     /// semaphore slows down by the minute (the advisory semaphore, the mutex
-    /// and, since schema version 12, the rate limiters do not). Sessions of other roles show their
+    /// and the rate limiters do not). Sessions of other roles show their
     /// start and state only to a role with pg_read_all_stats (or pg_monitor).
     Doctor {
         /// Print JSON instead of text (`null`: nobody holds the horizon).

@@ -3,8 +3,8 @@
 //! window.
 //!
 //! The state of every key is the newest of its rows in
-//! `pgsemaphore.rate_ledger` (schema version 12), created by the key's first
-//! check. A check is one call of one SQL function (one round trip) that
+//! `pgsemaphore.rate_ledger`, created by the key's first check. A check is
+//! one call of one SQL function (one round trip) that
 //! takes the key's transaction-level advisory lock, reads the key's newest
 //! row, reads the database clock, decides, and when it admits inserts the
 //! next state as a new row (a refusal writes nothing; no row is ever
@@ -19,8 +19,8 @@
 //! function comments state the invariants and the transactions each meets.
 //!
 //! Every limiter can also wait ([`RateLimiter::acquire`]): one call of its
-//! policy's reservation (`token_bucket_reserve`, schema version 6;
-//! `fixed_window_reserve` and `sliding_window_reserve`, version 10) books
+//! policy's reservation (`token_bucket_reserve`, `fixed_window_reserve` or
+//! `sliding_window_reserve`) books
 //! the permits at the earliest instant the limit admits them, even ahead of
 //! a refill or in a later window, and answers when that is; the caller
 //! sleeps until then. A reservation reaches at most `burst / rate` (a
@@ -29,8 +29,8 @@
 //! (FIFO, in the process), and only the head reserves, so that those retries
 //! are one at a time rather than every waiter's at every instant.
 //!
-//! A limiter's limits belong to the database (schema version 9; stored on
-//! first use since version 12): the first check of a limiter stores the
+//! A limiter's limits belong to the database (stored on first use): the
+//! first check of a limiter stores the
 //! limits its handle was built with in `pgsemaphore.rate_limit_settings`,
 //! and every later check, of every process, is decided under the stored
 //! ones in the same statement, whatever its handle says; only an operator
@@ -626,9 +626,7 @@ impl RateLimiter {
     ///   is paused beyond it, or when the key's lock stayed held
     ///   ([`Error::Stalled`], retried) until `timeout`; nothing was taken.
     /// - [`Error::InvalidArgument`], [`Error::Schema`] and
-    ///   [`Error::Database`] as for [`check`](Self::check) (a schema older
-    ///   than version 6 has no `token_bucket_reserve`, older than 10 no
-    ///   window reservation: [`Error::Schema`]).
+    ///   [`Error::Database`] as for [`check`](Self::check).
     ///
     /// # Cancel safety
     ///
@@ -671,8 +669,8 @@ impl RateLimiter {
     /// - [`Error::InvalidArgument`] for a bad key (as `check`) and a
     ///   `duration` below 1 ms or above [`MAX_PAUSE`](crate::limits::MAX_PAUSE).
     /// - [`Error::Stalled`] when the limiter's settings row was held by
-    ///   another transaction for 2 s; [`Error::Schema`] before
-    ///   schema version 9; [`Error::Database`] otherwise (a pause never
+    ///   another transaction for 2 s; [`Error::Schema`] when the schema is
+    ///   missing; [`Error::Database`] otherwise (a pause never
     ///   fails open).
     ///
     /// # Cancel safety

@@ -23,7 +23,7 @@ const CHECK_LIMITS: &str = "SELECT o_allowed, o_remaining, o_retry_after_us, o_d
 
 /// [`CHECK_LIMITS`] that waits: books `$8` permits in every limit at the
 /// earliest instant all admit them, provided it is within `$9`; answers how
-/// long to wait before acting (schema version 12).
+/// long to wait before acting.
 const CHECK_LIMITS_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining, o_deciding \
                                     FROM pgsemaphore.check_limits_reserve(p_kinds => $1, \
                                         p_limiters => $2, p_keys => $3, p_rates => $4, \
@@ -112,8 +112,7 @@ impl LimiterSet {
     ///   on different pools (`limits`), the same key of the same limiter
     ///   twice (`limits`, from the database), and as each limiter's
     ///   [`check`](RateLimiter::check) for the key and `permits`.
-    /// - [`Error::Schema`] when the schema is older than version
-    ///   9 (no `check_limits`) or missing.
+    /// - [`Error::Schema`] when the schema is missing.
     /// - [`Error::Stalled`] (naming the set's limiters) when a key's lock
     ///   was held by another transaction for 2 s: nothing was charged.
     /// - [`Error::Database`] otherwise, unless every limiter of the set
@@ -202,8 +201,7 @@ impl LimiterSet {
     ///   admitted within `timeout`, or when a key's lock stayed held
     ///   ([`Error::Stalled`], retried) until `timeout`; nothing was booked.
     /// - [`Error::InvalidArgument`] as for [`check`](Self::check).
-    /// - [`Error::Schema`] when the schema is older than version
-    ///   12 (no `check_limits_reserve`) or missing.
+    /// - [`Error::Schema`] when the schema is missing.
     /// - [`Error::Database`] otherwise, unless every limiter of the set
     ///   fails open (then an unreachable database admits at once).
     ///

@@ -5,12 +5,12 @@
 //!
 //! - **Stored limits.** `pgsemaphore.rate_limit_settings` holds, per limiter
 //!   and optionally per key, a pair (rate and burst, or permit limit and
-//!   window): the limiter's is stored by its first check (schema version
-//!   12), a key's only by an operator, who alone changes either. Every
+//!   window): the limiter's is stored by its first check, a key's only by
+//!   an operator, who alone changes either. Every
 //!   check function reads it in its own statement: the key's pair, else the
 //!   limiter's. So a handle's builder values count only at a limiter's
-//!   first use, and every process (of any crate version from schema 2 on)
-//!   applies the stored ones, with no extra round trip per check;
+//!   first use, and every process (of any crate version) applies the
+//!   stored ones, with no extra round trip per check;
 //!   [`Limiter::note_stored_limits`] warns once per limiter and process
 //!   when the handle's pair differs.
 //! - **Pauses.** [`Limiter::pause`] (the application: an upstream answered

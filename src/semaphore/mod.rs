@@ -711,8 +711,7 @@ impl Semaphore {
     ///   than a semaphore's capacity (`permits`), or handles built on
     ///   different pools (`semaphores`). Nothing is sent.
     /// - [`Error::SemaphoreNotFound`], [`Error::Stalled`] (naming every
-    ///   semaphore of the claim), [`Error::Schema`] (or a schema
-    ///   older than version 8), [`Error::Database`].
+    ///   semaphore of the claim), [`Error::Schema`], [`Error::Database`].
     ///
     /// # Cancel safety
     ///
