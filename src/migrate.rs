@@ -889,7 +889,9 @@ mod tests {
         }
         assert!(matches!(
             modified.plan(Tool::Sqlx),
-            Err(Error::Schema(SchemaError::Migrate(MigrateError::VersionMismatch(_))))
+            Err(Error::Schema(SchemaError::Migrate(
+                MigrateError::VersionMismatch(_)
+            )))
         ));
     }
 }
