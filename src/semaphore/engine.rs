@@ -375,11 +375,14 @@ struct Granted {
     o_expires_at: Option<DateTime<Utc>>,
 }
 
+/// A granted claim's (id, slot) pairs, lowest id first, and when they were
+/// claimed and expire.
+type Grant = (Vec<(i64, u32)>, DateTime<Utc>, DateTime<Utc>);
+
 impl Granted {
-    /// The claims (id, slot), lowest id first, and when they were claimed
-    /// and expire; an internal error when `function` answered "claimed"
-    /// without them.
-    fn claimed(self, function: &str) -> Result<(Vec<(i64, u32)>, DateTime<Utc>, DateTime<Utc>)> {
+    /// The [`Grant`]; an internal error when `function` answered "claimed"
+    /// without it.
+    fn claimed(self, function: &str) -> Result<Grant> {
         let (Some(ids), Some(slots), Some(acquired_at), Some(expires_at)) = (
             self.o_ids,
             self.o_slots,
