@@ -636,29 +636,28 @@ pub(crate) fn sqlstate(error: &Error) -> Option<Cow<'_, str>> {
 }
 
 /// P0002 (no_data_found) for a family no family has, as
-/// [`Error::FamilyNotFound`]; any other error as it is.
+/// [`Error::FamilyNotFound`]; any other error as [`not_found`] does.
 pub(crate) fn family_not_found(error: Error, family: &str) -> Error {
-    match sqlstate(&error).as_deref() {
-        Some("P0002") => Error::FamilyNotFound {
-            family: family.to_owned(),
-        },
-        Some("55P03") => Error::Stalled {
-            semaphore: family.to_owned(),
-        },
-        _ => error,
-    }
+    not_found(error, family, |family| Error::FamilyNotFound { family })
 }
 
 /// P0002 (no_data_found), which the crate's functions raise for a name no
-/// semaphore has, as [`Error::SemaphoreNotFound`]; any other error as it is.
+/// semaphore has, as [`Error::SemaphoreNotFound`]; any other error as
+/// [`not_found`] does.
 pub(crate) fn semaphore_not_found(error: Error, semaphore: &str) -> Error {
+    not_found(error, semaphore, |semaphore| Error::SemaphoreNotFound {
+        semaphore,
+    })
+}
+
+/// P0002 (no_data_found) for `name` as `missing` makes it; 55P03 as
+/// [`Error::Stalled`] on `name`; any other error as it is.
+fn not_found(error: Error, name: &str, missing: impl FnOnce(String) -> Error) -> Error {
     match sqlstate(&error).as_deref() {
-        Some("P0002") => Error::SemaphoreNotFound {
-            semaphore: semaphore.to_owned(),
-        },
+        Some("P0002") => missing(name.to_owned()),
         // A row held past lock_timeout (2 s) by another transaction.
         Some("55P03") => Error::Stalled {
-            semaphore: semaphore.to_owned(),
+            semaphore: name.to_owned(),
         },
         _ => error,
     }

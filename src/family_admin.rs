@@ -13,7 +13,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use crate::audit::{Holder, HolderRow};
-use crate::db::Db;
+use crate::db::{Db, Statement};
 use crate::error::{Result, family_not_found};
 use crate::validate;
 
@@ -69,6 +69,23 @@ const SET_TIER: &str =
 /// transaction pooler too.
 fn db(pool: &PgPool) -> Db {
     Db::new(pool, true)
+}
+
+/// Runs one of the statements that change a family's keys (the family
+/// bound first, then what `bind` adds) and returns how many keys changed.
+async fn change_keys(
+    pool: &PgPool,
+    family: &str,
+    sql: &'static str,
+    bind: impl FnOnce(Statement<(i64,)>) -> Statement<(i64,)>,
+) -> Result<i64> {
+    let db = db(pool);
+    let query = bind(db.query_as(sql).bind(family.to_owned()));
+    let (changed,) = db
+        .fetch_one(query)
+        .await
+        .map_err(|e| family_not_found(e, family))?;
+    Ok(changed)
 }
 
 /// What a capacity rule of a family matches.
@@ -327,17 +344,13 @@ pub async fn configure_family(
     }
     let lease = lease.map(validate::lease).transpose()?;
     let idle_after = idle_after.map(validate::idle_after).transpose()?;
-    let db = db(pool);
-    let query = db
-        .query_as::<(i64,)>(CONFIGURE_FAMILY)
-        .bind(family.to_owned())
-        .bind(capacity.map(|c| c as i32))
-        .bind(lease)
-        .bind(idle_after);
-    let (changed,) = db
-        .fetch_one(query)
-        .await
-        .map_err(|e| family_not_found(e, family))?;
+    let changed = change_keys(pool, family, CONFIGURE_FAMILY, |query| {
+        query
+            .bind(capacity.map(|c| c as i32))
+            .bind(lease)
+            .bind(idle_after)
+    })
+    .await?;
     tracing::info!(
         family,
         ?capacity,
@@ -389,17 +402,13 @@ pub async fn set_family_rule(
     if let Some(capacity) = capacity {
         validate::capacity(capacity)?;
     }
-    let db = db(pool);
-    let query = db
-        .query_as::<(i64,)>(SET_RULE)
-        .bind(family.to_owned())
-        .bind(kind.as_sql())
-        .bind(matches.to_owned())
-        .bind(capacity.map(|c| c as i32));
-    let (changed,) = db
-        .fetch_one(query)
-        .await
-        .map_err(|e| family_not_found(e, family))?;
+    let changed = change_keys(pool, family, SET_RULE, |query| {
+        query
+            .bind(kind.as_sql())
+            .bind(matches.to_owned())
+            .bind(capacity.map(|c| c as i32))
+    })
+    .await?;
     tracing::info!(
         family,
         ?kind,
@@ -438,16 +447,10 @@ pub async fn set_family_tier(
     if let Some(tier) = tier {
         validate::tier(tier)?;
     }
-    let db = db(pool);
-    let query = db
-        .query_as::<(i64,)>(SET_TIER)
-        .bind(family.to_owned())
-        .bind(key.to_owned())
-        .bind(tier.map(str::to_owned));
-    let (changed,) = db
-        .fetch_one(query)
-        .await
-        .map_err(|e| family_not_found(e, family))?;
+    let changed = change_keys(pool, family, SET_TIER, |query| {
+        query.bind(key.to_owned()).bind(tier.map(str::to_owned))
+    })
+    .await?;
     tracing::info!(
         family,
         key,

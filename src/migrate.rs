@@ -600,6 +600,25 @@ mod tests {
         }
     }
 
+    /// The plan that runs the migrations, creating the schema or not.
+    fn run(create_schema: bool) -> Plan {
+        Plan::Run { create_schema }
+    }
+
+    /// Gives the `row`th applied migration of `facts` another checksum:
+    /// the plan reports it as sqlx would.
+    fn assert_modified_is_reported(mut facts: Facts, row: usize) {
+        if let History::Rows(rows) = &mut facts.sqlx {
+            rows[row].checksum = vec![1, 2, 3];
+        }
+        assert!(matches!(
+            facts.plan(Tool::Sqlx),
+            Err(Error::Schema(SchemaError::Migrate(
+                MigrateError::VersionMismatch(_)
+            )))
+        ));
+    }
+
     fn older(mut facts: Facts) -> Facts {
         facts.version = Some((SCHEMA_VERSION - 1, SCHEMA_VERSION - 1));
         facts
@@ -615,12 +634,7 @@ mod tests {
             sqlx: History::Absent,
             ..owner_view()
         };
-        assert_eq!(
-            fresh.plan(Tool::Sqlx).unwrap(),
-            Plan::Run {
-                create_schema: true
-            }
-        );
+        assert_eq!(fresh.plan(Tool::Sqlx).unwrap(), run(true));
         let denied = Facts {
             can_create_schema: false,
             role: "app".into(),
@@ -640,12 +654,7 @@ mod tests {
             sqlx: History::Rows(vec![]),
             ..fresh
         };
-        assert_eq!(
-            made_for_us.plan(Tool::Sqlx).unwrap(),
-            Plan::Run {
-                create_schema: false
-            }
-        );
+        assert_eq!(made_for_us.plan(Tool::Sqlx).unwrap(), run(false));
         let without_create = Facts {
             can_create_schema: false,
             ..made_for_us
@@ -675,12 +684,7 @@ mod tests {
 
     #[test]
     fn an_older_schema_is_upgraded_only_by_its_owner_with_its_own_tool() {
-        assert_eq!(
-            older(owner_view()).plan(Tool::Sqlx).unwrap(),
-            Plan::Run {
-                create_schema: false
-            }
-        );
+        assert_eq!(older(owner_view()).plan(Tool::Sqlx).unwrap(), run(false));
         let err = older(app_view()).plan(Tool::Sqlx).unwrap_err();
         assert!(
             matches!(&err, Error::Schema(SchemaError::NotPermitted { role, owner: Some(owner), .. })
@@ -727,12 +731,7 @@ mod tests {
             }]),
             ..older(owner_view())
         };
-        assert_eq!(
-            by_refinery.plan(Tool::Refinery).unwrap(),
-            Plan::Run {
-                create_schema: false
-            }
-        );
+        assert_eq!(by_refinery.plan(Tool::Refinery).unwrap(), run(false));
         assert!(
             by_refinery
                 .plan(Tool::Sqlx)
@@ -776,16 +775,7 @@ mod tests {
 
     #[test]
     fn a_modified_or_failed_migration_is_reported_as_sqlx_would() {
-        let mut modified = app_view();
-        if let History::Rows(rows) = &mut modified.sqlx {
-            rows[0].checksum = vec![1, 2, 3];
-        }
-        assert!(matches!(
-            modified.plan(Tool::Sqlx),
-            Err(Error::Schema(SchemaError::Migrate(
-                MigrateError::VersionMismatch(_)
-            )))
-        ));
+        assert_modified_is_reported(app_view(), 0);
         let mut dirty = app_view();
         if let History::Rows(rows) = &mut dirty.sqlx {
             rows[0].success = false;
@@ -846,12 +836,7 @@ mod tests {
             ),
             ..owner_view()
         };
-        assert_eq!(
-            partial.plan(Tool::Sqlx).unwrap(),
-            Plan::Run {
-                create_schema: false
-            }
-        );
+        assert_eq!(partial.plan(Tool::Sqlx).unwrap(), run(false));
         // Another tool's, or nobody's: not ours to complete.
         assert!(matches!(
             partial.plan(Tool::Refinery),
@@ -865,12 +850,7 @@ mod tests {
             }]),
             ..partial.clone()
         };
-        assert_eq!(
-            by_refinery.plan(Tool::Refinery).unwrap(),
-            Plan::Run {
-                create_schema: false
-            }
-        );
+        assert_eq!(by_refinery.plan(Tool::Refinery).unwrap(), run(false));
         // Only by a role that may create in the schema.
         let denied = Facts {
             role: "app".into(),
@@ -883,15 +863,6 @@ mod tests {
             Err(Error::Schema(SchemaError::NotPermitted { found: None, .. }))
         ));
         // A modified file in the history is reported as sqlx would.
-        let mut modified = partial;
-        if let History::Rows(rows) = &mut modified.sqlx {
-            rows[1].checksum = vec![1, 2, 3];
-        }
-        assert!(matches!(
-            modified.plan(Tool::Sqlx),
-            Err(Error::Schema(SchemaError::Migrate(
-                MigrateError::VersionMismatch(_)
-            )))
-        ));
+        assert_modified_is_reported(partial, 1);
     }
 }

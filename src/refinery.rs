@@ -180,35 +180,31 @@ async fn inspect(client: &mut tokio_postgres::Client) -> Result<Facts> {
         facts.version = Some((row.get(0), row.get(1)));
     }
     if reads.sqlx {
-        let rows = client
-            .query(SQLX_HISTORY_SQL, &[])
-            .await
-            .map_err(database)?;
-        facts.sqlx = History::Rows(
-            rows.iter()
-                .map(|row| SqlxApplied {
-                    version: row.get(0),
-                    success: row.get(1),
-                    checksum: row.get(2),
-                })
-                .collect(),
-        );
+        facts.sqlx = history(client, SQLX_HISTORY_SQL, |row| SqlxApplied {
+            version: row.get(0),
+            success: row.get(1),
+            checksum: row.get(2),
+        })
+        .await?;
     }
     if reads.refinery {
-        let rows = client
-            .query(REFINERY_HISTORY_SQL, &[])
-            .await
-            .map_err(database)?;
-        facts.refinery = History::Rows(
-            rows.iter()
-                .map(|row| RefineryApplied {
-                    version: row.get(0),
-                    name: row.get(1),
-                })
-                .collect(),
-        );
+        facts.refinery = history(client, REFINERY_HISTORY_SQL, |row| RefineryApplied {
+            version: row.get(0),
+            name: row.get(1),
+        })
+        .await?;
     }
     Ok(facts)
+}
+
+/// A migration tool's history: the rows of `sql`, each read by `applied`.
+async fn history<T>(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    applied: impl Fn(&tokio_postgres::Row) -> T,
+) -> Result<History<T>> {
+    let rows = client.query(sql, &[]).await.map_err(database)?;
+    Ok(History::Rows(rows.iter().map(applied).collect()))
 }
 
 /// The advisory lock serialising [`refinery_migrate`] runs (an integer:

@@ -252,11 +252,7 @@ impl MutexGuard {
     /// If cancelled, the commit may or may not have happened; the lock is
     /// released in both cases.
     pub async fn commit(mut self) -> Result<()> {
-        let tx = self
-            .tx
-            .take()
-            .expect("the transaction lives as long as the guard");
-        tx.commit().await?;
+        self.take_tx().commit().await?;
         Ok(())
     }
 
@@ -272,12 +268,15 @@ impl MutexGuard {
     /// If cancelled, the rollback still happens when the connection returns
     /// to the pool.
     pub async fn rollback(mut self) -> Result<()> {
-        let tx = self
-            .tx
-            .take()
-            .expect("the transaction lives as long as the guard");
-        tx.rollback().await?;
+        self.take_tx().rollback().await?;
         Ok(())
+    }
+
+    /// The transaction, taken out of the guard to end it.
+    fn take_tx(&mut self) -> Transaction<'static, Postgres> {
+        self.tx
+            .take()
+            .expect("the transaction lives as long as the guard")
     }
 }
 

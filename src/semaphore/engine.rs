@@ -22,7 +22,7 @@ use sqlx::postgres::types::PgInterval;
 use sqlx::{PgConnection, Row};
 use tokio::time::Instant;
 
-use crate::db::Db;
+use crate::db::{Db, Statement};
 use crate::error::{self, Error, LostReason, Result};
 use crate::metrics::SemaphoreMetrics;
 use crate::token::Token;
@@ -365,15 +365,73 @@ impl Several {
     }
 }
 
+/// The columns of a granted claim, as `pgsemaphore.claim` and
+/// `pgsemaphore.claim_all` both answer them (NULL unless granted).
+#[derive(sqlx::FromRow)]
+struct Granted {
+    o_ids: Option<Vec<i64>>,
+    o_slots: Option<Vec<i32>>,
+    o_created_at: Option<DateTime<Utc>>,
+    o_expires_at: Option<DateTime<Utc>>,
+}
+
+/// A granted claim's (id, slot) pairs, lowest id first, and when they were
+/// claimed and expire.
+type Grant = (Vec<(i64, u32)>, DateTime<Utc>, DateTime<Utc>);
+
+impl Granted {
+    /// The [`Grant`]; an internal error when `function` answered "claimed"
+    /// without it.
+    fn claimed(self, function: &str) -> Result<Grant> {
+        let (Some(ids), Some(slots), Some(acquired_at), Some(expires_at)) = (
+            self.o_ids,
+            self.o_slots,
+            self.o_created_at,
+            self.o_expires_at,
+        ) else {
+            return Err(without_ids(function));
+        };
+        let claims = ids
+            .into_iter()
+            .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
+            .collect();
+        Ok((claims, acquired_at, expires_at))
+    }
+}
+
+/// A claim statement answered "claimed" without the claim's columns.
+fn without_ids(function: &str) -> Error {
+    Error::internal(format!(
+        "{function} returned a claim without ids or timestamps"
+    ))
+}
+
+/// Sends a claim statement and notes when. When it fails with its outcome
+/// unknown (it may have committed), `forget` first schedules the undo of
+/// whatever it may have claimed; the error is returned as it is.
+async fn send_claim<R>(db: &Db, query: Statement<R>, forget: impl FnOnce()) -> Result<(R, Instant)>
+where
+    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin + 'static,
+{
+    let sent = Instant::now();
+    match db.fetch_one(query).await {
+        Ok(row) => Ok((row, sent)),
+        Err(error) => {
+            if error::outcome_unknown(&error) {
+                forget();
+            }
+            Err(error)
+        }
+    }
+}
+
 #[derive(sqlx::FromRow)]
 struct ClaimAllRow {
     o_status: String,
     o_semaphore: Option<String>,
-    o_ids: Option<Vec<i64>>,
     o_semaphores: Option<Vec<String>>,
-    o_slots: Option<Vec<i32>>,
-    o_created_at: Option<DateTime<Utc>>,
-    o_expires_at: Option<DateTime<Utc>>,
+    #[sqlx(flatten)]
+    granted: Granted,
     o_capacity: Option<i32>,
     o_retry_in: Option<PgInterval>,
     o_wake: Vec<String>,
@@ -382,10 +440,8 @@ struct ClaimAllRow {
 #[derive(sqlx::FromRow)]
 struct ClaimRow {
     o_status: String,
-    o_ids: Option<Vec<i64>>,
-    o_slots: Option<Vec<i32>>,
-    o_created_at: Option<DateTime<Utc>>,
-    o_expires_at: Option<DateTime<Utc>>,
+    #[sqlx(flatten)]
+    granted: Granted,
     o_capacity: i32,
     o_free: i32,
     o_retry_in: Option<PgInterval>,
@@ -417,16 +473,11 @@ pub(crate) async fn claim(
         .bind(ticket.map(|(id, _)| id))
         .bind(ticket.map(|(_, ticket_token)| ticket_token.bytes()))
         .bind(waiter_lease);
-    let sent = Instant::now();
-    let row = match core.db.fetch_one(query).await {
-        Ok(row) => row,
-        Err(error) => {
-            if error::outcome_unknown(&error) {
-                forget_claim(core.clone(), token, attempt.lease);
-            }
-            return Err(refused_on(error, &core.name));
-        }
-    };
+    let (row, sent) = send_claim(&core.db, query, || {
+        forget_claim(core.clone(), token.clone(), attempt.lease);
+    })
+    .await
+    .map_err(|error| refused_on(error, &core.name))?;
     if row.o_wake {
         wake_later(core);
     }
@@ -434,18 +485,9 @@ pub(crate) async fn claim(
     let retry_in = row.o_retry_in.map(|interval| duration_of(&interval));
     Ok(match row.o_status.as_str() {
         "claimed" => {
-            let (Some(ids), Some(slots), Some(acquired_at), Some(expires_at)) =
-                (row.o_ids, row.o_slots, row.o_created_at, row.o_expires_at)
-            else {
-                return Err(Error::internal(
-                    "pgsemaphore.claim returned a claim without ids or timestamps",
-                ));
-            };
+            let (claims, acquired_at, expires_at) = row.granted.claimed("pgsemaphore.claim")?;
             Admission::Claimed(Claimed {
-                claims: ids
-                    .into_iter()
-                    .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
-                    .collect(),
+                claims,
                 acquired_at,
                 expires_at,
                 free: row.o_free.max(0) as u32,
@@ -487,21 +529,16 @@ pub(crate) async fn claim_all(
         .bind(metadata.cloned())
         .bind(token.bytes())
         .bind(permits);
-    let sent = Instant::now();
-    let row = match lead.db.fetch_one(query).await {
-        Ok(row) => row,
-        Err(error) => {
-            if error::outcome_unknown(&error) {
-                // Each semaphore's release_by_token ends that semaphore's
-                // claims with this token, or tombstones the token so that
-                // the claim in flight refuses it: whole or nothing either way.
-                for (core, _) in &several.members {
-                    forget_claim(core.clone(), token.clone(), None);
-                }
-            }
-            return Err(several.refused_on(error));
+    let (row, sent) = send_claim(&lead.db, query, || {
+        // Each semaphore's release_by_token ends that semaphore's claims
+        // with this token, or tombstones the token so that the claim in
+        // flight refuses it: whole or nothing either way.
+        for (core, _) in &several.members {
+            forget_claim(core.clone(), token.clone(), None);
         }
-    };
+    })
+    .await
+    .map_err(|error| several.refused_on(error))?;
     for name in &row.o_wake {
         if let Some((core, _)) = several.members.iter().find(|(c, _)| &c.name == name) {
             wake_later(core);
@@ -511,22 +548,12 @@ pub(crate) async fn claim_all(
     let retry_in = row.o_retry_in.map(|interval| duration_of(&interval));
     let admission = match row.o_status.as_str() {
         "claimed" => {
-            let (Some(ids), Some(slots), Some(semaphores), Some(acquired_at), Some(expires_at)) = (
-                row.o_ids,
-                row.o_slots,
-                row.o_semaphores,
-                row.o_created_at,
-                row.o_expires_at,
-            ) else {
-                return Err(Error::internal(
-                    "pgsemaphore.claim_all returned a claim without ids or timestamps",
-                ));
+            let Some(semaphores) = row.o_semaphores else {
+                return Err(without_ids("pgsemaphore.claim_all"));
             };
+            let (claims, acquired_at, expires_at) = row.granted.claimed("pgsemaphore.claim_all")?;
             Admission::Claimed(Claimed {
-                claims: ids
-                    .into_iter()
-                    .zip(slots.into_iter().map(|slot| slot.max(0) as u32))
-                    .collect(),
+                claims,
                 acquired_at,
                 expires_at,
                 free: 0,

@@ -534,11 +534,15 @@ mod tests {
     use super::super::QueueOrder;
     use super::*;
 
+    /// `N` waiters of one semaphore, in a fresh listener's entries.
+    fn waiters<const N: usize>() -> [Watch; N] {
+        let entries = Arc::new(Entries::default());
+        std::array::from_fn(|_| entries.watch("s", Duration::from_secs(1)))
+    }
+
     #[tokio::test]
     async fn only_the_first_place_claims_and_leaving_passes_the_turn() {
-        let entries = Arc::new(Entries::default());
-        let mut heavy = entries.watch("s", Duration::from_secs(1));
-        let mut light = entries.watch("s", Duration::from_secs(1));
+        let [mut heavy, mut light] = waiters();
         heavy.take_place((0, 1, 0, 1), None);
         light.take_place((0, 1, 0, 2), None);
         assert!(heavy.is_first() && !light.is_first());
@@ -551,10 +555,7 @@ mod tests {
 
     #[tokio::test]
     async fn queued_and_high_priority_places_come_first() {
-        let entries = Arc::new(Entries::default());
-        let mut low_queued = entries.watch("s", Duration::from_secs(1));
-        let mut high_plain = entries.watch("s", Duration::from_secs(1));
-        let mut high_queued = entries.watch("s", Duration::from_secs(1));
+        let [mut low_queued, mut high_plain, mut high_queued] = waiters();
         low_queued.take_place((1, 0, 0, 1), Some(1));
         high_plain.take_place((0, 1, 0, 2), None);
         assert!(high_plain.is_first());
@@ -568,14 +569,11 @@ mod tests {
 
     #[tokio::test]
     async fn queued_places_follow_the_database_order_of_turns() {
-        let entries = Arc::new(Entries::default());
         // Key A queued tickets 1 and 2 (turns 0 and 1), then key B ticket 3,
         // at the head's turn: the database serves 1, 3, 2, and so must the
         // local order, or ticket 2 would claim (and be refused) while 3,
         // the next head, never claims.
-        let mut a_head = entries.watch("s", Duration::from_secs(1));
-        let mut a_next = entries.watch("s", Duration::from_secs(1));
-        let mut b = entries.watch("s", Duration::from_secs(1));
+        let [mut a_head, mut a_next, mut b] = waiters();
         let place = |turn, ticket| {
             let (turn, order) = QueueOrder::OldestFirst.place(turn, ticket);
             (0, 0, turn, order)

@@ -164,14 +164,7 @@ impl AdvisoryPermit {
         })
         .await;
         let lost = self.session.lost_reason();
-        self.audit(
-            slots,
-            if lost.is_some() {
-                Ending::Lost
-            } else {
-                Ending::Released
-            },
-        );
+        self.audit(slots, lost, Ending::Released);
         match (result, lost) {
             (_, Some(reason)) => {
                 self.core.metrics.lost(reason);
@@ -190,7 +183,10 @@ impl AdvisoryPermit {
         }
     }
 
-    fn audit(&self, slots: Vec<u32>, ending: Ending) {
+    /// Records the permit's end in the audit log: [`Ending::Lost`] when its
+    /// session was `lost`, else `ending`.
+    fn audit(&self, slots: Vec<u32>, lost: Option<LostReason>, ending: Ending) {
+        let ending = if lost.is_some() { Ending::Lost } else { ending };
         if let Some(writer) = &self.core.audit {
             let held = chrono::Duration::from_std(self.since.elapsed()).unwrap_or_default();
             writer.record(Record {
@@ -233,13 +229,6 @@ impl Drop for AdvisoryPermit {
                 "advisory permit dropped outside a tokio runtime: its slots are freed when its session ends"
             ),
         }
-        self.audit(
-            slots,
-            if lost.is_some() {
-                Ending::Lost
-            } else {
-                Ending::Dropped
-            },
-        );
+        self.audit(slots, lost, Ending::Dropped);
     }
 }

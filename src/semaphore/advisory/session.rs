@@ -470,20 +470,17 @@ impl Session {
             .filter(|k| !missing.contains(k))
             .collect();
         if let Some(state) = guard.as_mut() {
+            let bound = self.statement_bound(state);
             let given_back = tokio::time::timeout(
-                self.statement_bound(state),
+                bound,
                 sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM unnest($1::bigint[]) AS k")
                     .bind(&taken)
                     .execute(&mut state.conn),
             )
             .await;
-            match given_back {
-                Ok(Ok(_)) => state.answered = Instant::now(),
-                Ok(Err(error)) if !error::unreachable(&error) => {}
-                // A statement cut off midway leaves the connection unusable.
-                Ok(Err(error)) => self.lose(&mut guard, &error.to_string()),
-                Err(_) => self.lose(&mut guard, "giving back waiting keys did not answer"),
-            }
+            // A statement cut off midway leaves the connection unusable: the
+            // session is lost; an error it survives changes nothing.
+            let _ = self.answered(&mut guard, "giving back waiting keys", bound, given_back);
         }
         false
     }
@@ -495,19 +492,17 @@ impl Session {
         let Some(state) = guard.as_mut() else {
             return;
         };
+        let bound = self.statement_bound(state);
         let done = tokio::time::timeout(
-            self.statement_bound(state),
+            bound,
             sqlx::query("SELECT pg_advisory_unlock_shared(k) FROM generate_series($1::bigint, $1 + 15) AS k")
                 .bind(first)
                 .execute(&mut state.conn),
         )
         .await;
-        match done {
-            Ok(Ok(_)) => state.answered = Instant::now(),
-            Ok(Err(error)) if !error::unreachable(&error) => {}
-            Ok(Err(error)) => self.lose(&mut guard, &error.to_string()),
-            Err(_) => self.lose(&mut guard, "withdrawing a waiter did not answer"),
-        }
+        // Lost as after any statement; an error the session survives
+        // changes nothing.
+        let _ = self.answered(&mut guard, "withdrawing a waiter", bound, done);
     }
 
     /// How long a statement sent now may take before the session is given
