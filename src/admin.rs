@@ -23,6 +23,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
+use crate::RatePolicy;
 use crate::audit::{Holder, HolderRow, SemaphoreKind};
 use crate::db::Db;
 use crate::error::{Error, Result, semaphore_not_found};
@@ -641,9 +642,12 @@ async fn run_configure(
     Ok(previous.map(|p| p.max(0) as u32))
 }
 
-/// A rate limiter's kind: which [`RatePolicy`](crate::RatePolicy) it
-/// enforces, as [`RatePolicy::kind`](crate::RatePolicy::kind) says
-/// (limiters of different kinds never share a name's state or settings).
+/// A rate limiter's kind: which [`RatePolicy`] it enforces, as
+/// [`RatePolicy::kind`] says. A limiter is named by its kind and its name
+/// (limiters of different kinds never share a name's state or settings),
+/// so the operator functions that take no policy ([`clear_rate_limit`],
+/// [`pause_rate_limit`], [`resume_rate_limit`]) take a kind, and a
+/// [`RateLimitSetting`] that stores no limits (a pause) still says it.
 ///
 /// With the `serde` feature it serializes as `"token_bucket"`,
 /// `"fixed_window"`, `"sliding_window"`, the names it parses from.
@@ -652,11 +656,11 @@ async fn run_configure(
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum LimiterKind {
-    /// A [`RatePolicy::TokenBucket`](crate::RatePolicy::TokenBucket).
+    /// A [`RatePolicy::TokenBucket`].
     TokenBucket,
-    /// A [`RatePolicy::FixedWindow`](crate::RatePolicy::FixedWindow).
+    /// A [`RatePolicy::FixedWindow`].
     FixedWindow,
-    /// A [`RatePolicy::SlidingWindow`](crate::RatePolicy::SlidingWindow).
+    /// A [`RatePolicy::SlidingWindow`].
     SlidingWindow,
 }
 
@@ -696,57 +700,28 @@ impl std::str::FromStr for LimiterKind {
     }
 }
 
-/// Limits an operator stores for a rate limiter or one of its keys
-/// ([`set_rate_limit`]): they apply instead of the ones its handles were
-/// built with, in every process.
-///
-/// With the `serde` feature it serializes as `{"rate", "burst"}` or
-/// `{"permit_limit", "window_seconds"}`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[cfg_attr(feature = "serde", serde(untagged))]
-#[non_exhaustive]
-pub enum StoredLimit {
-    /// A token bucket's rate (tokens per second) and burst.
-    TokenBucket {
-        /// Tokens per second.
-        rate: f64,
-        /// The bucket's capacity.
-        burst: u32,
-    },
-    /// A fixed or sliding window's permit limit and window.
-    Window {
-        /// Permits per window.
-        permit_limit: u32,
-        /// The window's length.
-        #[cfg_attr(
-            feature = "serde",
-            serde(
-                rename = "window_seconds",
-                serialize_with = "crate::serialize::seconds"
-            )
-        )]
-        window: Duration,
-    },
-}
-
 /// A rate limiter's (or one key's) stored limits and pause, listed by
 /// [`rate_limit_settings`].
 ///
 /// With the `serde` feature it serializes as `{"kind", "limiter", "key",
-/// "limit", "paused_until", "updated_at", "as_of"}`.
+/// "limit", "paused_until", "updated_at", "as_of"}`, `limit` being the
+/// stored [`policy`](Self::policy) (`{"kind", "rate", "burst"}` or `{"kind",
+/// "permit_limit", "window_seconds"}`) or `null`.
 #[derive(Debug, Clone, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct RateLimitSetting {
-    /// The limiter's kind.
+    /// The limiter's kind (also when no limits are stored, a row that only
+    /// pauses).
     pub kind: LimiterKind,
     /// The limiter's name.
     pub limiter: String,
     /// The key this row overrides; `None`: every key of the limiter.
     pub key: Option<String>,
-    /// The stored limits; `None`: the code's (or, for a key, the limiter's).
-    pub limit: Option<StoredLimit>,
+    /// The stored limits, a policy of this row's `kind`; `None`: the code's
+    /// (or, for a key, the limiter's).
+    #[cfg_attr(feature = "serde", serde(rename = "limit"))]
+    pub policy: Option<RatePolicy>,
     /// Checks are refused until then (if it is after `as_of`).
     pub paused_until: Option<DateTime<Utc>>,
     /// When the row last changed.
@@ -782,7 +757,7 @@ type SettingRow = (
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
 /// for setting in pg_semaphore::admin::rate_limit_settings(&pool).await? {
-///     println!("{} {} {:?}: {:?}", setting.kind, setting.limiter, setting.key, setting.limit);
+///     println!("{} {} {:?}: {:?}", setting.kind, setting.limiter, setting.key, setting.policy);
 /// }
 /// # Ok(())
 /// # }
@@ -815,22 +790,26 @@ pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>>
                 updated_at,
                 as_of,
             ) = row;
-            let limit = match (rate, burst, permit_limit, window) {
-                (Some(rate), Some(burst), _, _) => Some(StoredLimit::TokenBucket {
-                    rate,
-                    burst: burst as u32,
-                }),
-                (_, _, Some(permit_limit), Some(window)) => Some(StoredLimit::Window {
-                    permit_limit: u32::try_from(permit_limit).unwrap_or(u32::MAX),
-                    window: Duration::try_from_secs_f64(window).unwrap_or_default(),
-                }),
+            let kind: LimiterKind = kind.parse().ok()?;
+            let permits = |limit: i64| u32::try_from(limit).unwrap_or(u32::MAX);
+            let length = |seconds: f64| Duration::try_from_secs_f64(seconds).unwrap_or_default();
+            let policy = match (kind, rate, burst, permit_limit, window) {
+                (LimiterKind::TokenBucket, Some(rate), Some(burst), ..) => {
+                    Some(RatePolicy::token_bucket(rate, burst as u32))
+                }
+                (LimiterKind::FixedWindow, .., Some(limit), Some(window)) => {
+                    Some(RatePolicy::fixed_window(permits(limit), length(window)))
+                }
+                (LimiterKind::SlidingWindow, .., Some(limit), Some(window)) => {
+                    Some(RatePolicy::sliding_window(permits(limit), length(window)))
+                }
                 _ => None,
             };
             Some(RateLimitSetting {
-                kind: kind.parse().ok()?,
+                kind,
                 limiter,
                 key,
-                limit,
+                policy,
                 paused_until,
                 updated_at,
                 as_of,
@@ -848,30 +827,31 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// Stores `limit` for the rate limiter `limiter` of `kind` (`key` `None`)
-/// or for its key `key` (an override, which beats the limiter's): every
-/// check, in every process, applies it instead of the limits its handle was
-/// built with, from the key's next check on. A lowered burst caps a key's
-/// saved tokens; a window's new limit counts the permits already granted in
-/// the current window. Waiting token bucket acquires are told, and shorten
-/// their wait if the rate was raised.
+/// Stores `policy` for the rate limiter `limiter` of its kind
+/// ([`RatePolicy::kind`]) (`key` `None`) or for its key `key` (an override,
+/// which beats the limiter's): every check, in every process, applies it
+/// instead of the policy its handle was built with, from the key's next
+/// check on. A lowered burst caps a key's saved tokens; a window's new
+/// limit counts the permits already granted in the current window. Waiting
+/// token bucket acquires are told, and shorten their wait if the rate was
+/// raised.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-/// use pg_semaphore::admin::{LimiterKind, StoredLimit};
+/// use pg_semaphore::RatePolicy;
 /// // The partner raised our quota: 50 per second, bursts of 100, from now on, everywhere.
-/// let limit = StoredLimit::TokenBucket { rate: 50.0, burst: 100 };
-/// pg_semaphore::admin::set_rate_limit(&pool, LimiterKind::TokenBucket, "partner-api", None, limit).await?;
+/// let policy = RatePolicy::token_bucket(50.0, 100);
+/// pg_semaphore::admin::set_rate_limit(&pool, "partner-api", None, policy).await?;
 /// # Ok(())
 /// # }
 /// ```
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a bad name or key, a limit of another
-/// kind than `kind` (`limit`), and limits a builder would refuse (a rate
-/// that is not positive or above [`MAX_RATE`](crate::limits::MAX_RATE), a burst or
-/// permit limit of 0, a window outside
+/// [`Error::InvalidArgument`] for a bad name or key, and limits a builder
+/// would refuse (a rate that is not positive or above
+/// [`MAX_RATE`](crate::limits::MAX_RATE), a burst or permit limit of 0, a
+/// window outside
 /// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`](crate::limits::MAX_WINDOW); a
 /// bucket refilled in more than 366 days: `p_burst`, from the database);
 /// [`Error::Schema`]; [`Error::Stalled`]
@@ -884,14 +864,14 @@ fn rate_target(limiter: &str, key: Option<&str>) -> Result<()> {
 /// One statement: cancelling either stores the limits or not.
 pub async fn set_rate_limit(
     pool: &PgPool,
-    kind: LimiterKind,
     limiter: &str,
     key: Option<&str>,
-    limit: StoredLimit,
+    policy: RatePolicy,
 ) -> Result<()> {
     rate_target(limiter, key)?;
-    let (rate, burst, permit_limit, window) = match (kind, limit) {
-        (LimiterKind::TokenBucket, StoredLimit::TokenBucket { rate, burst }) => {
+    let kind = policy.kind();
+    let (rate, burst, permit_limit, window) = match policy {
+        RatePolicy::TokenBucket { rate, burst } => {
             if !(rate.is_finite() && rate > 0.0 && rate <= crate::limits::MAX_RATE) {
                 return Err(Error::invalid(
                     "rate",
@@ -901,13 +881,14 @@ pub async fn set_rate_limit(
             validate::positive("burst", burst.into())?;
             (Some(rate), Some(f64::from(burst)), None, None)
         }
-        (
-            LimiterKind::FixedWindow | LimiterKind::SlidingWindow,
-            StoredLimit::Window {
-                permit_limit,
-                window,
-            },
-        ) => {
+        RatePolicy::FixedWindow {
+            permit_limit,
+            window,
+        }
+        | RatePolicy::SlidingWindow {
+            permit_limit,
+            window,
+        } => {
             validate::positive("permit_limit", permit_limit.into())?;
             (
                 None,
@@ -915,15 +896,6 @@ pub async fn set_rate_limit(
                 Some(i64::from(permit_limit)),
                 Some(validate::window(window)?),
             )
-        }
-        (kind, _) => {
-            return Err(Error::invalid(
-                "limit",
-                format!(
-                    "not the limits of a {kind}: a token bucket has a rate and a burst, \
-                     a window a permit limit and a window"
-                ),
-            ));
         }
     };
     let db = db(pool);
@@ -943,7 +915,7 @@ pub async fn set_rate_limit(
         kind = kind.as_str(),
         limiter,
         key,
-        ?limit,
+        ?policy,
         "rate limit stored"
     );
     Ok(())
@@ -1207,6 +1179,36 @@ mod serialize_tests {
         assert_eq!(
             serde_json::to_value(&ReleaseOutcome::NotFound).unwrap(),
             json!({ "outcome": "not_found" })
+        );
+    }
+
+    #[test]
+    fn a_rate_limit_setting_gives_its_policy_as_limit() {
+        let setting = |policy| RateLimitSetting {
+            kind: LimiterKind::SlidingWindow,
+            limiter: "api".into(),
+            key: None,
+            policy,
+            paused_until: None,
+            updated_at: at("2026-11-21T08:00:00Z"),
+            as_of: at("2026-11-21T08:00:01Z"),
+        };
+        let policy = RatePolicy::sliding_window(100, Duration::from_secs(60));
+        assert_eq!(
+            serde_json::to_value(setting(Some(policy))).unwrap(),
+            json!({
+                "kind": "sliding_window",
+                "limiter": "api",
+                "key": null,
+                "limit": {"kind": "sliding_window", "permit_limit": 100, "window_seconds": 60.0},
+                "paused_until": null,
+                "updated_at": "2026-11-21T08:00:00Z",
+                "as_of": "2026-11-21T08:00:01Z",
+            })
+        );
+        assert_eq!(
+            serde_json::to_value(setting(None)).unwrap()["limit"],
+            json!(null)
         );
     }
 }

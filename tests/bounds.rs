@@ -8,7 +8,7 @@ use pg_semaphore::{
     Claim, Decision, Error, LimiterSet, LostReason, Mutex, MutexGuard, Permit, RateLimiter,
     RateLimiterBuilder, RatePolicy, Semaphore, SemaphoreBuilder, SemaphoreFamily,
     SemaphoreFamilyBuilder, SessionGuard, WaitedFor,
-    admin::{LimiterKind, RateLimitSetting, Reaper, StoredLimit},
+    admin::{LimiterKind, RateLimitSetting, Reaper},
     audit::AuditLog,
 };
 use sqlx::PgPool;
@@ -37,7 +37,6 @@ fn handles_and_guards_are_send_and_sync() {
     all::<RatePolicy>();
     all::<LimiterSet>();
     all::<LimiterKind>();
-    all::<StoredLimit>();
     all::<RateLimitSetting>();
     all::<Decision>();
     all::<LostReason>();
@@ -96,6 +95,12 @@ fn futures_are_send(
     let set = LimiterSet::new().with(&bucket);
     send(&set.check("key", 1));
     send(&pg_semaphore::admin::rate_limit_settings(&pool));
+    send(&pg_semaphore::admin::set_rate_limit(
+        &pool,
+        "b",
+        None,
+        RatePolicy::token_bucket(1.0, 1),
+    ));
     send(&pg_semaphore::admin::resume_rate_limit(
         &pool,
         LimiterKind::TokenBucket,

@@ -214,13 +214,9 @@ async fn two_deployed_versions_with_different_limits_both_decide_under_the_store
     // Only the operator changes the pair; then every version applies it.
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        pg_semaphore::admin::LimiterKind::FixedWindow,
         "rolling",
         None,
-        pg_semaphore::admin::StoredLimit::Window {
-            permit_limit: 3,
-            window: Duration::from_secs(3600),
-        },
+        RatePolicy::fixed_window(3, Duration::from_secs(3600)),
     )
     .await?;
     assert!(old.check("k", 1).await?.allowed);
@@ -496,16 +492,7 @@ async fn no_argument_at_its_extreme_overflows_or_bricks_a_key() -> TestResult {
             )
             .await?;
         }
-        pg_semaphore::admin::set_rate_limit(
-            &p.db.pool,
-            pg_semaphore::admin::LimiterKind::TokenBucket,
-            "bricked",
-            None,
-            pg_semaphore::admin::StoredLimit::TokenBucket {
-                rate: slow,
-                burst: 1,
-            },
-        )
+        pg_semaphore::admin::set_rate_limit(&p.db.pool, "bricked", None, RatePolicy::token_bucket(slow, 1))
         .await?;
         let decision = honest.check("k", 1).await?;
         assert!(!decision.allowed);
@@ -684,13 +671,7 @@ async fn an_operator_change_waits_at_most_the_bound_for_an_applications_open_tra
         // Through the crate: Error::Stalled, naming the limiter.
         let error = tokio::time::timeout(
             LIVENESS,
-            pg_semaphore::admin::set_rate_limit(
-                &p.operator,
-                pg_semaphore::admin::LimiterKind::TokenBucket,
-                "paused",
-                None,
-                pg_semaphore::admin::StoredLimit::TokenBucket { rate: 2.0, burst: 5 },
-            ),
+            pg_semaphore::admin::set_rate_limit(&p.operator, "paused", None, RatePolicy::token_bucket(2.0, 5)),
         )
         .await
         .expect("set_rate_limit waited without bound")

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use pg_semaphore::{
     Error, LimiterSet, RateLimiter, RatePolicy,
-    admin::{LimiterKind, StoredLimit},
+    admin::LimiterKind,
     limits::{MAX_LIMITS, MAX_PAUSE},
 };
 use sqlx::PgPool;
@@ -70,13 +70,9 @@ async fn a_stored_limit_beats_the_code_s_in_every_process_with_no_extra_statemen
     .await?;
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        LimiterKind::TokenBucket,
         "stored",
         None,
-        StoredLimit::TokenBucket {
-            rate: 0.001,
-            burst: 3,
-        },
+        RatePolicy::token_bucket(0.001, 3),
     )
     .await?;
     let options = db.options.clone().application_name(APPLICATION);
@@ -167,10 +163,9 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
     let set = |key: Option<&'static str>, burst| {
         pg_semaphore::admin::set_rate_limit(
             &db.pool,
-            LimiterKind::TokenBucket,
             "tiers",
             key,
-            StoredLimit::TokenBucket { rate: 0.001, burst },
+            RatePolicy::token_bucket(0.001, burst),
         )
     };
     set(None, 1).await?;
@@ -182,13 +177,9 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
     let win = window(&db.pool, "win", 10);
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        LimiterKind::FixedWindow,
         "win",
         Some("small"),
-        StoredLimit::Window {
-            permit_limit: 2,
-            window: HOUR,
-        },
+        RatePolicy::fixed_window(2, HOUR),
     )
     .await?;
     assert!(win.check("small", 2).await?.allowed);
@@ -202,6 +193,21 @@ async fn a_key_s_override_beats_its_limiter_s_setting() -> TestResult {
     // The operator's three rows, and "win"'s own pair, stored by its first
     // check of a key with no override ("other").
     assert_eq!(listed.len(), 4, "{listed:?}");
+    // Each row lists what was stored as the policy it was stored as.
+    let stored = |limiter: &str, key: Option<&str>| {
+        listed
+            .iter()
+            .find(|s| s.limiter == limiter && s.key.as_deref() == key)
+            .and_then(|s| s.policy)
+    };
+    assert_eq!(
+        stored("tiers", Some("vip")),
+        Some(RatePolicy::token_bucket(0.001, 4))
+    );
+    assert_eq!(
+        stored("win", Some("small")),
+        Some(RatePolicy::fixed_window(2, HOUR))
+    );
     Ok(())
 }
 
@@ -214,13 +220,9 @@ async fn a_lowered_burst_caps_the_tokens_a_key_saved() -> TestResult {
     assert!(limiter.check("k", 1).await?.allowed); // 9 left
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        LimiterKind::TokenBucket,
         "capped",
         None,
-        StoredLimit::TokenBucket {
-            rate: 0.001,
-            burst: 2,
-        },
+        RatePolicy::token_bucket(0.001, 2),
     )
     .await?;
     assert_eq!(admits(&limiter, "k", 10).await?, 2);
@@ -351,13 +353,9 @@ async fn waiting_acquires_wake_early_when_a_pause_ends_or_the_rate_is_raised() -
     tokio::time::sleep(Duration::from_millis(700)).await;
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        LimiterKind::TokenBucket,
         "raised",
         None,
-        StoredLimit::TokenBucket {
-            rate: 1000.0,
-            burst: 1,
-        },
+        RatePolicy::token_bucket(1000.0, 1),
     )
     .await?;
     assert!(waiter.await??.allowed);
@@ -595,13 +593,9 @@ async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
         .build(&db.pool)?;
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
-        LimiterKind::SlidingWindow,
         "stored-window",
         None,
-        StoredLimit::Window {
-            permit_limit: 1,
-            window: HOUR,
-        },
+        RatePolicy::sliding_window(1, HOUR),
     )
     .await?;
     assert!(sliding.acquire("k", 1).await?.allowed);

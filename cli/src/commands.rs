@@ -187,7 +187,7 @@ pub(crate) async fn prune(pool: &PgPool, older_than: Duration) -> Result<String,
 }
 
 pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<String, Failure> {
-    use pg_semaphore::admin::{LimiterKind, StoredLimit};
+    use pg_semaphore::{RatePolicy, admin::LimiterKind};
     let what = |kind: LimiterKind, limiter: &str, key: Option<&str>| match key {
         Some(key) => format!("{kind} {limiter} key {key:?}"),
         None => format!("{kind} {limiter}"),
@@ -208,17 +208,19 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
             permit_limit,
             window,
         } => {
-            let limit = match (target.kind, rate, burst, permit_limit, window) {
+            let policy = match (target.kind, rate, burst, permit_limit, window) {
                 (LimiterKind::TokenBucket, Some(rate), Some(burst), None, None) => {
-                    StoredLimit::TokenBucket { rate, burst }
+                    RatePolicy::token_bucket(rate, burst)
                 }
                 (LimiterKind::TokenBucket, ..) => {
                     return Err(Failure::usage("a token bucket takes --rate and --burst"));
                 }
-                (_, None, None, Some(permit_limit), Some(window)) => StoredLimit::Window {
-                    permit_limit,
-                    window,
-                },
+                (LimiterKind::FixedWindow, None, None, Some(permit_limit), Some(window)) => {
+                    RatePolicy::fixed_window(permit_limit, window)
+                }
+                (LimiterKind::SlidingWindow, None, None, Some(permit_limit), Some(window)) => {
+                    RatePolicy::sliding_window(permit_limit, window)
+                }
                 _ => {
                     return Err(Failure::usage(
                         "a fixed or sliding window takes --permit-limit and --window",
@@ -226,12 +228,11 @@ pub(crate) async fn limits(pool: &PgPool, command: LimitsCommand) -> Result<Stri
                 }
             };
             let key = target.key.as_deref();
-            pg_semaphore::admin::set_rate_limit(pool, target.kind, &target.limiter, key, limit)
-                .await?;
+            pg_semaphore::admin::set_rate_limit(pool, &target.limiter, key, policy).await?;
             format!(
                 "{}: stored {}\n",
                 what(target.kind, &target.limiter, key),
-                render::stored_limit(&limit)
+                render::policy(&policy)
             )
         }
         LimitsCommand::Clear { target } => {

@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
+    RatePolicy,
     admin::{
         FamilyInfo, FamilyKeyInfo, HorizonHolder, HorizonHolderKind, RateLimitSetting, RuleKind,
-        SemaphoreInfo, StoredLimit,
+        SemaphoreInfo,
     },
     audit::{ClaimRecord, Holder, Outcome, SemaphoreKind, Summary},
 };
@@ -167,14 +168,19 @@ pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
     json(&list)
 }
 
-/// A stored limit, as the CLI prints it.
-pub(crate) fn stored_limit(limit: &StoredLimit) -> String {
-    match limit {
-        StoredLimit::TokenBucket { rate, burst } => format!("rate {rate}/s, burst {burst}"),
-        StoredLimit::Window {
+/// A rate policy's limits, as the CLI prints them (its kind is printed
+/// beside them).
+pub(crate) fn policy(policy: &RatePolicy) -> String {
+    match *policy {
+        RatePolicy::TokenBucket { rate, burst } => format!("rate {rate}/s, burst {burst}"),
+        RatePolicy::FixedWindow {
             permit_limit,
             window,
-        } => format!("{permit_limit} per {}", human(*window)),
+        }
+        | RatePolicy::SlidingWindow {
+            permit_limit,
+            window,
+        } => format!("{permit_limit} per {}", human(window)),
         _ => "?".to_owned(),
     }
 }
@@ -191,10 +197,7 @@ pub(crate) fn limits_table(settings: &[RateLimitSetting]) -> String {
         "KIND", "LIMITER", "KEY", "LIMIT", "PAUSED"
     );
     for s in settings {
-        let limit = s
-            .limit
-            .as_ref()
-            .map_or_else(|| "-".to_owned(), stored_limit);
+        let limit = s.policy.as_ref().map_or_else(|| "-".to_owned(), policy);
         let paused = match s.paused_until {
             Some(until) if s.is_paused() => format!(
                 "until {} ({} left)",

@@ -1016,6 +1016,7 @@ async fn limits_stores_lists_pauses_and_clears_rate_limits() -> TestResult {
     let json: serde_json::Value = serde_json::from_str(&stdout(&out))?;
     assert_eq!(json[0]["kind"], "token_bucket");
     assert_eq!(json[0]["limit"]["burst"], 2);
+    assert_eq!(json[0]["limit"]["kind"], "token_bucket");
     assert_eq!(json[1]["key"], "tenant-7");
 
     let out = run(

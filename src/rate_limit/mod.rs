@@ -167,7 +167,18 @@ impl Decision {
 /// assert_eq!(api.limit(), 500);
 /// assert_eq!(per_minute.kind(), LimiterKind::FixedWindow);
 /// ```
+///
+/// An operator stores one for a limiter or a key with
+/// [`set_rate_limit`](crate::admin::set_rate_limit), and
+/// [`rate_limit_settings`](crate::admin::rate_limit_settings) lists the
+/// stored ones as policies.
+///
+/// With the `serde` feature it serializes as `{"kind": "token_bucket",
+/// "rate", "burst"}` or `{"kind": "fixed_window" | "sliding_window",
+/// "permit_limit", "window_seconds"}` (`kind` as [`LimiterKind`] names it).
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(tag = "kind", rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum RatePolicy {
     /// A token bucket per key, with the semantics of Stripe's request rate
@@ -205,6 +216,13 @@ pub enum RatePolicy {
         /// The window's length ([`MIN_WINDOW`](crate::limits::MIN_WINDOW) to
         /// [`MAX_WINDOW`](crate::limits::MAX_WINDOW); measured on the database
         /// clock, to the microsecond).
+        #[cfg_attr(
+            feature = "serde",
+            serde(
+                rename = "window_seconds",
+                serialize_with = "crate::serialize::seconds"
+            )
+        )]
         window: Duration,
     },
     /// At most about `permit_limit` permits per key in any window's length
@@ -227,6 +245,13 @@ pub enum RatePolicy {
         /// Permits granted per key per window's length (at least 1).
         permit_limit: u32,
         /// The window's length, as for a fixed window.
+        #[cfg_attr(
+            feature = "serde",
+            serde(
+                rename = "window_seconds",
+                serialize_with = "crate::serialize::seconds"
+            )
+        )]
         window: Duration,
     },
 }
@@ -784,6 +809,23 @@ mod serialize_tests {
                 "limit": 10,
                 "failed_open": false,
             })
+        );
+    }
+
+    #[test]
+    fn a_policy_says_its_kind_and_gives_windows_in_seconds() {
+        assert_eq!(
+            serde_json::to_value(RatePolicy::token_bucket(2.5, 5)).unwrap(),
+            json!({"kind": "token_bucket", "rate": 2.5, "burst": 5})
+        );
+        assert_eq!(
+            serde_json::to_value(RatePolicy::fixed_window(10, Duration::from_millis(1500)))
+                .unwrap(),
+            json!({"kind": "fixed_window", "permit_limit": 10, "window_seconds": 1.5})
+        );
+        assert_eq!(
+            serde_json::to_value(RatePolicy::sliding_window(3, Duration::from_secs(60))).unwrap(),
+            json!({"kind": "sliding_window", "permit_limit": 3, "window_seconds": 60.0})
         );
     }
 }
