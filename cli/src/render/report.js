@@ -1,5 +1,5 @@
 // Draws a pg-semaphore report from the JSON in #report-data (a serialized
-// `pg_semaphore::Report`). Every string from the data reaches the page
+// `pg_semaphore::audit::Report`). Every string from the data reaches the page
 // through textContent or an attribute, never as markup.
 "use strict";
 
