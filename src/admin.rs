@@ -870,34 +870,19 @@ pub async fn set_rate_limit(
 ) -> Result<()> {
     rate_target(limiter, key)?;
     let kind = policy.kind();
-    let (rate, burst, permit_limit, window) = match policy {
-        RatePolicy::TokenBucket { rate, burst } => {
-            if !(rate.is_finite() && rate > 0.0 && rate <= crate::limits::MAX_RATE) {
-                return Err(Error::invalid(
-                    "rate",
-                    format!("{rate}: above 0, at most {}", crate::limits::MAX_RATE),
-                ));
-            }
-            validate::positive("burst", burst.into())?;
-            (Some(rate), Some(f64::from(burst)), None, None)
+    if let RatePolicy::TokenBucket { rate, burst } = policy {
+        if !(rate.is_finite() && rate > 0.0 && rate <= crate::limits::MAX_RATE) {
+            return Err(Error::invalid(
+                "rate",
+                format!("{rate}: above 0, at most {}", crate::limits::MAX_RATE),
+            ));
         }
-        RatePolicy::FixedWindow {
-            permit_limit,
-            window,
-        }
-        | RatePolicy::SlidingWindow {
-            permit_limit,
-            window,
-        } => {
-            validate::positive("permit_limit", permit_limit.into())?;
-            (
-                None,
-                None,
-                Some(i64::from(permit_limit)),
-                Some(validate::window(window)?),
-            )
-        }
-    };
+        validate::positive("burst", burst.into())?;
+    } else {
+        validate::positive("permit_limit", policy.limit().into())?;
+    }
+    // A window's length is checked here (`window`).
+    let (rate, burst, permit_limit, window) = policy.sql_limits()?.columns();
     let db = db(pool);
     let query = db
         .query_as::<(bool,)>(SET_RATE_LIMIT)

@@ -345,7 +345,7 @@ impl RatePolicy {
     ///
     /// [`Error::InvalidArgument`] for a window outside
     /// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`].
-    fn sql_limits(self) -> Result<SqlLimits> {
+    pub(crate) fn sql_limits(self) -> Result<SqlLimits> {
         Ok(match self {
             RatePolicy::TokenBucket { rate, burst } => SqlLimits::Bucket {
                 rate,
@@ -369,11 +369,22 @@ impl RatePolicy {
 /// A [`RatePolicy`]'s limits as its SQL functions take them (`p_rate`,
 /// `p_burst`, or `p_limit`, `p_window`).
 #[derive(Debug)]
-enum SqlLimits {
+pub(crate) enum SqlLimits {
     /// A token bucket's rate (tokens per second) and burst.
     Bucket { rate: f64, burst: f64 },
     /// A window's permit limit and length.
     Window { limit: i64, window: PgInterval },
+}
+
+impl SqlLimits {
+    /// As the functions that take either kind's limits take them: `rate`,
+    /// `burst`, `limit`, `window`, the other kind's two NULL.
+    pub(crate) fn columns(self) -> (Option<f64>, Option<f64>, Option<i64>, Option<PgInterval>) {
+        match self {
+            SqlLimits::Bucket { rate, burst } => (Some(rate), Some(burst), None, None),
+            SqlLimits::Window { limit, window } => (None, None, Some(limit), Some(window)),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::engine::Waiting;
-use super::{Decision, Limiter, RateLimiter, SqlLimits};
+use super::{Decision, Limiter, RateLimiter};
 use crate::db::Statement;
 use crate::error::{Error, Result, WaitedFor};
 use crate::validate::{MAX_LIMITS, MAX_RATE_WAIT};
@@ -362,10 +362,7 @@ impl LimiterSet {
             kinds.push(limiter.policy.kind().as_str());
             names.push(limiter.name.clone());
             keys.push(key.to_owned());
-            let (rate, burst, limit, window) = match limiter.policy.sql_limits()? {
-                SqlLimits::Bucket { rate, burst } => (Some(rate), Some(burst), None, None),
-                SqlLimits::Window { limit, window } => (None, None, Some(limit), Some(window)),
-            };
+            let (rate, burst, limit, window) = limiter.policy.sql_limits()?.columns();
             rates.push(rate);
             bursts.push(burst);
             limits.push(limit);
