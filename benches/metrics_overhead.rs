@@ -89,9 +89,10 @@ fn main() -> Res<()> {
 }
 
 fn run(runtime: &Runtime, pool: &PgPool, cycles: usize) -> Res<()> {
+    let client = pg_semaphore::Client::new(pool.clone());
     let sem = runtime.block_on(async {
         pg_semaphore::migrate(pool).await?;
-        Res::Ok(Semaphore::builder(SEMAPHORE, 1).build(pool).await?)
+        Res::Ok(Semaphore::builder(SEMAPHORE, 1).build(&client).await?)
     })?;
     let mutex = Mutex::new(SEMAPHORE);
     let recorder = PrometheusBuilder::new()
@@ -104,7 +105,7 @@ fn run(runtime: &Runtime, pool: &PgPool, cycles: usize) -> Res<()> {
     for config in [Config::NoRecorder, Config::Prometheus] {
         for workload in workloads {
             in_config(config, &recorder, || {
-                runtime.block_on(cycle(workload, pool, &sem, &mutex, WARM_UP))
+                runtime.block_on(cycle(workload, &client, &sem, &mutex, WARM_UP))
             })?;
         }
     }
@@ -121,7 +122,7 @@ fn run(runtime: &Runtime, pool: &PgPool, cycles: usize) -> Res<()> {
                 }
                 for config in order {
                     took[config as usize] += in_config(config, &recorder, || {
-                        runtime.block_on(cycle(workload, pool, &sem, &mutex, BLOCK))
+                        runtime.block_on(cycle(workload, &client, &sem, &mutex, BLOCK))
                     })?;
                 }
             }
@@ -251,7 +252,7 @@ fn in_config<T>(config: Config, recorder: &PrometheusRecorder, f: impl FnOnce() 
 /// `n` cycles of `workload`, one after the other; how long they took.
 async fn cycle(
     workload: Workload,
-    pool: &PgPool,
+    client: &pg_semaphore::Client,
     sem: &Semaphore,
     mutex: &Mutex,
     n: usize,
@@ -260,7 +261,7 @@ async fn cycle(
     for _ in 0..n {
         match workload {
             Workload::Semaphore => sem.try_acquire().await?.release().await?,
-            Workload::Mutex => mutex.lock(pool).await?.commit().await?,
+            Workload::Mutex => mutex.lock(client).await?.commit().await?,
         }
     }
     Ok(started.elapsed())

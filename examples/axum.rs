@@ -21,9 +21,9 @@ use axum::routing::{get, post};
 use http::{Request, StatusCode};
 use http_body_util::Empty;
 use hyper::body::Bytes;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
-use pg_semaphore::{Semaphore, audit::AuditLog, tower::SemaphoreLayer};
+use pg_semaphore::{Client, Semaphore, audit::AuditLog, tower::SemaphoreLayer};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 
@@ -42,10 +42,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect_with(server.options.clone())
         .await?;
     pg_semaphore::migrate(&pool).await?;
+    let client = Client::new(pool.clone());
 
     let upstream = Semaphore::builder("example-upstream", 2)
         .lease(Duration::from_secs(30)) // longer than any legitimate request
-        .build(&pool)
+        .build(&client)
         .await?;
     let app = Router::new()
         .route("/charge", post(charge))
@@ -73,7 +74,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A burst of 6 concurrent requests: 2 are served, 4 are told to come back.
     let started = chrono::Utc::now();
-    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let client = HyperClient::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     let burst: Vec<_> = (0..6)
         .map(|_| {
             let client = client.clone();

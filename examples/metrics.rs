@@ -31,10 +31,10 @@ use axum::Router;
 use axum::routing::get;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use pg_semaphore::{Error, Mutex, RateLimiter, RatePolicy, Semaphore, admin::Reaper};
+use pg_semaphore::{Client, Error, Mutex, RateLimiter, RatePolicy, Semaphore, admin::Reaper};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 
@@ -82,6 +82,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect_with(server.options.clone())
         .await?;
     pg_semaphore::migrate(&pool).await?;
+    let client = Client::new(pool.clone());
     let reaper = Reaper::spawn(&pool, Duration::from_secs(5))?;
     // A fresh name per run, so reruns against a persistent DATABASE_URL don't mix.
     let name = format!(
@@ -90,7 +91,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let sem = Semaphore::builder(name, CAPACITY)
         .lease(Duration::from_secs(30))
-        .build(&pool)
+        .build(&client)
         .await?;
     let workers: Vec<_> = (1..=WORKERS)
         .map(|id| tokio::spawn(worker(sem.clone(), id)))
@@ -99,16 +100,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         worker.await??;
     }
     let nightly = Mutex::new("nightly-report");
-    let guard = nightly.lock(&pool).await?;
-    let _ = nightly.locking().no_wait().lock(&pool).await; // busy: counted, not an error here
+    let guard = nightly.lock(&client).await?;
+    let _ = nightly.locking().no_wait().lock(&client).await; // busy: counted, not an error here
     guard.commit().await?;
-    let limiter = RateLimiter::builder("api", RatePolicy::token_bucket(5.0, 3)).build(&pool)?;
+    let limiter = RateLimiter::builder("api", RatePolicy::token_bucket(5.0, 3)).build(&client)?;
     for _ in 0..5 {
         let _ = limiter.check("user-42", 1).await?; // the key never becomes a label
     }
 
     // 4. Scrape ourselves, as Prometheus would, and show pg-semaphore's part.
-    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let client = HyperClient::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     let response = client
         .get(format!("http://{address}/metrics").parse()?)
         .await?;
@@ -144,7 +145,7 @@ async fn worker(sem: Semaphore, id: u32) -> Result<(), Error> {
     let claimed = if id.is_multiple_of(3) {
         sem.try_acquire().await
     } else {
-        sem.claim().timeout(PATIENCE).acquire().await
+        sem.acquiring().timeout(PATIENCE).acquire().await
     };
     match claimed {
         Ok(permit) => {

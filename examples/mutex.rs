@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pg_semaphore::{Error, Mutex};
+use pg_semaphore::{Client, Error, Mutex};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
@@ -117,13 +117,13 @@ async fn parent() -> Result<(), BoxError> {
 /// A worker process: connects, takes its turn at the job, disconnects.
 async fn worker(id: u32, job: &str, start_at: u64) -> Result<(), BoxError> {
     let pool = PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
-    let result = take_turn(&pool, id, job, start_at).await;
+    let result = take_turn(&Client::new(pool.clone()), id, job, start_at).await;
     pool.close().await;
     result
 }
 
 /// One worker's attempt at the nightly job.
-async fn take_turn(pool: &PgPool, id: u32, job: &str, start_at: u64) -> Result<(), BoxError> {
+async fn take_turn(client: &Client, id: u32, job: &str, start_at: u64) -> Result<(), BoxError> {
     let say = |what: &str| println!("[worker {id} pid {}] {what}", std::process::id());
     let mutex = Mutex::new(job);
 
@@ -137,7 +137,7 @@ async fn take_turn(pool: &PgPool, id: u32, job: &str, start_at: u64) -> Result<(
             "waiting up to {} s for the lock",
             PATIENCE.as_secs()
         ));
-        match mutex.locking().timeout(PATIENCE).lock(pool).await {
+        match mutex.locking().timeout(PATIENCE).lock(client).await {
             Ok(guard) => guard,
             Err(Error::Timeout { .. }) => {
                 say(&format!(
@@ -149,7 +149,7 @@ async fn take_turn(pool: &PgPool, id: u32, job: &str, start_at: u64) -> Result<(
             Err(other) => return Err(other.into()),
         }
     } else {
-        match mutex.locking().no_wait().lock(pool).await {
+        match mutex.locking().no_wait().lock(client).await {
             Ok(guard) => guard,
             Err(Error::Locked { .. }) => {
                 say("skipped: another process holds the lock");

@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use pg_semaphore::{Error, Semaphore, admin::Reaper};
+use pg_semaphore::{Client, Error, Semaphore, admin::Reaper};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 use tokio::sync::oneshot;
@@ -43,6 +43,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect_with(server.options.clone())
         .await?;
     pg_semaphore::migrate(&pool).await?;
+    // One client per pool: everything is built on it.
+    let client = Client::new(pool.clone());
     let reaper = Reaper::spawn(&pool, Duration::from_secs(5))?;
 
     // A fresh name per run, so reruns against a persistent DATABASE_URL don't mix.
@@ -50,7 +52,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let name = format!("quickstart-upstream-{}", run_start.timestamp_millis());
     let sem = Semaphore::builder(name, CAPACITY)
         .lease(Duration::from_secs(30))
-        .build(&pool)
+        .build(&client)
         .await?;
     println!(
         "semaphore {:?}: {CAPACITY} slots, {WORKERS} workers\n",
@@ -101,6 +103,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     reaper.shutdown().await;
     drop(sem);
+    client.shutdown().await?;
     pool.close().await;
     Ok(())
 }
@@ -115,13 +118,13 @@ async fn worker(sem: Semaphore, id: u32, t0: Instant) -> Result<Served, Error> {
         sem.try_acquire().await
     } else if id.is_multiple_of(2) {
         // Metadata is stored with the claim in the audit log.
-        sem.claim()
+        sem.acquiring()
             .metadata(serde_json::json!({ "worker": id, "route": "/quote" }))
             .timeout(PATIENCE)
             .acquire()
             .await
     } else {
-        sem.claim().timeout(PATIENCE).acquire().await
+        sem.acquiring().timeout(PATIENCE).acquire().await
     };
     let permit = match claimed {
         Ok(permit) => permit,

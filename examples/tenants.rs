@@ -24,14 +24,14 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use pg_semaphore::{Error, SemaphoreFamily, admin::RuleKind};
+use pg_semaphore::{Client, Error, SemaphoreFamily, admin::RuleKind};
 use sqlx::postgres::PgPoolOptions;
 use testkit::server;
 
-type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+type HttpClient = HyperClient<HttpConnector, Empty<Bytes>>;
 
 #[derive(Clone)]
 struct Proxy {
@@ -94,11 +94,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect_with(server.options.clone())
         .await?;
     pg_semaphore::migrate(&pool).await?;
+    let semaphores = Client::new(pool.clone());
 
     // The application: every tenant 2 unless a rule says otherwise.
     let tenants = SemaphoreFamily::builder("example-tenants", 2)
         .lease(Duration::from_secs(30))
-        .build(&pool)
+        .build(&semaphores)
         .await?;
     // The operator (here the same program; in production `pg-semaphore rule
     // set example-tenants --tier premium 4` and friends, as the operator role).
@@ -125,7 +126,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }),
     ))
     .await?;
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let client: HttpClient = HyperClient::builder(TokioExecutor::new()).build_http();
     let front = serve(Router::new().route("/", get(proxy)).with_state(Proxy {
         tenants,
         client: client.clone(),

@@ -561,7 +561,7 @@ pub async fn clear_queue(pool: &PgPool, name: &str) -> Result<u64> {
 /// previous weight. Every key has weight 1 until an operator sets one, and
 /// a weight of 1 removes the setting. Waiters queued after the change are
 /// placed by the new weight; those already queued keep their place. The
-/// rule is [`Claim::fairness_key`](crate::Claim::fairness_key)'s: with
+/// rule is [`Acquiring::fairness_key`](crate::Acquiring::fairness_key)'s: with
 /// weight `w`, a key has at most `w` waiters in each turn, so with keys A
 /// (weight 3) and B (weight 1) both busy, grants go A, A, A, B, A, A, A,
 /// B, ...

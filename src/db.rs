@@ -27,6 +27,9 @@ use crate::error::{Result, ours};
 pub(crate) struct Db {
     pool: PgPool,
     pooled: bool,
+    /// Whether the client's wake-ups can `LISTEN`: not through a
+    /// transaction pooler, unless the client was given direct options.
+    listens: bool,
 }
 
 /// A statement of the crate with its arguments bound (owned values: the
@@ -41,7 +44,21 @@ impl Db {
         Db {
             pool: pool.clone(),
             pooled,
+            listens: !pooled,
         }
+    }
+
+    /// As [`new`](Db::new), for a client that listens on a direct
+    /// connection of its own even if the pool is behind a pooler.
+    pub(crate) fn listening(mut self, direct: bool) -> Db {
+        self.listens |= direct;
+        self
+    }
+
+    /// Whether the client's wake-ups can `LISTEN` (and processes register
+    /// for notifications).
+    pub(crate) fn listens(&self) -> bool {
+        self.listens
     }
 
     pub(crate) fn pool(&self) -> &PgPool {

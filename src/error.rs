@@ -66,7 +66,7 @@ pub enum Error {
     },
 
     /// A wait gave up after its timeout: a semaphore's acquire with
-    /// [`Claim::timeout`](crate::Claim::timeout), or a mutex's lock with
+    /// [`Acquiring::timeout`](crate::Acquiring::timeout), or a mutex's lock with
     /// [`Locking::timeout`](crate::Locking::timeout) (PostgreSQL's
     /// `lock_timeout`, SQLSTATE 55P03). Nothing is left held or queued. A
     /// token bucket's `acquire_timeout` returns it at once, without
@@ -122,7 +122,7 @@ pub enum Error {
     /// The semaphore has no row in the database (it was deleted after this
     /// handle was built).
     #[error(
-        "semaphore {semaphore:?} does not exist: build it with `Semaphore::builder(..).build(&pool)`"
+        "semaphore {semaphore:?} does not exist: build it with `Semaphore::builder(..).build(&client)`"
     )]
     SemaphoreNotFound {
         /// The semaphore's name.
@@ -132,7 +132,7 @@ pub enum Error {
     /// No semaphore family has this name (an operator function named one
     /// that was never created).
     #[error(
-        "semaphore family {family:?} does not exist: build it with `SemaphoreFamily::builder(..).build(&pool)`"
+        "semaphore family {family:?} does not exist: build it with `SemaphoreFamily::builder(..).build(&client)`"
     )]
     FamilyNotFound {
         /// The family's name.
@@ -391,7 +391,7 @@ fn outdated(found: i32, required: i32, history: MigrationHistory, pending: &[Str
 #[non_exhaustive]
 pub enum WaitedFor {
     /// A permit of this semaphore (an acquire with
-    /// [`Claim::timeout`](crate::Claim::timeout)).
+    /// [`Acquiring::timeout`](crate::Acquiring::timeout)).
     Permit {
         /// The semaphore's name.
         semaphore: String,
@@ -484,7 +484,7 @@ impl Error {
     /// ```no_run
     /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
     /// use std::time::Duration;
-    /// match sem.claim().timeout(Duration::from_secs(2)).acquire().await {
+    /// match sem.acquiring().timeout(Duration::from_secs(2)).acquire().await {
     ///     Ok(permit) => permit.release().await?,
     ///     Err(e) if e.is_busy() => println!("busy: try again later"),
     ///     Err(e) => return Err(e),

@@ -5,7 +5,7 @@
 //! Only an unreachable database fails open ([`admits`]); an error the
 //! database answered with (missing migrations, an unknown semaphore, bad
 //! input) never does, nor does a pool that is only busy. The callers are
-//! [`Claim::try_acquire_many`](crate::Claim::try_acquire_many) (an
+//! [`Acquiring::try_acquire_many`](crate::Acquiring::try_acquire_many) (an
 //! unchecked permit), `SemaphoreLayer` (a request served without a permit)
 //! and the rate limiters' `check` (a decision that counted nothing).
 

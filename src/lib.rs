@@ -4,6 +4,14 @@
 //! agree that **at most N of them** talk to a fragile upstream at once, with no
 //! other infrastructure.
 //!
+//! # The client
+//!
+//! Everything starts from a [`Client`], one per pool: semaphores, families,
+//! rate limiters are built on it and mutexes lock through it. It owns the
+//! background work they share (the wake-ups' `LISTEN` connections, the
+//! advisory semaphores' sessions, the advisory audit writer), starts each on
+//! first use, and [`Client::shutdown`] ends them.
+//!
 //! # The semaphore
 //!
 //! A [`Semaphore`] has a name and a capacity, stored in
@@ -25,9 +33,9 @@
 //!
 //! - [`Semaphore::try_acquire`] fails fast with [`Error::NoSlotsAvailable`]:
 //!   answer 429/503 at once.
-//! - [`Semaphore::acquire`] waits (bounded by [`Claim::timeout`]). Waiting
+//! - [`Semaphore::acquire`] waits (bounded by [`Acquiring::timeout`]). Waiting
 //!   tasks hold no pooled connection: they sleep until a release anywhere
-//!   sends a `NOTIFY` (received by one shared `LISTEN` connection per pool),
+//!   sends a `NOTIFY` (received by one shared `LISTEN` connection per [`Client`]),
 //!   until the lease that blocks them ends, or until a slow fallback
 //!   re-check in case a notification is lost. Within a process they are
 //!   served in order.
@@ -53,7 +61,7 @@
 //! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])
 //!   across every process, with an optional
 //!   [`queue_limit`](SemaphoreBuilder::queue_limit) ([`Error::QueueFull`]);
-//!   waiters of different [fairness keys](Claim::fairness_key) take turns.
+//!   waiters of different [fairness keys](Acquiring::fairness_key) take turns.
 //! - [`Semaphore::wait_idle`] waits until nobody holds a permit (a
 //!   distributed WaitGroup).
 //!
@@ -116,7 +124,7 @@
 //! commit with the release; a session lock for leaders and long jobs; a
 //! semaphore of capacity 1 when the hold must not pin a connection, needs an
 //! audit trail, or runs behind PgBouncer (see
-//! [`SemaphoreBuilder::transaction_pooling`]).
+//! [`Client::transaction_pooling`]).
 //!
 //! # Rate limiters
 //!
@@ -165,7 +173,7 @@
 //! On a crash: a mutex is freed at once (the server ends the dead
 //! transaction or session); a semaphore slot is freed when its lease expires
 //! (or an operator runs [`force_release`](crate::admin::force_release)). On a timeout
-//! ([`Claim::timeout`], [`Locking::timeout`]): both return
+//! ([`Acquiring::timeout`], [`Locking::timeout`]): both return
 //! [`Error::Timeout`], and nothing is left held or queued.
 //!
 //! # Operating
@@ -237,10 +245,10 @@
 //!
 //! # Where the names are
 //!
-//! The root holds what an application reaches for: the primitives
-//! ([`Semaphore`], [`SemaphoreFamily`], [`AdvisorySemaphore`], [`Mutex`],
+//! The root holds what an application reaches for: the [`Client`] they
+//! are built on, the primitives ([`Semaphore`], [`SemaphoreFamily`], [`AdvisorySemaphore`], [`Mutex`],
 //! [`RateLimiter`] with its [`RatePolicy`], [`LimiterSet`]), their builders
-//! and options ([`Claim`], [`Locking`]), what they hand out ([`Permit`],
+//! and options ([`Acquiring`], [`Locking`]), what they hand out ([`Permit`],
 //! [`AdvisoryPermit`], [`MutexGuard`], [`SessionGuard`], [`Decision`]),
 //! [`Error`] and [`migrate`]. The rest is in modules:
 //!
@@ -261,7 +269,7 @@
 //!
 //! | module | holds |
 //! |---|---|
-//! | `semaphore` | the lease semaphore's face ([`Semaphore`], [`SemaphoreBuilder`], [`Claim`]) |
+//! | `semaphore` | the lease semaphore's face ([`Semaphore`], [`SemaphoreBuilder`], [`Acquiring`]) |
 //! | `semaphore::engine` | every admission statement (claim, release, renew, fence), one SQL function each |
 //! | `semaphore::wait`, `semaphore::wake` | waiting for permits; the per-pool `LISTEN` connection, registrations and fallback re-checks |
 //! | `semaphore::permit`, `semaphore::lease` | [`Permit`], its release and fence; its heartbeat and what "lost" means |
@@ -276,7 +284,7 @@
 //! | `db` | how statements reach PostgreSQL: the pool, unnamed statements behind PgBouncer, batches |
 //! | `detached` | cancel safety: a round trip that finishes, or is undone, when its caller goes away |
 //! | `validate`, `error` | limits and the checks made before sending; [`Error`] and the reading of the database's errors |
-//! | `fail_open`, `dead_man`, `token`, `per_pool` | the fail-open decision; a dedicated session's heartbeat and dead-man switch; the holder's secret token; what a process keeps once per pool |
+//! | `client`, `background`, `fail_open`, `dead_man`, `token` | the [`Client`] and the background work it owns; the fail-open decision; a dedicated session's heartbeat and dead-man switch; the holder's secret token |
 //! | `migrations/*.sql` | the schema, one file per concept, each function defined once: its contract opens its body (`docs/sql-api.md` lists the application's, with the file of each, as a versioned interface for clients in any language) |
 //!
 //! # Glossary
@@ -284,13 +292,13 @@
 //! - **permit**: what a caller holds after acquiring: a [`Permit`] (one or
 //!   more claims of a lease semaphore, ended together) or an
 //!   [`AdvisoryPermit`] (one or more advisory-lock slots).
-//! - **claim**: the word names five things, told apart here: *a claim* is
-//!   one row of `pgsemaphore.slots`, one slot held by one holder with a
-//!   lease, whose id is the *claim id* ([`Permit::id`]); *to claim* is one
-//!   call of `pgsemaphore.claim`, which inserts one claim per slot of a
-//!   permit; [`Claim`] is the Rust builder of one acquire's options; an
-//!   *advisory claim* is one call of `pgsemaphore.advisory_claim`, which
-//!   takes advisory locks and writes no row.
+//! - **claim**: one slot taken by one holder. In a lease semaphore it is
+//!   one row of `pgsemaphore.slots`, with a lease, whose id is the *claim
+//!   id* ([`Permit::id`]); the SQL functions that take claims are named for
+//!   them (`pgsemaphore.claim`, `claim_all`, and `advisory_claim`, whose
+//!   claims are advisory locks and write no row). The caller's side is
+//!   *acquiring*: [`Semaphore::acquire`] and the [`Acquiring`] options
+//!   make one call that takes a permit's claims.
 //! - **multi-limit permit**: a [`Permit`] of several semaphores claimed
 //!   together by one call of `pgsemaphore.claim_all`
 //!   ([`Semaphore::acquire_all`]); its claims form a **group**, whose id
@@ -316,7 +324,7 @@
 //! - **ticket**: a waiter's id, which its later claims present to prove
 //!   their place in the queue.
 //! - **fairness key**: the key (a tenant, say) by which queued waiters take
-//!   turns ([`Claim::fairness_key`]); its **turn** is its place in that
+//!   turns ([`Acquiring::fairness_key`]); its **turn** is its place in that
 //!   rotation.
 //! - **registration**: a row of `pgsemaphore.wakeups` saying that a process
 //!   waits on a semaphore, so that releases send a `NOTIFY`.
@@ -353,12 +361,13 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
 //! pg_semaphore::migrate(&pool).await?;
+//! let client = pg_semaphore::Client::new(pool);
 //!
 //! let sem = Semaphore::builder("payments-api", 4)
 //!     .lease(Duration::from_secs(90))
-//!     .build(&pool)
+//!     .build(&client)
 //!     .await?;
-//! let permit = sem.claim().timeout(Duration::from_secs(5)).acquire().await?;
+//! let permit = sem.acquiring().timeout(Duration::from_secs(5)).acquire().await?;
 //! println!("holding slot {} (claim #{})", permit.slot(), permit.id());
 //! // ... call the upstream ...
 //! permit.release().await?;
@@ -370,6 +379,8 @@
 
 pub mod admin;
 pub mod audit;
+mod background;
+mod client;
 mod db;
 mod dead_man;
 mod detached;
@@ -380,7 +391,6 @@ mod horizon;
 mod metrics;
 mod migrate;
 mod mutex;
-mod per_pool;
 mod rate_limit;
 mod reaper;
 #[cfg(feature = "refinery")]
@@ -395,12 +405,13 @@ mod validate;
 
 #[cfg(feature = "metrics")]
 pub use self::metrics::describe_metrics;
+pub use client::Client;
 pub use error::{Error, LostReason, Result, WaitedFor};
 pub use migrate::migrate;
 pub use mutex::{Locking, Mutex, MutexGuard, SessionGuard};
 pub use rate_limit::{Decision, LimiterSet, RateLimiter, RateLimiterBuilder, RatePolicy};
 pub use semaphore::{
-    AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Claim, Permit, Priority,
+    Acquiring, AdvisoryPermit, AdvisorySemaphore, AdvisorySemaphoreBuilder, Permit, Priority,
     QueueOrder, Semaphore, SemaphoreBuilder, SemaphoreFamily, SemaphoreFamilyBuilder,
 };
 /// The advisory lock key type, re-exported from sqlx for [`Mutex::with_key`].

@@ -49,7 +49,8 @@ use crate::semaphore::{Permit, Semaphore};
 /// use pg_semaphore::{Semaphore, tower::SemaphoreLayer};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let upstream = Semaphore::builder("payments-api", 4).build(&pool).await?;
+/// # let client = pg_semaphore::Client::new(pool.clone());
+/// let upstream = Semaphore::builder("payments-api", 4).build(&client).await?;
 /// let app: Router = Router::new()
 ///     .route("/charge", post(|| async { "charged" }))
 ///     .layer(
@@ -257,7 +258,7 @@ async fn acquire(
     wait: Option<Duration>,
     metadata: Option<serde_json::Value>,
 ) -> Result<Permit, Error> {
-    let mut claim = semaphore.claim();
+    let mut claim = semaphore.acquiring();
     if let Some(metadata) = metadata {
         claim = claim.metadata(metadata);
     }

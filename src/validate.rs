@@ -21,7 +21,7 @@ pub const MAX_NAME_LEN: usize = 200;
 /// The longest holder label, in characters.
 pub const MAX_HOLDER_LEN: usize = 1000;
 
-/// The longest fairness key ([`Claim::fairness_key`](crate::Claim::fairness_key)), in characters.
+/// The longest fairness key ([`Acquiring::fairness_key`](crate::Acquiring::fairness_key)), in characters.
 pub const MAX_FAIRNESS_KEY_LEN: usize = 200;
 
 /// The most semaphores one [`Semaphore::acquire_all`](crate::Semaphore::acquire_all)

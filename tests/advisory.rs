@@ -25,7 +25,7 @@ async fn advisory(
     AdvisorySemaphore::builder(name, capacity)
         .heartbeat(Duration::from_millis(250))
         .fallback_interval(Duration::from_secs(60))
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await
 }
 
@@ -85,7 +85,7 @@ async fn the_hard_limit_holds_across_processes() -> TestResult {
         let pool = support::another_pool(&db, 3).await;
         let sem = AdvisorySemaphore::builder("limited", capacity)
             .connections(3)
-            .build(&pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .await?;
         for _ in 0..4 {
             let (sem, holding, most) = (sem.clone(), holding.clone(), most.clone());
@@ -268,8 +268,13 @@ async fn a_killed_session_frees_its_slots_and_its_holder_is_told() -> TestResult
 async fn a_name_belongs_to_one_kind_of_semaphore() -> TestResult {
     let db = support::migrated_db().await;
     advisory(&db.pool, "advisory-name", 1).await?;
-    Semaphore::builder("lease-name", 1).build(&db.pool).await?;
-    match Semaphore::builder("advisory-name", 1).build(&db.pool).await {
+    Semaphore::builder("lease-name", 1)
+        .build(&db.client)
+        .await?;
+    match Semaphore::builder("advisory-name", 1)
+        .build(&db.client)
+        .await
+    {
         Err(Error::InvalidArgument {
             argument: "name",
             reason,
@@ -310,7 +315,7 @@ async fn advisory_semaphores_lists_the_sessions_that_hold_each_slot() -> TestRes
         .await?;
     let listed = advisory(&db.pool, "listed", 4).await?;
     advisory(&db.pool, "idle", 1).await?;
-    Semaphore::builder("leased", 1).build(&db.pool).await?;
+    Semaphore::builder("leased", 1).build(&db.client).await?;
     let kinds: Vec<(String, SemaphoreKind)> = pg_semaphore::admin::semaphores(&db.pool)
         .await?
         .into_iter()
@@ -454,7 +459,7 @@ async fn claims_and_releases_write_nothing() -> TestResult {
         let pool = support::another_pool(&db, 2).await;
         let sem = AdvisorySemaphore::builder("silent", 4)
             .audit(false)
-            .build(&pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .await?;
         sem.try_acquire().await?.release().await?;
         pool.close().await;
@@ -474,7 +479,7 @@ async fn claims_and_releases_write_nothing() -> TestResult {
         let pool = support::another_pool(&db, 2).await;
         let sem = AdvisorySemaphore::builder("silent", 4)
             .audit(false)
-            .build(&pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .await?;
         for _ in 0..200 {
             let permit = sem.try_acquire().await?;
@@ -504,7 +509,7 @@ async fn finished_permits_reach_the_audit_log() -> TestResult {
     let db = support::migrated_db().await;
     let sem = AdvisorySemaphore::builder("audited", 2)
         .holder("audit-test")
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
@@ -567,7 +572,7 @@ async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
     let holder = AdvisorySemaphore::builder("partitioned", 1)
         .heartbeat(heartbeat)
         .audit(false)
-        .build(&cut_pool)
+        .build(&pg_semaphore::Client::new(cut_pool.clone()))
         .await?;
     let sem = advisory(&db.pool, "partitioned", 1).await?;
     let permit = holder.try_acquire().await?;
@@ -622,7 +627,7 @@ async fn a_statement_lost_on_the_way_is_given_up_before_the_slots_are_freed() ->
         .heartbeat(heartbeat)
         .connections(1)
         .audit(false)
-        .build(&cut_pool)
+        .build(&pg_semaphore::Client::new(cut_pool.clone()))
         .await?;
     let sem = advisory(&db.pool, "lost-on-the-way", 2).await?;
     let first = holder.try_acquire().await?;
@@ -667,7 +672,7 @@ async fn every_holder_is_told_when_the_sessions_die() -> TestResult {
     let sem = AdvisorySemaphore::builder("restarted", 4)
         .connections(2)
         .audit(false)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let permits = vec![
         sem.try_acquire().await?,
@@ -705,8 +710,7 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
         .await?;
     assert!(matches!(
         AdvisorySemaphore::builder("bounced", 1)
-            .transaction_pooling(true)
-            .build(&bounced)
+            .build(&pg_semaphore::Client::new(bounced.clone()).transaction_pooling(true))
             .await,
         Err(Error::InvalidArgument {
             argument: "connect_options",
@@ -714,11 +718,13 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
         })
     ));
     let sem = AdvisorySemaphore::builder("bounced", 1)
-        .transaction_pooling(true)
-        .connect_options(db.options.clone())
         .fallback_interval(Duration::from_secs(60))
         .holder("bounced-app")
-        .build(&bounced)
+        .build(
+            &pg_semaphore::Client::new(bounced.clone())
+                .transaction_pooling(true)
+                .connect_options(db.options.clone()),
+        )
         .await?;
     let held = sem.try_acquire().await?;
     assert_eq!(sem.available_permits().await?, 0);
@@ -754,10 +760,10 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
 async fn a_record_the_audit_log_refuses_never_holds_up_the_others() -> TestResult {
     let db = support::migrated_db().await;
     let kept = AdvisorySemaphore::builder("log-kept", 2)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let removed = AdvisorySemaphore::builder("log-removed", 1)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let first = kept.try_acquire().await?;
     let doomed = removed.try_acquire().await?;

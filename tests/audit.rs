@@ -18,12 +18,12 @@ async fn history_reports_every_claim_with_its_outcome() -> TestResult {
     let sem = Semaphore::builder("history", 3)
         .lease(Duration::from_millis(200))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let start = Utc::now() - chrono::Duration::seconds(1);
 
     let completed = sem
-        .claim()
+        .acquiring()
         .metadata(serde_json::json!({ "route": "/charge" }))
         .lease(Duration::from_secs(60))
         .try_acquire()
@@ -39,7 +39,7 @@ async fn history_reports_every_claim_with_its_outcome() -> TestResult {
     assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 1);
 
     let live = sem
-        .claim()
+        .acquiring()
         .lease(Duration::from_secs(60))
         .try_acquire()
         .await?;
@@ -119,7 +119,9 @@ async fn finished_claim(
 #[tokio::test]
 async fn summary_counts_outcomes_and_hold_time_percentiles() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("summarised", 4).build(&db.pool).await?;
+    let sem = Semaphore::builder("summarised", 4)
+        .build(&db.client)
+        .await?;
     let t0 = Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap();
     // Held 1 s, 2 s, ..., 20 s; the 19 s and 20 s ones were reaped.
     for seconds in 1..=20 {
@@ -185,10 +187,10 @@ async fn holders_lists_live_claims_only() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("holders", 3)
         .holder("web-1")
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let a = sem.try_acquire().await?;
-    let b = sem.claim().holder("web-2").try_acquire().await?;
+    let b = sem.acquiring().holder("web-2").try_acquire().await?;
     let log = AuditLog::new(&db.pool);
     let holders = log.holders("holders").await?;
     assert_eq!(
@@ -244,7 +246,9 @@ async fn a_window_that_ends_before_it_starts_is_rejected() -> TestResult {
 #[tokio::test]
 async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("summarised", 4).build(&db.pool).await?;
+    let sem = Semaphore::builder("summarised", 4)
+        .build(&db.client)
+        .await?;
     let now = Utc::now();
     // 12,000 claims that ended two hours ago (more than one prune batch) ...
     sqlx::query(
@@ -314,7 +318,7 @@ async fn prune_deletes_only_finished_claims_past_the_cutoff() -> TestResult {
 #[tokio::test]
 async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("retained", 2).build(&db.pool).await?;
+    let sem = Semaphore::builder("retained", 2).build(&db.client).await?;
     for _ in 0..20 {
         sem.try_acquire().await?.release().await?;
     }
@@ -355,7 +359,7 @@ async fn a_reaper_with_retention_keeps_the_log_bounded() -> TestResult {
 #[tokio::test]
 async fn pruning_nothing_does_not_walk_the_audit_log() -> TestResult {
     let db = support::migrated_db().await;
-    Semaphore::builder("busy-log", 4).build(&db.pool).await?;
+    Semaphore::builder("busy-log", 4).build(&db.client).await?;
     sqlx::query(
         "INSERT INTO pgsemaphore.slots (semaphore, slot, holder, created_at, expires_at, completed_at)
          SELECT 'busy-log', 0, 'recent', t, t + interval '1 minute', t + interval '1 second'
@@ -450,13 +454,13 @@ async fn an_advisory_semaphore_s_finished_permits_are_its_history_and_its_report
     let db = support::migrated_db().await;
     let sem = AdvisorySemaphore::builder("exports", 3)
         .holder("batch-1")
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
     log_lost_permit(&db, "exports", 2, "10 minutes").await?;
     AdvisorySemaphore::builder("another", 1)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     log_lost_permit(&db, "another", 0, "10 minutes").await?; // another semaphore's
     log_lost_permit(&db, "exports", 1, "3 hours").await?; // before the window

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use pg_semaphore::{
-    Claim, Decision, Error, LimiterSet, LostReason, Mutex, MutexGuard, Permit, RateLimiter,
+    Acquiring, Decision, Error, LimiterSet, LostReason, Mutex, MutexGuard, Permit, RateLimiter,
     RateLimiterBuilder, RatePolicy, Semaphore, SemaphoreBuilder, SemaphoreFamily,
     SemaphoreFamilyBuilder, SessionGuard, WaitedFor,
     admin::{LimiterKind, RateLimitSetting, Reaper},
@@ -26,7 +26,7 @@ fn handles_and_guards_are_send_and_sync() {
     all::<SemaphoreFamily>();
     all::<SemaphoreFamilyBuilder>();
     all::<Permit>();
-    all::<Claim<'static>>();
+    all::<Acquiring<'static>>();
     all::<Mutex>();
     all::<MutexGuard>();
     all::<SessionGuard>();
@@ -58,13 +58,13 @@ fn futures_are_send(
     mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
 ) {
     let second = Duration::from_secs(1);
-    send(&Semaphore::builder("s", 1).build(&pool));
+    send(&Semaphore::builder("s", 1).build(&pg_semaphore::Client::new(pool.clone())));
     send(&sem.try_acquire());
     send(&sem.acquire());
-    send(&sem.claim().timeout(second).acquire());
+    send(&sem.acquiring().timeout(second).acquire());
     send(&sem.try_acquire_many(2));
-    send(&sem.claim().timeout(second).acquire_many(2));
-    send(&sem.claim().metadata(serde_json::json!({})).acquire());
+    send(&sem.acquiring().timeout(second).acquire_many(2));
+    send(&sem.acquiring().metadata(serde_json::json!({})).acquire());
     send(&Semaphore::try_acquire_all(&[(&sem, 1)]));
     send(&Semaphore::acquire_all(&[(&sem, 1)]));
     send(&sem.wait_idle());
@@ -72,18 +72,42 @@ fn futures_are_send(
     send(&sem.queue_len());
     send(&permit.lost());
     send(&permit.fence(&mut tx));
-    send(&mutex.lock(&pool));
-    send(&mutex.locking().timeout(second).lock(&pool));
-    send(&mutex.locking().no_wait().lock(&pool));
-    send(&mutex.locking().lock_session(&pool));
-    send(&mutex.locking().shared().no_wait().lock_session(&pool));
+    send(&mutex.lock(&pg_semaphore::Client::new(pool.clone())));
+    send(
+        &mutex
+            .locking()
+            .timeout(second)
+            .lock(&pg_semaphore::Client::new(pool.clone())),
+    );
+    send(
+        &mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone())),
+    );
+    send(
+        &mutex
+            .locking()
+            .lock_session(&pg_semaphore::Client::new(pool.clone())),
+    );
+    send(
+        &mutex
+            .locking()
+            .shared()
+            .no_wait()
+            .lock_session(&pg_semaphore::Client::new(pool.clone())),
+    );
     send(&mutex.locking().no_wait().lock_in(&mut tx));
-    send(&mutex.locking().with_lock(&pool, |conn| {
-        Box::pin(async move {
-            sqlx::query("SELECT 1").execute(conn).await?;
-            Ok::<_, pg_semaphore::Error>(())
-        })
-    }));
+    send(
+        &mutex
+            .locking()
+            .with_lock(&pg_semaphore::Client::new(pool.clone()), |conn| {
+                Box::pin(async move {
+                    sqlx::query("SELECT 1").execute(conn).await?;
+                    Ok::<_, pg_semaphore::Error>(())
+                })
+            }),
+    );
     spawnable(&session.lost());
     unpin(&Box::pin(session.lost()));
     send(&session.unlock());
@@ -118,7 +142,7 @@ fn futures_are_send(
 /// A family's futures can be spawned too.
 #[allow(dead_code)]
 fn family_futures_are_send(family: SemaphoreFamily, pool: PgPool) {
-    send(&SemaphoreFamily::builder("f", 1).build(&pool));
+    send(&SemaphoreFamily::builder("f", 1).build(&pg_semaphore::Client::new(pool.clone())));
     send(&family.key("k"));
     send(&family.try_acquire("k"));
     send(&family.acquire("k"));

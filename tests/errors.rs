@@ -105,7 +105,7 @@ async fn bad_builder_input_is_rejected_before_anything_is_written() -> TestResul
         ),
     ];
     for (case, builder, expected) in cases {
-        match builder.build(&db.pool).await {
+        match builder.build(&db.client).await {
             Err(err @ Error::InvalidArgument { argument, .. }) => {
                 assert_eq!(argument, expected, "{case}");
                 assert!(
@@ -124,23 +124,23 @@ async fn bad_builder_input_is_rejected_before_anything_is_written() -> TestResul
 #[tokio::test]
 async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("claims", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("claims", 1).build(&db.client).await?;
     assert!(matches!(
-        sem.claim().lease(Duration::ZERO).try_acquire().await,
+        sem.acquiring().lease(Duration::ZERO).try_acquire().await,
         Err(Error::InvalidArgument {
             argument: "lease",
             ..
         })
     ));
     assert!(matches!(
-        sem.claim().lease(Duration::MAX).acquire().await,
+        sem.acquiring().lease(Duration::MAX).acquire().await,
         Err(Error::InvalidArgument {
             argument: "lease",
             ..
         })
     ));
     assert!(matches!(
-        sem.claim()
+        sem.acquiring()
             .holder("")
             .timeout(Duration::from_secs(1))
             .acquire()
@@ -154,11 +154,11 @@ async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult 
     let beating = Semaphore::builder("claims", 1)
         .lease(Duration::from_secs(10))
         .heartbeat(Duration::from_secs(4))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     assert!(matches!(
         beating
-            .claim()
+            .acquiring()
             .lease(Duration::from_secs(5))
             .try_acquire()
             .await,
@@ -177,7 +177,7 @@ async fn bad_claim_input_is_rejected_before_anything_is_written() -> TestResult 
     assert_eq!(rows(&db.pool).await, (1, 0));
 
     // Enormous wait timeouts are just long waits, never a panic.
-    let permit = sem.claim().timeout(Duration::MAX).acquire().await?;
+    let permit = sem.acquiring().timeout(Duration::MAX).acquire().await?;
     permit.release().await?;
     Ok(())
 }
@@ -197,10 +197,10 @@ async fn hostile_names_are_data_not_sql() -> TestResult {
     for name in names {
         let sem = Semaphore::builder(name, 2)
             .holder(format!("holder {name}"))
-            .build(&db.pool)
+            .build(&db.client)
             .await?;
         let permit = sem
-            .claim()
+            .acquiring()
             .metadata(serde_json::json!({ "name": name }))
             .try_acquire()
             .await?;
@@ -223,7 +223,7 @@ async fn hostile_names_are_data_not_sql() -> TestResult {
 #[tokio::test]
 async fn a_deleted_semaphore_is_reported_as_not_found() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("ephemeral", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("ephemeral", 1).build(&db.client).await?;
     sqlx::query("DELETE FROM pgsemaphore.semaphores WHERE name = 'ephemeral'")
         .execute(&db.pool)
         .await?;
@@ -243,7 +243,7 @@ async fn a_deleted_semaphore_is_reported_as_not_found() -> TestResult {
 #[tokio::test]
 async fn releasing_a_permit_released_by_someone_else_reports_it() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("forced", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("forced", 1).build(&db.client).await?;
     let permit = sem.try_acquire().await?;
     // An operator force-releases the claim.
     sqlx::query("SELECT pgsemaphore.force_release(p_id => $1)")
@@ -282,7 +282,7 @@ async fn a_server_that_is_down_gives_a_database_error() -> TestResult {
             "postgres://postgres:s3cret@127.0.0.1:{port}/postgres"
         ))?;
     let err = Semaphore::builder("down", 1)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await
         .expect_err("the server is down");
     assert!(matches!(err, Error::Database(_)), "{err:?}");
@@ -300,7 +300,7 @@ async fn a_server_that_is_down_gives_a_database_error() -> TestResult {
 #[tokio::test]
 async fn a_non_read_committed_session_is_refused_rather_than_over_admitting() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("isolation", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("isolation", 1).build(&db.client).await?;
     let repeatable = PgPoolOptions::new()
         .max_connections(2)
         .after_connect(|conn, _| {
@@ -314,7 +314,7 @@ async fn a_non_read_committed_session_is_refused_rather_than_over_admitting() ->
         .connect_with(db.options.clone())
         .await?;
     let strict = Semaphore::builder("isolation", 1)
-        .build(&repeatable)
+        .build(&pg_semaphore::Client::new(repeatable.clone()))
         .await?;
     let err = strict.try_acquire().await.expect_err("must refuse");
     assert!(matches!(err, Error::Database(_)), "{err:?}");
@@ -352,11 +352,14 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
     ];
     for name in names {
         let mutex = pg_semaphore::Mutex::new(name);
-        let held = mutex.lock(&db.pool).await?;
+        let held = mutex.lock(&db.client).await?;
         // Zero means "do not wait", never PostgreSQL's "wait forever".
         match tokio::time::timeout(
             Duration::from_secs(30),
-            mutex.locking().timeout(Duration::ZERO).lock(&other),
+            mutex
+                .locking()
+                .timeout(Duration::ZERO)
+                .lock(&pg_semaphore::Client::new(other.clone())),
         )
         .await
         {
@@ -365,7 +368,11 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
         }
         assert!(
             matches!(
-                mutex.locking().no_wait().lock(&other).await,
+                mutex
+                    .locking()
+                    .no_wait()
+                    .lock(&pg_semaphore::Client::new(other.clone()))
+                    .await,
                 Err(Error::Locked { .. })
             ),
             "{name:?}"
@@ -375,7 +382,7 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
         mutex
             .locking()
             .timeout(Duration::MAX)
-            .lock(&other)
+            .lock(&pg_semaphore::Client::new(other.clone()))
             .await?
             .commit()
             .await?;
@@ -393,7 +400,7 @@ async fn mutex_names_and_waits_at_the_edges_never_panic() -> TestResult {
 #[tokio::test]
 async fn metadata_with_nul_is_an_invalid_argument_and_writes_nothing() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("metadata", 2).build(&db.pool).await?;
+    let sem = Semaphore::builder("metadata", 2).build(&db.client).await?;
     let bad = [
         serde_json::json!({ "request_id": "r-\u{0}42" }),
         serde_json::json!({ "k\u{0}ey": 1 }),
@@ -402,9 +409,12 @@ async fn metadata_with_nul_is_an_invalid_argument_and_writes_nothing() -> TestRe
     ];
     for metadata in bad {
         let results = [
-            sem.claim().metadata(metadata.clone()).try_acquire().await,
-            sem.claim().metadata(metadata.clone()).acquire().await,
-            sem.claim()
+            sem.acquiring()
+                .metadata(metadata.clone())
+                .try_acquire()
+                .await,
+            sem.acquiring().metadata(metadata.clone()).acquire().await,
+            sem.acquiring()
                 .metadata(metadata.clone())
                 .timeout(Duration::from_secs(1))
                 .acquire()
@@ -421,7 +431,12 @@ async fn metadata_with_nul_is_an_invalid_argument_and_writes_nothing() -> TestRe
                 other => panic!("{metadata}: expected InvalidArgument, got {other:?}"),
             }
         }
-        match sem.claim().metadata(metadata.clone()).acquire_many(2).await {
+        match sem
+            .acquiring()
+            .metadata(metadata.clone())
+            .acquire_many(2)
+            .await
+        {
             Err(Error::InvalidArgument {
                 argument: "metadata",
                 ..
@@ -431,7 +446,7 @@ async fn metadata_with_nul_is_an_invalid_argument_and_writes_nothing() -> TestRe
     }
     assert_eq!(rows(&db.pool).await, (1, 0), "no claim written");
     // The same semaphore still takes clean metadata.
-    sem.claim()
+    sem.acquiring()
         .metadata(serde_json::json!({ "request_id": "r-42" }))
         .try_acquire()
         .await?
@@ -468,7 +483,7 @@ async fn a_mistyped_name_in_the_callers_sql_is_a_database_error() -> TestResult 
         // The closure's error type is the crate's: `?` converts sqlx's error.
         let result: Result<(), Error> = mutex
             .locking()
-            .with_lock(&db.pool, |conn| {
+            .with_lock(&db.client, |conn| {
                 Box::pin(async move {
                     sqlx::query(sql).execute(&mut *conn).await?;
                     Ok(())
@@ -477,7 +492,7 @@ async fn a_mistyped_name_in_the_callers_sql_is_a_database_error() -> TestResult 
             .await;
         check(sql, code, &result.expect_err("the statement fails"));
 
-        let mut guard = mutex.lock(&db.pool).await?;
+        let mut guard = mutex.lock(&db.client).await?;
         let error = sqlx::query(sql)
             .execute(&mut *guard)
             .await
@@ -490,7 +505,7 @@ async fn a_mistyped_name_in_the_callers_sql_is_a_database_error() -> TestResult 
     mutex
         .locking()
         .no_wait()
-        .lock(&db.pool)
+        .lock(&db.client)
         .await?
         .commit()
         .await?;

@@ -317,9 +317,9 @@ async fn waiting_acquires_of_a_key_with_one_waiter_are_served_within_two_grants(
     let pool = support::another_pool(&db, 10).await;
     let sem = Semaphore::builder("crate-tenants", 1)
         .queue(QueueOrder::OldestFirst)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
-    let held = sem.claim().holder("first").try_acquire().await?;
+    let held = sem.acquiring().holder("first").try_acquire().await?;
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = tokio::task::JoinSet::new();
     let spawn =
@@ -327,7 +327,7 @@ async fn waiting_acquires_of_a_key_with_one_waiter_are_served_within_two_grants(
             let (sem, order) = (sem.clone(), order.clone());
             tasks.spawn(async move {
                 let permit = sem
-                    .claim()
+                    .acquiring()
                     .holder(holder.clone())
                     .fairness_key(key)
                     .timeout(patience)
@@ -387,14 +387,14 @@ async fn a_fairness_key_is_one_to_max_characters_without_nul() -> TestResult {
     let db = support::migrated_db().await;
     let queued = Semaphore::builder("keys", 1)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let long = "k".repeat(MAX_FAIRNESS_KEY_LEN + 1);
     for bad in ["", long.as_str(), "a\0b"] {
         for result in [
-            queued.claim().fairness_key(bad).try_acquire().await,
+            queued.acquiring().fairness_key(bad).try_acquire().await,
             queued
-                .claim()
+                .acquiring()
                 .fairness_key(bad)
                 .timeout(Duration::from_secs(5))
                 .acquire()
@@ -411,15 +411,15 @@ async fn a_fairness_key_is_one_to_max_characters_without_nul() -> TestResult {
     assert_eq!(queued.available_permits().await?, 1, "nothing was claimed");
     let longest = "k".repeat(MAX_FAIRNESS_KEY_LEN);
     queued
-        .claim()
+        .acquiring()
         .fairness_key(longest.as_str())
         .acquire()
         .await?
         .release()
         .await?;
-    let plain = Semaphore::builder("keys", 1).build(&db.pool).await?;
+    let plain = Semaphore::builder("keys", 1).build(&db.client).await?;
     plain
-        .claim()
+        .acquiring()
         .fairness_key("tenant-7")
         .try_acquire()
         .await?

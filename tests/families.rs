@@ -22,7 +22,7 @@ async fn family(pool: &PgPool, name: &str, capacity: u32) -> pg_semaphore::Resul
         .lease(Duration::from_secs(60))
         .idle_after(Duration::ZERO)
         .without_heartbeat()
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await
 }
 
@@ -352,10 +352,10 @@ async fn idle_keys_are_reaped_once_nothing_references_them() -> TestResult {
     let slow = SemaphoreFamily::builder("slow", 2)
         .idle_after(Duration::from_secs(3600))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     pg_semaphore::Semaphore::builder("named", 1)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     quick.key("never-claimed").await?;
     slow.key("recent").await?;
@@ -480,7 +480,7 @@ async fn a_family_left_uncreated_in_an_open_transaction_delays_others_by_at_most
     let started = std::time::Instant::now();
     let opened = tokio::time::timeout(
         Duration::from_secs(10),
-        SemaphoreFamily::builder("pending", 3).build(&db.pool),
+        SemaphoreFamily::builder("pending", 3).build(&db.client),
     )
     .await
     .expect("opening waited without bound");
@@ -492,7 +492,7 @@ async fn a_family_left_uncreated_in_an_open_transaction_delays_others_by_at_most
     );
     sqlx::query("ROLLBACK").execute(&mut *squatter).await?;
     let family = SemaphoreFamily::builder("pending", 3)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     assert_eq!(family.capacity(), 3);
     Ok(())

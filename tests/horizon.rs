@@ -81,7 +81,7 @@ async fn a_semaphore_in_a_database_of_its_own_is_out_of_the_applications_horizon
     let app = support::empty_db().await;
     let app_with_schema = support::migrated_db().await;
     let sem = Semaphore::builder("own-database", 1)
-        .build(&own.pool)
+        .build(&pg_semaphore::Client::new(own.pool.clone()))
         .await?;
     let permit = sem.try_acquire().await?;
 

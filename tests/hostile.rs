@@ -671,10 +671,12 @@ async fn a_fairness_key_is_null_or_one_to_200_characters() -> TestResult {
 #[tokio::test]
 async fn the_crate_reports_a_refused_argument_as_invalid_argument() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("crate-args", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("crate-args", 1)
+        .build(&db.client)
+        .await?;
     let huge =
         serde_json::json!({ "pad": (0..20_000).map(|i| format!("{i:x}")).collect::<Vec<_>>() });
-    match sem.claim().metadata(huge).try_acquire().await {
+    match sem.acquiring().metadata(huge).try_acquire().await {
         Err(Error::InvalidArgument { argument, reason }) => {
             assert_eq!(argument, "metadata");
             assert!(reason.contains("64 kB"), "{reason}");
@@ -798,7 +800,7 @@ async fn the_queue_order_belongs_to_the_semaphore() -> TestResult {
 async fn an_operator_clears_a_queue_that_a_waiter_blocks() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("blocked-queue", 2)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let (ticket,): (Option<i64>,) = sqlx::query_as(
         "SELECT o_ticket FROM pgsemaphore.enqueue('blocked-queue', 1, 1::smallint, 'squatter', NULL, '60 s', $1)",
@@ -832,7 +834,7 @@ async fn an_operator_clears_a_queue_that_a_waiter_blocks() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_left_open_stalls_other_claims_for_at_most_the_bound() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("stalled", 2).build(&db.pool).await?;
+    let sem = Semaphore::builder("stalled", 2).build(&db.client).await?;
     let mut squatter = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut squatter).await?;
     let (status, _) = raw_claim(&mut squatter, "stalled", &token("squatter")).await?;
@@ -858,7 +860,12 @@ async fn a_claim_left_open_stalls_other_claims_for_at_most_the_bound() -> TestRe
     // A waiting acquire rides the stall out, and is served once the row is free.
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(20)).acquire().await })
+        tokio::spawn(async move {
+            sem.acquiring()
+                .timeout(Duration::from_secs(20))
+                .acquire()
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(!waiter.is_finished(), "the waiter gave up on a stall");

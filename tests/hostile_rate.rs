@@ -30,7 +30,7 @@ const RATE_LOCK_SPACE: i32 = 1_885_828_967;
 /// The pools a test body gets: the application's, the operator's and the
 /// role's with no grants (the attacker's), and the owner's (`db.pool`).
 struct Pools {
-    db: Arc<support::TestDb>,
+    db: Arc<support::MigratedDb>,
     app: PgPool,
     operator: PgPool,
     nobody: PgPool,
@@ -93,14 +93,14 @@ async fn honest_limiters_used_up(
         "tenant-fixed",
         RatePolicy::fixed_window(3, Duration::from_secs(3600)),
     )
-    .build(app)?;
+    .build(&pg_semaphore::Client::new(app.clone()))?;
     let sliding = RateLimiter::builder(
         "tenant-sliding",
         RatePolicy::sliding_window(3, Duration::from_secs(3600)),
     )
-    .build(app)?;
+    .build(&pg_semaphore::Client::new(app.clone()))?;
     let bucket = RateLimiter::builder("tenant-bucket", RatePolicy::token_bucket(3.0 / 3600.0, 3))
-        .build(app)?;
+        .build(&pg_semaphore::Client::new(app.clone()))?;
     for _ in 0..3 {
         assert!(fixed.check("acme", 1).await?.allowed);
         assert!(sliding.check("acme", 1).await?.allowed);
@@ -198,12 +198,12 @@ async fn two_deployed_versions_with_different_limits_both_decide_under_the_store
         "rolling",
         RatePolicy::fixed_window(2, Duration::from_secs(3600)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     let new = RateLimiter::builder(
         "rolling",
         RatePolicy::fixed_window(100, Duration::from_millis(1)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     assert!(old.check("k", 1).await?.allowed); // the first use stores 2 per hour
     assert!(new.check("k", 1).await?.allowed);
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -228,9 +228,9 @@ async fn two_deployed_versions_with_different_limits_both_decide_under_the_store
 async fn a_cleared_limiter_stores_the_next_callers_pair() -> TestResult {
     let db = support::migrated_db().await;
     let first =
-        RateLimiter::builder("cleared", RatePolicy::token_bucket(1.0, 2)).build(&db.pool)?;
+        RateLimiter::builder("cleared", RatePolicy::token_bucket(1.0, 2)).build(&db.client)?;
     let second =
-        RateLimiter::builder("cleared", RatePolicy::token_bucket(5.0, 9)).build(&db.pool)?;
+        RateLimiter::builder("cleared", RatePolicy::token_bucket(5.0, 9)).build(&db.client)?;
     assert_eq!(first.check("k", 1).await?.remaining, 1);
     assert!(
         pg_semaphore::admin::clear_rate_limit(
@@ -268,7 +268,7 @@ async fn a_key_with_state_and_no_stored_pair_keeps_its_state_and_stores_the_pair
         "upgraded",
         RatePolicy::fixed_window(2, Duration::from_secs(3600)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     assert!(!limiter.check("k", 1).await?.allowed, "the state was lost");
     let (limit,): (i64,) = sqlx::query_as(
         "SELECT permit_limit FROM pgsemaphore.rate_limit_settings
@@ -482,7 +482,7 @@ async fn no_argument_at_its_extreme_overflows_or_bricks_a_key() -> TestResult {
         // The issue's brick: a bucket booked a year deep under a large pair,
         // then an operator's slowest pair; every later check still answers.
         let honest = RateLimiter::builder("bricked", RatePolicy::token_bucket(1e9, u32::MAX))
-            .build(&p.app)?;
+            .build(&pg_semaphore::Client::new(p.app.clone()))?;
         assert!(honest.check("k", 1).await?.allowed);
         for _ in 0..5 {
             no_overflow(
@@ -534,13 +534,13 @@ async fn a_held_key_lock_stalls_checks_for_at_most_the_bound(
     holder: &PgPool,
     app: &PgPool,
 ) -> TestResult {
-    let bucket =
-        RateLimiter::builder("stalled", RatePolicy::token_bucket(100.0, 100)).build(app)?;
+    let bucket = RateLimiter::builder("stalled", RatePolicy::token_bucket(100.0, 100))
+        .build(&pg_semaphore::Client::new(app.clone()))?;
     let window = RateLimiter::builder(
         "stalled-window",
         RatePolicy::fixed_window(100, Duration::from_secs(60)),
     )
-    .build(app)?;
+    .build(&pg_semaphore::Client::new(app.clone()))?;
     assert!(bucket.check("k", 1).await?.allowed);
     assert!(window.check("k", 1).await?.allowed);
     let mut held = hold_key_lock(holder, "token_bucket", "stalled", "k").await?;
@@ -618,7 +618,7 @@ async fn the_application_holding_a_key_lock_stalls_its_checks_for_at_most_the_bo
             "stalled-window",
             RatePolicy::fixed_window(100, Duration::from_secs(60)),
         )
-        .build(&p.app)?;
+        .build(&pg_semaphore::Client::new(p.app.clone()))?;
         let error = tokio::time::timeout(LIVENESS, window.check("k", 1))
             .await
             .expect("a check waited for an open transaction without bound")
@@ -636,7 +636,7 @@ async fn an_operator_change_waits_at_most_the_bound_for_an_applications_open_tra
 -> TestResult {
     with_roles(|p| async move {
         let bucket = RateLimiter::builder("paused", RatePolicy::token_bucket(1.0, 5))
-            .build(&p.app)?;
+            .build(&pg_semaphore::Client::new(p.app.clone()))?;
         assert!(bucket.check("k", 1).await?.allowed);
         // The application pauses the limiter and leaves the transaction
         // open: it holds the settings row.

@@ -17,7 +17,7 @@ async fn semaphore(pool: &PgPool, name: &str, capacity: u32) -> pg_semaphore::Re
     Semaphore::builder(name, capacity)
         .lease(Duration::from_secs(60))
         .without_heartbeat()
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await
 }
 
@@ -33,9 +33,9 @@ async fn a_fenced_holder_past_its_lease_still_counts_after_the_capacity_drops() 
     let db = support::migrated_db().await;
     let sem = semaphore(&db.pool, "fenced-drop", 4).await?;
     let short = Duration::from_millis(1500);
-    let p0 = sem.claim().lease(short).try_acquire().await?;
-    let p1 = sem.claim().lease(short).try_acquire().await?;
-    let p2 = sem.claim().lease(short).try_acquire().await?;
+    let p0 = sem.acquiring().lease(short).try_acquire().await?;
+    let p1 = sem.acquiring().lease(short).try_acquire().await?;
+    let p2 = sem.acquiring().lease(short).try_acquire().await?;
     let p3 = sem.try_acquire().await?; // 60 s: stays unexpired throughout
     assert_eq!((p0.slot(), p1.slot(), p2.slot(), p3.slot()), (0, 1, 2, 3));
     p0.release().await?;
@@ -130,10 +130,10 @@ async fn a_fenced_expired_holder_does_not_give_the_reserve_away() -> TestResult 
         .lease(Duration::from_secs(60))
         .without_heartbeat()
         .reserved(1)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let short = Duration::from_millis(1500);
-    let expiring = sem.claim().lease(short).try_acquire().await?;
+    let expiring = sem.acquiring().lease(short).try_acquire().await?;
     let live = sem.try_acquire().await?;
 
     let mut fenced = db.pool.begin().await?;
@@ -142,7 +142,7 @@ async fn a_fenced_expired_holder_does_not_give_the_reserve_away() -> TestResult 
 
     // Two held, two free, one of them reserved: a low-priority pair must wait.
     let low = sem
-        .claim()
+        .acquiring()
         .priority(Priority::Low)
         .try_acquire_many(2)
         .await;

@@ -28,7 +28,7 @@ async fn a_heartbeat_keeps_a_busy_holders_slot_past_its_lease() -> TestResult {
     let sem = Semaphore::builder("renewed", 1)
         .lease(Duration::from_secs(3))
         .heartbeat(Duration::from_millis(300))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let permit = sem.try_acquire().await?;
     let first_expiry = permit.expires_at();
@@ -67,7 +67,7 @@ async fn without_a_heartbeat_the_lease_runs_out_and_the_holder_is_told() -> Test
     let sem = Semaphore::builder("unrenewed", 1)
         .lease(Duration::from_secs(2))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let permit = sem.try_acquire().await?;
     assert!(!permit.is_lost());
@@ -109,7 +109,7 @@ async fn a_heartbeat_reports_a_permit_reaped_or_released_behind_its_back() -> Te
     let sem = Semaphore::builder("taken-away", 2)
         .lease(Duration::from_secs(30))
         .heartbeat(Duration::from_millis(100))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let reaped = sem.try_acquire().await?;
     let released = sem.try_acquire().await?;
@@ -157,7 +157,7 @@ async fn a_holder_cut_off_from_the_database_is_told_before_its_lease_ends() -> T
     let sem = Semaphore::builder("cut-off", 1)
         .lease(lease)
         .heartbeat(Duration::from_millis(500))
-        .build(&remote)
+        .build(&pg_semaphore::Client::new(remote.clone()))
         .await?;
     let permit = sem.try_acquire().await?;
     // Renewals work while the network does: held past a whole lease.
@@ -179,10 +179,10 @@ async fn a_holder_cut_off_from_the_database_is_told_before_its_lease_ends() -> T
     // And once the lease has ended, the slot is freed for others.
     let local = Semaphore::builder("cut-off", 1)
         .lease(lease)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let next = local
-        .claim()
+        .acquiring()
         .timeout(Duration::from_secs(20))
         .acquire()
         .await?;
@@ -197,12 +197,14 @@ async fn fail_open_admits_unchecked_when_the_database_is_unreachable() -> TestRe
     let remote = proxy.pool(2).await;
     let open = Semaphore::builder("shedder", 1)
         .fail_open(true)
-        .build(&remote)
+        .build(&pg_semaphore::Client::new(remote.clone()))
         .await?;
-    let closed = Semaphore::builder("shedder", 1).build(&remote).await?;
+    let closed = Semaphore::builder("shedder", 1)
+        .build(&pg_semaphore::Client::new(remote.clone()))
+        .await?;
     let missing = Semaphore::builder("deleted-later", 1)
         .fail_open(true)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
 
     // While the database answers, fail-open changes nothing.
@@ -237,7 +239,12 @@ async fn fail_open_admits_unchecked_when_the_database_is_unreachable() -> TestRe
         Ok(permit) => panic!("admitted without the database: {permit:?}"),
     }
     // Waiting acquires never fail open.
-    match open.claim().timeout(Duration::from_secs(3)).acquire().await {
+    match open
+        .acquiring()
+        .timeout(Duration::from_secs(3))
+        .acquire()
+        .await
+    {
         Err(error) => assert!(
             matches!(error, Error::Database(_) | Error::Timeout { .. }),
             "{error:?}"
@@ -270,7 +277,7 @@ async fn a_busy_pool_is_not_an_outage_and_never_fails_open() -> TestResult {
         .await?;
     let sem = Semaphore::builder("busy-pool", 5)
         .fail_open(true)
-        .build(&tiny)
+        .build(&pg_semaphore::Client::new(tiny.clone()))
         .await?;
     // Every connection of the pool is in use: a pool timeout, with the
     // database perfectly reachable.
@@ -293,7 +300,7 @@ async fn a_weighted_permits_heartbeat_renews_every_claim() -> TestResult {
     let sem = Semaphore::builder("renewed-many", 4)
         .lease(Duration::from_secs(2))
         .heartbeat(Duration::from_millis(300))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let permit = sem.try_acquire_many(3).await?;
     assert_eq!(permit.ids().len(), 3);

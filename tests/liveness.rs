@@ -25,7 +25,7 @@ async fn a_weighted_wait_is_not_overtaken_by_a_later_plain_wait() -> TestResult 
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("weighted-first", 2)
         .fallback_interval(FAR)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let a = sem.try_acquire().await?;
     let b = sem.try_acquire().await?;
@@ -69,12 +69,12 @@ async fn queue_tickets_are_renewed_behind_a_waiter_without_one() -> TestResult {
     let db = support::migrated_db().await;
     let plain = Semaphore::builder("mixed-handles", 2)
         .fallback_interval(FAR)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let queued = Semaphore::builder("mixed-handles", 2)
         .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = plain.try_acquire_many(2).await?;
 
@@ -85,7 +85,7 @@ async fn queue_tickets_are_renewed_behind_a_waiter_without_one() -> TestResult {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let low = {
         let queued = queued.clone();
-        tokio::spawn(async move { queued.claim().priority(Priority::Low).acquire().await })
+        tokio::spawn(async move { queued.acquiring().priority(Priority::Low).acquire().await })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(queued.queue_len().await?, 1, "the low-priority wait queued");
@@ -137,11 +137,11 @@ async fn a_weighted_acquire_tries_before_waiting_for_the_listener() -> TestResul
         .await?;
     let sem = Semaphore::builder("no-listener", 3)
         .fallback_interval(FAR)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let started = Instant::now();
     let permit = sem
-        .claim()
+        .acquiring()
         .timeout(Duration::from_secs(2))
         .acquire_many(2)
         .await?;
@@ -177,7 +177,7 @@ async fn a_waiter_behind_a_crashed_waiter_looks_again_when_its_lease_ends() -> T
     let sem = Semaphore::builder("dead-waiter", 1)
         .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     dead_waiter(&db, "dead-waiter", "4 s").await?;
     let waiter = {
@@ -207,7 +207,7 @@ async fn deleting_an_expired_waiter_wakes_the_waiters_behind_it() -> TestResult 
     let sem = Semaphore::builder("dead-waiter", 1)
         .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     dead_waiter(&db, "dead-waiter", "60 s").await?;
     let waiter = {
@@ -232,7 +232,7 @@ async fn deleting_an_expired_waiter_wakes_the_waiters_behind_it() -> TestResult 
     let sem_b = Semaphore::builder("dead-waiter", 1)
         .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?;
     let second = tokio::spawn(async move { sem_b.acquire().await });
     let permit = tokio::time::timeout(Duration::from_millis(1500), waiter)

@@ -352,7 +352,7 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     let name = "metrics-upstream";
     let sem = Semaphore::builder(name, 2)
         .holder(SECRET_HOLDER)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let of = [("semaphore", name)];
 
@@ -377,13 +377,13 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     let full_name = "metrics-full";
     let full = Semaphore::builder(full_name, 1)
         .holder(SECRET_HOLDER)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let of_full = [("semaphore", full_name)];
     let fills_it = full.try_acquire().await?;
     // The timed-out wait: counted, not timed as a successful wait.
     assert!(matches!(
-        full.claim()
+        full.acquiring()
             .timeout(Duration::from_millis(200))
             .acquire()
             .await,
@@ -448,7 +448,7 @@ async fn queue_full_lost_permits_reaps_and_fail_open_are_counted() -> TestResult
     let queued = Semaphore::builder("metrics-queued", 1)
         .queue(QueueOrder::OldestFirst)
         .queue_limit(0)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = queued.try_acquire().await?;
     assert!(matches!(
@@ -462,7 +462,7 @@ async fn queue_full_lost_permits_reaps_and_fail_open_are_counted() -> TestResult
     let short = Semaphore::builder("metrics-short-lease", 1)
         .lease(Duration::from_millis(100))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let before = scrape().await.value("pg_semaphore_reaped_total", &[]);
     let permit = short.try_acquire().await?;
@@ -481,14 +481,14 @@ async fn queue_full_lost_permits_reaps_and_fail_open_are_counted() -> TestResult
     let open = Semaphore::builder("metrics-fail-open", 1)
         .lease(Duration::from_secs(1))
         .fail_open(true)
-        .build(&remote)
+        .build(&pg_semaphore::Client::new(remote.clone()))
         .await?;
     let limiter = RateLimiter::builder(
         "metrics-fail-open-limiter",
         RatePolicy::token_bucket(1.0, 1),
     )
     .fail_open(true)
-    .build(&remote)?;
+    .build(&pg_semaphore::Client::new(remote.clone()))?;
     proxy.cut().await;
     let unchecked = open.try_acquire().await?;
     assert!(unchecked.is_unchecked());
@@ -548,21 +548,21 @@ async fn mutex_waits_timeouts_deadlocks_and_busy_refusals_are_counted() -> TestR
         "quotes are escaped"
     );
 
-    let guard = mutex.lock(&db.pool).await?;
+    let guard = mutex.lock(&db.client).await?;
     assert!(matches!(
         mutex
             .locking()
             .timeout(Duration::from_millis(100))
-            .lock(&db.pool)
+            .lock(&db.client)
             .await,
         Err(Error::Timeout { .. })
     ));
     assert!(matches!(
-        mutex.locking().no_wait().lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.client).await,
         Err(Error::Locked { .. })
     ));
     guard.commit().await?;
-    mutex.lock(&db.pool).await?.commit().await?;
+    mutex.lock(&db.client).await?.commit().await?;
 
     // A deadlock: two transactions each hold one lock and wait for the other.
     let (a, b) = (Mutex::new("metrics-a"), Mutex::new("metrics-b"));
@@ -594,13 +594,13 @@ async fn mutex_waits_timeouts_deadlocks_and_busy_refusals_are_counted() -> TestR
 async fn rate_limit_decisions_are_counted_without_their_keys() -> TestResult {
     exporter();
     let db = support::migrated_db().await;
-    let bucket =
-        RateLimiter::builder("metrics-api", RatePolicy::token_bucket(0.001, 2)).build(&db.pool)?;
+    let bucket = RateLimiter::builder("metrics-api", RatePolicy::token_bucket(0.001, 2))
+        .build(&db.client)?;
     let window = RateLimiter::builder(
         "metrics-api",
         RatePolicy::fixed_window(1, Duration::from_secs(60)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     for _ in 0..3 {
         let _ = bucket.check(SECRET_KEY, 1).await?;
         let _ = window.check(SECRET_KEY, 1).await?;
@@ -706,7 +706,7 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     let sem = Semaphore::builder("metrics-every", 1)
         .holder(SECRET_HOLDER)
         .queue_limit(0)
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let permit = sem.try_acquire().await?;
     let _ = sem.try_acquire().await; // no slot
@@ -715,11 +715,11 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     let unqueued = Semaphore::builder("metrics-every-unqueued", 1)
         .lease(Duration::from_millis(100))
         .without_heartbeat()
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let lost = unqueued.try_acquire().await?;
     let _ = unqueued
-        .claim()
+        .acquiring()
         .timeout(Duration::from_millis(10))
         .acquire()
         .await; // timeout
@@ -733,19 +733,23 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     let open = Semaphore::builder("metrics-every-open", 1)
         .fail_open(true)
         .lease(Duration::from_secs(1))
-        .build(&remote)
+        .build(&pg_semaphore::Client::new(remote.clone()))
         .await?;
     proxy.cut().await;
     open.try_acquire().await?.release().await?;
 
     let mutex = Mutex::new("metrics-every");
-    let guard = mutex.lock(pool).await?;
+    let guard = mutex.lock(&pg_semaphore::Client::new(pool.clone())).await?;
     let _ = mutex
         .locking()
         .timeout(Duration::from_millis(10))
-        .lock(pool)
+        .lock(&pg_semaphore::Client::new(pool.clone()))
         .await;
-    let _ = mutex.locking().no_wait().lock(pool).await;
+    let _ = mutex
+        .locking()
+        .no_wait()
+        .lock(&pg_semaphore::Client::new(pool.clone()))
+        .await;
     guard.commit().await?;
     let (a, b) = (Mutex::new("metrics-every-a"), Mutex::new("metrics-every-b"));
     let (mut one, mut two) = (pool.begin().await?, pool.begin().await?);
@@ -753,8 +757,8 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     b.locking().lock_in(&mut two).await?;
     let _ = tokio::join!(b.locking().lock_in(&mut one), a.locking().lock_in(&mut two));
 
-    let limiter =
-        RateLimiter::builder("metrics-every", RatePolicy::token_bucket(0.001, 1)).build(pool)?;
+    let limiter = RateLimiter::builder("metrics-every", RatePolicy::token_bucket(0.001, 1))
+        .build(&pg_semaphore::Client::new(pool.clone()))?;
     let _ = limiter.check(SECRET_KEY, 1).await?;
     let _ = limiter.check(SECRET_KEY, 1).await?;
 
@@ -783,7 +787,7 @@ async fn family_keys_are_labelled_by_their_family_never_by_their_key() -> TestRe
     exporter();
     let db = support::migrated_db().await;
     let tenants = SemaphoreFamily::builder("metrics-tenants", 1)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let a = tenants.try_acquire("secret-tenant-a").await?;
     let b = tenants.try_acquire("secret-tenant-b").await?;

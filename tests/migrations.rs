@@ -59,7 +59,9 @@ async fn assert_separate_histories(pool: &PgPool) {
 
 /// The crate works on this database: a claim and a release.
 async fn works(pool: &PgPool) -> TestResult {
-    let sem = Semaphore::builder("after-migrate", 1).build(pool).await?;
+    let sem = Semaphore::builder("after-migrate", 1)
+        .build(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     sem.try_acquire().await?.release().await?;
     Ok(())
 }
@@ -178,7 +180,7 @@ async fn sqlx_cli_applies_the_same_files_into_our_own_history() -> TestResult {
 async fn a_database_without_migrations_says_how_to_fix_it() -> TestResult {
     let db = support::empty_db().await;
     let err = Semaphore::builder("unmigrated", 1)
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await
         .expect_err("no schema yet");
     assert!(

@@ -11,27 +11,26 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use pg_semaphore::{
-    Error, QueueOrder, Semaphore, audit::AuditLog, limits::MAX_SEMAPHORES_PER_CLAIM,
+    Client, Error, QueueOrder, Semaphore, audit::AuditLog, limits::MAX_SEMAPHORES_PER_CLAIM,
 };
-use sqlx::PgPool;
 use support::{TestResult, connect, live_rows, token};
 
 /// A semaphore without heartbeats, with a long lease and a long fallback
 /// interval: nothing frees a slot or wakes a waiter but a release.
-async fn semaphore(pool: &PgPool, name: &str, capacity: u32) -> pg_semaphore::Result<Semaphore> {
+async fn semaphore(client: &Client, name: &str, capacity: u32) -> pg_semaphore::Result<Semaphore> {
     Semaphore::builder(name, capacity)
         .lease(Duration::from_secs(60))
         .without_heartbeat()
         .fallback_interval(Duration::from_secs(60))
-        .build(pool)
+        .build(client)
         .await
 }
 
 #[tokio::test]
 async fn one_full_semaphore_makes_the_whole_claim_fail_and_takes_nothing() -> TestResult {
     let db = support::migrated_db().await;
-    let global = semaphore(&db.pool, "global", 3).await?;
-    let merchant = semaphore(&db.pool, "merchant-7", 1).await?;
+    let global = semaphore(&db.client, "global", 3).await?;
+    let merchant = semaphore(&db.client, "merchant-7", 1).await?;
     let held = merchant.try_acquire().await?;
     // Named in either order, the full semaphore refuses the whole claim.
     for members in [
@@ -62,8 +61,8 @@ async fn one_full_semaphore_makes_the_whole_claim_fail_and_takes_nothing() -> Te
 #[tokio::test]
 async fn one_permit_holds_and_releases_every_claim_linked_in_the_audit_log() -> TestResult {
     let db = support::migrated_db().await;
-    let b = semaphore(&db.pool, "b-per-merchant", 5).await?;
-    let a = semaphore(&db.pool, "a-global", 100).await?;
+    let b = semaphore(&db.client, "b-per-merchant", 5).await?;
+    let a = semaphore(&db.client, "a-global", 100).await?;
     let permit = tokio::time::timeout(
         Duration::from_secs(10),
         Semaphore::acquire_all(&[(&b, 2), (&a, 1)]),
@@ -123,8 +122,8 @@ async fn one_permit_holds_and_releases_every_claim_linked_in_the_audit_log() -> 
 #[tokio::test]
 async fn a_dropped_multi_limit_permit_frees_every_semaphore() -> TestResult {
     let db = support::migrated_db().await;
-    let a = semaphore(&db.pool, "drop-a", 1).await?;
-    let b = semaphore(&db.pool, "drop-b", 1).await?;
+    let a = semaphore(&db.client, "drop-a", 1).await?;
+    let b = semaphore(&db.client, "drop-b", 1).await?;
     drop(Semaphore::try_acquire_all(&[(&a, 1), (&b, 1)]).await?);
     let freed = support::eventually(Duration::from_secs(10), || async {
         live_rows(&db.pool, "drop-a").await + live_rows(&db.pool, "drop-b").await == 0
@@ -147,8 +146,8 @@ async fn a_dropped_multi_limit_permit_frees_every_semaphore() -> TestResult {
 #[tokio::test]
 async fn callers_naming_the_semaphores_in_opposite_orders_never_deadlock() -> TestResult {
     let db = support::migrated_db().await;
-    let g = semaphore(&db.pool, "g", 2).await?;
-    let m = semaphore(&db.pool, "m", 2).await?;
+    let g = semaphore(&db.client, "g", 2).await?;
+    let m = semaphore(&db.client, "m", 2).await?;
     let mut first = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut first).await?;
     support::claim_with_token(&mut first, "g", "60 s", &token("first")).await?;
@@ -208,9 +207,9 @@ async fn callers_naming_the_semaphores_in_opposite_orders_never_deadlock() -> Te
 #[tokio::test]
 async fn a_waiter_holds_nothing_and_wakes_on_a_release_of_either_semaphore() -> TestResult {
     let db = support::migrated_db().await;
-    let other = support::another_pool(&db, 4).await;
-    let a = semaphore(&db.pool, "wake-a", 1).await?;
-    let b = semaphore(&db.pool, "wake-b", 1).await?;
+    let other = Client::new(support::another_pool(&db, 4).await);
+    let a = semaphore(&db.client, "wake-a", 1).await?;
+    let b = semaphore(&db.client, "wake-b", 1).await?;
     let a_elsewhere = semaphore(&other, "wake-a", 1).await?;
     let b_elsewhere = semaphore(&other, "wake-b", 1).await?;
     for last in ["wake-a", "wake-b"] {
@@ -253,9 +252,9 @@ async fn a_multi_limit_claim_never_jumps_a_fair_queue() -> TestResult {
     let db = support::migrated_db().await;
     let queued = Semaphore::builder("queued", 2)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
-    let plain = semaphore(&db.pool, "plain", 2).await?;
+    let plain = semaphore(&db.client, "plain", 2).await?;
     // A waiter queued on "queued" (a live ticket), with slots free.
     let ticket: Option<i64> = sqlx::query_scalar(
         "SELECT o_ticket FROM pgsemaphore.enqueue(p_semaphore => 'queued', p_permits => 1, \
@@ -277,14 +276,14 @@ async fn a_multi_limit_claim_never_jumps_a_fair_queue() -> TestResult {
 #[tokio::test]
 async fn bad_member_lists_are_refused_before_anything_is_sent() -> TestResult {
     let db = support::migrated_db().await;
-    let other = support::another_pool(&db, 2).await;
-    let a = semaphore(&db.pool, "check-a", 2).await?;
+    let other = Client::new(support::another_pool(&db, 2).await);
+    let a = semaphore(&db.client, "check-a", 2).await?;
     let a_elsewhere = semaphore(&other, "check-a", 2).await?;
-    let b = semaphore(&db.pool, "check-b", 2).await?;
+    let b = semaphore(&db.client, "check-b", 2).await?;
     let many: Vec<Semaphore> = {
         let mut many = Vec::new();
         for i in 0..=MAX_SEMAPHORES_PER_CLAIM {
-            many.push(semaphore(&db.pool, &format!("many-{i}"), 1).await?);
+            many.push(semaphore(&db.client, &format!("many-{i}"), 1).await?);
         }
         many
     };
@@ -296,7 +295,11 @@ async fn bad_member_lists_are_refused_before_anything_is_sent() -> TestResult {
         ("twice", vec![(&a, 1), (&b, 1), (&a, 1)], "semaphores"),
         ("zero permits", vec![(&a, 0), (&b, 1)], "permits"),
         ("above the capacity", vec![(&a, 3), (&b, 1)], "permits"),
-        ("two pools", vec![(&a_elsewhere, 1), (&b, 1)], "semaphores"),
+        (
+            "two clients",
+            vec![(&a_elsewhere, 1), (&b, 1)],
+            "semaphores",
+        ),
     ];
     for (case, members, argument) in cases {
         match Semaphore::try_acquire_all(&members).await {
@@ -334,16 +337,17 @@ async fn no_limit_is_exceeded_by_multi_limit_claims_under_concurrency() -> TestR
     }
     let mut workers = Vec::new();
     for (p, pool) in pools.iter().enumerate() {
+        let client = Client::new(pool.clone());
         let global = Semaphore::builder("payments", GLOBAL)
             .lease(Duration::from_secs(60))
-            .build(pool)
+            .build(&client)
             .await?;
         let mut merchants = Vec::new();
         for m in 0..MERCHANTS {
             merchants.push(
                 Semaphore::builder(format!("payments:merchant-{m}"), PER_MERCHANT)
                     .lease(Duration::from_secs(60))
-                    .build(pool)
+                    .build(&client)
                     .await?,
             );
         }
@@ -354,7 +358,7 @@ async fn no_limit_is_exceeded_by_multi_limit_claims_under_concurrency() -> TestR
                     let merchant = &merchants[(p + w + round) % MERCHANTS];
                     let permit = if (w + round) % 4 == 0 {
                         global
-                            .claim()
+                            .acquiring()
                             .timeout(Duration::from_secs(60))
                             .acquire()
                             .await?
@@ -438,8 +442,8 @@ async fn no_limit_is_exceeded_by_multi_limit_claims_under_concurrency() -> TestR
 #[tokio::test]
 async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
     let db = support::migrated_db().await;
-    let a = semaphore(&db.pool, "cancel-a", 1).await?;
-    let b = semaphore(&db.pool, "cancel-b", 1).await?;
+    let a = semaphore(&db.client, "cancel-a", 1).await?;
+    let b = semaphore(&db.client, "cancel-b", 1).await?;
     let held = b.try_acquire().await?;
     // A timeout around the cancel-safe future is how a multi-limit wait is bounded.
     let timed_out = tokio::time::timeout(
@@ -490,8 +494,8 @@ async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
 #[tokio::test]
 async fn a_refused_multi_limit_claim_keeps_no_row_locked_in_an_open_transaction() -> TestResult {
     let db = support::migrated_db().await;
-    let a = semaphore(&db.pool, "locked-a", 2).await?;
-    let b = semaphore(&db.pool, "locked-b", 1).await?;
+    let a = semaphore(&db.client, "locked-a", 2).await?;
+    let b = semaphore(&db.client, "locked-b", 1).await?;
     let held = b.try_acquire().await?;
     let mut open = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut open).await?;

@@ -93,12 +93,12 @@ async fn mutual_exclusion_across_connections() -> TestResult {
         tasks.spawn(async move {
             for round in 0..ROUNDS {
                 let mut guard = if round % 2 == 0 {
-                    mutex.lock(&pool).await?
+                    mutex.lock(&pg_semaphore::Client::new(pool.clone())).await?
                 } else {
                     mutex
                         .locking()
                         .timeout(Duration::from_secs(60))
-                        .lock(&pool)
+                        .lock(&pg_semaphore::Client::new(pool.clone()))
                         .await?
                 };
                 assert_eq!(
@@ -143,7 +143,7 @@ async fn worker_process_entry_point() -> TestResult {
                 let mut guard = mutex
                     .locking()
                     .timeout(Duration::from_secs(60))
-                    .lock(&pool)
+                    .lock(&pg_semaphore::Client::new(pool.clone()))
                     .await?;
                 unsafe_increment(&mut guard).await?;
                 guard.commit().await?;
@@ -192,14 +192,14 @@ async fn mutual_exclusion_across_processes() -> TestResult {
 async fn lock_timeout_gives_up_promptly() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("slow");
-    let held = mutex.lock(&db.pool).await?;
+    let held = mutex.lock(&db.client).await?;
 
     let other = support::another_pool(&db, 2).await;
     let started = Instant::now();
     let err = mutex
         .locking()
         .timeout(Duration::from_millis(300))
-        .lock(&other)
+        .lock(&pg_semaphore::Client::new(other.clone()))
         .await
         .expect_err("the lock is held");
     let waited = started.elapsed();
@@ -220,7 +220,14 @@ async fn lock_timeout_gives_up_promptly() -> TestResult {
     assert!(waited < Duration::from_secs(3), "not prompt: {waited:?}");
     assert!(err_is_busy(&mutex, &other).await);
     held.commit().await?;
-    assert!(mutex.locking().no_wait().lock(&other).await.is_ok());
+    assert!(
+        mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(other.clone()))
+            .await
+            .is_ok()
+    );
     Ok(())
 }
 
@@ -228,7 +235,7 @@ async fn err_is_busy(mutex: &Mutex, pool: &PgPool) -> bool {
     mutex
         .locking()
         .timeout(Duration::from_millis(10))
-        .lock(pool)
+        .lock(&pg_semaphore::Client::new(pool.clone()))
         .await
         .is_err_and(|e| e.is_busy())
 }
@@ -237,9 +244,9 @@ async fn err_is_busy(mutex: &Mutex, pool: &PgPool) -> bool {
 async fn try_lock_is_refused_while_held_and_succeeds_when_free() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::with_key(7);
-    let first = mutex.locking().no_wait().lock(&db.pool).await?;
+    let first = mutex.locking().no_wait().lock(&db.client).await?;
     assert!(matches!(
-        mutex.locking().no_wait().lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.client).await,
         Err(Error::Locked { .. })
     ));
     // The pair key space is a different lock.
@@ -247,12 +254,12 @@ async fn try_lock_is_refused_while_held_and_succeeds_when_free() -> TestResult {
         Mutex::with_key_pair(0, 7)
             .locking()
             .no_wait()
-            .lock(&db.pool)
+            .lock(&db.client)
             .await
             .is_ok()
     );
     first.rollback().await?;
-    assert!(mutex.locking().no_wait().lock(&db.pool).await.is_ok());
+    assert!(mutex.locking().no_wait().lock(&db.client).await.is_ok());
     Ok(())
 }
 
@@ -266,14 +273,14 @@ async fn excludes_and_is_excluded_by_sqlx_advisory_locks() -> TestResult {
     let held_by_sqlx = sqlx_lock.acquire(db.pool.acquire().await?).await?;
     assert!(
         matches!(
-            mutex.locking().no_wait().lock(&db.pool).await,
+            mutex.locking().no_wait().lock(&db.client).await,
             Err(Error::Locked { .. })
         ),
         "sqlx holds it"
     );
     held_by_sqlx.release_now().await?;
 
-    let ours = mutex.lock(&db.pool).await?;
+    let ours = mutex.lock(&db.client).await?;
     match sqlx_lock.try_acquire(db.pool.acquire().await?).await? {
         Either::Left(_) => panic!("sqlx got the lock while our mutex held it"),
         Either::Right(_) => {}
@@ -290,12 +297,12 @@ async fn excludes_and_is_excluded_by_sqlx_advisory_locks() -> TestResult {
 async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("catalog");
-    let r1 = mutex.locking().shared().lock(&db.pool).await?;
+    let r1 = mutex.locking().shared().lock(&db.client).await?;
     let r2 = mutex
         .locking()
         .shared()
         .timeout(Duration::from_secs(5))
-        .lock(&db.pool)
+        .lock(&db.client)
         .await?;
     assert!(r1.is_shared() && r2.is_shared());
     assert!(
@@ -303,14 +310,14 @@ async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
             .locking()
             .shared()
             .no_wait()
-            .lock(&db.pool)
+            .lock(&db.client)
             .await
             .is_ok(),
         "a third reader"
     );
     assert!(
         matches!(
-            mutex.locking().no_wait().lock(&db.pool).await,
+            mutex.locking().no_wait().lock(&db.client).await,
             Err(Error::Locked { .. })
         ),
         "no writer among readers"
@@ -319,18 +326,18 @@ async fn shared_locks_admit_many_readers_or_one_writer() -> TestResult {
         mutex
             .locking()
             .timeout(Duration::from_millis(100))
-            .lock(&db.pool)
+            .lock(&db.client)
             .await,
         Err(Error::Timeout { .. })
     ));
     r1.commit().await?;
     r2.commit().await?;
 
-    let writer = mutex.locking().no_wait().lock(&db.pool).await?;
+    let writer = mutex.locking().no_wait().lock(&db.client).await?;
     assert!(!writer.is_shared());
     assert!(
         matches!(
-            mutex.locking().shared().no_wait().lock(&db.pool).await,
+            mutex.locking().shared().no_wait().lock(&db.client).await,
             Err(Error::Locked { .. })
         ),
         "no reader beside a writer"
@@ -345,24 +352,24 @@ async fn shared_mode_holds_in_every_scope_and_a_shared_session_lock_unlocks() ->
     let mutex = Mutex::new("shared-scopes");
     // A reader holding a session lock, and a second one inside a caller's
     // transaction: readers admit each other...
-    let reader = mutex.locking().shared().lock_session(&db.pool).await?;
+    let reader = mutex.locking().shared().lock_session(&db.client).await?;
     assert!(reader.is_shared());
     let mut tx = db.pool.begin().await?;
     mutex.locking().shared().no_wait().lock_in(&mut tx).await?;
     // ...and exclude a writer, in any scope.
     assert!(matches!(
-        mutex.locking().no_wait().lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.client).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
-        mutex.locking().no_wait().lock_session(&db.pool).await,
+        mutex.locking().no_wait().lock_session(&db.client).await,
         Err(Error::Locked { .. })
     ));
     tx.rollback().await?;
     // A shared session lock is released as shared (an exclusive unlock
     // would find nothing to release and report the lock lost).
     reader.unlock().await?;
-    let writer = mutex.locking().no_wait().lock_session(&db.pool).await?;
+    let writer = mutex.locking().no_wait().lock_session(&db.client).await?;
     assert!(!writer.is_shared());
     writer.unlock().await?;
     Ok(())
@@ -374,13 +381,13 @@ async fn work_commits_with_the_release_and_drop_rolls_back() -> TestResult {
     create_counter(&db.pool).await?;
     let mutex = Mutex::new("atomic");
 
-    let mut guard = mutex.lock(&db.pool).await?;
+    let mut guard = mutex.lock(&db.client).await?;
     unsafe_increment(&mut guard).await?;
     assert_eq!(counter(&db.pool).await, 0, "not visible before commit");
     guard.commit().await?;
     assert_eq!(counter(&db.pool).await, 1);
 
-    let mut guard = mutex.lock(&db.pool).await?;
+    let mut guard = mutex.lock(&db.client).await?;
     sqlx::query("UPDATE counter SET n = 100")
         .execute(&mut **guard.tx())
         .await?;
@@ -388,7 +395,7 @@ async fn work_commits_with_the_release_and_drop_rolls_back() -> TestResult {
     let reacquired = mutex
         .locking()
         .timeout(Duration::from_secs(5))
-        .lock(&db.pool)
+        .lock(&db.client)
         .await?;
     assert_eq!(
         counter(&db.pool).await,
@@ -408,7 +415,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
     let n = mutex
         .locking()
         .timeout(Duration::from_secs(5))
-        .with_lock(&db.pool, |conn| {
+        .with_lock(&db.client, |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE counter SET n = n + 1")
                     .execute(&mut *conn)
@@ -436,7 +443,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
     }
     let result: Result<(), AppError> = mutex
         .locking()
-        .with_lock(&db.pool, |conn| {
+        .with_lock(&db.client, |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE counter SET n = 50")
                     .execute(conn)
@@ -449,7 +456,7 @@ async fn with_lock_commits_on_ok_and_rolls_back_on_err() -> TestResult {
     assert!(matches!(result, Err(AppError::Refused)));
     assert_eq!(counter(&db.pool).await, 1, "rolled back");
     assert!(
-        mutex.locking().no_wait().lock(&db.pool).await.is_ok(),
+        mutex.locking().no_wait().lock(&db.client).await.is_ok(),
         "released"
     );
     Ok(())
@@ -474,7 +481,7 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
     assert_eq!(setting, "7s", "the caller's lock_timeout is restored");
     assert!(
         matches!(
-            mutex.locking().no_wait().lock(&db.pool).await,
+            mutex.locking().no_wait().lock(&db.client).await,
             Err(Error::Locked { .. })
         ),
         "held by the transaction"
@@ -536,7 +543,7 @@ async fn locks_inside_the_callers_transaction_keep_its_lock_timeout() -> TestRes
     let mut guard = mutex
         .locking()
         .timeout(Duration::from_millis(250))
-        .lock(&db.pool)
+        .lock(&db.client)
         .await?;
     let setting: String = sqlx::query_scalar("SHOW lock_timeout")
         .fetch_one(&mut *guard)
@@ -592,7 +599,9 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
     let db = support::migrated_db().await;
     let mutex = Mutex::new("cancelled");
     let holder = support::another_pool(&db, 1).await;
-    let held = mutex.lock(&holder).await?;
+    let held = mutex
+        .lock(&pg_semaphore::Client::new(holder.clone()))
+        .await?;
     let alive_tasks = || {
         tokio::runtime::Handle::current()
             .metrics()
@@ -607,17 +616,48 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
         let m = &mutex;
         let pool = &db.pool;
         match i % 5 {
-            0 => drop(tokio::time::timeout(cancel_after, m.lock(pool)).await),
-            1 => drop(
+            0 => drop(
                 tokio::time::timeout(
                     cancel_after,
-                    m.locking().timeout(Duration::from_secs(30)).lock(pool),
+                    m.lock(&pg_semaphore::Client::new(pool.clone())),
                 )
                 .await,
             ),
-            2 => drop(tokio::time::timeout(cancel_after, m.locking().shared().lock(pool)).await),
-            3 => drop(tokio::time::timeout(cancel_after, m.locking().lock_session(pool)).await),
-            _ => drop(tokio::time::timeout(cancel_after, m.locking().no_wait().lock(pool)).await),
+            1 => drop(
+                tokio::time::timeout(
+                    cancel_after,
+                    m.locking()
+                        .timeout(Duration::from_secs(30))
+                        .lock(&pg_semaphore::Client::new(pool.clone())),
+                )
+                .await,
+            ),
+            2 => drop(
+                tokio::time::timeout(
+                    cancel_after,
+                    m.locking()
+                        .shared()
+                        .lock(&pg_semaphore::Client::new(pool.clone())),
+                )
+                .await,
+            ),
+            3 => drop(
+                tokio::time::timeout(
+                    cancel_after,
+                    m.locking()
+                        .lock_session(&pg_semaphore::Client::new(pool.clone())),
+                )
+                .await,
+            ),
+            _ => drop(
+                tokio::time::timeout(
+                    cancel_after,
+                    m.locking()
+                        .no_wait()
+                        .lock(&pg_semaphore::Client::new(pool.clone())),
+                )
+                .await,
+            ),
         }
     }
 
@@ -644,7 +684,11 @@ async fn cancelled_lock_futures_never_leave_a_lock_held_or_queued() -> TestResul
 
     // So another connection gets the lock at once.
     let other = support::another_pool(&db, 1).await;
-    let guard = mutex.locking().no_wait().lock(&other).await;
+    let guard = mutex
+        .locking()
+        .no_wait()
+        .lock(&pg_semaphore::Client::new(other.clone()))
+        .await;
     assert!(
         guard.is_ok(),
         "the lock was not free right after the holder released: {guard:?}"
@@ -665,40 +709,62 @@ async fn session_locks_exclude_until_unlocked() -> TestResult {
     let leader = mutex
         .locking()
         .timeout(Duration::from_secs(5))
-        .lock_session(&pool)
+        .lock_session(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     assert!(leader.backend_pid() > 0);
     assert!(!leader.is_lost());
     // The pool still serves other work, and the lock excludes others.
     assert!(matches!(
-        mutex.locking().no_wait().lock(&pool).await,
+        mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone()))
+            .await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
-        mutex.locking().no_wait().lock_session(&pool).await,
+        mutex
+            .locking()
+            .no_wait()
+            .lock_session(&pg_semaphore::Client::new(pool.clone()))
+            .await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
         mutex
             .locking()
             .timeout(Duration::from_millis(200))
-            .lock_session(&pool)
+            .lock_session(&pg_semaphore::Client::new(pool.clone()))
             .await,
         Err(Error::Timeout { .. })
     ));
     // It outlives transactions: still held after other work commits.
     sqlx::query("SELECT 1").execute(&pool).await?;
     assert!(matches!(
-        mutex.locking().no_wait().lock(&pool).await,
+        mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone()))
+            .await,
         Err(Error::Locked { .. })
     ));
 
     leader.unlock().await?;
-    let next = mutex.locking().no_wait().lock_session(&pool).await?; // free after unlock
+    let next = mutex
+        .locking()
+        .no_wait()
+        .lock_session(&pg_semaphore::Client::new(pool.clone()))
+        .await?; // free after unlock
     drop(next); // closes its connection in the background
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if mutex.locking().no_wait().lock(&pool).await.is_ok() {
+        if mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone()))
+            .await
+            .is_ok()
+        {
             break;
         }
         assert!(
@@ -714,7 +780,7 @@ async fn session_locks_exclude_until_unlocked() -> TestResult {
 async fn a_terminated_session_is_reported_as_lost() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("fragile-leader").heartbeat(Duration::from_millis(100));
-    let leader: SessionGuard = mutex.locking().lock_session(&db.pool).await?;
+    let leader: SessionGuard = mutex.locking().lock_session(&db.client).await?;
     let lost = leader.lost();
     let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(leader.backend_pid())
@@ -726,7 +792,7 @@ async fn a_terminated_session_is_reported_as_lost() -> TestResult {
         .expect("the holder was not told it lost the lock");
     assert!(leader.is_lost());
     // The lock is free for others, and unlocking says what happened.
-    assert!(mutex.locking().no_wait().lock(&db.pool).await.is_ok());
+    assert!(mutex.locking().no_wait().lock(&db.client).await.is_ok());
     match leader.unlock().await {
         Err(Error::LockLost { mutex, reason }) => {
             assert_eq!(mutex, r#"mutex "fragile-leader""#);
@@ -741,7 +807,7 @@ async fn a_terminated_session_is_reported_as_lost() -> TestResult {
 async fn an_unlocked_session_guard_is_never_reported_lost() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("calm").heartbeat(Duration::from_millis(50));
-    let guard = mutex.locking().lock_session(&db.pool).await?;
+    let guard = mutex.locking().lock_session(&db.client).await?;
     let lost = guard.lost();
     guard.unlock().await?;
     assert!(
@@ -761,9 +827,18 @@ fn bounds(mutex: Mutex, pool: PgPool, guard: MutexGuard, session: SessionGuard) 
     send_sync(&mutex);
     send(&guard);
     send_sync(&session);
-    send(&mutex.lock(&pool));
-    send(&mutex.locking().no_wait().lock(&pool));
-    send(&mutex.locking().lock_session(&pool));
+    send(&mutex.lock(&pg_semaphore::Client::new(pool.clone())));
+    send(
+        &mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone())),
+    );
+    send(
+        &mutex
+            .locking()
+            .lock_session(&pg_semaphore::Client::new(pool.clone())),
+    );
     send(&session.lost());
     send(&guard.commit());
     send(&session.unlock());
@@ -773,7 +848,7 @@ fn bounds(mutex: Mutex, pool: PgPool, guard: MutexGuard, session: SessionGuard) 
 async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
     let db = support::migrated_db().await;
     let mutex = Mutex::new("clean");
-    let held = mutex.lock(&db.pool).await?;
+    let held = mutex.lock(&db.client).await?;
     // One connection: whatever the failed lock leaves behind, the next user gets.
     let single = PgPoolOptions::new()
         .max_connections(1)
@@ -784,7 +859,7 @@ async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
             mutex
                 .locking()
                 .timeout(Duration::from_millis(50))
-                .lock(&single)
+                .lock(&pg_semaphore::Client::new(single.clone()))
                 .await,
             Err(Error::Timeout { .. })
         ));
@@ -806,7 +881,7 @@ async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
     let guard = mutex
         .locking()
         .timeout(Duration::from_secs(5))
-        .lock(&single)
+        .lock(&pg_semaphore::Client::new(single.clone()))
         .await?;
     guard.commit().await?;
     Ok(())
@@ -836,11 +911,15 @@ async fn an_abandoned_wait_for_a_pool_connection_opens_no_connections() -> TestR
         .connect_with(db.options.clone())
         .await?;
     let mutex = Mutex::new("exhausted");
-    let held = mutex.lock(&pool).await?; // the pool's only connection
+    let held = mutex.lock(&pg_semaphore::Client::new(pool.clone())).await?; // the pool's only connection
 
     let mut admin = sqlx::PgConnection::connect_with(&db.options).await?;
     let before = sessions(&mut admin).await?;
-    let abandoned = tokio::time::timeout(Duration::from_millis(200), mutex.lock(&pool)).await;
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(200),
+        mutex.lock(&pg_semaphore::Client::new(pool.clone())),
+    )
+    .await;
     assert!(abandoned.is_err(), "the wait cannot succeed");
     tokio::time::sleep(Duration::from_secs(2)).await;
     // Let closed sessions' statistics reach the shared counters.
@@ -855,7 +934,7 @@ async fn an_abandoned_wait_for_a_pool_connection_opens_no_connections() -> TestR
     mutex
         .locking()
         .no_wait()
-        .lock(&pool)
+        .lock(&pg_semaphore::Client::new(pool.clone()))
         .await?
         .commit()
         .await?;

@@ -53,7 +53,10 @@ async fn a_partitioned_session_lock_holder_learns_within_two_heartbeats() -> Tes
     let pool = through(&proxy, 2).await?;
     let heartbeat = Duration::from_millis(200);
     let mutex = Mutex::new("partitioned-leader").heartbeat(heartbeat);
-    let leader = mutex.locking().lock_session(&pool).await?;
+    let leader = mutex
+        .locking()
+        .lock_session(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     let lost = leader.lost();
     tokio::time::sleep(heartbeat * 2).await;
     assert!(!leader.is_lost());
@@ -87,15 +90,18 @@ async fn the_server_frees_a_partitioned_session_lock() -> TestResult {
     let proxy = Proxy::start(&db).await;
     let pool = through(&proxy, 2).await?;
     let mutex = Mutex::new("abandoned-leader").heartbeat(Duration::from_millis(200));
-    let leader = mutex.locking().lock_session(&pool).await?;
+    let leader = mutex
+        .locking()
+        .lock_session(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     assert!(matches!(
-        mutex.locking().no_wait().lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.client).await,
         Err(Error::Locked { .. })
     ));
 
     proxy.blackhole();
     let freed = within(Duration::from_secs(10), || async {
-        mutex.locking().no_wait().lock(&db.pool).await.is_ok()
+        mutex.locking().no_wait().lock(&db.client).await.is_ok()
     })
     .await
     .ok_or("the server kept a partitioned session's lock for 10 s")?;
@@ -117,20 +123,24 @@ async fn a_guards_idle_timeout_frees_its_lock_behind_a_partition() -> TestResult
     let pool = through(&proxy, 4).await?;
 
     let unbounded = Mutex::new("dark-guard-unbounded");
-    let held = unbounded.lock(&pool).await?;
+    let held = unbounded
+        .lock(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     let bounded = Mutex::new("dark-guard").idle_timeout(Duration::from_secs(1));
-    let guard = bounded.lock(&pool).await?;
+    let guard = bounded
+        .lock(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     proxy.blackhole();
 
     let freed = within(Duration::from_secs(10), || async {
-        bounded.locking().no_wait().lock(&db.pool).await.is_ok()
+        bounded.locking().no_wait().lock(&db.client).await.is_ok()
     })
     .await
     .ok_or("the guard's lock was not freed behind the partition")?;
     assert!(freed < Duration::from_secs(4), "freed after {freed:?}");
     assert!(
         matches!(
-            unbounded.locking().no_wait().lock(&db.pool).await,
+            unbounded.locking().no_wait().lock(&db.client).await,
             Err(Error::Locked { .. })
         ),
         "without idle_timeout the server keeps the lock (until its TCP keepalive gives up)"
@@ -145,7 +155,9 @@ async fn a_guards_idle_timeout_frees_its_lock_behind_a_partition() -> TestResult
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dark_fence_is_bounded_by_its_idle_in_transaction_timeout() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("dark-fence", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("dark-fence", 1)
+        .build(&db.client)
+        .await?;
     let permit = sem.try_acquire().await?;
     let proxy = Proxy::start(&db).await;
     let dark = through(&proxy, 1).await?;
@@ -174,7 +186,7 @@ async fn a_claim_whose_reply_was_lost_does_not_hold_its_slot_for_a_lease() -> Te
     let pool = through(&proxy, 2).await?;
     let sem = Semaphore::builder("lost-reply", 1)
         .lease(Duration::from_secs(60))
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
 
     // Hold the semaphore's row, so that the claim waits on the server.
@@ -241,16 +253,20 @@ async fn a_claim_whose_reply_was_lost_does_not_hold_its_slot_for_a_lease() -> Te
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_acquire_rides_out_an_outage() -> TestResult {
     let db = support::migrated_db().await;
-    let holder = Semaphore::builder("outage", 1).build(&db.pool).await?;
+    let holder = Semaphore::builder("outage", 1).build(&db.client).await?;
     let held = holder.try_acquire().await?;
     let proxy = Proxy::start(&db).await;
     let pool = through(&proxy, 2).await?;
     let sem = Semaphore::builder("outage", 1)
         .fallback_interval(Duration::from_millis(200))
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
-    let waiter =
-        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await });
+    let waiter = tokio::spawn(async move {
+        sem.acquiring()
+            .timeout(Duration::from_secs(30))
+            .acquire()
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // The link goes dark while the slot frees, for longer than the pool's

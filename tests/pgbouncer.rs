@@ -186,9 +186,8 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
     let db = support::migrated_db().await; // migrations need a direct connection
     let pool = pool_through_bouncer(&db, 4).await;
     let sem = Semaphore::builder("behind-bouncer", CAPACITY)
-        .transaction_pooling(true)
         .fallback_interval(Duration::from_millis(50))
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
         .await?;
     let holding = Arc::new(AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -197,7 +196,7 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
         tasks.spawn(async move {
             for round in 0..5u64 {
                 let permit = sem
-                    .claim()
+                    .acquiring()
                     .timeout(Duration::from_secs(60))
                     .acquire()
                     .await?;
@@ -249,17 +248,16 @@ async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
         return Ok(()); // skipped, with one line saying how to install it
     }
     let db = support::migrated_db().await;
-    let direct = Semaphore::builder("polled", 1).build(&db.pool).await?;
+    let direct = Semaphore::builder("polled", 1).build(&db.client).await?;
     let pool = pool_through_bouncer(&db, 2).await;
     let behind = Semaphore::builder("polled", 1)
-        .transaction_pooling(true)
         .fallback_interval(Duration::from_millis(100))
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
         .await?;
     let held = direct.try_acquire().await?;
     let waiter = tokio::spawn(async move {
         behind
-            .claim()
+            .acquiring()
             .timeout(Duration::from_secs(30))
             .acquire()
             .await
@@ -289,10 +287,9 @@ async fn heartbeats_renew_through_the_bouncer() -> TestResult {
     let pool = pool_through_bouncer(&db, 2).await;
     let lease = Duration::from_secs(2);
     let sem = Semaphore::builder("renewed-behind", 1)
-        .transaction_pooling(true)
         .lease(lease)
         .heartbeat(Duration::from_millis(300))
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
         .await?;
     let permit = sem.try_acquire().await?;
     tokio::time::sleep(lease * 2).await;
@@ -315,14 +312,13 @@ async fn the_extensions_work_through_the_bouncer() -> TestResult {
         return Ok(()); // skipped, with one line saying how to install it
     }
     let db = support::migrated_db().await;
-    let direct = Semaphore::builder("extended", 3).build(&db.pool).await?;
+    let direct = Semaphore::builder("extended", 3).build(&db.client).await?;
     let pool = pool_through_bouncer(&db, 2).await;
     let behind = Semaphore::builder("extended", 3)
-        .transaction_pooling(true)
         .reserved(1)
         .queue(QueueOrder::OldestFirst)
         .fallback_interval(Duration::from_millis(100))
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
         .await?;
     let held = direct.try_acquire().await?;
     // A weighted claim, a queued waiter, a low-priority claim, wait_idle.
@@ -330,7 +326,7 @@ async fn the_extensions_work_through_the_bouncer() -> TestResult {
         let behind = behind.clone();
         async move {
             behind
-                .claim()
+                .acquiring()
                 .timeout(Duration::from_secs(30))
                 .acquire_many(3)
                 .await
@@ -345,13 +341,13 @@ async fn the_extensions_work_through_the_bouncer() -> TestResult {
     assert_eq!(behind.queue_len().await?, 0);
     all.release().await?;
     let low = behind
-        .claim()
+        .acquiring()
         .priority(Priority::Low)
         .try_acquire_many(2)
         .await?;
     assert!(
         behind
-            .claim()
+            .acquiring()
             .priority(Priority::Low)
             .try_acquire()
             .await
@@ -377,7 +373,7 @@ async fn the_mutex_works_through_the_bouncer() -> TestResult {
     let mut guard = mutex
         .locking()
         .timeout(Duration::from_secs(5))
-        .lock(&pool)
+        .lock(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     sqlx::query("INSERT INTO runs VALUES ($1)")
         .bind(1)
@@ -386,23 +382,33 @@ async fn the_mutex_works_through_the_bouncer() -> TestResult {
         .await?;
     // Held, as seen from a direct connection and through the bouncer.
     assert!(matches!(
-        mutex.locking().no_wait().lock(&db.pool).await,
+        mutex.locking().no_wait().lock(&db.client).await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
-        mutex.locking().no_wait().lock(&pool).await,
+        mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone()))
+            .await,
         Err(Error::Locked { .. })
     ));
     assert!(matches!(
         mutex
             .locking()
             .timeout(Duration::from_millis(200))
-            .lock(&pool)
+            .lock(&pg_semaphore::Client::new(pool.clone()))
             .await,
         Err(Error::Timeout { .. })
     ));
     // A cancelled wait through the bouncer is cancelled on the server too.
-    drop(tokio::time::timeout(Duration::from_millis(100), mutex.lock(&pool)).await);
+    drop(
+        tokio::time::timeout(
+            Duration::from_millis(100),
+            mutex.lock(&pg_semaphore::Client::new(pool.clone())),
+        )
+        .await,
+    );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let waiting: i64 = sqlx::query_scalar(
@@ -426,7 +432,12 @@ async fn the_mutex_works_through_the_bouncer() -> TestResult {
         .await?;
     assert_eq!(rows, 1, "the work committed with the release");
     assert!(
-        mutex.locking().no_wait().lock(&pool).await.is_ok(),
+        mutex
+            .locking()
+            .no_wait()
+            .lock(&pg_semaphore::Client::new(pool.clone()))
+            .await
+            .is_ok(),
         "free after commit"
     );
     Ok(())

@@ -423,11 +423,11 @@ async fn a_key_keeps_a_bounded_number_of_rows() -> TestResult {
     const BOUND: i64 = 34;
     let db = support::migrated_db().await;
     let fixed = RateLimiter::builder("busy", RatePolicy::fixed_window(10 * CHECKS, HOUR))
-        .build(&db.pool)?;
+        .build(&db.client)?;
     let bucket = RateLimiter::builder("busy", RatePolicy::token_bucket(0.001, 10 * CHECKS))
-        .build(&db.pool)?;
+        .build(&db.client)?;
     let sliding = RateLimiter::builder("busy", RatePolicy::sliding_window(10 * CHECKS, HOUR))
-        .build(&db.pool)?;
+        .build(&db.client)?;
     for kind in Kind::ALL {
         let mut most = 0;
         for i in 1..=CHECKS {

@@ -36,8 +36,7 @@ fn exact_trio(pool: &PgPool, name: &str, limit: u32, pooled: bool) -> Vec<RateLi
     .into_iter()
     .map(|policy| {
         RateLimiter::builder(name, policy)
-            .transaction_pooling(pooled)
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(pooled))
             .expect("valid policy")
     })
     .collect()
@@ -75,7 +74,7 @@ async fn token_bucket_burst_then_steady_rate() -> TestResult {
         "request_rate_limiter",
         RatePolicy::token_bucket(f64::from(RATE), CAPACITY),
     )
-    .build(&db.pool)?;
+    .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     let user = "user-1234";
 
     // Burst works.
@@ -115,14 +114,15 @@ async fn token_bucket_burst_then_steady_rate() -> TestResult {
 async fn retry_after_is_enough_for_every_limiter() -> TestResult {
     let db = support::migrated_db().await;
     let limiters = [
-        RateLimiter::builder("b", RatePolicy::token_bucket(4.0, 3)).build(&db.pool)?,
+        RateLimiter::builder("b", RatePolicy::token_bucket(4.0, 3))
+            .build(&pg_semaphore::Client::new(db.pool.clone()))?,
         RateLimiter::builder("f", RatePolicy::fixed_window(3, Duration::from_millis(400)))
-            .build(&db.pool)?,
+            .build(&pg_semaphore::Client::new(db.pool.clone()))?,
         RateLimiter::builder(
             "s",
             RatePolicy::sliding_window(3, Duration::from_millis(400)),
         )
-        .build(&db.pool)?,
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?,
     ];
     for limiter in &limiters {
         assert_eq!(limiter.check("k", 3).await?.remaining, 0);
@@ -171,8 +171,8 @@ async fn fixed_window_resets_at_the_end_of_the_window() -> TestResult {
     const LIMIT: u32 = 4;
     let db = support::migrated_db().await;
     let window = Duration::from_secs(1);
-    let limiter =
-        RateLimiter::builder("fixed", RatePolicy::fixed_window(LIMIT, window)).build(&db.pool)?;
+    let limiter = RateLimiter::builder("fixed", RatePolicy::fixed_window(LIMIT, window))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
     let refused = limiter.check("k", 1).await?;
     assert!(!refused.allowed);
@@ -192,7 +192,7 @@ async fn sliding_window_holds_back_the_burst_after_a_boundary() -> TestResult {
     let db = support::migrated_db().await;
     let window = Duration::from_secs(3);
     let limiter = RateLimiter::builder("sliding", RatePolicy::sliding_window(LIMIT, window))
-        .build(&db.pool)?;
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     assert_eq!(admitted_until_refused(&limiter, "k", LIMIT).await, LIMIT);
     let refused = limiter.check("k", 1).await?;
     assert!(!refused.allowed);
@@ -329,7 +329,8 @@ async fn exactly_the_limit_is_admitted_through_pgbouncer() -> TestResult {
 async fn prune_deletes_only_idle_keys() -> TestResult {
     let db = support::migrated_db().await;
     // At rest a millisecond after its check: the bucket refills at once.
-    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(1000.0, 1)).build(&db.pool)?;
+    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(1000.0, 1))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     // Still limited for the whole test.
     let limited = exact_trio(&db.pool, "limited", 1, false);
     assert!(fast.check("idle-key", 1).await?.allowed);
@@ -384,8 +385,10 @@ async fn prune_walks_every_batch() -> TestResult {
 #[tokio::test]
 async fn reaper_prunes_idle_keys() -> TestResult {
     let db = support::migrated_db().await;
-    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(1000.0, 1)).build(&db.pool)?;
-    let slow = RateLimiter::builder("slow", RatePolicy::token_bucket(0.001, 1)).build(&db.pool)?;
+    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(1000.0, 1))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
+    let slow = RateLimiter::builder("slow", RatePolicy::token_bucket(0.001, 1))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     assert!(fast.check("k", 1).await?.allowed);
     assert!(slow.check("k", 1).await?.allowed);
     let reaper = Reaper::builder()
@@ -424,13 +427,13 @@ async fn fail_open_admits_when_the_database_is_down() -> TestResult {
         let limiters = [
             RateLimiter::builder("down", RatePolicy::token_bucket(1.0, 1))
                 .fail_open(fail_open)
-                .build(&down)?,
+                .build(&pg_semaphore::Client::new(down.clone()))?,
             RateLimiter::builder("down", RatePolicy::fixed_window(1, HOUR))
                 .fail_open(fail_open)
-                .build(&down)?,
+                .build(&pg_semaphore::Client::new(down.clone()))?,
             RateLimiter::builder("down", RatePolicy::sliding_window(1, HOUR))
                 .fail_open(fail_open)
-                .build(&down)?,
+                .build(&pg_semaphore::Client::new(down.clone()))?,
         ];
         for limiter in &limiters {
             let kind = limiter.policy().kind();
@@ -461,7 +464,7 @@ async fn fail_open_does_not_hide_missing_migrations() -> TestResult {
     let db = support::empty_db().await;
     let limiter = RateLimiter::builder("unmigrated", RatePolicy::token_bucket(1.0, 1))
         .fail_open(true)
-        .build(&db.pool)?;
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     let outcome = limiter.check("k", 1).await;
     assert!(
         matches!(
@@ -490,17 +493,17 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
     };
     let bucket = |rate: f64, burst: u32| {
         RateLimiter::builder("b", RatePolicy::token_bucket(rate, burst))
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .map(drop)
     };
     let fixed = |limit: u32, window: Duration| {
         RateLimiter::builder("f", RatePolicy::fixed_window(limit, window))
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .map(drop)
     };
     let sliding = |limit: u32, window: Duration| {
         RateLimiter::builder("s", RatePolicy::sliding_window(limit, window))
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .map(drop)
     };
     let huge = "x".repeat(MAX_NAME_LEN + 1);
@@ -515,19 +518,19 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
         (
             "name",
             RateLimiter::builder("", RatePolicy::token_bucket(1.0, 1))
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .map(drop),
         ),
         (
             "name",
             RateLimiter::builder(huge.as_str(), RatePolicy::token_bucket(1.0, 1))
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .map(drop),
         ),
         (
             "name",
             RateLimiter::builder("a\0b", RatePolicy::token_bucket(1.0, 1))
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .map(drop),
         ),
         ("permit_limit", fixed(0, HOUR)),
@@ -541,7 +544,7 @@ async fn bad_input_is_rejected_before_the_database() -> TestResult {
         (
             "name",
             RateLimiter::builder("", RatePolicy::sliding_window(1, HOUR))
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .map(drop),
         ),
     ];
@@ -640,7 +643,7 @@ async fn waiting_acquires_are_admitted_at_the_rate_and_never_faster() -> TestRes
     let tasks: Vec<_> = (0..WAITERS)
         .map(|i| {
             let limiter = RateLimiter::builder("waiting", RatePolicy::token_bucket(RATE, BURST))
-                .build(&pools[i % pools.len()]);
+                .build(&pg_semaphore::Client::new(pools[i % pools.len()].clone()));
             tokio::spawn(async move {
                 let decision = limiter?.acquire("the-key", 1).await?;
                 assert!(decision.allowed && !decision.failed_open, "{decision:?}");
@@ -748,7 +751,7 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
                 "counted",
                 RatePolicy::token_bucket(100.0, WAITERS as u32 / 2),
             )
-            .build(&pools[i % pools.len()]);
+            .build(&pg_semaphore::Client::new(pools[i % pools.len()].clone()));
             tokio::spawn(async move { limiter?.acquire("the-key", 1).await })
         })
         .collect();
@@ -777,8 +780,8 @@ async fn each_waiting_acquire_costs_one_reservation() -> TestResult {
 async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestResult {
     let db = support::migrated_db().await;
     // One token per 1,000 s: the second token of a key is 1,000 s away.
-    let limiter =
-        RateLimiter::builder("slow", RatePolicy::token_bucket(0.001, 2)).build(&db.pool)?;
+    let limiter = RateLimiter::builder("slow", RatePolicy::token_bucket(0.001, 2))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     assert!(limiter.check("k", 1).await?.allowed);
     let timeout = Duration::from_secs(5);
     let asked = Instant::now();
@@ -804,7 +807,8 @@ async fn a_wait_past_the_timeout_is_refused_at_once_and_takes_nothing() -> TestR
     );
     // Within the timeout: a key of 2 per second, its burst spent, admits
     // the next 500 ms after the first.
-    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(2.0, 1)).build(&db.pool)?;
+    let fast = RateLimiter::builder("fast", RatePolicy::token_bucket(2.0, 1))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     let asked = Instant::now();
     assert!(fast.acquire_timeout("k", 1, Duration::ZERO).await?.allowed);
     let outcome = fast.acquire_timeout("k", 1, Duration::ZERO).await;
@@ -837,7 +841,8 @@ async fn checks_wait_behind_reservations() -> TestResult {
     let second: (bool, i64, i64) = sqlx::query_as(reserve).fetch_one(&db.pool).await?;
     assert!(second.0 && second.2 == -1, "{second:?}");
     assert!((1..=100_000).contains(&second.1), "{second:?}");
-    let limiter = RateLimiter::builder("r", RatePolicy::token_bucket(10.0, 1)).build(&db.pool)?;
+    let limiter = RateLimiter::builder("r", RatePolicy::token_bucket(10.0, 1))
+        .build(&pg_semaphore::Client::new(db.pool.clone()))?;
     let refused = limiter.check("k", 1).await?;
     assert!(
         !refused.allowed,
@@ -866,11 +871,11 @@ fn window_limiter(
 ) -> RateLimiter {
     if sliding {
         RateLimiter::builder(name, RatePolicy::sliding_window(limit, window))
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .expect("valid sliding window")
     } else {
         RateLimiter::builder(name, RatePolicy::fixed_window(limit, window))
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .expect("valid fixed window")
     }
 }
@@ -1143,13 +1148,13 @@ async fn a_queue_deeper_than_a_reservation_costs_at_most_two_per_admission() -> 
     const APPLICATION: &str = "deep-queue-counter";
     let db = support::migrated_db().await;
     let pool = counted_pool(&db, APPLICATION).await?;
-    let bucket =
-        RateLimiter::builder("deep-bucket", RatePolicy::token_bucket(50.0, 5)).build(&pool)?;
+    let bucket = RateLimiter::builder("deep-bucket", RatePolicy::token_bucket(50.0, 5))
+        .build(&pg_semaphore::Client::new(pool.clone()))?;
     let window = RateLimiter::builder(
         "deep-window",
         RatePolicy::fixed_window(5, Duration::from_millis(100)),
     )
-    .build(&pool)?;
+    .build(&pg_semaphore::Client::new(pool.clone()))?;
     let mut tasks = Vec::new();
     for _ in 0..WAITERS {
         let bucket = bucket.clone();

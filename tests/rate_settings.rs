@@ -25,13 +25,13 @@ const HOUR: Duration = Duration::from_secs(3600);
 /// A token bucket that refills nothing worth a token during a test.
 fn bucket(pool: &PgPool, name: &str, burst: u32) -> RateLimiter {
     RateLimiter::builder(name, RatePolicy::token_bucket(0.001, burst))
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .expect("valid token bucket")
 }
 
 fn window(pool: &PgPool, name: &str, limit: u32) -> RateLimiter {
     RateLimiter::builder(name, RatePolicy::fixed_window(limit, HOUR))
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .expect("valid fixed window")
 }
 
@@ -346,7 +346,8 @@ async fn waiting_acquires_wake_early_when_a_pause_ends_or_the_rate_is_raised() -
         "not woken when the pause ended"
     );
 
-    let slow = RateLimiter::builder("raised", RatePolicy::token_bucket(0.01, 1)).build(&db.pool)?;
+    let slow =
+        RateLimiter::builder("raised", RatePolicy::token_bucket(0.01, 1)).build(&db.client)?;
     assert!(slow.check("k", 1).await?.allowed);
     let asked = Instant::now();
     let waiter = tokio::spawn(async move { slow.acquire("k", 1).await });
@@ -423,7 +424,7 @@ async fn multi_limit_checks_under_contention_never_exceed_any_limit() -> TestRes
             let per_key = bucket(&pool, "contended", 30);
             let sliding =
                 RateLimiter::builder("contended-sliding", RatePolicy::sliding_window(20, HOUR))
-                    .build(&pool)?;
+                    .build(&pg_semaphore::Client::new(pool.clone()))?;
             let global = bucket(&pool, "contended-global", 25);
             let key = if i % 4 < 2 { "a" } else { "b" };
             let set = if i % 2 == 0 {
@@ -548,9 +549,10 @@ async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
     let open = |name: &str| {
         RateLimiter::builder(name, RatePolicy::token_bucket(1.0, 1))
             .fail_open(true)
-            .build(&down)
+            .build(&pg_semaphore::Client::new(down.clone()))
     };
-    let closed = RateLimiter::builder("closed", RatePolicy::token_bucket(1.0, 1)).build(&down)?;
+    let closed = RateLimiter::builder("closed", RatePolicy::token_bucket(1.0, 1))
+        .build(&pg_semaphore::Client::new(down.clone()))?;
     let both_open = LimiterSet::new().with(&open("a")?).with(&open("b")?);
     let decision = both_open.check("k", 1).await?;
     assert!(decision.allowed && decision.failed_open, "{decision:?}");
@@ -568,10 +570,10 @@ async fn a_set_fails_open_only_if_all_its_limiters_do() -> TestResult {
 async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
     let db = support::migrated_db().await;
     let other = support::another_pool(&db, 2).await;
-    let here =
-        RateLimiter::builder("paused-window", RatePolicy::fixed_window(5, HOUR)).build(&db.pool)?;
-    let there =
-        RateLimiter::builder("paused-window", RatePolicy::fixed_window(5, HOUR)).build(&other)?;
+    let here = RateLimiter::builder("paused-window", RatePolicy::fixed_window(5, HOUR))
+        .build(&db.client)?;
+    let there = RateLimiter::builder("paused-window", RatePolicy::fixed_window(5, HOUR))
+        .build(&pg_semaphore::Client::new(other.clone()))?;
     there.pause("k", Duration::from_millis(1500)).await?;
     let asked = Instant::now();
     assert!(matches!(
@@ -590,7 +592,7 @@ async fn window_acquires_honour_pauses_and_stored_limits() -> TestResult {
     );
 
     let sliding = RateLimiter::builder("stored-window", RatePolicy::sliding_window(100, HOUR))
-        .build(&db.pool)?;
+        .build(&db.client)?;
     pg_semaphore::admin::set_rate_limit(
         &db.pool,
         "stored-window",
@@ -632,13 +634,13 @@ async fn a_set_s_waiting_acquires_never_pass_any_of_its_limits() -> TestResult {
         .map(|i| {
             let pool = &pools[i % pools.len()];
             let fast = RateLimiter::builder("set-wait-bucket", RatePolicy::token_bucket(10.0, 2))
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .expect("valid bucket");
             let slow = RateLimiter::builder(
                 "set-wait-window",
                 RatePolicy::fixed_window(8, Duration::from_secs(1)),
             )
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .expect("valid window");
             tokio::spawn(async move {
                 let set = LimiterSet::new().with(&fast).with(&slow);

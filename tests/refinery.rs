@@ -41,7 +41,7 @@ async fn refinery_builds_the_same_schema_as_sqlx() -> TestResult {
     // The crate works on the refinery-migrated database.
     let sem = Semaphore::builder("after-refinery", 1)
         .lease(Duration::from_secs(60))
-        .build(&by_refinery.pool)
+        .build(&pg_semaphore::Client::new(by_refinery.pool.clone()))
         .await?;
     let permit = sem.try_acquire().await?;
     assert!(sem.try_acquire().await.is_err());
@@ -111,7 +111,7 @@ async fn concurrent_refinery_runs_from_many_processes_succeed() -> TestResult {
     let total = pg_semaphore::schema::refinery_migrations().len();
     assert_eq!(applied, [0, 0, 0, total]);
     Semaphore::builder("after-concurrent-refinery", 1)
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await?;
     Ok(())
 }
@@ -208,7 +208,7 @@ async fn refinery_and_sqlx_each_adopt_the_schema_the_other_built() -> TestResult
     assert!(!has_table(&by_refinery.pool, "_sqlx_migrations").await);
     assert_eq!(objects(&by_refinery.pool).await, before, "nothing written");
     Semaphore::builder("adopted", 1)
-        .build(&by_refinery.pool)
+        .build(&pg_semaphore::Client::new(by_refinery.pool.clone()))
         .await?
         .try_acquire()
         .await?

@@ -52,22 +52,26 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
 
         // Semaphores: build, fail fast, wait and be woken, release, audit.
         let started = Utc::now() - chrono::Duration::seconds(1);
+        let client = pg_semaphore::Client::new(app.clone());
         let sem = Semaphore::builder("least-privilege", 1)
             .lease(Duration::from_secs(30))
             .fallback_interval(Duration::from_secs(600))
-            .build(&app)
+            .build(&client)
             .await?;
         let held = sem
-            .claim()
+            .acquiring()
             .metadata(serde_json::json!({ "via": "app role" }))
             .try_acquire()
             .await?;
         assert!(sem.try_acquire().await.is_err());
         let waiter = {
             let sem = sem.clone();
-            tokio::spawn(
-                async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await },
-            )
+            tokio::spawn(async move {
+                sem.acquiring()
+                    .timeout(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            })
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
         held.release().await?;
@@ -81,7 +85,7 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         // Several limits at once: claimed, fenced and released together
         // with the application's grants alone.
         let merchant = Semaphore::builder("least-privilege:merchant", 1)
-            .build(&app)
+            .build(&client)
             .await?;
         let both = Semaphore::try_acquire_all(&[(&merchant, 1), (&sem, 1)]).await?;
         let mut tx = app.begin().await?;
@@ -102,7 +106,7 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         let renewed = Semaphore::builder("least-privilege-renewed", 1)
             .lease(Duration::from_millis(600))
             .heartbeat(Duration::from_millis(150))
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let busy = renewed.try_acquire().await?;
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -117,17 +121,17 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
             .reserved(1)
             .queue(QueueOrder::OldestFirst)
             .fallback_interval(Duration::from_secs(600))
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let both = fair
-            .claim()
+            .acquiring()
             .timeout(Duration::from_secs(30))
             .acquire_many(2)
             .await?;
         let queued = {
             let fair = fair.clone();
             tokio::spawn(async move {
-                fair.claim()
+                fair.acquiring()
                     .priority(Priority::Low)
                     .timeout(Duration::from_secs(30))
                     .acquire()
@@ -147,28 +151,37 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         let guard = mutex
             .locking()
             .timeout(Duration::from_secs(5))
-            .lock(&app)
+            .lock(&pg_semaphore::Client::new(app.clone()))
             .await?;
         assert!(matches!(
-            mutex.locking().no_wait().lock(&app).await,
+            mutex
+                .locking()
+                .no_wait()
+                .lock(&pg_semaphore::Client::new(app.clone()))
+                .await,
             Err(Error::Locked { .. })
         ));
         guard.commit().await?;
-        mutex.locking().lock_session(&app).await?.unlock().await?;
+        mutex
+            .locking()
+            .lock_session(&pg_semaphore::Client::new(app.clone()))
+            .await?
+            .unlock()
+            .await?;
 
         // Rate limiters: check (insert, then update).
         let bucket = RateLimiter::builder("least-privilege", RatePolicy::token_bucket(1000.0, 1))
-            .build(&app)?;
+            .build(&pg_semaphore::Client::new(app.clone()))?;
         let fixed = RateLimiter::builder(
             "least-privilege",
             RatePolicy::fixed_window(1, Duration::from_millis(10)),
         )
-        .build(&app)?;
+        .build(&pg_semaphore::Client::new(app.clone()))?;
         let sliding = RateLimiter::builder(
             "least-privilege",
             RatePolicy::sliding_window(1, Duration::from_millis(10)),
         )
-        .build(&app)?;
+        .build(&pg_semaphore::Client::new(app.clone()))?;
         for _ in 0..2 {
             // The first check inserts the key's row, the second updates it.
             assert!(!bucket.check("k", 1).await?.failed_open);
@@ -195,7 +208,7 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
         let short = Semaphore::builder("operated", 1)
             .lease(Duration::from_millis(50))
             .without_heartbeat()
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         std::mem::forget(short.try_acquire().await?);
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -238,8 +251,8 @@ async fn the_operator_role_reaps_prunes_resizes_weighs_and_force_releases() -> T
             })
         ));
 
-        let bucket =
-            RateLimiter::builder("operated", RatePolicy::token_bucket(1000.0, 1)).build(&app)?;
+        let bucket = RateLimiter::builder("operated", RatePolicy::token_bucket(1000.0, 1))
+            .build(&pg_semaphore::Client::new(app.clone()))?;
         assert!(bucket.check("k", 1).await?.allowed);
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(
@@ -272,7 +285,7 @@ async fn both_roles_list_advisory_holders_and_see_what_postgres_shows_them() -> 
     as_roles(|_db, app, operator| async move {
         let sem = pg_semaphore::AdvisorySemaphore::builder("advisory-listed", 2)
             .audit(false)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let permit = sem.try_acquire().await?;
         // The application's own sessions: everything.
@@ -314,7 +327,7 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
     let app = roles.pool(&db, "app").await?;
 
     let result = async {
-        let sem = Semaphore::builder("guarded", 2).build(&app).await?;
+        let sem = Semaphore::builder("guarded", 2).build(&pg_semaphore::Client::new(app.clone())).await?;
         let theirs = sem.try_acquire().await?;
         let id = theirs.id();
 
@@ -424,7 +437,7 @@ async fn a_hijacked_search_path_changes_nothing() -> TestResult {
     let result = async {
         let sem = Semaphore::builder("hijack", 1)
             .lease(Duration::from_secs(60))
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let theirs = sem.try_acquire().await?;
         sqlx::raw_sql(
@@ -497,19 +510,21 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
             .await?;
         assert_eq!(role, roles.name("app"));
         let sem = Semaphore::builder("bounced-app", 1)
-            .transaction_pooling(true)
             .lease(Duration::from_millis(900))
             .heartbeat(Duration::from_millis(200))
             .fallback_interval(Duration::from_millis(100))
             .queue(QueueOrder::OldestFirst)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()).transaction_pooling(true))
             .await?;
         let held = sem.try_acquire().await?;
         let waiter = {
             let sem = sem.clone();
-            tokio::spawn(
-                async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await },
-            )
+            tokio::spawn(async move {
+                sem.acquiring()
+                    .timeout(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            })
         };
         while sem.queue_len().await? == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -526,17 +541,20 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
         let guard = mutex
             .locking()
             .timeout(Duration::from_secs(5))
-            .lock(&app)
+            .lock(&pg_semaphore::Client::new(app.clone()))
             .await?;
         assert!(matches!(
-            mutex.locking().no_wait().lock(&app).await,
+            mutex
+                .locking()
+                .no_wait()
+                .lock(&pg_semaphore::Client::new(app.clone()))
+                .await,
             Err(Error::Locked { .. })
         ));
         guard.commit().await?;
 
         let bucket = RateLimiter::builder("bounced-app", RatePolicy::token_bucket(1.0, 1))
-            .transaction_pooling(true)
-            .build(&app)?;
+            .build(&pg_semaphore::Client::new(app.clone()).transaction_pooling(true))?;
         assert!(bucket.check("k", 1).await?.allowed);
         assert!(!bucket.check("k", 1).await?.allowed);
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
@@ -562,7 +580,7 @@ async fn errors_never_show_the_connection_password() -> TestResult {
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options);
     let err = Semaphore::builder("x", 1)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await
         .expect_err("the role does not exist");
     let shown = format!("{err} / {err:?}");
@@ -596,7 +614,7 @@ async fn app_and_operator(
 /// drops the database, ending every connection to it).
 async fn as_roles<F, Fut>(body: F) -> TestResult
 where
-    F: FnOnce(Arc<support::TestDb>, PgPool, PgPool) -> Fut,
+    F: FnOnce(Arc<support::MigratedDb>, PgPool, PgPool) -> Fut,
     Fut: std::future::Future<Output = TestResult>,
 {
     let db = Arc::new(support::migrated_db().await);
@@ -1080,8 +1098,8 @@ async fn privileges_rate_limits_are_the_stored_ones() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestResult {
     as_roles(|_db, app, _operator| async move {
-        let limiter =
-            RateLimiter::builder("held-key", RatePolicy::token_bucket(10.0, 10)).build(&app)?;
+        let limiter = RateLimiter::builder("held-key", RatePolicy::token_bucket(10.0, 10))
+            .build(&pg_semaphore::Client::new(app.clone()))?;
         assert!(limiter.check("k", 1).await?.allowed);
         let mut holder = app.acquire().await?;
         sqlx::query("SELECT pg_advisory_lock(1885828967, hashtext('token_bucket/held-key/k'))")
@@ -1394,11 +1412,11 @@ async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_boun
                 let build = async {
                     if advisory {
                         pg_semaphore::AdvisorySemaphore::builder("squatted", 2)
-                            .build(&app)
+                            .build(&pg_semaphore::Client::new(app.clone()))
                             .await
                             .map(drop)
                     } else {
-                        Semaphore::builder("squatted", 2).build(&app).await.map(drop)
+                        Semaphore::builder("squatted", 2).build(&pg_semaphore::Client::new(app.clone())).await.map(drop)
                     }
                 };
                 let built = tokio::time::timeout(Duration::from_secs(10), build)
@@ -1422,7 +1440,7 @@ async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_boun
                 .bind("squatted")
                 .execute(&mut *squatter)
                 .await?;
-            Semaphore::builder("squatted", 2).build(&app).await?;
+            Semaphore::builder("squatted", 2).build(&pg_semaphore::Client::new(app.clone())).await?;
             // An existing semaphore opens at once while its key is held.
             sqlx::query("SELECT pg_advisory_lock(1885828966, hashtext($1))")
                 .bind("squatted")
@@ -1430,7 +1448,7 @@ async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_boun
                 .await?;
             let opened = tokio::time::timeout(
                 Duration::from_millis(1500),
-                Semaphore::builder("squatted", 2).build(&app),
+                Semaphore::builder("squatted", 2).build(&pg_semaphore::Client::new(app.clone())),
             )
             .await;
             assert!(matches!(opened, Ok(Ok(_))), "{opened:?}");
@@ -1628,7 +1646,9 @@ async fn privileges_arguments_out_of_range_are_refused() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResult {
     as_roles(|_db, app, operator| async move {
-        let sem = Semaphore::builder("held-row", 2).build(&app).await?;
+        let sem = Semaphore::builder("held-row", 2)
+            .build(&pg_semaphore::Client::new(app.clone()))
+            .await?;
         let mut squatter = app.acquire().await?;
         sqlx::query("BEGIN").execute(&mut *squatter).await?;
         sqlx::query(
@@ -1659,9 +1679,12 @@ async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResul
         assert!(matches!(cleared, Err(Error::Stalled { .. })), "{cleared:?}");
         let waiter = {
             let sem = sem.clone();
-            tokio::spawn(
-                async move { sem.claim().timeout(Duration::from_secs(20)).acquire().await },
-            )
+            tokio::spawn(async move {
+                sem.acquiring()
+                    .timeout(Duration::from_secs(20))
+                    .acquire()
+                    .await
+            })
         };
         tokio::time::sleep(Duration::from_millis(2500)).await;
         assert!(!waiter.is_finished());
@@ -1679,7 +1702,7 @@ async fn privileges_a_held_row_delays_claims_by_at_most_the_bound() -> TestResul
 #[tokio::test]
 async fn privileges_a_squatted_queue_is_cleared_and_places_end() -> TestResult {
     as_roles(|_db, app, operator| async move {
-        let sem = Semaphore::builder("squatted", 1).build(&app).await?;
+        let sem = Semaphore::builder("squatted", 1).build(&pg_semaphore::Client::new(app.clone())).await?;
         let enqueue = "SELECT o_ticket FROM pgsemaphore.enqueue('squatted', 1, 1::smallint, 'h', NULL, $1::interval, $2)";
         let too_long = sqlx::query(enqueue).bind("61 s").bind(token("squatter")).execute(&app).await;
         assert_eq!(refusal(too_long), ("22023".to_owned(), Some("p_waiter_lease".to_owned())));
@@ -1705,7 +1728,7 @@ async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
     as_roles(|_db, app, _operator| async move {
         let sem = Semaphore::builder("gated", 1)
             .fallback_interval(Duration::from_millis(300))
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         for mode in ["pg_advisory_lock", "pg_advisory_lock_shared"] {
             let mut squatter = app.acquire().await?;
@@ -1721,7 +1744,7 @@ async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
                     let (sem, app) = (sem.clone(), app.clone());
                     tokio::spawn(async move {
                         let permit = sem
-                            .claim()
+                            .acquiring()
                             .timeout(Duration::from_secs(20))
                             .acquire()
                             .await?;
@@ -1794,7 +1817,7 @@ async fn privileges_advisory_slots_belong_to_their_sessions() -> TestResult {
     as_roles(|_db, app, operator| async move {
         let sem = pg_semaphore::AdvisorySemaphore::builder("advisory-owned", 2)
             .audit(false)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let low = sem.try_acquire().await?;
         let high = sem.try_acquire().await?;
@@ -1848,7 +1871,7 @@ async fn privileges_foreign_advisory_locks_only_fill_the_semaphore() -> TestResu
     as_roles(|_db, app, _operator| async move {
         let sem = pg_semaphore::AdvisorySemaphore::builder("advisory-squatted", 2)
             .audit(false)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let base: i64 = sqlx::query_scalar(
             "SELECT key_base FROM pgsemaphore.advisory_semaphores WHERE name = 'advisory-squatted'",
@@ -2001,7 +2024,7 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         // re-check gives the slot back and refuses.
         let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 1)
             .audit(false)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *stale)
@@ -2094,7 +2117,7 @@ async fn privileges_an_open_drain_delays_no_advisory_claim_and_the_operator_by_a
     as_roles(|db, app, operator| async move {
         let sem = pg_semaphore::AdvisorySemaphore::builder("adv-open", 3)
             .audit(false)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         let low = sem.try_acquire().await?;
         let middle = sem.try_acquire().await?;
@@ -2184,7 +2207,7 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
     as_roles(|db, app, operator| async move {
         let sem = pg_semaphore::AdvisorySemaphore::builder("adv-wide", 100_000)
             .audit(false)
-            .build(&app)
+            .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
         pg_semaphore::admin::set_capacity(&operator, "adv-wide", 2).await?;
         let base: i64 = sqlx::query_scalar(
@@ -2256,7 +2279,7 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
             Duration::from_secs(10),
             pg_semaphore::AdvisorySemaphore::builder("adv-wide", 2)
                 .audit(false)
-                .build(&app),
+                .build(&pg_semaphore::Client::new(app.clone())),
         )
         .await
         .map_err(|_| "opening an existing advisory semaphore waited for its creation key")?;

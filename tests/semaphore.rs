@@ -27,7 +27,7 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
         sems.push(
             Semaphore::builder("contended", CAPACITY)
                 .holder(format!("process-{p}"))
-                .build(&pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .await?,
         );
     }
@@ -57,7 +57,7 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
         tasks.spawn(async move {
             for round in 0..ROUNDS {
                 let permit = sem
-                    .claim()
+                    .acquiring()
                     .timeout(Duration::from_secs(60))
                     .acquire()
                     .await?;
@@ -109,7 +109,7 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
 #[tokio::test]
 async fn try_acquire_fails_fast_when_every_slot_is_held() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("fast-fail", 2).build(&db.pool).await?;
+    let sem = Semaphore::builder("fast-fail", 2).build(&db.client).await?;
     let _a = sem.try_acquire().await?;
     let _b = sem.try_acquire().await?;
 
@@ -137,12 +137,12 @@ async fn try_acquire_fails_fast_when_every_slot_is_held() -> TestResult {
 #[tokio::test]
 async fn acquire_timeout_gives_up_after_the_timeout() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("timed", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("timed", 1).build(&db.client).await?;
     let _held = sem.try_acquire().await?;
 
     let started = Instant::now();
     let err = sem
-        .claim()
+        .acquiring()
         .timeout(Duration::from_millis(400))
         .acquire()
         .await
@@ -178,18 +178,18 @@ async fn a_release_wakes_a_waiter_in_another_process() -> TestResult {
     // NOTIFY of the release can wake the waiter in time.
     let holder_side = Semaphore::builder("wake", 1)
         .fallback_interval(Duration::from_secs(600))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let other_process = support::another_pool(&db, 2).await;
     let waiter_side = Semaphore::builder("wake", 1)
         .fallback_interval(Duration::from_secs(600))
-        .build(&other_process)
+        .build(&pg_semaphore::Client::new(other_process.clone()))
         .await?;
 
     let held = holder_side.try_acquire().await?;
     let waiter = tokio::spawn(async move {
         let permit = waiter_side
-            .claim()
+            .acquiring()
             .timeout(Duration::from_secs(60))
             .acquire()
             .await?;
@@ -215,10 +215,12 @@ async fn a_release_wakes_a_waiter_in_another_process() -> TestResult {
 #[tokio::test]
 async fn waiting_tasks_hold_no_pooled_connection() -> TestResult {
     let db = support::migrated_db().await;
-    let holder = Semaphore::builder("no-conn", 1).build(&db.pool).await?;
+    let holder = Semaphore::builder("no-conn", 1).build(&db.client).await?;
     // The waiters' process has a pool of two connections for twenty waiters.
     let small = support::another_pool(&db, 2).await;
-    let sem = Semaphore::builder("no-conn", 1).build(&small).await?;
+    let sem = Semaphore::builder("no-conn", 1)
+        .build(&pg_semaphore::Client::new(small.clone()))
+        .await?;
     let held = holder.try_acquire().await?;
 
     let served = Arc::new(AtomicUsize::new(0));
@@ -258,7 +260,7 @@ async fn waiting_tasks_hold_no_pooled_connection() -> TestResult {
 #[tokio::test]
 async fn the_lowest_free_slot_is_reused() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("lowest", 3).build(&db.pool).await?;
+    let sem = Semaphore::builder("lowest", 3).build(&db.client).await?;
     let a = sem.try_acquire().await?;
     let b = sem.try_acquire().await?;
     let c = sem.try_acquire().await?;
@@ -281,7 +283,7 @@ async fn the_reaper_frees_a_slot_whose_lease_expired() -> TestResult {
     let sem = Semaphore::builder("reaped", 2)
         .lease(Duration::from_millis(300))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let abandoned = sem.try_acquire().await?;
     assert!(abandoned.expires_at() > abandoned.acquired_at());
@@ -317,9 +319,9 @@ async fn reap_once_counts_what_it_freed() -> TestResult {
     let short = Semaphore::builder("short", 3)
         .lease(Duration::from_millis(100))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
-    let long = Semaphore::builder("long", 3).build(&db.pool).await?;
+    let long = Semaphore::builder("long", 3).build(&db.client).await?;
     let _s1 = short.try_acquire().await?;
     let _s2 = short.try_acquire().await?;
     let _l1 = long.try_acquire().await?;
@@ -345,7 +347,7 @@ async fn a_claim_reaps_its_own_semaphore_first() -> TestResult {
     let sem = Semaphore::builder("self-reap", 1)
         .lease(Duration::from_millis(150))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let crashed = sem.try_acquire().await?;
     assert!(sem.try_acquire().await.is_err());
@@ -365,7 +367,7 @@ async fn a_claim_reaps_its_own_semaphore_first() -> TestResult {
 #[tokio::test]
 async fn a_dropped_permit_is_released_in_the_background() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("dropped", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("dropped", 1).build(&db.client).await?;
     let permit = sem.try_acquire().await?;
     let id = permit.id();
     drop(permit);
@@ -394,7 +396,7 @@ async fn a_dropped_permit_is_released_in_the_background() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_acquires_never_leave_a_slot_held() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("cancelled", 2).build(&db.pool).await?;
+    let sem = Semaphore::builder("cancelled", 2).build(&db.client).await?;
     let blocker = sem.try_acquire().await?;
 
     // Cancel acquires at many points: before, during and after the claim
@@ -408,7 +410,7 @@ async fn cancelled_acquires_never_leave_a_slot_held() -> TestResult {
             _ => {
                 tokio::time::timeout(
                     cancel_after,
-                    sem.claim().timeout(Duration::from_secs(5)).acquire(),
+                    sem.acquiring().timeout(Duration::from_secs(5)).acquire(),
                 )
                 .await
             }
@@ -456,7 +458,7 @@ async fn cancelled_acquires_never_leave_a_slot_held() -> TestResult {
 #[tokio::test]
 async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("resized", 3).build(&db.pool).await?;
+    let sem = Semaphore::builder("resized", 3).build(&db.client).await?;
     let s0 = sem.try_acquire().await?;
     let s1 = sem.try_acquire().await?;
     let s2 = sem.try_acquire().await?;
@@ -467,7 +469,7 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
         pg_semaphore::admin::set_capacity(&db.pool, "resized", 1).await?,
         3
     );
-    let small = Semaphore::builder("resized", 1).build(&db.pool).await?;
+    let small = Semaphore::builder("resized", 1).build(&db.client).await?;
     assert_eq!(small.capacity(), 1);
     assert!(matches!(
         small.try_acquire().await,
@@ -484,13 +486,15 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
     // Grow to 2 while someone waits: the waiter is woken by the change.
     let waiting = Semaphore::builder("resized", 1)
         .fallback_interval(Duration::from_secs(600))
-        .build(&support::another_pool(&db, 2).await)
+        .build(&pg_semaphore::Client::new(
+            support::another_pool(&db, 2).await,
+        ))
         .await;
     // Building with capacity 1 again is a no-op for the row; the wait follows.
     let waiting = waiting?;
     let waiter = tokio::spawn(async move {
         waiting
-            .claim()
+            .acquiring()
             .timeout(Duration::from_secs(30))
             .acquire()
             .await
@@ -506,8 +510,8 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
 #[tokio::test]
 async fn different_semaphores_never_wait_on_each_other() -> TestResult {
     let db = support::migrated_db().await;
-    let a = Semaphore::builder("a", 1).build(&db.pool).await?;
-    let b = Semaphore::builder("b", 1).build(&db.pool).await?;
+    let a = Semaphore::builder("a", 1).build(&db.client).await?;
+    let b = Semaphore::builder("b", 1).build(&db.client).await?;
 
     // Another session is in the middle of a claim on `b`: it holds b's row.
     let mut tx = db.pool.begin().await?;
@@ -534,11 +538,11 @@ async fn permits_carry_holder_and_metadata() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("labelled", 2)
         .holder("api-7")
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let plain = sem.try_acquire().await?;
     let tagged = sem
-        .claim()
+        .acquiring()
         .holder("api-7/job-42")
         .metadata(serde_json::json!({ "request_id": "r-1" }))
         .lease(Duration::from_secs(5))
@@ -563,7 +567,7 @@ async fn permits_carry_holder_and_metadata() -> TestResult {
 async fn the_default_holder_label_is_host_and_pid() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("default-holder", 1)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let _permit = sem.try_acquire().await?;
     let holder = sem.holders().await?[0].holder.clone().unwrap_or_default();
@@ -585,8 +589,8 @@ fn bounds() {
         send_sync(&permit);
         send(&sem.try_acquire());
         send(&sem.acquire());
-        send(&sem.claim().timeout(Duration::from_secs(1)).acquire());
-        send(&sem.claim().try_acquire());
+        send(&sem.acquiring().timeout(Duration::from_secs(1)).acquire());
+        send(&sem.acquiring().try_acquire());
         send(&sem.available_permits());
         send(&permit.release());
     }
@@ -598,12 +602,17 @@ async fn a_lost_notification_is_covered_by_the_fallback_re_check() -> TestResult
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("silent", 1)
         .fallback_interval(Duration::from_millis(300))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = sem.try_acquire().await?;
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(30)).acquire().await })
+        tokio::spawn(async move {
+            sem.acquiring()
+                .timeout(Duration::from_secs(30))
+                .acquire()
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!waiter.is_finished());
@@ -626,12 +635,17 @@ async fn waiters_survive_the_listen_connection_being_killed() -> TestResult {
     // The fallback is out of reach: only a recovered LISTEN can wake the waiter.
     let sem = Semaphore::builder("relisten", 1)
         .fallback_interval(Duration::from_secs(600))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = sem.try_acquire().await?;
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(60)).acquire().await })
+        tokio::spawn(async move {
+            sem.acquiring()
+                .timeout(Duration::from_secs(60))
+                .acquire()
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
 
@@ -682,7 +696,7 @@ async fn a_cancelled_release_still_releases() -> TestResult {
         .connect_with(db.options.clone())
         .await?;
     let sem = Semaphore::builder("cancelled-release", 1)
-        .build(&single)
+        .build(&pg_semaphore::Client::new(single.clone()))
         .await?;
     let permit = sem.try_acquire().await?;
     let id = permit.id();
@@ -717,7 +731,7 @@ async fn a_fence_keeps_the_permit_live_until_the_callers_transaction_ends() -> T
     let sem = Semaphore::builder("fenced", 1)
         .lease(Duration::from_millis(300))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let permit = sem.try_acquire().await?;
     let mut tx = db.pool.begin().await?;
@@ -761,10 +775,10 @@ async fn a_fence_reports_how_the_slot_was_lost() -> TestResult {
     let sem = Semaphore::builder("unfenced", 3)
         .lease(Duration::from_millis(200))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let released_elsewhere = sem
-        .claim()
+        .acquiring()
         .lease(Duration::from_secs(60))
         .try_acquire()
         .await?;

@@ -29,14 +29,14 @@ async fn queued(sem: &Semaphore, n: u32) -> bool {
 #[tokio::test]
 async fn wait_idle_wakes_when_the_last_holder_releases_and_not_before() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("group", 3).build(&db.pool).await?;
+    let sem = Semaphore::builder("group", 3).build(&db.client).await?;
     // Returns at once when nobody holds a permit.
     tokio::time::timeout(PATIENCE, sem.wait_idle()).await??;
 
     let first = sem.acquire().await?;
     let other = support::another_pool(&db, 2).await;
     let second = Semaphore::builder("group", 3)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?
         .acquire()
         .await?;
@@ -45,7 +45,7 @@ async fn wait_idle_wakes_when_the_last_holder_releases_and_not_before() -> TestR
     let third = support::another_pool(&db, 2).await;
     let watcher = Semaphore::builder("group", 3)
         .fallback_interval(NO_FALLBACK)
-        .build(&third)
+        .build(&pg_semaphore::Client::new(third.clone()))
         .await?;
     let busy = tokio::time::timeout(Duration::from_millis(50), watcher.wait_idle()).await;
     assert!(busy.is_err(), "{busy:?}");
@@ -89,7 +89,7 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
         sems.push(
             Semaphore::builder("weighted", CAPACITY)
                 .holder(format!("process-{p}"))
-                .build(&pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .await?,
         );
     }
@@ -118,7 +118,7 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
         tasks.spawn(async move {
             for round in 0..ROUNDS {
                 let permit = sem
-                    .claim()
+                    .acquiring()
                     .metadata(
                         serde_json::json!({ "claim": format!("{t}-{round}"), "weight": weight }),
                     )
@@ -199,7 +199,7 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
 #[tokio::test]
 async fn try_acquire_many_takes_all_or_nothing() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("heavy", 4).build(&db.pool).await?;
+    let sem = Semaphore::builder("heavy", 4).build(&db.client).await?;
     let a = sem.try_acquire().await?;
     let b = sem.try_acquire().await?;
     let err = sem.try_acquire_many(3).await.expect_err("only 2 free");
@@ -273,16 +273,21 @@ async fn try_acquire_many_takes_all_or_nothing() -> TestResult {
 #[tokio::test]
 async fn a_waiting_weighted_claim_never_holds_part_of_its_slots() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("triple", 3).build(&db.pool).await?;
+    let sem = Semaphore::builder("triple", 3).build(&db.client).await?;
     let first = sem.try_acquire().await?;
     let second = sem.try_acquire().await?;
     let other = support::another_pool(&db, 2).await;
     let waiter_sem = Semaphore::builder("triple", 3)
         .fallback_interval(NO_FALLBACK)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?;
-    let waiter =
-        tokio::spawn(async move { waiter_sem.claim().timeout(PATIENCE).acquire_many(3).await });
+    let waiter = tokio::spawn(async move {
+        waiter_sem
+            .acquiring()
+            .timeout(PATIENCE)
+            .acquire_many(3)
+            .await
+    });
 
     first.release().await?;
     // Two slots are free now: the waiter is woken and must not take them.
@@ -309,7 +314,7 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
     let db = support::migrated_db().await;
     let err = Semaphore::builder("shed", 5)
         .reserved(5)
-        .build(&db.pool)
+        .build(&db.client)
         .await
         .expect_err("reserving every slot");
     assert!(
@@ -325,10 +330,10 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
 
     let sem = Semaphore::builder("shed", 5)
         .reserved(2)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     assert_eq!(sem.reserved(), 2);
-    let low = || sem.claim().priority(Priority::Low);
+    let low = || sem.acquiring().priority(Priority::Low);
     // Low priority succeeds while more than 2 slots are free: 5, 4, 3.
     let mut held = Vec::new();
     for _ in 0..3 {
@@ -343,7 +348,12 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
     assert_eq!(live_rows(&db.pool, "shed").await, 3);
     // High priority (the default) may use the reserve, down to the last slot.
     held.push(sem.try_acquire().await?);
-    held.push(sem.claim().priority(Priority::High).try_acquire().await?);
+    held.push(
+        sem.acquiring()
+            .priority(Priority::High)
+            .try_acquire()
+            .await?,
+    );
     assert!(matches!(
         sem.try_acquire().await,
         Err(Error::NoSlotsAvailable { .. })
@@ -380,13 +390,13 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
     let low_sem = Semaphore::builder("shed", 5)
         .reserved(2)
         .fallback_interval(NO_FALLBACK)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?;
     assert_eq!(sem.available_permits().await?, 3);
     held.push(sem.try_acquire().await?); // 2 free: low must wait
     let waiter = tokio::spawn(async move {
         low_sem
-            .claim()
+            .acquiring()
             .priority(Priority::Low)
             .timeout(PATIENCE)
             .acquire()
@@ -413,7 +423,7 @@ async fn queued_waiters(pool: &PgPool, order: QueueOrder, indices: &[i32]) -> Te
     let sem = Semaphore::builder("fair", 1)
         .queue(order)
         .fallback_interval(NO_FALLBACK)
-        .build(pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let mut tasks = tokio::task::JoinSet::new();
     for &i in indices {
@@ -431,7 +441,7 @@ async fn queued_waiters(pool: &PgPool, order: QueueOrder, indices: &[i32]) -> Te
                 "waiter {i} never got its turn"
             );
             let permit = sem
-                .claim()
+                .acquiring()
                 .holder(format!("w{i}"))
                 .timeout(PATIENCE)
                 .acquire()
@@ -483,9 +493,9 @@ async fn serve_across_processes(
         .await?;
     let sem = Semaphore::builder("fair", 1)
         .queue(order)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
-    let holder = sem.claim().holder("first").try_acquire().await?;
+    let holder = sem.acquiring().holder("first").try_acquire().await?;
 
     let child_indices: Vec<i32> = (0..WAITERS).filter(|i| i % 2 == 1).collect();
     let child = Command::new(std::env::current_exe()?)
@@ -573,20 +583,20 @@ async fn a_full_queue_refuses_new_waiters_at_once() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("bounded", 1)
         .queue_limit(2)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = sem.try_acquire().await?;
     let mut waiters = Vec::new();
     for n in 1..=2 {
         let waiter = sem.clone();
         waiters.push(tokio::spawn(async move {
-            waiter.claim().timeout(PATIENCE).acquire().await
+            waiter.acquiring().timeout(PATIENCE).acquire().await
         }));
         assert!(queued(&sem, n).await);
     }
     // The third is refused without waiting for PATIENCE.
     let err = sem
-        .claim()
+        .acquiring()
         .timeout(PATIENCE)
         .acquire()
         .await
@@ -606,7 +616,7 @@ async fn a_full_queue_refuses_new_waiters_at_once() -> TestResult {
     }
     // Served waiters left the queue: there is room again.
     assert_eq!(sem.queue_len().await?, 0);
-    sem.claim()
+    sem.acquiring()
         .timeout(PATIENCE)
         .acquire()
         .await?
@@ -620,17 +630,19 @@ async fn no_claim_jumps_a_queued_waiter() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("nojump", 2)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     // A handle without a queue, in another "process".
     let other = support::another_pool(&db, 2).await;
-    let plain = Semaphore::builder("nojump", 2).build(&other).await?;
+    let plain = Semaphore::builder("nojump", 2)
+        .build(&pg_semaphore::Client::new(other.clone()))
+        .await?;
     let a = sem.try_acquire().await?;
     let b = sem.try_acquire().await?;
     // The head of the queue wants both slots.
     let head = tokio::spawn({
         let sem = sem.clone();
-        async move { sem.claim().timeout(PATIENCE).acquire_many(2).await }
+        async move { sem.acquiring().timeout(PATIENCE).acquire_many(2).await }
     });
     assert!(queued(&sem, 1).await);
     a.release().await?;
@@ -664,21 +676,22 @@ async fn a_cancelled_waiter_leaves_the_queue_and_the_next_is_served() -> TestRes
     let sem = Semaphore::builder("cancel", 1)
         .queue(QueueOrder::OldestFirst)
         .fallback_interval(NO_FALLBACK)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = sem.try_acquire().await?;
     let first = tokio::spawn({
         let sem = sem.clone();
-        async move { sem.claim().holder("first").acquire().await }
+        async move { sem.acquiring().holder("first").acquire().await }
     });
     assert!(queued(&sem, 1).await);
     let other = support::another_pool(&db, 2).await;
     let second_sem = Semaphore::builder("cancel", 1)
         .queue(QueueOrder::OldestFirst)
         .fallback_interval(NO_FALLBACK)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?;
-    let second = tokio::spawn(async move { second_sem.claim().holder("second").acquire().await });
+    let second =
+        tokio::spawn(async move { second_sem.acquiring().holder("second").acquire().await });
     assert!(queued(&sem, 2).await);
 
     // The head gives up: its row goes, the second becomes the head.
@@ -705,7 +718,7 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
     let sem = Semaphore::builder("crash", 1)
         .queue(QueueOrder::OldestFirst)
         .fallback_interval(Duration::from_millis(100))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     // A process queued a waiter (as `acquire` does, with a short lease
     // here) and died: nobody renews it.
@@ -722,7 +735,7 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
         Err(Error::NoSlotsAvailable { .. })
     ));
     // A queued acquire is served once its lease has ended, and removes it.
-    let permit = sem.claim().timeout(PATIENCE).acquire().await?;
+    let permit = sem.acquiring().timeout(PATIENCE).acquire().await?;
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.waiters WHERE id = $1")
         .bind(ghost)
         .fetch_one(&db.pool)
@@ -737,7 +750,7 @@ async fn the_reaper_removes_a_crashed_waiter_and_wakes_the_semaphore() -> TestRe
     let db = support::migrated_db().await;
     Semaphore::builder("crash-reaped", 1)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let ghost: i64 = sqlx::query_scalar(
         "SELECT o_ticket FROM pgsemaphore.enqueue(p_semaphore => 'crash-reaped', p_permits => 1, p_priority => 1::smallint, \
@@ -763,12 +776,12 @@ async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() ->
         .reserved(2)
         .queue(QueueOrder::OldestFirst)
         .fallback_interval(Duration::from_millis(100))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let plain = Semaphore::builder("mixed", 4)
         .reserved(2)
         .fallback_interval(Duration::from_millis(100))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = plain.try_acquire_many(2).await?;
     // A low-priority claim must leave the reserve of 2 free: it queues.
@@ -776,7 +789,7 @@ async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() ->
         let queued = queued.clone();
         tokio::spawn(async move {
             queued
-                .claim()
+                .acquiring()
                 .priority(Priority::Low)
                 .timeout(PATIENCE)
                 .acquire()
@@ -789,7 +802,7 @@ async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() ->
     // A high-priority weighted claim in the same process may use the reserve,
     // as the database allows: it must not wait behind the low one.
     let high = plain
-        .claim()
+        .acquiring()
         .timeout(Duration::from_secs(10))
         .acquire_many(2)
         .await?;
@@ -808,8 +821,8 @@ fn bounds(sem: Semaphore, permit: pg_semaphore::Permit) {
     send(&sem.wait_idle());
     send(&sem.acquire_many(2));
     send(&sem.try_acquire_many(2));
-    send(&sem.claim().timeout(PATIENCE).acquire_many(2));
-    send(&sem.claim().priority(Priority::Low).acquire());
+    send(&sem.acquiring().timeout(PATIENCE).acquire_many(2));
+    send(&sem.acquiring().priority(Priority::Low).acquire());
     send(&sem.queue_len());
     send_sync(&permit);
     send_sync(&Priority::Low);

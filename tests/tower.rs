@@ -164,7 +164,7 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 async fn semaphore(db: &support::TestDb, name: &str, capacity: u32) -> Semaphore {
     Semaphore::builder(name, capacity)
         .lease(Duration::from_secs(3600)) // only a release frees a slot here
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await
         .expect("build semaphore")
 }
@@ -324,7 +324,9 @@ async fn a_request_whose_client_goes_away_frees_its_slot() -> TestResult {
 async fn without_a_database_requests_get_503_unless_failing_open() -> TestResult {
     let db = support::migrated_db().await;
     let pool = support::another_pool(&db, 2).await;
-    let sem = Semaphore::builder("api", 1).build(&pool).await?;
+    let sem = Semaphore::builder("api", 1)
+        .build(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     pool.close().await; // the database is gone, as far as this semaphore knows
 
     let closed =

@@ -88,11 +88,11 @@ async fn a_mutex_lock_timeout_is_one_event_naming_the_mutex() -> TestResult {
     let _default = tracing::subscriber::set_default(capture.clone());
 
     let mutex = Mutex::new("nightly-report");
-    let held = mutex.lock(&db.pool).await?;
+    let held = mutex.lock(&db.client).await?;
     let err = mutex
         .locking()
         .timeout(Duration::from_millis(300))
-        .lock(&db.pool)
+        .lock(&db.client)
         .await
         .expect_err("the lock is held");
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
@@ -124,10 +124,10 @@ async fn a_reap_reports_how_many_slots_it_freed() -> TestResult {
     for name in ["crashy-0", "crashy-1"] {
         let sem = Semaphore::builder(name, 3)
             .without_heartbeat()
-            .build(&db.pool)
+            .build(&db.client)
             .await?;
         std::mem::forget(
-            sem.claim()
+            sem.acquiring()
                 .lease(Duration::from_millis(10))
                 .try_acquire()
                 .await?,
@@ -218,7 +218,7 @@ async fn a_handle_whose_limits_differ_from_the_stored_ones_is_warned_once_naming
         "deployed",
         RatePolicy::fixed_window(3, Duration::from_secs(3600)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     assert_eq!(stored.check("k", 1).await?.remaining, 2);
     // A later deploy's code says 50 per minute: decided under the stored
     // pair, and told so once.
@@ -226,14 +226,14 @@ async fn a_handle_whose_limits_differ_from_the_stored_ones_is_warned_once_naming
         "deployed",
         RatePolicy::fixed_window(50, Duration::from_secs(60)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     assert_eq!(newer.check("k", 1).await?.remaining, 1);
     assert!(newer.check("k", 1).await?.allowed);
     let again = RateLimiter::builder(
         "deployed",
         RatePolicy::fixed_window(50, Duration::from_secs(60)),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     assert!(!again.check("k", 1).await?.allowed);
 
     let events = capture.events();

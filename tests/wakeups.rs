@@ -50,7 +50,7 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
     let mut listener = observer(&db).await?;
     let sem = Semaphore::builder("quiet", 1)
         .fallback_interval(FAR)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     for _ in 0..5 {
         sem.try_acquire().await?.release().await?;
@@ -68,7 +68,7 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
     let other = support::another_pool(&db, 2).await;
     let waiting = Semaphore::builder("quiet", 1)
         .fallback_interval(FAR)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?;
     let waiter = tokio::spawn(async move { waiting.acquire().await });
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -150,7 +150,7 @@ async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> Te
     let mut listener = observer(&db).await?;
     Semaphore::builder("racing", 1)
         .fallback_interval(FAR)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let token = b"racing-holder-01".to_vec();
     let id = support::claim_with_token(&db.pool, "racing", "90 s", &token).await?;
@@ -173,7 +173,7 @@ async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> Te
     let other = support::another_pool(&db, 2).await;
     let waiting = Semaphore::builder("racing", 1)
         .fallback_interval(FAR)
-        .build(&other)
+        .build(&pg_semaphore::Client::new(other.clone()))
         .await?;
     let waiter = tokio::spawn(async move { waiting.acquire().await });
     until_waiting_for_gate(&db.pool, "racing").await;
@@ -215,7 +215,7 @@ async fn a_release_meeting_a_registration_in_flight_never_waits_and_misses_nobod
     let db = support::migrated_db().await;
     Semaphore::builder("racing-2", 1)
         .fallback_interval(FAR)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let token = b"racing-holder-02".to_vec();
     let id = support::claim_with_token(&db.pool, "racing-2", "90 s", &token).await?;
@@ -260,7 +260,7 @@ async fn a_release_meeting_a_registration_in_flight_never_waits_and_misses_nobod
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_repeatable_read_a_release_checks_for_waiters_after_its_commit() -> TestResult {
     let db = support::migrated_db().await;
-    Semaphore::builder("snapshot", 1).build(&db.pool).await?;
+    Semaphore::builder("snapshot", 1).build(&db.client).await?;
     let token = b"snapshot-holder!".to_vec();
     let id = support::claim_with_token(&db.pool, "snapshot", "90 s", &token).await?;
     let mut conn = db.pool.acquire().await?;
@@ -288,10 +288,10 @@ async fn a_waiter_behind_a_crashed_holder_is_served_when_its_lease_ends() -> Tes
     let sem = Semaphore::builder("crashed-holder", 1)
         .fallback_interval(FAR)
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let lease = Duration::from_millis(1500);
-    let crashed = sem.claim().lease(lease).try_acquire().await?;
+    let crashed = sem.acquiring().lease(lease).try_acquire().await?;
     let claimed = Instant::now();
     std::mem::forget(crashed); // never released, never renewed
 

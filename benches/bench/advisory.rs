@@ -191,7 +191,7 @@ async fn adv_ours(
     let sem = AdvisorySemaphore::builder(unique(&format!("bench-adv-c{clients}")), CAPACITY)
         .connections(clients)
         .audit(audit)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {
         let sem = sem.clone();

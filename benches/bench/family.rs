@@ -46,13 +46,13 @@ pub async fn family_workload(ctx: &mut Ctx) -> Res<()> {
     for server in &ctx.servers.clone() {
         let pool = pool(&server.opts, CLIENTS as u32 + POOL_SPARE).await?;
         let family = SemaphoreFamily::builder(FAMILY, CAPACITY)
-            .build(&pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .await?;
         let mut named = Vec::new();
         for i in 0..HOT_KEYS {
             named.push(
                 Semaphore::builder(format!("bench-named-{i}"), CAPACITY)
-                    .build(&pool)
+                    .build(&pg_semaphore::Client::new(pool.clone()))
                     .await?,
             );
         }

@@ -78,13 +78,13 @@ pub async fn worker(args: &[String]) -> Res<()> {
 
     // Wait once, so that the process listens as one that has waited before.
     let own = Semaphore::builder(format!("bench-worker-{id}"), 1)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let held = own.try_acquire().await?;
     let waiter = {
         let own = own.clone();
         tokio::spawn(async move {
-            own.claim()
+            own.acquiring()
                 .timeout(FLEET_PATIENCE)
                 .acquire()
                 .await?
@@ -102,13 +102,15 @@ pub async fn worker(args: &[String]) -> Res<()> {
         for i in 0..FLEET_SEMAPHORES as u64 {
             semaphores.push(
                 Semaphore::builder(fleet_semaphore(i), FLEET_CAPACITY)
-                    .build(&pool)
+                    .build(&pg_semaphore::Client::new(pool.clone()))
                     .await?,
             );
         }
     }
     let semaphores = Arc::new(semaphores);
-    let probe_sem = Semaphore::builder(PROBE_SEMAPHORE, 1).build(&pool).await?;
+    let probe_sem = Semaphore::builder(PROBE_SEMAPHORE, 1)
+        .build(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
 
     let (out, mut lines) = mpsc::unbounded_channel::<String>();
     let writer = tokio::spawn(async move {
@@ -171,7 +173,7 @@ async fn run_cycles(
         async move {
             let r = splitmix64(salt ^ ((client as u64) << 40) ^ seq);
             let sem = &semaphores[(r % FLEET_SEMAPHORES as u64) as usize];
-            sem.claim()
+            sem.acquiring()
                 .timeout(FLEET_PATIENCE)
                 .acquire()
                 .await?
@@ -197,7 +199,7 @@ async fn run_cycles(
 
 /// Waits for the probe semaphore; the wall-clock time it was granted.
 async fn probe(sem: &Semaphore) -> Res<u128> {
-    let permit = sem.claim().timeout(FLEET_PATIENCE).acquire().await?;
+    let permit = sem.acquiring().timeout(FLEET_PATIENCE).acquire().await?;
     let woke = unix_nanos();
     permit.release().await?;
     Ok(woke)
@@ -445,7 +447,7 @@ async fn fleet_cell(server: &Server, s: &Settings, n: usize) -> Res<Cell> {
     );
     let holder_pool = pool(&server.opts, 2).await?;
     let probe_sem = Semaphore::builder(PROBE_SEMAPHORE, 1)
-        .build(&holder_pool)
+        .build(&pg_semaphore::Client::new(holder_pool.clone()))
         .await?;
     let mut monitor = connect(&server.opts).await?;
     let mut reps = Vec::new();
@@ -473,7 +475,11 @@ async fn fleet_cell(server: &Server, s: &Settings, n: usize) -> Res<Cell> {
             let seq = probe_seq;
             probe_seq += 1;
             let measured = Instant::now() >= from;
-            let held = probe_sem.claim().timeout(FLEET_PATIENCE).acquire().await?;
+            let held = probe_sem
+                .acquiring()
+                .timeout(FLEET_PATIENCE)
+                .acquire()
+                .await?;
             fleet.send(worker, &format!("probe {seq}")).await?;
             tokio::time::sleep(WAKE_SETTLE).await;
             let t0 = unix_nanos();
@@ -660,7 +666,7 @@ async fn idle_cell(server: &Server, s: &Settings, listeners: usize) -> Res<Cell>
     for i in 0..FLEET_SEMAPHORES as u64 {
         semaphores.push(
             Semaphore::builder(format!("bench-idle-{i}"), FLEET_CAPACITY)
-                .build(&pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .await?,
         );
     }

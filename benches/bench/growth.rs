@@ -216,7 +216,7 @@ pub async fn growth_run(ctx: &mut Ctx, server: &Server, retention: bool) -> Res<
     let pool = pool(&opts, GROWTH_CLIENTS as u32 + POOL_SPARE).await?;
     pg_semaphore::migrate(&pool).await?;
     let sem = Semaphore::builder("bench-growth", GROWTH_CAPACITY)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let mut monitor = connect(&opts).await?;
     let reaper = if retention {

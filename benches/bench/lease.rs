@@ -88,19 +88,19 @@ async fn lease_cell(server: &Server, s: &Settings) -> Res<Cell> {
         let holder = Semaphore::builder(name.clone(), 1)
             .lease(s.lease)
             .without_heartbeat()
-            .build(&holder_pool)
+            .build(&pg_semaphore::Client::new(holder_pool.clone()))
             .await?;
         let waiter = Semaphore::builder(name, 1)
             .lease(s.lease)
             .without_heartbeat()
-            .build(&waiter_pool)
+            .build(&pg_semaphore::Client::new(waiter_pool.clone()))
             .await?;
         let permit = holder.try_acquire().await?;
         let expires_at = permit.expires_at();
         // The holder vanishes: no release, no heartbeat, nothing on drop.
         std::mem::forget(permit);
         let task = tokio::spawn(async move {
-            let permit = waiter.claim().timeout(patience).acquire().await?;
+            let permit = waiter.acquiring().timeout(patience).acquire().await?;
             let served_at = Utc::now();
             permit.release().await?;
             Ok::<_, pg_semaphore::Error>(served_at)

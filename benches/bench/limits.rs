@@ -152,7 +152,7 @@ async fn limits_cell(
         format!("{name}-bucket"),
         RatePolicy::token_bucket(f64::from(LIMIT), LIMIT),
     )
-    .build(&pool)?;
+    .build(&pg_semaphore::Client::new(pool.clone()))?;
     let op = Arc::new(if implementation == LIMITS_SINGLE {
         Op::Single(bucket)
     } else {
@@ -161,12 +161,12 @@ async fn limits_cell(
             format!("{name}-fixed"),
             RatePolicy::fixed_window(LIMIT, window),
         )
-        .build(&pool)?;
+        .build(&pg_semaphore::Client::new(pool.clone()))?;
         let sliding = RateLimiter::builder(
             format!("{name}-sliding"),
             RatePolicy::sliding_window(LIMIT, window),
         )
-        .build(&pool)?;
+        .build(&pg_semaphore::Client::new(pool.clone()))?;
         Op::Multi(LimiterSet::new().with(&bucket).with(&fixed).with(&sliding))
     });
     let load = run_load(clients, s.warmup, s.cell, move |client, seq| {

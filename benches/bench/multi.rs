@@ -83,14 +83,15 @@ async fn cycle(
     config: Value,
 ) -> Res<Cell> {
     let pool = pool(&server.opts, clients as u32 + POOL_SPARE).await?;
+    let ours = pg_semaphore::Client::new(pool.clone());
     let global = Semaphore::builder(format!("bench-multi-global-c{clients}"), 32)
-        .build(&pool)
+        .build(&ours)
         .await?;
     let mut merchants = Vec::new();
     for m in 0..4 {
         merchants.push(
             Semaphore::builder(format!("bench-multi-merchant-{m}-c{clients}"), 32)
-                .build(&pool)
+                .build(&ours)
                 .await?,
         );
     }

@@ -185,11 +185,12 @@ pub async fn mutex_cell(
     let op_pool = pool.clone();
     let load = match implementation {
         MUTEX_OURS => {
+            let ours = pg_semaphore::Client::new(pool.clone());
             run_load(clients, warmup, window, move |client, seq| {
-                let pool = op_pool.clone();
+                let ours = ours.clone();
                 async move {
                     let key = keys.key(salt, client, seq);
-                    let guard = Mutex::with_key(key).lock(&pool).await?;
+                    let guard = Mutex::with_key(key).lock(&ours).await?;
                     guard.commit().await?;
                     Ok(Outcome::Done)
                 }

@@ -609,7 +609,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
     Ok(match design {
         P_LEASE => {
             let sem = Semaphore::builder(unique("bench-pressure-lease"), CAPACITY)
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .await?;
             Arc::new(move |_, _| {
                 let sem = sem.clone();
@@ -628,7 +628,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
         P_ADVISORY => {
             let sem = AdvisorySemaphore::builder(unique("bench-pressure-adv"), CAPACITY)
                 .connections(CLIENTS)
-                .build(pool)
+                .build(&pg_semaphore::Client::new(pool.clone()))
                 .await?;
             Arc::new(move |_, _| {
                 let sem = sem.clone();
@@ -645,12 +645,12 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
             })
         }
         P_MUTEX => {
-            let pool = pool.clone();
+            let ours = pg_semaphore::Client::new(pool.clone());
             Arc::new(move |client, seq| {
-                let pool = pool.clone();
+                let ours = ours.clone();
                 Box::pin(async move {
                     let guard = Mutex::with_key(Keys::Spread.key(0x9e55, client, seq))
-                        .lock(&pool)
+                        .lock(&ours)
                         .await?;
                     guard.commit().await?;
                     Ok(Outcome::Done)
@@ -662,7 +662,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 unique("bench-pressure-bucket"),
                 RatePolicy::token_bucket(1_000.0, 1_000),
             )
-            .build(pool)?;
+            .build(&pg_semaphore::Client::new(pool.clone()))?;
             Arc::new(move |client, seq| {
                 let limiter = limiter.clone();
                 Box::pin(async move {
@@ -678,7 +678,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 unique("bench-pressure-bucket-hot"),
                 RatePolicy::token_bucket(1e6, 1_000_000),
             )
-            .build(pool)?;
+            .build(&pg_semaphore::Client::new(pool.clone()))?;
             Arc::new(move |_, _| {
                 let limiter = limiter.clone();
                 Box::pin(async move {
@@ -692,7 +692,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 unique("bench-pressure-sliding-hot"),
                 RatePolicy::sliding_window(1_000_000_000, Duration::from_secs(1)),
             )
-            .build(pool)?;
+            .build(&pg_semaphore::Client::new(pool.clone()))?;
             Arc::new(move |_, _| {
                 let limiter = limiter.clone();
                 Box::pin(async move {
@@ -706,7 +706,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
                 unique("bench-pressure-fixed-hot"),
                 RatePolicy::fixed_window(1_000_000_000, Duration::from_secs(1)),
             )
-            .build(pool)?;
+            .build(&pg_semaphore::Client::new(pool.clone()))?;
             Arc::new(move |_, _| {
                 let limiter = limiter.clone();
                 Box::pin(async move {

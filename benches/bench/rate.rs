@@ -269,15 +269,15 @@ pub async fn rate_cell(
                 name,
                 RatePolicy::token_bucket(f64::from(RATE_LIMIT), RATE_LIMIT),
             )
-            .build(&pool)?,
+            .build(&pg_semaphore::Client::new(pool.clone()))?,
         ),
         RATE_FIXED => RateOp::Fixed(
             RateLimiter::builder(name, RatePolicy::fixed_window(RATE_LIMIT, window))
-                .build(&pool)?,
+                .build(&pg_semaphore::Client::new(pool.clone()))?,
         ),
         RATE_SLIDING => RateOp::Sliding(
             RateLimiter::builder(name, RatePolicy::sliding_window(RATE_LIMIT, window))
-                .build(&pool)?,
+                .build(&pg_semaphore::Client::new(pool.clone()))?,
         ),
         other => return Err(format!("no rate row {other:?}").into()),
     });

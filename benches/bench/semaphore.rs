@@ -139,7 +139,7 @@ pub async fn sem_ours(
 ) -> Res<Cell> {
     let pool = pool(&server.opts, clients as u32 + POOL_SPARE).await?;
     let sem = Semaphore::builder(format!("bench-sem-c{clients}-k{capacity}"), capacity)
-        .build(&pool)
+        .build(&pg_semaphore::Client::new(pool.clone()))
         .await?;
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {
         let sem = sem.clone();

@@ -99,7 +99,9 @@ async fn waiters_on(server: &Server, n: usize) -> Res<(Cell, Vec<Vec<String>>, T
     let mut monitor = connect(&server.opts).await?;
     let before = activity(&mut monitor).await?;
     let pool = pool(&server.opts, WAITERS_POOL).await?;
-    let sem = Semaphore::builder("bench-waiters", 1).build(&pool).await?;
+    let sem = Semaphore::builder("bench-waiters", 1)
+        .build(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
     let held = sem.try_acquire().await?;
     let rss_before = rss_bytes();
 
@@ -111,7 +113,7 @@ async fn waiters_on(server: &Server, n: usize) -> Res<(Cell, Vec<Vec<String>>, T
             let (sem, arrivals, served) = (sem.clone(), arrivals.clone(), served.clone());
             tokio::spawn(async move {
                 let arrival = arrivals.fetch_add(1, Ordering::SeqCst);
-                match sem.claim().timeout(WAITERS_PATIENCE).acquire().await {
+                match sem.acquiring().timeout(WAITERS_PATIENCE).acquire().await {
                     Ok(permit) => {
                         let at = Instant::now();
                         let order = served.fetch_add(1, Ordering::SeqCst);

@@ -288,12 +288,12 @@ pub async fn wake_cell(
         let name = name.clone();
         async move {
             let mut builder = Semaphore::builder(name, 1);
+            let mut client = pg_semaphore::Client::new(pool);
             if let Some(fallback) = fallback {
-                builder = builder
-                    .transaction_pooling(true)
-                    .fallback_interval(fallback);
+                builder = builder.fallback_interval(fallback);
+                client = client.transaction_pooling(true);
             }
-            builder.build(&pool).await
+            builder.build(&client).await
         }
     };
     let holder_pool = pool(&server.opts, 2).await?;
@@ -388,10 +388,10 @@ async fn advisory_wake_cell(server: &Server, warmup: usize, reps: usize) -> Res<
     let holder_pool = pool(&server.opts, 2).await?;
     let waiter_pool = pool(&server.opts, 2).await?;
     let holder = AdvisorySemaphore::builder(name.clone(), 1)
-        .build(&holder_pool)
+        .build(&pg_semaphore::Client::new(holder_pool.clone()))
         .await?;
     let waiter = AdvisorySemaphore::builder(name, 1)
-        .build(&waiter_pool)
+        .build(&pg_semaphore::Client::new(waiter_pool.clone()))
         .await?;
     let (samples, mut releases) = time_wakeups(
         warmup,

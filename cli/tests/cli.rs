@@ -120,7 +120,7 @@ async fn an_unmigrated_database_says_to_migrate_then_migrate_fixes_it() -> TestR
     assert!(stdout(&out).contains("no semaphores"), "{}", stdout(&out));
     // The library agrees: the schema is there.
     Semaphore::builder("after-cli-migrate", 1)
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await?
         .try_acquire()
         .await?
@@ -155,11 +155,19 @@ async fn status_lists_every_semaphore_and_its_holders() -> TestResult {
     let db = support::migrated_db().await;
     let payments = Semaphore::builder("payments", 3)
         .lease(Duration::from_secs(600))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
-    Semaphore::builder("idle", 2).build(&db.pool).await?;
-    let a = payments.claim().holder("worker-a").try_acquire().await?;
-    let b = payments.claim().holder("worker-b").try_acquire().await?;
+    Semaphore::builder("idle", 2).build(&db.client).await?;
+    let a = payments
+        .acquiring()
+        .holder("worker-a")
+        .try_acquire()
+        .await?;
+    let b = payments
+        .acquiring()
+        .holder("worker-b")
+        .try_acquire()
+        .await?;
 
     let out = run(&db, &["status"]).await;
     assert_status(&out, 0);
@@ -248,7 +256,7 @@ async fn status_shows_advisory_semaphores_and_the_sessions_that_hold_them() -> T
         .await?;
     let sem = AdvisorySemaphore::builder("exports", 3)
         .audit(false)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
 
     // Only an advisory semaphore: it is listed, not "no semaphores yet".
@@ -259,10 +267,10 @@ async fn status_shows_advisory_semaphores_and_the_sessions_that_hold_them() -> T
         ["3", "0", "3"]
     );
 
-    let leased = Semaphore::builder("payments", 2).build(&db.pool).await?;
+    let leased = Semaphore::builder("payments", 2).build(&db.client).await?;
     let a = sem.try_acquire().await?;
     let b = sem.try_acquire().await?;
-    let lease_permit = leased.claim().holder("worker-a").try_acquire().await?;
+    let lease_permit = leased.acquiring().holder("worker-a").try_acquire().await?;
     let pid_of = |slot: u32| {
         [&a, &b]
             .into_iter()
@@ -368,10 +376,10 @@ async fn status_shows_advisory_semaphores_and_the_sessions_that_hold_them() -> T
 async fn some_history(db: &support::TestDb) -> Result<(Semaphore, pg_semaphore::Permit), Error> {
     let sem = Semaphore::builder("audited", 5)
         .lease(Duration::from_secs(600))
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await?;
     for i in 0..3 {
-        sem.claim()
+        sem.acquiring()
             .holder(format!("job-{i}"))
             .try_acquire()
             .await?
@@ -381,10 +389,10 @@ async fn some_history(db: &support::TestDb) -> Result<(Semaphore, pg_semaphore::
     // A holder that died: nothing renews its lease, which alone frees the slot.
     let dead_process = Semaphore::builder("audited", 5)
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await?;
     let doomed = dead_process
-        .claim()
+        .acquiring()
         .holder("crashed")
         .lease(Duration::from_millis(10))
         .try_acquire()
@@ -393,7 +401,7 @@ async fn some_history(db: &support::TestDb) -> Result<(Semaphore, pg_semaphore::
     wait_until_expired(db).await;
     assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 1);
     let live = sem
-        .claim()
+        .acquiring()
         .holder("web-1, pid 7")
         .metadata(serde_json::json!({ "request": "r-1" }))
         .try_acquire()
@@ -528,7 +536,7 @@ async fn advisory_history(
 ) -> TestResult<(AdvisorySemaphore, pg_semaphore::AdvisoryPermit)> {
     let sem = AdvisorySemaphore::builder("exports", 3)
         .holder("batch-1")
-        .build(&db.pool)
+        .build(&pg_semaphore::Client::new(db.pool.clone()))
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
@@ -658,15 +666,15 @@ async fn reap_times_out_expired_claims() -> TestResult {
     // No heartbeat: the forgotten claim below stands for a process that died.
     let sem = Semaphore::builder("reaped", 2)
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let keep = sem
-        .claim()
+        .acquiring()
         .lease(Duration::from_secs(600))
         .try_acquire()
         .await?;
     std::mem::forget(
-        sem.claim()
+        sem.acquiring()
             .lease(Duration::from_millis(10))
             .try_acquire()
             .await?,
@@ -689,7 +697,7 @@ async fn release_frees_a_stuck_slot_and_its_holder_learns_it() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("stuck", 1)
         .lease(Duration::from_secs(3600))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let stuck = sem.try_acquire().await?;
     assert!(matches!(
@@ -738,13 +746,18 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("resized", 1)
         .lease(Duration::from_secs(45))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let held = sem.try_acquire().await?;
     // A waiter is woken by the capacity growing, not by a release.
     let waiter = {
         let sem = sem.clone();
-        tokio::spawn(async move { sem.claim().timeout(Duration::from_secs(60)).acquire().await })
+        tokio::spawn(async move {
+            sem.acquiring()
+                .timeout(Duration::from_secs(60))
+                .acquire()
+                .await
+        })
     };
 
     let out = run(&db, &["set-capacity", "resized", "3"]).await;
@@ -773,7 +786,7 @@ async fn set_capacity_changes_the_capacity_and_keeps_the_lease() -> TestResult {
 #[tokio::test]
 async fn clear_queue_removes_every_waiter() -> TestResult {
     let db = support::migrated_db().await;
-    let sem = Semaphore::builder("cleared", 1).build(&db.pool).await?;
+    let sem = Semaphore::builder("cleared", 1).build(&db.client).await?;
     for tag in ["squatter-one-tok", "squatter-two-tok"] {
         sqlx::query(
             "SELECT * FROM pgsemaphore.enqueue(p_semaphore => 'cleared', p_permits => 1, p_priority => 1::smallint, p_holder => 'squatter', p_limit => NULL, p_waiter_lease => '60 s', p_token => $1)",
@@ -804,7 +817,7 @@ async fn clear_queue_removes_every_waiter() -> TestResult {
 #[tokio::test]
 async fn fair_weight_sets_a_keys_weight_in_the_queue() -> TestResult {
     let db = support::migrated_db().await;
-    Semaphore::builder("weighed", 1).build(&db.pool).await?;
+    Semaphore::builder("weighed", 1).build(&db.client).await?;
     let out = run(&db, &["fair-weight", "weighed", "--key", "tenant-7", "2"]).await;
     assert_status(&out, 0);
     assert_eq!(
@@ -908,10 +921,10 @@ async fn doctor_names_the_session_that_holds_back_vacuum() -> TestResult {
 async fn audit_shows_which_claims_a_multi_limit_permit_took_together() -> TestResult {
     let db = support::migrated_db().await;
     let global = Semaphore::builder("linked-global", 4)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let merchant = Semaphore::builder("linked-merchant", 2)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let single = global.try_acquire().await?;
     let both = Semaphore::try_acquire_all(&[(&merchant, 1), (&global, 1)]).await?;
@@ -953,7 +966,7 @@ async fn limits_stores_lists_pauses_and_clears_rate_limits() -> TestResult {
         "partner-api",
         pg_semaphore::RatePolicy::token_bucket(0.001, 10),
     )
-    .build(&db.pool)?;
+    .build(&db.client)?;
     let out = run(
         &db,
         &[
@@ -1101,7 +1114,7 @@ async fn families_show_rules_and_busiest_keys_and_rules_change_at_run_time() -> 
 
     let tenants = SemaphoreFamily::builder("tenants", 10)
         .holder("worker-1")
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let out = run(&db, &["rule", "set", "tenants", "--tier", "premium", "50"]).await;
     assert_status(&out, 0);

@@ -203,21 +203,25 @@ async fn a_report_draws_each_claim_and_shows_holders_as_text() -> TestResult {
     let name = "checkout <b>&amp;</b>";
     let sem = Semaphore::builder(name, 3)
         .lease(Duration::from_secs(600))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let since = Utc::now().duration_trunc(TimeDelta::seconds(1))? - TimeDelta::seconds(1);
 
     let mut completed = Vec::new();
     for i in 0..4 {
-        let permit = sem.claim().holder(format!("job-{i}")).try_acquire().await?;
+        let permit = sem
+            .acquiring()
+            .holder(format!("job-{i}"))
+            .try_acquire()
+            .await?;
         completed.push(permit.id());
         tokio::time::sleep(Duration::from_millis(30)).await;
         permit.release().await?;
     }
     // Two held at once: the peak.
-    let a = sem.claim().holder(SCRIPT_HOLDER).try_acquire().await?;
+    let a = sem.acquiring().holder(SCRIPT_HOLDER).try_acquire().await?;
     let b = sem
-        .claim()
+        .acquiring()
         .holder(BREAKOUT_HOLDER)
         .metadata(serde_json::json!({ "note": IMG_NOTE }))
         .try_acquire()
@@ -231,9 +235,9 @@ async fn a_report_draws_each_claim_and_shows_holders_as_text() -> TestResult {
     let doomed = Semaphore::builder(name, 3)
         .lease(Duration::from_secs(600))
         .without_heartbeat()
-        .build(&db.pool)
+        .build(&db.client)
         .await?
-        .claim()
+        .acquiring()
         .holder("crashed")
         .lease(Duration::from_millis(20))
         .try_acquire()
@@ -242,7 +246,11 @@ async fn a_report_draws_each_claim_and_shows_holders_as_text() -> TestResult {
     std::mem::forget(doomed);
     wait_until_expired(&db, timed_out).await?;
     assert_eq!(pg_semaphore::admin::reap(&db.pool).await?, 1);
-    let live = sem.claim().holder("still-working").try_acquire().await?;
+    let live = sem
+        .acquiring()
+        .holder("still-working")
+        .try_acquire()
+        .await?;
     let until = Utc::now().duration_trunc(TimeDelta::seconds(1))? + TimeDelta::seconds(2);
 
     let page = artifacts().join("report-claims.html");
@@ -334,7 +342,7 @@ async fn a_busy_window_is_aggregated_by_the_database() -> TestResult {
     let db = support::migrated_db().await;
     Semaphore::builder("busy", SLOTS as u32)
         .lease(Duration::from_secs(30))
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     let since = Utc::now().duration_trunc(TimeDelta::hours(1))? - TimeDelta::hours(3);
     let length = TimeDelta::milliseconds(CLAIMS / SLOTS * SPACING_MS);
@@ -497,7 +505,7 @@ async fn an_advisory_semaphore_s_report_draws_its_finished_permits() -> TestResu
     let db = support::migrated_db().await;
     let sem = AdvisorySemaphore::builder("exports", 3)
         .holder(SCRIPT_HOLDER)
-        .build(&db.pool)
+        .build(&db.client)
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
@@ -583,7 +591,7 @@ async fn an_advisory_semaphore_s_report_draws_its_finished_permits() -> TestResu
 #[tokio::test]
 async fn report_errors_have_the_documented_exit_statuses() -> TestResult {
     let db = support::migrated_db().await;
-    Semaphore::builder("quiet", 2).build(&db.pool).await?;
+    Semaphore::builder("quiet", 2).build(&db.client).await?;
     let page = artifacts().join("report-quiet.html");
     let page = page.to_str().unwrap();
 
@@ -668,7 +676,9 @@ async fn report_errors_have_the_documented_exit_statuses() -> TestResult {
 async fn a_semaphore_with_many_slots_shares_lanes() -> TestResult {
     let db = support::migrated_db().await;
     let capacity = 250;
-    let sem = Semaphore::builder("wide", capacity).build(&db.pool).await?;
+    let sem = Semaphore::builder("wide", capacity)
+        .build(&db.client)
+        .await?;
     let since = Utc::now() - TimeDelta::seconds(1);
     let held = [
         sem.try_acquire().await?,

@@ -22,8 +22,9 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey};
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, Postgres, Transaction};
 
+use crate::Client;
 use crate::error::{Error, Result};
 
 use self::lock::{Key, Lock, Mode, Wait};
@@ -57,8 +58,9 @@ pub use self::xact::MutexGuard;
 /// use pg_semaphore::Mutex;
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// # let client = pg_semaphore::Client::new(pool.clone());
 /// let mutex = Mutex::new("nightly-report");
-/// let mut guard = mutex.locking().timeout(Duration::from_secs(5)).lock(&pool).await?;
+/// let mut guard = mutex.locking().timeout(Duration::from_secs(5)).lock(&client).await?;
 /// // Work done in the guard's transaction commits atomically with the release.
 /// sqlx::query("UPDATE jobs SET last_run = now() WHERE name = 'nightly-report'")
 ///     .execute(&mut *guard)
@@ -195,8 +197,8 @@ impl Mutex {
     /// connection; if the caller goes away, the task cancels the waiting
     /// statement on the server (once it was sent) and rolls back, so no lock
     /// is left held or queued.
-    pub async fn lock(&self, pool: &PgPool) -> Result<MutexGuard> {
-        self.locking().lock(pool).await
+    pub async fn lock(&self, client: &Client) -> Result<MutexGuard> {
+        self.locking().lock(client).await
     }
 
     /// Starts a lock with options: the mode ([`shared`](Locking::shared);
@@ -210,13 +212,14 @@ impl Mutex {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use std::time::Duration;
     /// use pg_semaphore::Mutex;
     /// let mutex = Mutex::new("catalog");
     /// // A reader, waiting up to 5 s (PostgreSQL's lock_timeout).
-    /// let reader = mutex.locking().shared().timeout(Duration::from_secs(5)).lock(&pool).await?;
+    /// let reader = mutex.locking().shared().timeout(Duration::from_secs(5)).lock(&client).await?;
     /// // A leader: a session lock, or Error::Locked at once if someone has it.
-    /// match Mutex::new("leader").locking().no_wait().lock_session(&pool).await {
+    /// match Mutex::new("leader").locking().no_wait().lock_session(&client).await {
     ///     Ok(leader) => { /* lead until leader.lost() */ }
     ///     Err(e) if e.is_busy() => { /* someone else leads */ }
     ///     Err(e) => return Err(e),
@@ -300,8 +303,8 @@ impl Locking<'_> {
     /// connection; if the caller goes away, the task cancels the waiting
     /// statement on the server (once it was sent) and rolls back, so no lock
     /// is left held or queued.
-    pub async fn lock(self, pool: &PgPool) -> Result<MutexGuard> {
-        xact::lock(self.lock, pool, self.mode, self.wait).await
+    pub async fn lock(self, client: &Client) -> Result<MutexGuard> {
+        xact::lock(self.lock, client.pool(), self.mode, self.wait).await
     }
 
     /// Takes the lock inside a transaction the caller already has; it is
@@ -337,10 +340,11 @@ impl Locking<'_> {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use pg_semaphore::Mutex;
     /// let rows = Mutex::new("rebuild-index")
     ///     .locking()
-    ///     .with_lock(&pool, |conn| {
+    ///     .with_lock(&client, |conn| {
     ///         Box::pin(async move {
     ///             let done = sqlx::query("DELETE FROM search_queue").execute(conn).await?;
     ///             Ok::<_, pg_semaphore::Error>(done.rows_affected())
@@ -361,7 +365,7 @@ impl Locking<'_> {
     ///
     /// If the future is dropped, the transaction is rolled back (by the
     /// guard's drop) and the lock released.
-    pub async fn with_lock<T, E, F>(self, pool: &PgPool, work: F) -> std::result::Result<T, E>
+    pub async fn with_lock<T, E, F>(self, client: &Client, work: F) -> std::result::Result<T, E>
     where
         F: for<'c> FnOnce(
             &'c mut PgConnection,
@@ -369,7 +373,7 @@ impl Locking<'_> {
             -> Pin<Box<dyn Future<Output = std::result::Result<T, E>> + Send + 'c>>,
         E: From<Error>,
     {
-        xact::with_lock(self.lock(pool).await?, work).await
+        xact::with_lock(self.lock(client).await?, work).await
     }
 
     /// Takes a **session-scoped** lock on a dedicated connection, for holds
@@ -396,8 +400,8 @@ impl Locking<'_> {
     ///
     /// Cancel-safe, as [`lock`](Locking::lock): a cancelled wait is
     /// cancelled on the server and the connection closed.
-    pub async fn lock_session(self, pool: &PgPool) -> Result<SessionGuard> {
-        session::lock(self.lock, pool, self.mode, self.wait).await
+    pub async fn lock_session(self, client: &Client) -> Result<SessionGuard> {
+        session::lock(self.lock, client.pool(), self.mode, self.wait).await
     }
 }
 

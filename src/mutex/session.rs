@@ -319,7 +319,8 @@ impl SessionGuard {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool, long_job: impl std::future::Future<Output = ()>) -> Result<(), pg_semaphore::Error> {
-    /// let leader = pg_semaphore::Mutex::new("leader").locking().lock_session(&pool).await?;
+    /// # let client = pg_semaphore::Client::new(pool.clone());
+    /// let leader = pg_semaphore::Mutex::new("leader").locking().lock_session(&client).await?;
     /// tokio::select! {
     ///     () = long_job => leader.unlock().await?,
     ///     reason = leader.lost() => eprintln!("lost leadership ({reason}): stopping"),

@@ -203,7 +203,8 @@ where
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let mut guard = pg_semaphore::Mutex::new("ledger").lock(&pool).await?;
+/// # let client = pg_semaphore::Client::new(pool.clone());
+/// let mut guard = pg_semaphore::Mutex::new("ledger").lock(&client).await?;
 /// sqlx::query("INSERT INTO ledger (amount) VALUES (10)")
 ///     .execute(guard.tx().as_mut())
 ///     .await?;

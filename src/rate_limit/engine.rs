@@ -9,10 +9,10 @@ use std::fmt;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
 use super::{Decision, RatePolicy, SqlLimits, settings};
+use crate::Client;
 use crate::db::{Db, Statement};
 use crate::error::{Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
@@ -63,10 +63,12 @@ pub(super) struct Limiter {
     pub(super) policy: RatePolicy,
     pub(super) fail_open: bool,
     pub(super) metrics: LimiterMetrics,
-    /// The pool's rate limiter `LISTEN` service, from this handle's first
-    /// waiting acquire for as long as the handle lives (so that waiting
-    /// acquires do not each open and close a connection).
-    pub(super) wakeups: std::sync::OnceLock<Arc<settings::RateWakeups>>,
+    /// The client's rate limiter `LISTEN` service (its task starts with the
+    /// first waiting acquire).
+    pub(super) wakeups: Arc<settings::RateWakeups>,
+    /// Whether the client can `LISTEN` (not through a transaction pooler
+    /// without direct connect options).
+    pub(super) listens: bool,
     /// Whether this handle compared its limits with the stored ones
     /// ([`Limiter::note_stored_limits`]).
     pub(super) stored_noted: std::sync::atomic::AtomicBool,
@@ -89,19 +91,19 @@ impl fmt::Debug for Limiter {
 impl Limiter {
     /// A limiter's engine; `name` and `policy` are valid.
     pub(super) fn new(
-        pool: &PgPool,
+        client: &Client,
         name: String,
         policy: RatePolicy,
         fail_open: bool,
-        pooled: bool,
     ) -> Limiter {
         Limiter {
-            db: Db::new(pool, pooled),
+            db: client.db().clone(),
             metrics: LimiterMetrics::new(&name, policy.kind().as_str()),
             name,
             policy,
             fail_open,
-            wakeups: std::sync::OnceLock::new(),
+            wakeups: client.rate_wakeups().clone(),
+            listens: client.can_listen(),
             stored_noted: std::sync::atomic::AtomicBool::new(false),
             lines: std::sync::Mutex::new(HashMap::new()),
         }

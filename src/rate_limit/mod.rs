@@ -56,6 +56,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
+use crate::Client;
 use crate::admin::LimiterKind;
 use crate::db::Db;
 use crate::error::{Error, Result};
@@ -67,6 +68,7 @@ mod settings;
 
 use engine::Limiter;
 pub use set::LimiterSet;
+pub(crate) use settings::RateWakeups;
 
 /// Deletes up to a batch of keys at rest, walking the primary key from a cursor.
 const PRUNE: &str = "SELECT o_deleted, o_kind, o_limiter, o_key \
@@ -407,8 +409,9 @@ impl SqlLimits {
 /// use pg_semaphore::{RateLimiter, RatePolicy};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// # let client = pg_semaphore::Client::new(pool.clone());
 /// // 100 requests per second per user, bursts of up to 500.
-/// let limiter = RateLimiter::builder("api", RatePolicy::token_bucket(100.0, 500)).build(&pool)?;
+/// let limiter = RateLimiter::builder("api", RatePolicy::token_bucket(100.0, 500)).build(&client)?;
 /// let decision = limiter.check("user-42", 1).await?;
 /// if !decision.allowed {
 ///     // answer 429 with Retry-After: decision.retry_after
@@ -416,7 +419,7 @@ impl SqlLimits {
 ///
 /// // About 10 logins per IP per 10 minutes, without a reset burst.
 /// let policy = RatePolicy::sliding_window(10, Duration::from_secs(600));
-/// let logins = RateLimiter::builder("logins", policy).build(&pool)?;
+/// let logins = RateLimiter::builder("logins", policy).build(&client)?;
 /// let decision = logins.check("203.0.113.7", 1).await?;
 /// # Ok(())
 /// # }
@@ -428,12 +431,11 @@ pub struct RateLimiter {
 
 /// Configures a [`RateLimiter`]; made by [`RateLimiter::builder`].
 #[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `.build(&pool)`"]
+#[must_use = "a builder does nothing until `.build(&client)`"]
 pub struct RateLimiterBuilder {
     name: String,
     policy: RatePolicy,
     fail_open: bool,
-    pooled: bool,
 }
 
 impl RateLimiterBuilder {
@@ -455,17 +457,6 @@ impl RateLimiterBuilder {
         self
     }
 
-    /// Declares that the pool connects through a transaction-pooling proxy
-    /// such as PgBouncer with `pool_mode = transaction` (default `false`):
-    /// each check then runs as an unnamed statement inside an explicit
-    /// transaction (two extra round trips), as
-    /// [`SemaphoreBuilder::transaction_pooling`](crate::SemaphoreBuilder::transaction_pooling)
-    /// explains.
-    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
-        self.pooled = enabled;
-        self
-    }
-
     /// Validates the settings. Nothing is written: each key's state is
     /// created by its first check.
     ///
@@ -480,17 +471,11 @@ impl RateLimiterBuilder {
     /// (`permit_limit`), a window outside
     /// [`MIN_WINDOW`](crate::limits::MIN_WINDOW)..=[`MAX_WINDOW`](crate::limits::MAX_WINDOW)
     /// (`window`).
-    pub fn build(self, pool: &PgPool) -> Result<RateLimiter> {
+    pub fn build(self, client: &Client) -> Result<RateLimiter> {
         validate::name(&self.name)?;
         self.policy.validate()?;
         Ok(RateLimiter {
-            inner: Arc::new(Limiter::new(
-                pool,
-                self.name,
-                self.policy,
-                self.fail_open,
-                self.pooled,
-            )),
+            inner: Arc::new(Limiter::new(client, self.name, self.policy, self.fail_open)),
         })
     }
 }
@@ -503,7 +488,6 @@ impl RateLimiter {
             name: name.into(),
             policy,
             fail_open: false,
-            pooled: false,
         }
     }
 
@@ -561,9 +545,10 @@ impl RateLimiter {
     /// use pg_semaphore::{RateLimiter, RatePolicy};
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// // Call a partner's API at most 10 times per second, from every process.
     /// let partner = RateLimiter::builder("partner-api", RatePolicy::token_bucket(10.0, 10))
-    ///     .build(&pool)?;
+    ///     .build(&client)?;
     /// partner.acquire("all", 1).await?;
     /// // ... call it ...
     /// # Ok(())
@@ -623,9 +608,9 @@ impl RateLimiter {
     /// The wait is fixed when the permits are booked, with one exception:
     /// when an operator raises a token bucket's stored rate
     /// ([`set_rate_limit`](crate::admin::set_rate_limit)), waiters are told (a
-    /// `NOTIFY`, heard by one `LISTEN` connection per pool, opened by a
-    /// handle's first `acquire` and kept while the handle lives; none with
-    /// [`transaction_pooling`](RateLimiterBuilder::transaction_pooling)),
+    /// `NOTIFY`, heard by one `LISTEN` connection per client, opened by its
+    /// first waiting `acquire`; none behind a transaction pooler without
+    /// direct [`connect_options`](crate::Client::connect_options)),
     /// re-read the rate and shorten their wait to what the tokens still
     /// owed take at the new rate. A handle built with a higher rate does not
     /// shorten anyone's wait, and a lowered limit applies to later
@@ -644,7 +629,8 @@ impl RateLimiter {
     /// use pg_semaphore::{Error, RateLimiter, RatePolicy};
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
-    /// let sends = RateLimiter::builder("emails", RatePolicy::token_bucket(5.0, 20)).build(&pool)?;
+    /// # let client = pg_semaphore::Client::new(pool.clone());
+    /// let sends = RateLimiter::builder("emails", RatePolicy::token_bucket(5.0, 20)).build(&client)?;
     /// match sends.acquire_timeout("tenant-7", 1, Duration::from_secs(2)).await {
     ///     Ok(_admitted) => { /* send it */ }
     ///     Err(Error::Timeout { .. }) => { /* more than 2 s away: queue it for later */ }

@@ -48,13 +48,14 @@ const CHECK_LIMITS_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining, o_
 /// use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// # let client = pg_semaphore::Client::new(pool.clone());
 /// let per_second = RateLimiter::builder("api-s", RatePolicy::token_bucket(100.0, 100))
-///     .build(&pool)?;
+///     .build(&client)?;
 /// let day = Duration::from_secs(86_400);
 /// let per_day = RateLimiter::builder("api-day", RatePolicy::fixed_window(10_000, day))
-///     .build(&pool)?;
+///     .build(&client)?;
 /// let everyone = RateLimiter::builder("api-all", RatePolicy::token_bucket(5_000.0, 5_000))
-///     .build(&pool)?;
+///     .build(&client)?;
 /// let limits = LimiterSet::new()
 ///     .with(&per_second)
 ///     .with(&per_day)
@@ -182,11 +183,12 @@ impl LimiterSet {
     /// use pg_semaphore::{LimiterSet, RateLimiter, RatePolicy};
     ///
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// let per_second = RateLimiter::builder("sms-s", RatePolicy::token_bucket(10.0, 10))
-    ///     .build(&pool)?;
+    ///     .build(&client)?;
     /// let day = Duration::from_secs(86_400);
     /// let per_day = RateLimiter::builder("sms-day", RatePolicy::fixed_window(1_000, day))
-    ///     .build(&pool)?;
+    ///     .build(&client)?;
     /// let limits = LimiterSet::new().with(&per_second).with(&per_day);
     /// limits.acquire_timeout("tenant-7", 1, Duration::from_secs(30)).await?;
     /// // ... send the message ...

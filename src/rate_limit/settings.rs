@@ -20,7 +20,7 @@
 //!   pause ends, then reserves again.
 //! - **Wake-ups.** The operator functions (`set_rate_limit`,
 //!   `clear_rate_limit`, `resume_rate_limit`) send `NOTIFY pgsemaphore_rate
-//!   'kind/limiter'`. One `LISTEN` connection per pool, opened by a
+//!   'kind/limiter'`. One `LISTEN` connection per client, opened by a
 //!   handle's first waiting acquire and kept while such a handle lives,
 //!   passes them on ([`Subscription`]); a waiter then re-reads what is in
 //!   force. The notification is a hint: a waiter that misses one
@@ -38,8 +38,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{Limiter, RatePolicy};
+use crate::background::{self, lock};
 use crate::error::Result;
-use crate::per_pool::{self, PerPool, lock};
 use crate::validate;
 
 /// The channel the operator functions notify on; the payload is `kind/limiter`.
@@ -240,8 +240,9 @@ impl Limiter {
     }
 }
 
-/// The `LISTEN` service of one pool, while a handle that has waited holds it.
-pub(super) struct RateWakeups {
+/// The rate limiters' `LISTEN` service of one [`Client`](crate::Client):
+/// its task starts with the first waiting acquire.
+pub(crate) struct RateWakeups {
     sender: broadcast::Sender<Arc<str>>,
     options: Arc<PgConnectOptions>,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -255,7 +256,22 @@ impl Drop for RateWakeups {
     }
 }
 
-static REGISTRY: PerPool<RateWakeups> = PerPool::new();
+impl RateWakeups {
+    pub(crate) fn new(options: Arc<PgConnectOptions>) -> RateWakeups {
+        RateWakeups {
+            sender: broadcast::channel(256).0,
+            options,
+            task: Mutex::new(None),
+        }
+    }
+
+    /// Stops the `LISTEN` task (a waiter's next wait starts it again).
+    pub(crate) fn stop(&self) {
+        if let Some(task) = lock(&self.task).take() {
+            task.abort();
+        }
+    }
+}
 
 /// A waiter's ear: the notifications of every limiter of its pool, and an
 /// empty one each time the listener (re)starts listening (anything changed
@@ -281,28 +297,15 @@ impl Subscription {
 }
 
 impl Limiter {
-    /// Subscribes to this pool's rate limiter notifications, starting its
-    /// listener if none runs (kept by this handle from then on). Call it
-    /// before the statement whose outcome a change could alter: a change
-    /// committed after that statement is heard. `None` behind a
-    /// transaction pooler, where nothing can listen.
+    /// Subscribes to the client's rate limiter notifications, starting its
+    /// listener if none runs. Call it before the statement whose outcome a
+    /// change could alter: a change committed after that statement is
+    /// heard. `None` behind a transaction pooler, where nothing can listen.
     pub(super) fn subscribe(&self) -> Option<Subscription> {
-        if self.db.is_pooled() {
+        if !self.listens {
             return None;
         }
-        let service = self
-            .wakeups
-            .get_or_init(|| {
-                let options = self.db.pool().connect_options();
-                REGISTRY.get(&options, || {
-                    Arc::new(RateWakeups {
-                        sender: broadcast::channel(256).0,
-                        options: options.clone(),
-                        task: Mutex::new(None),
-                    })
-                })
-            })
-            .clone();
+        let service = self.wakeups.clone();
         let receiver = service.sender.subscribe();
         {
             let mut task = lock(&service.task);
@@ -323,7 +326,7 @@ impl Limiter {
 
 /// The `LISTEN` loop. Runs until aborted.
 async fn listen_loop(options: PgConnectOptions, sender: broadcast::Sender<Arc<str>>) {
-    per_pool::listen_loop(
+    background::listen_loop(
         options,
         CHANNEL,
         "pg-semaphore rate listener",

@@ -105,7 +105,7 @@ fn release_call(ids: &[i64], token: &Token, lost: bool, several: bool) -> String
 /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
 /// use pg_semaphore::Priority;
 /// // Analytics: shed first, leave the reserve to charges.
-/// let permit = sem.claim().priority(Priority::Low).try_acquire().await?;
+/// let permit = sem.acquiring().priority(Priority::Low).try_acquire().await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -144,7 +144,7 @@ impl Priority {
 #[non_exhaustive]
 pub enum QueueOrder {
     /// First come, first served (FIFO; the default). Waiters of different
-    /// [fairness keys](crate::Claim::fairness_key) take turns; without keys,
+    /// [fairness keys](crate::Acquiring::fairness_key) take turns; without keys,
     /// this is arrival order.
     #[default]
     OldestFirst,
@@ -242,7 +242,7 @@ pub(crate) struct Core {
     pub(crate) fail_open: bool,
     pub(crate) reserved: u32,
     pub(crate) queue: Option<QueueOptions>,
-    /// Wake-ups of this pool (one LISTEN connection per pool).
+    /// Wake-ups of the client (one LISTEN connection per client).
     pub(crate) wakeups: Arc<Wakeups>,
     pub(crate) metrics: SemaphoreMetrics,
 }

@@ -29,12 +29,12 @@ use std::fmt;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 
 use super::engine::{self, Core, Heartbeat};
 use super::wake::Wakeups;
 use super::{DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, Permit, Semaphore, default_holder};
+use crate::Client;
 use crate::db::Db;
 use crate::error::{Error, Result, family_not_found};
 use crate::metrics::SemaphoreMetrics;
@@ -93,7 +93,8 @@ const OPEN_KEY: &str = "SELECT o_name, o_capacity, o_default_lease \
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
 /// pg_semaphore::migrate(&pool).await?;
-/// let tenants = SemaphoreFamily::builder("tenants", 10).build(&pool).await?;
+/// let client = pg_semaphore::Client::new(pool);
+/// let tenants = SemaphoreFamily::builder("tenants", 10).build(&client).await?;
 ///
 /// match tenants.try_acquire("tenant-42").await {
 ///     Ok(permit) => {
@@ -112,7 +113,6 @@ pub struct SemaphoreFamily {
 }
 
 struct Inner {
-    pool: PgPool,
     db: Db,
     name: String,
     capacity: u32,
@@ -146,7 +146,7 @@ impl fmt::Debug for SemaphoreFamily {
 /// **new** family is created with; an existing family keeps its own (an
 /// operator changes them with [`configure_family`](crate::admin::configure_family)).
 #[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `.build(&pool).await`"]
+#[must_use = "a builder does nothing until `.build(&client).await`"]
 pub struct SemaphoreFamilyBuilder {
     name: String,
     capacity: u32,
@@ -154,7 +154,6 @@ pub struct SemaphoreFamilyBuilder {
     idle_after: Duration,
     holder: Option<String>,
     fallback: Duration,
-    pooled: bool,
     heartbeat: Heartbeat,
 }
 
@@ -189,12 +188,6 @@ impl SemaphoreFamilyBuilder {
         self
     }
 
-    /// As [`SemaphoreBuilder::transaction_pooling`](crate::SemaphoreBuilder::transaction_pooling).
-    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
-        self.pooled = enabled;
-        self
-    }
-
     /// As [`SemaphoreBuilder::heartbeat`](crate::SemaphoreBuilder::heartbeat).
     pub fn heartbeat(mut self, interval: Duration) -> Self {
         self.heartbeat = Heartbeat::Every(interval);
@@ -225,7 +218,7 @@ impl SemaphoreFamilyBuilder {
     /// # Cancel safety
     ///
     /// Opening is one statement: cancelling either creates the family or not.
-    pub async fn build(self, pool: &PgPool) -> Result<SemaphoreFamily> {
+    pub async fn build(self, client: &Client) -> Result<SemaphoreFamily> {
         validate::family(&self.name)?;
         validate::capacity(self.capacity)?;
         let lease = validate::lease(self.lease)?;
@@ -239,7 +232,7 @@ impl SemaphoreFamilyBuilder {
             }
             None => default_holder(),
         };
-        let db = Db::new(pool, self.pooled);
+        let db = client.db().clone();
         let query = db
             .query_as::<(i32, PgInterval, PgInterval, bool)>(OPEN_FAMILY)
             .bind(self.name.clone())
@@ -269,7 +262,6 @@ impl SemaphoreFamilyBuilder {
         self.heartbeat.check(stored_lease, "lease")?;
         Ok(SemaphoreFamily {
             inner: Arc::new(Inner {
-                pool: pool.clone(),
                 db,
                 name: self.name,
                 capacity,
@@ -278,7 +270,7 @@ impl SemaphoreFamilyBuilder {
                 holder,
                 fallback: self.fallback,
                 heartbeat: self.heartbeat,
-                wakeups: Wakeups::for_pool(pool),
+                wakeups: client.wakeups().clone(),
                 keys: StdMutex::new(HashMap::new()),
             }),
         })
@@ -298,7 +290,6 @@ impl SemaphoreFamily {
             idle_after: DEFAULT_IDLE_AFTER,
             holder: None,
             fallback: DEFAULT_FALLBACK_INTERVAL,
-            pooled: false,
             heartbeat: Heartbeat::Default,
         }
     }
@@ -437,7 +428,7 @@ impl SemaphoreFamily {
         inner.heartbeat.check(lease, "lease")?;
         let sem = Semaphore {
             core: Arc::new(Core {
-                db: Db::new(&inner.pool, db.is_pooled()),
+                db: db.clone(),
                 metrics: SemaphoreMetrics::new(&format!("@{}", inner.name)),
                 name,
                 capacity: capacity.max(1) as u32,

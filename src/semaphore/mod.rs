@@ -10,14 +10,14 @@
 //! - [`family`]: [`SemaphoreFamily`], a semaphore per key, each key's
 //!   handle an ordinary [`Semaphore`].
 
-mod advisory;
+pub(crate) mod advisory;
 mod engine;
 mod family;
 mod lease;
 mod permit;
 mod queue;
 mod wait;
-mod wake;
+pub(crate) mod wake;
 
 use std::fmt;
 use std::sync::Arc;
@@ -28,8 +28,8 @@ use sqlx::PgPool;
 use sqlx::postgres::types::PgInterval;
 use tokio::time::Instant;
 
+use crate::Client;
 use crate::audit::{AuditLog, Holder, Summary};
-use crate::db::Db;
 use crate::error::{self, Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::SemaphoreMetrics;
@@ -42,7 +42,6 @@ use self::engine::{Admission, Attempt, Core, Heartbeat, QueueOptions, Several};
 pub use self::engine::{Priority, QueueOrder};
 pub use self::family::{DEFAULT_IDLE_AFTER, SemaphoreFamily, SemaphoreFamilyBuilder};
 pub use self::permit::Permit;
-use self::wake::Wakeups;
 
 /// The default lease: how long a permit is held before a reaper may free it.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(90);
@@ -80,9 +79,10 @@ const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaph
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
 /// pg_semaphore::migrate(&pool).await?;
+/// let client = pg_semaphore::Client::new(pool);
 /// let sem = Semaphore::builder("payments-api", 4)
 ///     .lease(Duration::from_secs(90))
-///     .build(&pool)
+///     .build(&client)
 ///     .await?;
 ///
 /// match sem.try_acquire().await {
@@ -129,26 +129,26 @@ impl fmt::Debug for Semaphore {
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// # let client = pg_semaphore::Client::new(pool.clone());
 /// use std::time::Duration;
 /// let sem = pg_semaphore::Semaphore::builder("payments-api", 4)
 ///     .lease(Duration::from_secs(30))          // a crashed holder frees its slot after 30 s
 ///     .heartbeat(Duration::from_secs(10))      // a live one renews every 10 s
 ///     .holder("api-7")                         // recorded in the audit log
 ///     .fallback_interval(Duration::from_secs(2))
-///     .build(&pool)
+///     .build(&client)
 ///     .await?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }
 /// ```
 #[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `.build(&pool).await`"]
+#[must_use = "a builder does nothing until `.build(&client).await`"]
 pub struct SemaphoreBuilder {
     name: String,
     capacity: u32,
     lease: Duration,
     holder: Option<String>,
     fallback: Duration,
-    pooled: bool,
     heartbeat: Heartbeat,
     fail_open: bool,
     reserved: u32,
@@ -179,23 +179,6 @@ impl SemaphoreBuilder {
         self
     }
 
-    /// Declares that the pool connects through a **transaction-pooling proxy**
-    /// such as PgBouncer with `pool_mode = transaction` (default `false`).
-    ///
-    /// `LISTEN` cannot work there, so waiting acquires re-check every
-    /// [`fallback_interval`](Self::fallback_interval) instead of being woken
-    /// by notifications (shorten it accordingly), or when the lease that
-    /// blocks them ends. Each prepared statement runs unnamed
-    /// (`persistent(false)`) inside an explicit transaction, so that sqlx's
-    /// two extended-protocol steps reach the same server connection and no
-    /// statement name collides with another client's; that costs two extra
-    /// round trips per claim (a release is one round trip either way).
-    /// Migrations must still run on a direct connection.
-    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
-        self.pooled = enabled;
-        self
-    }
-
     /// Renews each held permit's lease every `interval` (by default every
     /// third of the lease). The lease must be at least twice the interval.
     ///
@@ -208,11 +191,12 @@ impl SemaphoreBuilder {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use std::time::Duration;
     /// let sem = pg_semaphore::Semaphore::builder("exports", 2)
     ///     .lease(Duration::from_secs(30))
     ///     .heartbeat(Duration::from_secs(5))
-    ///     .build(&pool)
+    ///     .build(&client)
     ///     .await?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// # }
@@ -260,9 +244,10 @@ impl SemaphoreBuilder {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use pg_semaphore::{Priority, Semaphore};
-    /// let sem = Semaphore::builder("workers", 10).reserved(2).build(&pool).await?;
-    /// let report = sem.claim().priority(Priority::Low).try_acquire().await; // needs 3 free
+    /// let sem = Semaphore::builder("workers", 10).reserved(2).build(&client).await?;
+    /// let report = sem.acquiring().priority(Priority::Low).try_acquire().await; // needs 3 free
     /// let charge = sem.try_acquire().await; // may take the last slot
     /// # Ok(())
     /// # }
@@ -281,7 +266,7 @@ impl SemaphoreBuilder {
     /// With one, waiters are served strictly in order
     /// ([`QueueOrder::OldestFirst`] or [`QueueOrder::NewestFirst`]),
     /// high-priority ones first, whatever process they are in (in a FIFO
-    /// queue, waiters of different [fairness keys](Claim::fairness_key)
+    /// queue, waiters of different [fairness keys](Acquiring::fairness_key)
     /// take turns); and while
     /// anyone is queued, no other claim on the semaphore succeeds:
     /// [`try_acquire`](Semaphore::try_acquire) (on any handle) fails fast with
@@ -302,11 +287,12 @@ impl SemaphoreBuilder {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use pg_semaphore::{QueueOrder, Semaphore};
     /// let sem = Semaphore::builder("exports", 2)
     ///     .queue(QueueOrder::OldestFirst)
     ///     .queue_limit(100)
-    ///     .build(&pool)
+    ///     .build(&client)
     ///     .await?;
     /// let permit = sem.acquire().await?; // Err(QueueFull) if 100 are waiting
     /// # Ok(())
@@ -353,7 +339,7 @@ impl SemaphoreBuilder {
     /// # Cancel safety
     ///
     /// Opening is one statement: cancelling either creates the semaphore or not.
-    pub async fn build(self, pool: &PgPool) -> Result<Semaphore> {
+    pub async fn build(self, client: &Client) -> Result<Semaphore> {
         validate::name(&self.name)?;
         validate::capacity(self.capacity)?;
         let lease = validate::lease(self.lease)?;
@@ -367,7 +353,7 @@ impl SemaphoreBuilder {
             None => default_holder(),
         };
         validate::reserve(self.reserved, self.capacity)?;
-        let db = Db::new(pool, self.pooled);
+        let db = client.db().clone();
         let requested_order = self.queue.map(|q| q.order).unwrap_or_default();
         let query = db
             .query_as::<(i32, PgInterval, bool, bool)>(OPEN)
@@ -413,7 +399,7 @@ impl SemaphoreBuilder {
         validate::reserve(self.reserved, capacity)?;
         Ok(Semaphore {
             core: Arc::new(Core {
-                wakeups: Wakeups::for_pool(pool),
+                wakeups: client.wakeups().clone(),
                 metrics: SemaphoreMetrics::new(&self.name),
                 db,
                 name: self.name,
@@ -441,7 +427,6 @@ impl Semaphore {
             lease: DEFAULT_LEASE,
             holder: None,
             fallback: DEFAULT_FALLBACK_INTERVAL,
-            pooled: false,
             heartbeat: Heartbeat::Default,
             fail_open: false,
             reserved: 0,
@@ -534,21 +519,22 @@ impl Semaphore {
         queue::queue_len(&self.core).await
     }
 
-    /// Starts a claim with per-claim options (metadata, holder label, lease,
-    /// priority, fairness key).
+    /// Starts an acquire with options of its own (metadata, holder label,
+    /// lease, priority, fairness key, timeout), as
+    /// [`Mutex::locking`](crate::Mutex::locking) starts a lock's.
     ///
     /// ```no_run
     /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), Box<dyn std::error::Error>> {
     /// let permit = sem
-    ///     .claim()
+    ///     .acquiring()
     ///     .metadata(serde_json::json!({ "request_id": "r-42", "route": "/charge" }))
     ///     .try_acquire()
     ///     .await?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// # }
     /// ```
-    pub fn claim(&self) -> Claim<'_> {
-        Claim {
+    pub fn acquiring(&self) -> Acquiring<'_> {
+        Acquiring {
             semaphore: self,
             holder: None,
             metadata: None,
@@ -582,7 +568,7 @@ impl Semaphore {
     /// Cancel-safe: the claim runs in a spawned task, and a claim that
     /// completes after the caller stopped waiting is released at once.
     pub async fn try_acquire(&self) -> Result<Permit> {
-        self.claim().try_acquire().await
+        self.acquiring().try_acquire().await
     }
 
     /// Waits without limit until a slot is free, then claims it.
@@ -598,7 +584,7 @@ impl Semaphore {
     /// stuck transaction) does not end the wait: the claim is retried, with
     /// a pause that grows to the fallback interval and one `WARN` per
     /// outage, until the database answers again (bound it with
-    /// [`Claim::timeout`]).
+    /// [`Acquiring::timeout`]).
     ///
     /// # Errors
     ///
@@ -611,7 +597,7 @@ impl Semaphore {
     /// Cancel-safe: dropping the future at any point never leaves a slot
     /// held (see [`try_acquire`](Self::try_acquire)).
     pub async fn acquire(&self) -> Result<Permit> {
-        self.claim().acquire().await
+        self.acquiring().acquire().await
     }
 
     /// Claims `n` slots at once if that many are free, or fails at once:
@@ -644,7 +630,7 @@ impl Semaphore {
     /// Cancel-safe: as [`try_acquire`](Self::try_acquire), a claim that
     /// completes after the caller stopped waiting is released at once.
     pub async fn try_acquire_many(&self, n: u32) -> Result<Permit> {
-        self.claim().try_acquire_many(n).await
+        self.acquiring().try_acquire_many(n).await
     }
 
     /// Waits without limit until `n` slots are free, then claims them all at
@@ -665,7 +651,7 @@ impl Semaphore {
     /// Cancel-safe: dropping the future never leaves a slot held, and gives
     /// up its place in the queue.
     pub async fn acquire_many(&self, n: u32) -> Result<Permit> {
-        self.claim().acquire_many(n).await
+        self.acquiring().acquire_many(n).await
     }
 
     /// Claims permits of **several semaphores at once**, all or nothing,
@@ -691,9 +677,10 @@ impl Semaphore {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use pg_semaphore::Semaphore;
-    /// let global = Semaphore::builder("payments-api", 100).build(&pool).await?;
-    /// let merchant = Semaphore::builder("payments-api:merchant-42", 5).build(&pool).await?;
+    /// let global = Semaphore::builder("payments-api", 100).build(&client).await?;
+    /// let merchant = Semaphore::builder("payments-api:merchant-42", 5).build(&client).await?;
     /// let permit = Semaphore::try_acquire_all(&[(&global, 1), (&merchant, 1)]).await?;
     /// // ... call the payment API for merchant 42 ...
     /// permit.release().await?; // both at once
@@ -709,7 +696,7 @@ impl Semaphore {
     ///   [`MAX_SEMAPHORES_PER_CLAIM`](crate::limits::MAX_SEMAPHORES_PER_CLAIM), a
     ///   semaphore named twice (argument `semaphores`), a count of 0 or more
     ///   than a semaphore's capacity (`permits`), or handles built on
-    ///   different pools (`semaphores`). Nothing is sent.
+    ///   different clients (`semaphores`). Nothing is sent.
     /// - [`Error::SemaphoreNotFound`], [`Error::Stalled`] (naming every
     ///   semaphore of the claim), [`Error::Schema`], [`Error::Database`].
     ///
@@ -853,10 +840,10 @@ impl Semaphore {
     }
 }
 
-/// One claim's options; made by [`Semaphore::claim`].
+/// One acquire's options; made by [`Semaphore::acquiring`].
 #[derive(Debug)]
-#[must_use = "a claim does nothing until one of its acquire methods is awaited"]
-pub struct Claim<'a> {
+#[must_use = "does nothing until one of its acquire methods is awaited"]
+pub struct Acquiring<'a> {
     semaphore: &'a Semaphore,
     holder: Option<String>,
     metadata: Option<serde_json::Value>,
@@ -867,7 +854,7 @@ pub struct Claim<'a> {
     ride_out_outages: bool,
 }
 
-impl Claim<'_> {
+impl Acquiring<'_> {
     /// A wait with this claim ends with the error when the database cannot be
     /// reached, instead of retrying through the outage (the tower layer: an
     /// outage is answered at once).
@@ -929,12 +916,13 @@ impl Claim<'_> {
     ///
     /// ```no_run
     /// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+    /// # let client = pg_semaphore::Client::new(pool.clone());
     /// use pg_semaphore::{QueueOrder, Semaphore};
     /// let sem = Semaphore::builder("exports", 2)
     ///     .queue(QueueOrder::OldestFirst)
-    ///     .build(&pool)
+    ///     .build(&client)
     ///     .await?;
-    /// let permit = sem.claim().fairness_key("tenant-7").acquire().await?;
+    /// let permit = sem.acquiring().fairness_key("tenant-7").acquire().await?;
     /// # Ok(())
     /// # }
     /// ```
@@ -966,7 +954,7 @@ impl Claim<'_> {
     /// ```no_run
     /// # async fn run(sem: pg_semaphore::Semaphore) -> Result<(), pg_semaphore::Error> {
     /// use std::time::Duration;
-    /// match sem.claim().timeout(Duration::from_secs(5)).acquire().await {
+    /// match sem.acquiring().timeout(Duration::from_secs(5)).acquire().await {
     ///     Ok(permit) => permit.release().await?,
     ///     Err(e) if e.is_busy() => println!("still full after 5 s: answer 503"),
     ///     Err(e) => return Err(e),
@@ -1057,7 +1045,7 @@ impl Claim<'_> {
     ///
     /// # Errors
     ///
-    /// As [`Claim::try_acquire_many`], waiting instead of
+    /// As [`Acquiring::try_acquire_many`], waiting instead of
     /// [`Error::NoSlotsAvailable`]; [`Error::Timeout`] after this claim's
     /// [`timeout`](Self::timeout).
     ///
@@ -1135,14 +1123,15 @@ fn several(semaphores: &[(&Semaphore, u32)]) -> Result<Several> {
         .collect();
     members.sort_by(|(a, _), (b, _)| a.name.cmp(&b.name));
     let lead = &members[0].0;
-    if let Some((other, _)) = members.iter().find(|(core, _)| {
-        !Arc::ptr_eq(&core.wakeups, &lead.wakeups) || core.db.is_pooled() != lead.db.is_pooled()
-    }) {
+    if let Some((other, _)) = members
+        .iter()
+        .find(|(core, _)| !Arc::ptr_eq(&core.wakeups, &lead.wakeups))
+    {
         return Err(Error::invalid(
             "semaphores",
             format!(
-                "semaphores {:?} and {:?} were built on different pools: a multi-limit claim is one \
-                 transaction of one database, so build every handle on the same pool",
+                "semaphores {:?} and {:?} were built on different clients: a multi-limit claim is one \
+                 transaction of one database, so build every handle on the same client",
                 lead.name, other.name
             ),
         ));

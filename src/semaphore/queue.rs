@@ -12,7 +12,7 @@
 //! ([`QueueOrder::NewestFirst`](super::QueueOrder)) the newest ticket.
 //!
 //! Turns make waiters of different fairness keys
-//! ([`Claim::fairness_key`](super::Claim::fairness_key)) take turns: a
+//! ([`Acquiring::fairness_key`](super::Acquiring::fairness_key)) take turns: a
 //! waiter's turn, fixed by `pgsemaphore.enqueue`, is one more than its
 //! key's last queued turn, but never below the head's, so a key with one
 //! waiter is served within one turn of the rotation however many waiters

@@ -53,7 +53,7 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
     // In the waiters gauge until this returns or is dropped.
     let _waiting = core.metrics.waiting();
     let wakeups = &core.wakeups;
-    wakeups.start(!core.db.is_pooled());
+    wakeups.start(core.db.listens());
     let mut watch = wakeups.watch(&core.name, core.fallback);
     let rank = attempt.priority.rank();
     watch.take_place((rank, 1, 0, ARRIVAL.fetch_add(1, Ordering::Relaxed)), None);
@@ -161,7 +161,7 @@ pub(crate) async fn acquire_all(
         .iter()
         .map(|(core, _)| core.metrics.waiting())
         .collect();
-    lead.wakeups.start(!lead.db.is_pooled());
+    lead.wakeups.start(lead.db.listens());
     let mut watches: Vec<Watch> = several
         .members
         .iter()
@@ -337,7 +337,7 @@ pub(crate) fn too_many(core: &Core, attempt: &Attempt, capacity: u32) -> Error {
 /// Waits until the semaphore has no live, unexpired claim.
 pub(crate) async fn idle(core: &Arc<Core>) -> Result<()> {
     let wakeups = &core.wakeups;
-    wakeups.start(!core.db.is_pooled());
+    wakeups.start(core.db.listens());
     let mut watch = wakeups.watch(&core.name, core.fallback);
     let mut outage = Outage::new(true);
     loop {

@@ -1,4 +1,4 @@
-//! Wake-ups for waiting acquires and `wait_idle`, per pool: one `LISTEN`
+//! Wake-ups for waiting acquires and `wait_idle`, per client: one `LISTEN`
 //! connection, a local order of waiters per semaphore, and a registration
 //! that tells releases someone here waits.
 //!
@@ -32,15 +32,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::postgres::types::PgInterval;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::background::{self, lock};
 use crate::db::Db;
-use crate::per_pool::{self, PerPool, lock};
 use crate::token::Token;
 
 /// The channel every pg-semaphore notification is sent on; the payload is the
@@ -66,10 +65,8 @@ const KEEP_WAITING: &str = "SELECT pgsemaphore.keep_waiting(p_semaphore => $1, p
 const STOP_WAITING: &str =
     "SELECT pgsemaphore.stop_waiting(p_semaphore => $1, p_token => $2, p_spell => $3)";
 
-/// Wake-up services by pool (the pool's connect-options `Arc` identifies it).
-static REGISTRY: PerPool<Wakeups> = PerPool::new();
-
-/// The wake-up service of one pool. Dropping the last handle stops its tasks.
+/// The wake-up service of one [`Client`](crate::Client). Dropping the last
+/// handle stops its tasks.
 pub(crate) struct Wakeups {
     options: Arc<PgConnectOptions>,
     entries: Arc<Entries>,
@@ -107,21 +104,22 @@ impl Drop for Running {
 }
 
 impl Wakeups {
-    /// The service shared by every semaphore built on `pool`.
-    pub(crate) fn for_pool(pool: &PgPool) -> Arc<Wakeups> {
-        Wakeups::for_options(pool.connect_options())
+    /// The service of a client whose own connections use `options`.
+    pub(crate) fn new(options: Arc<PgConnectOptions>) -> Wakeups {
+        Wakeups {
+            options,
+            entries: Arc::new(Entries::default()),
+            running: Mutex::new(None),
+        }
     }
 
-    /// The service for connections made with `options` (the same `Arc`:
-    /// a pool's, or one an advisory semaphore was given).
-    pub(crate) fn for_options(options: Arc<PgConnectOptions>) -> Arc<Wakeups> {
-        REGISTRY.get(&options, || {
-            Arc::new(Wakeups {
-                options: options.clone(),
-                entries: Arc::new(Entries::default()),
-                running: Mutex::new(None),
-            })
-        })
+    /// Stops the ticker and the `LISTEN` task, unless someone in this
+    /// process waits: they keep running for the waiters.
+    pub(crate) fn stop(&self) {
+        let mut running = lock(&self.running);
+        if lock(&self.entries.by_semaphore).is_empty() {
+            *running = None;
+        }
     }
 
     /// This process's secret for its registrations and queue tickets.
@@ -166,7 +164,7 @@ impl Wakeups {
 
 /// The `LISTEN` loop. Runs until aborted.
 async fn listen_loop(options: PgConnectOptions, entries: Arc<Entries>) {
-    per_pool::listen_loop(
+    background::listen_loop(
         options,
         CHANNEL,
         "pg-semaphore listener",
@@ -378,7 +376,7 @@ impl Watch {
     /// semaphore now (always, behind a transaction pooler, where there is
     /// nothing to register for: the fallback re-check wakes waiters there).
     pub(crate) fn is_registered(&self, db: &Db) -> bool {
-        db.is_pooled()
+        !db.listens()
             || lock(&self.entry.state)
                 .registered_until
                 .is_some_and(|until| Instant::now() < until)
@@ -446,7 +444,7 @@ async fn keep_waiting(db: &Db, semaphore: &str, entry: &Entry, token: &Token) ->
         let tickets: Vec<i64> = state.places.values().flatten().copied().collect();
         (tickets, state.spell)
     };
-    let register = !db.is_pooled();
+    let register = db.listens();
     let sent = Instant::now();
     let query = db
         .query(KEEP_WAITING)

@@ -139,7 +139,7 @@ async fn one_failover(
     for (name, capacity) in checked_semaphores() {
         Semaphore::builder(name, capacity)
             .lease(LEASE)
-            .build(&driver)
+            .build(&pg_semaphore::Client::new(driver.clone()))
             .await?;
     }
 
@@ -169,7 +169,7 @@ async fn one_failover(
             let sem = Semaphore::builder(CUT_OFF.0, CUT_OFF.1)
                 .holder(DRIVER)
                 .lease(LEASE)
-                .build(&driver)
+                .build(&pg_semaphore::Client::new(driver.clone()))
                 .await?;
             pair.partition();
             let at = now_us();
@@ -201,7 +201,7 @@ async fn one_failover(
     let relocked = Mutex::new(MUTEX)
         .locking()
         .no_wait()
-        .lock_session(&driver)
+        .lock_session(&pg_semaphore::Client::new(driver.clone()))
         .await?;
     relocked.unlock().await?;
     tokio::time::sleep(AFTER.saturating_sub(SENTINELS_FOR)).await;

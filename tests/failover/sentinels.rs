@@ -28,7 +28,7 @@ pub async fn hold_through(driver: &PgPool, log: &Log) -> Result<Held, BoxError> 
     let sem = Semaphore::builder("cap2", 2)
         .holder(DRIVER)
         .lease(LEASE)
-        .build(driver)
+        .build(&pg_semaphore::Client::new(driver.clone()))
         .await?;
     let mut sentinels = Vec::new();
     for (key, lease) in [
@@ -37,7 +37,7 @@ pub async fn hold_through(driver: &PgPool, log: &Log) -> Result<Held, BoxError> 
     ] {
         let asked = now_us();
         let permit = sem
-            .claim()
+            .acquiring()
             .lease(lease)
             .timeout(ACQUIRE_TIMEOUT)
             .acquire()
@@ -46,7 +46,10 @@ pub async fn hold_through(driver: &PgPool, log: &Log) -> Result<Held, BoxError> 
         let watch = held_by_driver(key, acquired, permit, log.clone(), released.clone());
         sentinels.push(tokio::spawn(watch));
     }
-    let guard = Mutex::new(MUTEX).locking().lock_session(driver).await?;
+    let guard = Mutex::new(MUTEX)
+        .locking()
+        .lock_session(&pg_semaphore::Client::new(driver.clone()))
+        .await?;
     let lost = guard.lost();
     let mutex_lost = tokio::spawn(async move {
         let _reason = lost.await;

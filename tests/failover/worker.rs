@@ -37,6 +37,7 @@ pub async fn worker(args: WorkerArgs) {
         |error| log.line(format!("X {} connect: {}", now_us(), one_line(&error))),
     )
     .await;
+    let client = pg_semaphore::Client::new(pool.clone());
     let mut semaphores = Vec::new();
     for (name, capacity) in SEMAPHORES {
         let build = || {
@@ -44,7 +45,7 @@ pub async fn worker(args: WorkerArgs) {
                 .lease(LEASE)
                 .holder(label)
                 .fallback_interval(Duration::from_millis(500))
-                .build(&pool)
+                .build(&client)
         };
         let failed = |error: Error| log.line(format!("X {} build: {}", now_us(), one_line(&error)));
         semaphores.push(until_ok(build, failed).await);
@@ -83,14 +84,14 @@ async fn semaphore_task(
             // Cancel the acquire at a random point.
             let patience = Duration::from_micros(rng.below(30_000));
             tokio::select! {
-                result = sem.claim().timeout(ACQUIRE_TIMEOUT).acquire() => result,
+                result = sem.acquiring().timeout(ACQUIRE_TIMEOUT).acquire() => result,
                 () = tokio::time::sleep(patience) => {
                     log.line("C".to_owned());
                     continue;
                 }
             }
         } else {
-            sem.claim().timeout(ACQUIRE_TIMEOUT).acquire().await
+            sem.acquiring().timeout(ACQUIRE_TIMEOUT).acquire().await
         };
         let permit = match acquired {
             Ok(permit) => permit,

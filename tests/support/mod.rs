@@ -21,11 +21,31 @@ pub use testkit::{
 
 use sqlx::PgPool;
 
-/// A new database with pg-semaphore's migrations applied.
-pub async fn migrated_db() -> TestDb {
+/// A test database with pg-semaphore's migrations applied, and the
+/// [`Client`](pg_semaphore::Client) of its pool (the [`TestDb`]'s fields
+/// read through it: `db.pool`, `db.options`, `db.name`).
+#[derive(Debug)]
+pub struct MigratedDb {
+    /// The database.
+    pub db: TestDb,
+    /// The client of `db.pool`.
+    pub client: pg_semaphore::Client,
+}
+
+impl std::ops::Deref for MigratedDb {
+    type Target = TestDb;
+
+    fn deref(&self) -> &TestDb {
+        &self.db
+    }
+}
+
+/// A new database with pg-semaphore's migrations applied, and its client.
+pub async fn migrated_db() -> MigratedDb {
     let db = empty_db().await;
     pg_semaphore::migrate(&db.pool).await.expect("migrate");
-    db
+    let client = pg_semaphore::Client::new(db.pool.clone());
+    MigratedDb { db, client }
 }
 
 /// A session of `options`' database, named `application`, that opens a

@@ -247,7 +247,7 @@ pub async fn assert_full_capacity(pool: &PgPool) -> TestResult {
     for (name, capacity) in ADVISORY {
         let sem = AdvisorySemaphore::builder(name, capacity)
             .holder("torture-driver")
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .await?;
         assert_eq!(
             sem.available_permits().await?,
@@ -269,7 +269,7 @@ pub async fn assert_full_capacity(pool: &PgPool) -> TestResult {
     for (name, capacity) in SEMAPHORES {
         let sem = Semaphore::builder(name, capacity)
             .lease(LEASE)
-            .build(pool)
+            .build(&pg_semaphore::Client::new(pool.clone()))
             .await?;
         assert_eq!(
             sem.available_permits().await?,

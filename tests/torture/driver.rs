@@ -160,12 +160,12 @@ pub async fn torture() -> TestResult {
     for (name, capacity) in SEMAPHORES {
         Semaphore::builder(name, capacity)
             .lease(LEASE)
-            .build(&driver)
+            .build(&pg_semaphore::Client::new(driver.clone()))
             .await?;
     }
     for (name, capacity) in ADVISORY {
         AdvisorySemaphore::builder(name, capacity)
-            .build(&driver)
+            .build(&pg_semaphore::Client::new(driver.clone()))
             .await?;
     }
     let reaper = Reaper::spawn(&driver, REAP_EVERY)?;
@@ -233,7 +233,7 @@ pub async fn torture() -> TestResult {
             let sentinel_sem = Semaphore::builder("cap16", 16)
                 .lease(LEASE)
                 .holder("sentinel")
-                .build(&driver)
+                .build(&pg_semaphore::Client::new(driver.clone()))
                 .await?;
             let permit = sentinel_sem.try_acquire().await?;
             let told = {

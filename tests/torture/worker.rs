@@ -51,6 +51,7 @@ pub async fn worker(args: WorkerArgs) {
         |error| log.line(format!("X connect: {error}")),
     )
     .await;
+    let client = pg_semaphore::Client::new(pool.clone());
     let mut semaphores = Vec::new();
     for (name, capacity) in SEMAPHORES {
         let build = || {
@@ -58,7 +59,7 @@ pub async fn worker(args: WorkerArgs) {
                 .lease(LEASE)
                 .holder(label)
                 .fallback_interval(Duration::from_millis(500))
-                .build(&pool)
+                .build(&client)
         };
         semaphores.push(until_ok(build, |error| log.line(format!("X build: {error}"))).await);
     }
@@ -70,7 +71,7 @@ pub async fn worker(args: WorkerArgs) {
                 .connections(3)
                 .holder(label)
                 .fallback_interval(Duration::from_millis(500))
-                .build(&pool)
+                .build(&client)
         };
         let failed = |error: Error| log.line(format!("x build: {}", one_line(&error)));
         advisory.push(until_ok(build, failed).await);
@@ -246,18 +247,19 @@ async fn advisory_task(
 async fn mutex_task(pool: PgPool, log: Log, stopping: Arc<AtomicBool>, salt: u64) {
     let mut rng = Rng::seeded(salt);
     let mutex = Mutex::new(MUTEX);
+    let client = pg_semaphore::Client::new(pool.clone());
     while !stopping.load(Ordering::SeqCst) {
         let locked = if rng.below(5) == 0 {
             let patience = Duration::from_micros(rng.below(20_000));
             tokio::select! {
-                result = mutex.locking().timeout(ACQUIRE_TIMEOUT).lock(&pool) => result,
+                result = mutex.locking().timeout(ACQUIRE_TIMEOUT).lock(&client) => result,
                 () = tokio::time::sleep(patience) => {
                     log.line("C".to_owned());
                     continue;
                 }
             }
         } else {
-            mutex.locking().timeout(ACQUIRE_TIMEOUT).lock(&pool).await
+            mutex.locking().timeout(ACQUIRE_TIMEOUT).lock(&client).await
         };
         let mut guard = match locked {
             Ok(guard) => guard,

@@ -18,15 +18,13 @@
 //! with a `WARN` (say, a semaphore an operator removed meanwhile), so one
 //! record never holds up the others.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::db::Db;
-use crate::error::Error;
-use crate::per_pool::PerPool;
+use crate::error::{Error, Result};
 
 /// How often queued permits are written.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -83,49 +81,65 @@ impl Record {
     }
 }
 
-/// A pool's audit writer: a queue and the task that empties it.
+/// A client's audit writer: a queue and the task that empties it.
 #[derive(Debug)]
 pub(crate) struct AuditWriter {
-    queue: mpsc::UnboundedSender<Record>,
+    queue: mpsc::UnboundedSender<Message>,
 }
 
-static WRITERS: PerPool<AuditWriter> = PerPool::new();
+#[derive(Debug)]
+enum Message {
+    Record(Record),
+    /// Write everything queued now, then answer: `Ok` once the queue is
+    /// empty, or the error that stopped a write.
+    Flush(oneshot::Sender<Result<()>>),
+}
 
 impl AuditWriter {
-    /// The writer for `db`'s pool (one per pool per process).
-    pub(crate) fn for_db(db: &Db) -> Arc<AuditWriter> {
-        WRITERS.get(&db.pool().connect_options(), || {
-            let (queue, inbox) = mpsc::unbounded_channel();
-            tokio::spawn(write(db.clone(), inbox));
-            Arc::new(AuditWriter { queue })
-        })
+    /// A writer through `db`, its task started now.
+    pub(crate) fn new(db: &Db) -> AuditWriter {
+        let (queue, inbox) = mpsc::unbounded_channel();
+        tokio::spawn(write(db.clone(), inbox));
+        AuditWriter { queue }
     }
 
     /// Queues a finished permit; never waits.
     pub(crate) fn record(&self, record: Record) {
-        let _ = self.queue.send(record);
+        let _ = self.queue.send(Message::Record(record));
+    }
+
+    /// Writes every record queued before the call; returns the error that
+    /// stopped a write (the records stay queued). `Ok` if the task is gone
+    /// (its runtime ended), which took its queue with it.
+    pub(crate) async fn flush(&self) -> Result<()> {
+        let (answer, answered) = oneshot::channel();
+        if self.queue.send(Message::Flush(answer)).is_err() {
+            return Ok(());
+        }
+        answered.await.unwrap_or(Ok(()))
     }
 }
 
-/// Empties the queue every [`FLUSH_EVERY`] until every writer handle is
-/// gone and the queue is empty.
-async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Record>) {
+/// Empties the queue every [`FLUSH_EVERY`] (at once when asked to flush)
+/// until every writer handle is gone and the queue is empty.
+async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Message>) {
     let mut pending: Vec<Record> = Vec::new();
+    let mut flushes: Vec<oneshot::Sender<Result<()>>> = Vec::new();
     let mut open = true;
     let mut warned = false;
     while open || !pending.is_empty() {
         if open {
             tokio::select! {
                 received = inbox.recv() => match received {
-                    Some(record) => {
-                        pending.push(record);
-                        while let Ok(record) = inbox.try_recv() {
-                            pending.push(record);
+                    Some(message) => {
+                        receive(message, &mut pending, &mut flushes);
+                        while let Ok(message) = inbox.try_recv() {
+                            receive(message, &mut pending, &mut flushes);
                         }
-                        if pending.len() < BATCH {
+                        if pending.len() < BATCH && flushes.is_empty() {
                             tokio::time::sleep(FLUSH_EVERY).await;
-                            while let Ok(record) = inbox.try_recv() {
-                                pending.push(record);
+                            while let Ok(message) = inbox.try_recv() {
+                                receive(message, &mut pending, &mut flushes);
                             }
                         }
                     }
@@ -161,7 +175,10 @@ async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Record>) {
                                 %reason,
                                 "advisory audit log refused a record: dropped"
                             ),
-                            Err(_) => break,
+                            Err(error) => {
+                                answer(&mut flushes, error);
+                                break;
+                            }
                         }
                         written += 1;
                     }
@@ -184,6 +201,7 @@ async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Record>) {
                             "advisory audit log queue full: oldest records dropped"
                         );
                     }
+                    answer(&mut flushes, error);
                     if !open {
                         // Shutting down with the database away: give up.
                         return;
@@ -193,5 +211,36 @@ async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Record>) {
                 }
             }
         }
+        if pending.is_empty() {
+            for flush in flushes.drain(..) {
+                let _ = flush.send(Ok(()));
+            }
+        }
+    }
+}
+
+fn receive(
+    message: Message,
+    pending: &mut Vec<Record>,
+    flushes: &mut Vec<oneshot::Sender<Result<()>>>,
+) {
+    match message {
+        Message::Record(record) => pending.push(record),
+        Message::Flush(flush) => flushes.push(flush),
+    }
+}
+
+/// Answers the waiting flushes with the error that stopped a write (the
+/// first gets it; the others, its message).
+fn answer(flushes: &mut Vec<oneshot::Sender<Result<()>>>, error: Error) {
+    let mut error = Some(error);
+    for flush in flushes.drain(..) {
+        let error = match error.take() {
+            Some(error) => error,
+            None => Error::Database(sqlx::Error::Protocol(
+                "the advisory audit log could not be written".into(),
+            )),
+        };
+        let _ = flush.send(Err(error));
     }
 }

@@ -32,25 +32,25 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use sqlx::PgPool;
-use sqlx::postgres::PgConnectOptions;
 use tokio::time::Instant;
 
+use crate::Client;
+use crate::background::lock;
 use crate::db::Db;
 use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
 use crate::detached::detached;
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::metrics::SemaphoreMetrics;
-use crate::per_pool::lock;
 use crate::validate::{self, MAX_CAPACITY};
 
-use self::audit::AuditWriter;
+pub(crate) use self::audit::AuditWriter;
 pub use self::permit::AdvisoryPermit;
-use self::session::{ClaimReply, Session, Sessions};
+pub(crate) use self::session::Sessions;
+use self::session::{ClaimReply, Session};
 use super::DEFAULT_FALLBACK_INTERVAL;
 use super::wake::Wakeups;
 
-/// The default most dedicated connections a pool's advisory semaphores
+/// The default most dedicated connections a client's advisory semaphores
 /// open to hold slots (they run one statement at a time each).
 pub const DEFAULT_ADVISORY_CONNECTIONS: usize = 4;
 
@@ -88,8 +88,8 @@ fn waiting_keys(base: i64) -> i64 {
 /// | holder's link cut | holder told within 2.5 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
 /// | an operator's `pg_terminate_backend` of its session | slot free at once, holder told within ~2 heartbeats: its work may overlap the next holder's until then | no effect |
 /// | database restart or failover | every permit lost, every holder told within ~2 heartbeats (the same overlap) | permits survive (durable rows) |
-/// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per pool, held while permits are | none held between round trips |
-/// | behind PgBouncer (transaction pooling) | needs a direct URL for its connections ([`connect_options`](AdvisorySemaphoreBuilder::connect_options)) | works through it |
+/// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per client, held while permits are | none held between round trips |
+/// | behind PgBouncer (transaction pooling) | needs a direct URL for its connections ([`Client::connect_options`](crate::Client::connect_options)) | works through it |
 /// | audit log | one row per finished permit, written in batches after it ends (`pgsemaphore.advisory_claims`); live holders in `pg_locks` ([`semaphores`](crate::admin::semaphores)) | every claim, live or ended, in `pgsemaphore.slots` |
 /// | fence a write into your transaction | no | [`Permit::fence`](crate::Permit::fence) |
 ///
@@ -98,8 +98,9 @@ fn waiting_keys(base: i64) -> i64 {
 /// use pg_semaphore::{AdvisorySemaphore, Error};
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// # let client = pg_semaphore::Client::new(pool.clone());
 /// pg_semaphore::migrate(&pool).await?;
-/// let sem = AdvisorySemaphore::builder("payments-api", 4).build(&pool).await?;
+/// let sem = AdvisorySemaphore::builder("payments-api", 4).build(&client).await?;
 /// match sem.try_acquire().await {
 ///     Ok(permit) => {
 ///         // ... call the upstream ...
@@ -153,7 +154,7 @@ impl fmt::Debug for AdvisorySemaphore {
 
 /// Configures an [`AdvisorySemaphore`]; made by [`AdvisorySemaphore::builder`].
 #[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `.build(&pool).await`"]
+#[must_use = "a builder does nothing until `.build(&client).await`"]
 pub struct AdvisorySemaphoreBuilder {
     name: String,
     capacity: u32,
@@ -161,9 +162,7 @@ pub struct AdvisorySemaphoreBuilder {
     heartbeat: Duration,
     connections: usize,
     fallback: Duration,
-    options: Option<PgConnectOptions>,
     audit: bool,
-    pooled: bool,
 }
 
 impl AdvisorySemaphoreBuilder {
@@ -178,17 +177,17 @@ impl AdvisorySemaphoreBuilder {
     /// within two and a half heartbeats of its link going silent; the server
     /// ends a silent session, freeing its slots, after three (at least a
     /// second: the floor the dead-man switch keeps). Set on the first advisory
-    /// semaphore built on a pool (the pool's connections are shared).
+    /// semaphore built on a client (its sessions are shared).
     pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
         self.heartbeat = heartbeat;
         self
     }
 
-    /// The most dedicated connections this pool's advisory semaphores open
+    /// The most dedicated connections this client's advisory semaphores open
     /// to hold slots (default [`DEFAULT_ADVISORY_CONNECTIONS`]). Each runs
     /// one statement at a time and holds any number of permits; a new one
     /// is opened only when every open one is busy. Set on the first
-    /// advisory semaphore built on a pool.
+    /// advisory semaphore built on a client.
     pub fn connections(mut self, connections: usize) -> Self {
         self.connections = connections;
         self
@@ -198,26 +197,6 @@ impl AdvisorySemaphoreBuilder {
     /// (default [`DEFAULT_FALLBACK_INTERVAL`]).
     pub fn fallback_interval(mut self, interval: Duration) -> Self {
         self.fallback = interval;
-        self
-    }
-
-    /// Connects the dedicated connections (and the `LISTEN` connection)
-    /// with these options instead of the pool's: for a pool behind a
-    /// transaction pooler (PgBouncer), give a direct URL here, since a
-    /// session-level lock needs a session of its own.
-    pub fn connect_options(mut self, options: PgConnectOptions) -> Self {
-        self.options = Some(options);
-        self
-    }
-
-    /// Declares that the pool connects through a **transaction-pooling
-    /// proxy** such as PgBouncer with `pool_mode = transaction` (default
-    /// `false`): the statements this semaphore sends through the pool
-    /// (opening, the audit log, `available_permits`) then run unnamed inside
-    /// explicit transactions. Its slots still need sessions of their own:
-    /// give a direct URL with [`connect_options`](Self::connect_options).
-    pub fn transaction_pooling(mut self, enabled: bool) -> Self {
-        self.pooled = enabled;
         self
     }
 
@@ -243,7 +222,7 @@ impl AdvisorySemaphoreBuilder {
     /// # Cancel safety
     ///
     /// Opening is one statement: cancelling either creates the semaphore or not.
-    pub async fn build(self, pool: &PgPool) -> Result<AdvisorySemaphore> {
+    pub async fn build(self, client: &Client) -> Result<AdvisorySemaphore> {
         validate::name(&self.name)?;
         validate::capacity(self.capacity)?;
         validate::nonzero("heartbeat", self.heartbeat)?;
@@ -256,14 +235,14 @@ impl AdvisorySemaphoreBuilder {
             }
             None => super::default_holder(),
         };
-        if self.pooled && self.options.is_none() {
+        if !client.can_listen() {
             return Err(Error::invalid(
                 "connect_options",
                 "behind a transaction pooler, the slots need a direct connection: \
-                 give its options with `.connect_options(..)`",
+                 give its options with `Client::connect_options`",
             ));
         }
-        let db = Db::new(pool, self.pooled);
+        let db = client.db().clone();
         let query = db
             .query_as::<(i32, bool, i64)>(OPEN)
             .bind(self.name.clone())
@@ -283,15 +262,11 @@ impl AdvisorySemaphoreBuilder {
                  change it with pg_semaphore::admin::set_capacity or `pg-semaphore set-capacity`"
             );
         }
-        let options = match self.options {
-            Some(options) => Arc::new(options),
-            None => pool.connect_options(),
-        };
         Ok(AdvisorySemaphore {
             core: Arc::new(AdvisoryCore {
-                sessions: Sessions::for_options(options.clone(), self.heartbeat, self.connections),
-                wakeups: Wakeups::for_options(options),
-                audit: self.audit.then(|| AuditWriter::for_db(&db)),
+                sessions: client.sessions(self.heartbeat, self.connections),
+                wakeups: client.wakeups().clone(),
+                audit: self.audit.then(|| client.audit_writer()),
                 metrics: SemaphoreMetrics::new(&self.name),
                 capacity: capacity.max(1) as u32,
                 key_base,
@@ -320,9 +295,7 @@ impl AdvisorySemaphore {
             heartbeat: DEFAULT_SESSION_HEARTBEAT,
             connections: DEFAULT_ADVISORY_CONNECTIONS,
             fallback: DEFAULT_FALLBACK_INTERVAL,
-            options: None,
             audit: true,
-            pooled: false,
         }
     }
 

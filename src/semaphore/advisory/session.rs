@@ -41,7 +41,7 @@
 //! ([`GIVE_BACK`]): what the session believes it holds and what the server
 //! holds for it stay the same.
 //!
-//! [`Sessions`] is the set a pool's advisory semaphores share: a claim goes
+//! [`Sessions`] is the set a client's advisory semaphores share: a claim goes
 //! to an idle session that holds no permit (so that its release does not
 //! wait for someone else's claim), a new one is opened when there is none,
 //! up to a maximum, and otherwise to the least busy.
@@ -57,9 +57,9 @@ use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::background::lock;
 use crate::dead_man::{self, dead_man_after, dead_man_sql};
 use crate::error::{self, Error, LostReason, Result};
-use crate::per_pool::{PerPool, lock};
 
 /// Takes slots; `p_mine`: what this session holds of the semaphore already.
 /// Every kind of claim (several permits, a session that holds slots of the
@@ -576,7 +576,7 @@ pub(crate) fn lost_session() -> Error {
     )))
 }
 
-/// The sessions a pool's advisory semaphores share.
+/// The sessions a client's advisory semaphores share.
 #[derive(Debug)]
 pub(crate) struct Sessions {
     options: PgConnectOptions,
@@ -588,27 +588,25 @@ pub(crate) struct Sessions {
     opening: tokio::sync::Mutex<()>,
 }
 
-/// Session sets by the options `Arc` they were made for.
-static SESSIONS: PerPool<Sessions> = PerPool::new();
-
 impl Sessions {
-    /// The set for connections made with `options` (shared by every
-    /// advisory semaphore built with the same options `Arc`: the first sets
-    /// the heartbeat and the maximum).
-    pub(crate) fn for_options(
-        options: Arc<PgConnectOptions>,
-        heartbeat: Duration,
-        max: usize,
-    ) -> Arc<Sessions> {
-        SESSIONS.get(&options, || {
-            Arc::new(Sessions {
-                options: (*options).clone().application_name("pg-semaphore advisory"),
-                heartbeat,
-                max: max.max(1),
-                open: Mutex::new(Vec::new()),
-                opening: tokio::sync::Mutex::new(()),
-            })
-        })
+    /// The set for connections made with `options`, each proving it is
+    /// alive every `heartbeat`, at most `max` open.
+    pub(crate) fn new(options: &PgConnectOptions, heartbeat: Duration, max: usize) -> Sessions {
+        Sessions {
+            options: options.clone().application_name("pg-semaphore advisory"),
+            heartbeat,
+            max: max.max(1),
+            open: Mutex::new(Vec::new()),
+            opening: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Closes the open sessions that hold no permit and run no statement;
+    /// the next claim opens one again.
+    pub(crate) fn close_idle(&self) {
+        lock(&self.open).retain(|s| {
+            s.in_flight.load(Ordering::Relaxed) != 0 || s.permits.load(Ordering::Relaxed) != 0
+        });
     }
 
     pub(crate) fn heartbeat(&self) -> Duration {
