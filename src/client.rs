@@ -9,10 +9,13 @@ use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 
 use crate::db::Db;
+use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
 use crate::error::Result;
 use crate::rate_limit::RateWakeups;
-use crate::semaphore::advisory::{AuditWriter, Sessions};
+use crate::semaphore::advisory::{AuditWriter, DEFAULT_ADVISORY_CONNECTIONS, Sessions};
 use crate::semaphore::wake::Wakeups;
+use crate::semaphore::{DEFAULT_FALLBACK_INTERVAL, default_holder};
+use crate::validate;
 
 /// pg-semaphore on one pool: every primitive is built on a client, and the
 /// client owns the background work they share.
@@ -31,7 +34,7 @@ use crate::semaphore::wake::Wakeups;
 /// |---|---|---|
 /// | the semaphores' wake-ups: a `LISTEN` task and a 100 ms ticker | the first waiting acquire | one of its own |
 /// | the rate limiters' wake-ups: a `LISTEN` task | the first waiting rate acquire | one of its own |
-/// | the advisory semaphores' sessions, which hold their slots | the first advisory claim | up to [`connections`](crate::AdvisorySemaphoreBuilder::connections) of their own |
+/// | the advisory semaphores' sessions, which hold their slots | the first advisory claim | up to [`advisory_connections`](Client::advisory_connections) of their own |
 /// | the advisory audit writer, a queue written in batches | the first audited advisory semaphore | the pool's |
 ///
 /// [`shutdown`](Client::shutdown) writes what the audit writer holds and
@@ -68,13 +71,23 @@ pub struct Client {
     shared: Arc<Shared>,
 }
 
+/// What the setters of [`Client`] set.
+#[derive(Clone)]
+struct Settings {
+    pooled: bool,
+    /// Direct connect options for the client's own connections.
+    options: Option<PgConnectOptions>,
+    holder: Option<String>,
+    fallback: Duration,
+    advisory_heartbeat: Duration,
+    advisory_connections: usize,
+}
+
 struct Shared {
+    settings: Settings,
     db: Db,
     /// How the client's own connections connect: given, or the pool's.
     options: Arc<PgConnectOptions>,
-    /// Whether `options` were given (then the wake-ups listen even behind
-    /// a transaction pooler).
-    direct: bool,
     wakeups: Arc<Wakeups>,
     rate_wakeups: Arc<RateWakeups>,
     sessions: OnceLock<Arc<Sessions>>,
@@ -84,8 +97,18 @@ struct Shared {
 impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Client")
-            .field("transaction_pooling", &self.shared.db.is_pooled())
-            .field("connect_options", &self.shared.direct)
+            .field("transaction_pooling", &self.shared.settings.pooled)
+            .field("connect_options", &self.shared.settings.options.is_some())
+            .field("holder", &self.shared.settings.holder)
+            .field("fallback_interval", &self.shared.settings.fallback)
+            .field(
+                "advisory_heartbeat",
+                &self.shared.settings.advisory_heartbeat,
+            )
+            .field(
+                "advisory_connections",
+                &self.shared.settings.advisory_connections,
+            )
             .field("advisory_sessions", &self.shared.sessions.get().is_some())
             .field("audit_writer", &self.shared.audit.get().is_some())
             .finish_non_exhaustive()
@@ -97,26 +120,43 @@ impl Client {
     /// directly (see [`transaction_pooling`](Client::transaction_pooling)
     /// otherwise). Starts nothing and connects nowhere.
     pub fn new(pool: PgPool) -> Client {
-        Client::with(pool, false, None)
+        Client::with(
+            pool,
+            Settings {
+                pooled: false,
+                options: None,
+                holder: None,
+                fallback: DEFAULT_FALLBACK_INTERVAL,
+                advisory_heartbeat: DEFAULT_SESSION_HEARTBEAT,
+                advisory_connections: DEFAULT_ADVISORY_CONNECTIONS,
+            },
+        )
     }
 
-    fn with(pool: PgPool, pooled: bool, options: Option<PgConnectOptions>) -> Client {
-        let direct = options.is_some();
-        let options = match options {
-            Some(options) => Arc::new(options),
+    fn with(pool: PgPool, settings: Settings) -> Client {
+        let direct = settings.options.is_some();
+        let options = match &settings.options {
+            Some(options) => Arc::new(options.clone()),
             None => pool.connect_options(),
         };
         Client {
             shared: Arc::new(Shared {
-                db: Db::new(&pool, pooled).listening(direct),
+                db: Db::new(&pool, settings.pooled).listening(direct),
                 wakeups: Arc::new(Wakeups::new(options.clone())),
                 rate_wakeups: Arc::new(RateWakeups::new(options.clone())),
                 options,
-                direct,
+                settings,
                 sessions: OnceLock::new(),
                 audit: OnceLock::new(),
             }),
         }
+    }
+
+    /// A new client of the same pool with one setting changed.
+    fn set(self, change: impl FnOnce(&mut Settings)) -> Client {
+        let mut settings = self.shared.settings.clone();
+        change(&mut settings);
+        Client::with(self.shared.db.pool().clone(), settings)
     }
 
     /// Declares that the pool connects through a **transaction-pooling
@@ -125,7 +165,7 @@ impl Client {
     /// inside an explicit transaction, since the proxy may route the steps
     /// of a prepared statement to different server connections. Nothing
     /// can `LISTEN` through such a proxy: waiters poll (every
-    /// [`fallback_interval`](crate::SemaphoreBuilder::fallback_interval)),
+    /// [`fallback_interval`](Client::fallback_interval)),
     /// unless [`connect_options`](Client::connect_options) give a direct
     /// connection. Advisory semaphores need those options.
     ///
@@ -133,8 +173,7 @@ impl Client {
     /// client: each returns a new client, which shares nothing with the old.
     #[must_use = "returns a new client"]
     pub fn transaction_pooling(self, enabled: bool) -> Client {
-        let options = self.shared.direct.then(|| (*self.shared.options).clone());
-        Client::with(self.shared.db.pool().clone(), enabled, options)
+        self.set(|s| s.pooled = enabled)
     }
 
     /// Connects the client's own connections (the wake-ups' `LISTEN`
@@ -144,8 +183,53 @@ impl Client {
     /// their own.
     #[must_use = "returns a new client"]
     pub fn connect_options(self, options: PgConnectOptions) -> Client {
-        let pooled = self.shared.db.is_pooled();
-        Client::with(self.shared.db.pool().clone(), pooled, Some(options))
+        self.set(|s| s.options = Some(options))
+    }
+
+    /// The holder label recorded with every claim and advisory permit of
+    /// what is built on the client (default: `host:pid`): the audit log's
+    /// and `pg-semaphore status`'s "who". One acquire may give its own
+    /// ([`Acquiring::holder`](crate::Acquiring::holder)). Checked when a
+    /// primitive is built ([`Error::InvalidArgument`](crate::Error::InvalidArgument)
+    /// `holder`: at most [`MAX_HOLDER_LEN`](crate::limits::MAX_HOLDER_LEN)
+    /// characters, no NUL).
+    #[must_use = "returns a new client"]
+    pub fn holder(self, holder: impl Into<String>) -> Client {
+        let holder = holder.into();
+        self.set(|s| s.holder = Some(holder))
+    }
+
+    /// How often a waiting acquire re-checks even without a wake-up
+    /// (default [`DEFAULT_FALLBACK_INTERVAL`](crate::limits::DEFAULT_FALLBACK_INTERVAL)).
+    /// It matters when a notification is lost, and behind a transaction
+    /// pooler, where nothing listens and waiters poll at this interval:
+    /// shorten it there. One re-check per semaphore per process and
+    /// interval. Checked when a primitive is built (not zero).
+    #[must_use = "returns a new client"]
+    pub fn fallback_interval(self, interval: Duration) -> Client {
+        self.set(|s| s.fallback = interval)
+    }
+
+    /// How often each advisory semaphore session proves it is alive
+    /// (default [`DEFAULT_SESSION_HEARTBEAT`](crate::limits::DEFAULT_SESSION_HEARTBEAT),
+    /// 1 s). A permit is told it is lost within two and a half heartbeats of
+    /// its link going silent; the server ends a silent session, freeing its
+    /// slots, after three (at least a second: the floor the dead-man switch
+    /// keeps). Checked when an advisory semaphore is built (not zero).
+    #[must_use = "returns a new client"]
+    pub fn advisory_heartbeat(self, heartbeat: Duration) -> Client {
+        self.set(|s| s.advisory_heartbeat = heartbeat)
+    }
+
+    /// The most sessions (dedicated connections) the advisory semaphores
+    /// open to hold slots (default
+    /// [`DEFAULT_ADVISORY_CONNECTIONS`](crate::limits::DEFAULT_ADVISORY_CONNECTIONS)).
+    /// Each runs one statement at a time and holds any number of permits; a
+    /// new one is opened only when every open one is busy. Checked when an
+    /// advisory semaphore is built (not zero).
+    #[must_use = "returns a new client"]
+    pub fn advisory_connections(self, connections: usize) -> Client {
+        self.set(|s| s.advisory_connections = connections)
     }
 
     /// The pool the client sends its statements through.
@@ -206,13 +290,41 @@ impl Client {
         &self.shared.rate_wakeups
     }
 
-    /// The advisory sessions, made by the first advisory semaphore built on
-    /// the client (its heartbeat and maximum count hold for all).
-    pub(crate) fn sessions(&self, heartbeat: Duration, max: usize) -> Arc<Sessions> {
-        self.shared
+    /// The holder label, checked: the one set, or `host:pid`.
+    pub(crate) fn holder_label(&self) -> Result<String> {
+        match &self.shared.settings.holder {
+            Some(holder) => {
+                validate::holder(holder)?;
+                Ok(holder.clone())
+            }
+            None => Ok(default_holder()),
+        }
+    }
+
+    /// The fallback re-check interval, checked.
+    pub(crate) fn fallback(&self) -> Result<Duration> {
+        let fallback = self.shared.settings.fallback;
+        validate::nonzero("fallback_interval", fallback)?;
+        Ok(fallback)
+    }
+
+    /// The advisory sessions (their settings checked), made by the first
+    /// advisory semaphore built on the client.
+    pub(crate) fn sessions(&self) -> Result<Arc<Sessions>> {
+        let settings = &self.shared.settings;
+        validate::nonzero("advisory_heartbeat", settings.advisory_heartbeat)?;
+        validate::positive("advisory_connections", settings.advisory_connections as u64)?;
+        Ok(self
+            .shared
             .sessions
-            .get_or_init(|| Arc::new(Sessions::new(&self.shared.options, heartbeat, max)))
-            .clone()
+            .get_or_init(|| {
+                Arc::new(Sessions::new(
+                    &self.shared.options,
+                    settings.advisory_heartbeat,
+                    settings.advisory_connections,
+                ))
+            })
+            .clone())
     }
 
     /// The advisory audit writer, started by the first audited advisory

@@ -23,9 +23,11 @@ async fn advisory(
     capacity: u32,
 ) -> pg_semaphore::Result<AdvisorySemaphore> {
     AdvisorySemaphore::builder(name, capacity)
-        .heartbeat(Duration::from_millis(250))
-        .fallback_interval(Duration::from_secs(60))
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(
+            &pg_semaphore::Client::new(pool.clone())
+                .advisory_heartbeat(Duration::from_millis(250))
+                .fallback_interval(Duration::from_secs(60)),
+        )
         .await
 }
 
@@ -84,8 +86,7 @@ async fn the_hard_limit_holds_across_processes() -> TestResult {
     for process in 0..4 {
         let pool = support::another_pool(&db, 3).await;
         let sem = AdvisorySemaphore::builder("limited", capacity)
-            .connections(3)
-            .build(&pg_semaphore::Client::new(pool.clone()))
+            .build(&pg_semaphore::Client::new(pool.clone()).advisory_connections(3))
             .await?;
         for _ in 0..4 {
             let (sem, holding, most) = (sem.clone(), holding.clone(), most.clone());
@@ -508,8 +509,7 @@ async fn claims_and_releases_write_nothing() -> TestResult {
 async fn finished_permits_reach_the_audit_log() -> TestResult {
     let db = support::migrated_db().await;
     let sem = AdvisorySemaphore::builder("audited", 2)
-        .holder("audit-test")
-        .build(&db.client)
+        .build(&db.client.clone().holder("audit-test"))
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
@@ -570,9 +570,8 @@ async fn a_partitioned_holder_is_told_before_its_slot_is_freed() -> TestResult {
     let cut_pool = pool_through(&proxy).await?;
     let heartbeat = Duration::from_millis(300);
     let holder = AdvisorySemaphore::builder("partitioned", 1)
-        .heartbeat(heartbeat)
         .audit(false)
-        .build(&pg_semaphore::Client::new(cut_pool.clone()))
+        .build(&pg_semaphore::Client::new(cut_pool.clone()).advisory_heartbeat(heartbeat))
         .await?;
     let sem = advisory(&db.pool, "partitioned", 1).await?;
     let permit = holder.try_acquire().await?;
@@ -624,10 +623,12 @@ async fn a_statement_lost_on_the_way_is_given_up_before_the_slots_are_freed() ->
     let heartbeat = Duration::from_millis(500);
     // One session, so that both permits and the release share it.
     let holder = AdvisorySemaphore::builder("lost-on-the-way", 2)
-        .heartbeat(heartbeat)
-        .connections(1)
         .audit(false)
-        .build(&pg_semaphore::Client::new(cut_pool.clone()))
+        .build(
+            &pg_semaphore::Client::new(cut_pool.clone())
+                .advisory_heartbeat(heartbeat)
+                .advisory_connections(1),
+        )
         .await?;
     let sem = advisory(&db.pool, "lost-on-the-way", 2).await?;
     let first = holder.try_acquire().await?;
@@ -670,9 +671,8 @@ async fn every_holder_is_told_when_the_sessions_die() -> TestResult {
     let db = support::migrated_db().await;
     let pool = support::another_pool(&db, 2).await;
     let sem = AdvisorySemaphore::builder("restarted", 4)
-        .connections(2)
         .audit(false)
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(&pg_semaphore::Client::new(pool.clone()).advisory_connections(2))
         .await?;
     let permits = vec![
         sem.try_acquire().await?,
@@ -718,12 +718,12 @@ async fn it_works_with_the_pool_behind_pgbouncer_and_its_sessions_direct() -> Te
         })
     ));
     let sem = AdvisorySemaphore::builder("bounced", 1)
-        .fallback_interval(Duration::from_secs(60))
-        .holder("bounced-app")
         .build(
             &pg_semaphore::Client::new(bounced.clone())
                 .transaction_pooling(true)
-                .connect_options(db.options.clone()),
+                .connect_options(db.options.clone())
+                .fallback_interval(Duration::from_secs(60))
+                .holder("bounced-app"),
         )
         .await?;
     let held = sem.try_acquire().await?;

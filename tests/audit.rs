@@ -186,8 +186,7 @@ async fn summary_counts_outcomes_and_hold_time_percentiles() -> TestResult {
 async fn holders_lists_live_claims_only() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("holders", 3)
-        .holder("web-1")
-        .build(&db.client)
+        .build(&db.client.clone().holder("web-1"))
         .await?;
     let a = sem.try_acquire().await?;
     let b = sem.acquiring().holder("web-2").try_acquire().await?;
@@ -453,8 +452,7 @@ async fn log_lost_permit(
 async fn an_advisory_semaphore_s_finished_permits_are_its_history_and_its_report() -> TestResult {
     let db = support::migrated_db().await;
     let sem = AdvisorySemaphore::builder("exports", 3)
-        .holder("batch-1")
-        .build(&db.client)
+        .build(&db.client.clone().holder("batch-1"))
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);

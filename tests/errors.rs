@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use pg_semaphore::{
-    Error, LostReason, Semaphore, SemaphoreBuilder,
+    AdvisorySemaphore, Error, LostReason, Semaphore, SemaphoreBuilder,
     admin::Reaper,
     limits::{MAX_CAPACITY, MAX_LEASE, MIN_LEASE},
 };
@@ -67,26 +67,6 @@ async fn bad_builder_input_is_rejected_before_anything_is_written() -> TestResul
             "lease",
         ),
         (
-            "zero fallback interval",
-            Semaphore::builder("s", 1).fallback_interval(Duration::ZERO),
-            "fallback_interval",
-        ),
-        (
-            "empty holder",
-            Semaphore::builder("s", 1).holder(""),
-            "holder",
-        ),
-        (
-            "1001-character holder",
-            Semaphore::builder("s", 1).holder("h".repeat(1001)),
-            "holder",
-        ),
-        (
-            "NUL in holder",
-            Semaphore::builder("s", 1).holder("a\0"),
-            "holder",
-        ),
-        (
             "zero heartbeat",
             Semaphore::builder("s", 1).heartbeat(Duration::ZERO),
             "heartbeat",
@@ -104,8 +84,49 @@ async fn bad_builder_input_is_rejected_before_anything_is_written() -> TestResul
             "lease",
         ),
     ];
-    for (case, builder, expected) in cases {
-        match builder.build(&db.client).await {
+    // The client's settings, checked when something is built on it.
+    let clients = [
+        (
+            "zero fallback interval",
+            db.client.clone().fallback_interval(Duration::ZERO),
+            "fallback_interval",
+        ),
+        ("empty holder", db.client.clone().holder(""), "holder"),
+        (
+            "1001-character holder",
+            db.client.clone().holder("h".repeat(1001)),
+            "holder",
+        ),
+        ("NUL in holder", db.client.clone().holder("a\0"), "holder"),
+        (
+            "zero advisory heartbeat",
+            db.client.clone().advisory_heartbeat(Duration::ZERO),
+            "advisory_heartbeat",
+        ),
+        (
+            "no advisory connection",
+            db.client.clone().advisory_connections(0),
+            "advisory_connections",
+        ),
+    ];
+    let cases =
+        cases
+            .into_iter()
+            .map(|(case, builder, expected)| (case, builder, db.client.clone(), expected))
+            .chain(clients.into_iter().map(|(case, client, expected)| {
+                (case, Semaphore::builder("s", 1), client, expected)
+            }));
+    for (case, builder, client, expected) in cases {
+        let advisory = expected.starts_with("advisory_");
+        let built = if advisory {
+            AdvisorySemaphore::builder("s-advisory", 1)
+                .build(&client)
+                .await
+                .map(drop)
+        } else {
+            builder.build(&client).await.map(drop)
+        };
+        match built {
             Err(err @ Error::InvalidArgument { argument, .. }) => {
                 assert_eq!(argument, expected, "{case}");
                 assert!(
@@ -196,8 +217,7 @@ async fn hostile_names_are_data_not_sql() -> TestResult {
     ];
     for name in names {
         let sem = Semaphore::builder(name, 2)
-            .holder(format!("holder {name}"))
-            .build(&db.client)
+            .build(&db.client.clone().holder(format!("holder {name}")))
             .await?;
         let permit = sem
             .acquiring()

@@ -24,8 +24,7 @@ const FAR: Duration = Duration::from_secs(30);
 async fn a_weighted_wait_is_not_overtaken_by_a_later_plain_wait() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("weighted-first", 2)
-        .fallback_interval(FAR)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     let a = sem.try_acquire().await?;
     let b = sem.try_acquire().await?;
@@ -68,13 +67,11 @@ async fn a_weighted_wait_is_not_overtaken_by_a_later_plain_wait() -> TestResult 
 async fn queue_tickets_are_renewed_behind_a_waiter_without_one() -> TestResult {
     let db = support::migrated_db().await;
     let plain = Semaphore::builder("mixed-handles", 2)
-        .fallback_interval(FAR)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     let queued = Semaphore::builder("mixed-handles", 2)
-        .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     let held = plain.try_acquire_many(2).await?;
 
@@ -136,8 +133,7 @@ async fn a_weighted_acquire_tries_before_waiting_for_the_listener() -> TestResul
         .connect_with(db.options.clone().username(&role).password("limited-pw"))
         .await?;
     let sem = Semaphore::builder("no-listener", 3)
-        .fallback_interval(FAR)
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(&pg_semaphore::Client::new(pool.clone()).fallback_interval(FAR))
         .await?;
     let started = Instant::now();
     let permit = sem
@@ -175,9 +171,8 @@ async fn dead_waiter(db: &support::TestDb, semaphore: &str, lease: &str) -> Test
 async fn a_waiter_behind_a_crashed_waiter_looks_again_when_its_lease_ends() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("dead-waiter", 1)
-        .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     dead_waiter(&db, "dead-waiter", "4 s").await?;
     let waiter = {
@@ -205,9 +200,8 @@ async fn a_waiter_behind_a_crashed_waiter_looks_again_when_its_lease_ends() -> T
 async fn deleting_an_expired_waiter_wakes_the_waiters_behind_it() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("dead-waiter", 1)
-        .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     dead_waiter(&db, "dead-waiter", "60 s").await?;
     let waiter = {
@@ -230,9 +224,8 @@ async fn deleting_an_expired_waiter_wakes_the_waiters_behind_it() -> TestResult 
     // Another process's acquire joins the queue, deleting the dead row.
     let other = support::another_pool(&db, 2).await;
     let sem_b = Semaphore::builder("dead-waiter", 1)
-        .fallback_interval(FAR)
         .queue(QueueOrder::OldestFirst)
-        .build(&pg_semaphore::Client::new(other.clone()))
+        .build(&pg_semaphore::Client::new(other.clone()).fallback_interval(FAR))
         .await?;
     let second = tokio::spawn(async move { sem_b.acquire().await });
     let permit = tokio::time::timeout(Duration::from_millis(1500), waiter)

@@ -351,8 +351,7 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     let db = support::migrated_db().await;
     let name = "metrics-upstream";
     let sem = Semaphore::builder(name, 2)
-        .holder(SECRET_HOLDER)
-        .build(&db.client)
+        .build(&db.client.clone().holder(SECRET_HOLDER))
         .await?;
     let of = [("semaphore", name)];
 
@@ -376,8 +375,7 @@ async fn a_semaphore_workload_is_counted_and_its_gauges_return_to_zero() -> Test
     // finds a slot.
     let full_name = "metrics-full";
     let full = Semaphore::builder(full_name, 1)
-        .holder(SECRET_HOLDER)
-        .build(&db.client)
+        .build(&db.client.clone().holder(SECRET_HOLDER))
         .await?;
     let of_full = [("semaphore", full_name)];
     let fills_it = full.try_acquire().await?;
@@ -704,9 +702,8 @@ async fn touch_every_metric(db: &TestDb) -> TestResult {
     // exported (+0) without moving under another test's feet.
     assert_eq!(pg_semaphore::admin::reap(pool).await?, 0);
     let sem = Semaphore::builder("metrics-every", 1)
-        .holder(SECRET_HOLDER)
         .queue_limit(0)
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(&pg_semaphore::Client::new(pool.clone()).holder(SECRET_HOLDER))
         .await?;
     let permit = sem.try_acquire().await?;
     let _ = sem.try_acquire().await; // no slot

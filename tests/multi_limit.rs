@@ -15,13 +15,18 @@ use pg_semaphore::{
 };
 use support::{TestResult, connect, live_rows, token};
 
-/// A semaphore without heartbeats, with a long lease and a long fallback
-/// interval: nothing frees a slot or wakes a waiter but a release.
+/// A client whose waiters re-check only every minute: nothing wakes them
+/// but a release.
+fn quiet(client: &Client) -> Client {
+    client.clone().fallback_interval(Duration::from_secs(60))
+}
+
+/// A semaphore without heartbeats, with a long lease: nothing frees a slot
+/// but a release.
 async fn semaphore(client: &Client, name: &str, capacity: u32) -> pg_semaphore::Result<Semaphore> {
     Semaphore::builder(name, capacity)
         .lease(Duration::from_secs(60))
         .without_heartbeat()
-        .fallback_interval(Duration::from_secs(60))
         .build(client)
         .await
 }
@@ -29,8 +34,9 @@ async fn semaphore(client: &Client, name: &str, capacity: u32) -> pg_semaphore::
 #[tokio::test]
 async fn one_full_semaphore_makes_the_whole_claim_fail_and_takes_nothing() -> TestResult {
     let db = support::migrated_db().await;
-    let global = semaphore(&db.client, "global", 3).await?;
-    let merchant = semaphore(&db.client, "merchant-7", 1).await?;
+    let client = quiet(&db.client);
+    let global = semaphore(&client, "global", 3).await?;
+    let merchant = semaphore(&client, "merchant-7", 1).await?;
     let held = merchant.try_acquire().await?;
     // Named in either order, the full semaphore refuses the whole claim.
     for members in [
@@ -61,8 +67,9 @@ async fn one_full_semaphore_makes_the_whole_claim_fail_and_takes_nothing() -> Te
 #[tokio::test]
 async fn one_permit_holds_and_releases_every_claim_linked_in_the_audit_log() -> TestResult {
     let db = support::migrated_db().await;
-    let b = semaphore(&db.client, "b-per-merchant", 5).await?;
-    let a = semaphore(&db.client, "a-global", 100).await?;
+    let client = quiet(&db.client);
+    let b = semaphore(&client, "b-per-merchant", 5).await?;
+    let a = semaphore(&client, "a-global", 100).await?;
     let permit = tokio::time::timeout(
         Duration::from_secs(10),
         Semaphore::acquire_all(&[(&b, 2), (&a, 1)]),
@@ -122,8 +129,9 @@ async fn one_permit_holds_and_releases_every_claim_linked_in_the_audit_log() -> 
 #[tokio::test]
 async fn a_dropped_multi_limit_permit_frees_every_semaphore() -> TestResult {
     let db = support::migrated_db().await;
-    let a = semaphore(&db.client, "drop-a", 1).await?;
-    let b = semaphore(&db.client, "drop-b", 1).await?;
+    let client = quiet(&db.client);
+    let a = semaphore(&client, "drop-a", 1).await?;
+    let b = semaphore(&client, "drop-b", 1).await?;
     drop(Semaphore::try_acquire_all(&[(&a, 1), (&b, 1)]).await?);
     let freed = support::eventually(Duration::from_secs(10), || async {
         live_rows(&db.pool, "drop-a").await + live_rows(&db.pool, "drop-b").await == 0
@@ -146,8 +154,9 @@ async fn a_dropped_multi_limit_permit_frees_every_semaphore() -> TestResult {
 #[tokio::test]
 async fn callers_naming_the_semaphores_in_opposite_orders_never_deadlock() -> TestResult {
     let db = support::migrated_db().await;
-    let g = semaphore(&db.client, "g", 2).await?;
-    let m = semaphore(&db.client, "m", 2).await?;
+    let client = quiet(&db.client);
+    let g = semaphore(&client, "g", 2).await?;
+    let m = semaphore(&client, "m", 2).await?;
     let mut first = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut first).await?;
     support::claim_with_token(&mut first, "g", "60 s", &token("first")).await?;
@@ -207,9 +216,10 @@ async fn callers_naming_the_semaphores_in_opposite_orders_never_deadlock() -> Te
 #[tokio::test]
 async fn a_waiter_holds_nothing_and_wakes_on_a_release_of_either_semaphore() -> TestResult {
     let db = support::migrated_db().await;
-    let other = Client::new(support::another_pool(&db, 4).await);
-    let a = semaphore(&db.client, "wake-a", 1).await?;
-    let b = semaphore(&db.client, "wake-b", 1).await?;
+    let client = quiet(&db.client);
+    let other = quiet(&Client::new(support::another_pool(&db, 4).await));
+    let a = semaphore(&client, "wake-a", 1).await?;
+    let b = semaphore(&client, "wake-b", 1).await?;
     let a_elsewhere = semaphore(&other, "wake-a", 1).await?;
     let b_elsewhere = semaphore(&other, "wake-b", 1).await?;
     for last in ["wake-a", "wake-b"] {
@@ -250,11 +260,12 @@ async fn a_waiter_holds_nothing_and_wakes_on_a_release_of_either_semaphore() -> 
 #[tokio::test]
 async fn a_multi_limit_claim_never_jumps_a_fair_queue() -> TestResult {
     let db = support::migrated_db().await;
+    let client = quiet(&db.client);
     let queued = Semaphore::builder("queued", 2)
         .queue(QueueOrder::OldestFirst)
-        .build(&db.client)
+        .build(&client)
         .await?;
-    let plain = semaphore(&db.client, "plain", 2).await?;
+    let plain = semaphore(&client, "plain", 2).await?;
     // A waiter queued on "queued" (a live ticket), with slots free.
     let ticket: Option<i64> = sqlx::query_scalar(
         "SELECT o_ticket FROM pgsemaphore.enqueue(p_semaphore => 'queued', p_permits => 1, \
@@ -276,14 +287,15 @@ async fn a_multi_limit_claim_never_jumps_a_fair_queue() -> TestResult {
 #[tokio::test]
 async fn bad_member_lists_are_refused_before_anything_is_sent() -> TestResult {
     let db = support::migrated_db().await;
-    let other = Client::new(support::another_pool(&db, 2).await);
-    let a = semaphore(&db.client, "check-a", 2).await?;
+    let client = quiet(&db.client);
+    let other = quiet(&Client::new(support::another_pool(&db, 2).await));
+    let a = semaphore(&client, "check-a", 2).await?;
     let a_elsewhere = semaphore(&other, "check-a", 2).await?;
-    let b = semaphore(&db.client, "check-b", 2).await?;
+    let b = semaphore(&client, "check-b", 2).await?;
     let many: Vec<Semaphore> = {
         let mut many = Vec::new();
         for i in 0..=MAX_SEMAPHORES_PER_CLAIM {
-            many.push(semaphore(&db.client, &format!("many-{i}"), 1).await?);
+            many.push(semaphore(&client, &format!("many-{i}"), 1).await?);
         }
         many
     };
@@ -442,8 +454,9 @@ async fn no_limit_is_exceeded_by_multi_limit_claims_under_concurrency() -> TestR
 #[tokio::test]
 async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
     let db = support::migrated_db().await;
-    let a = semaphore(&db.client, "cancel-a", 1).await?;
-    let b = semaphore(&db.client, "cancel-b", 1).await?;
+    let client = quiet(&db.client);
+    let a = semaphore(&client, "cancel-a", 1).await?;
+    let b = semaphore(&client, "cancel-b", 1).await?;
     let held = b.try_acquire().await?;
     // A timeout around the cancel-safe future is how a multi-limit wait is bounded.
     let timed_out = tokio::time::timeout(
@@ -494,8 +507,9 @@ async fn a_timed_out_or_cancelled_wait_leaves_nothing_held() -> TestResult {
 #[tokio::test]
 async fn a_refused_multi_limit_claim_keeps_no_row_locked_in_an_open_transaction() -> TestResult {
     let db = support::migrated_db().await;
-    let a = semaphore(&db.client, "locked-a", 2).await?;
-    let b = semaphore(&db.client, "locked-b", 1).await?;
+    let client = quiet(&db.client);
+    let a = semaphore(&client, "locked-a", 2).await?;
+    let b = semaphore(&client, "locked-b", 1).await?;
     let held = b.try_acquire().await?;
     let mut open = connect(&db).await?;
     sqlx::query("BEGIN").execute(&mut open).await?;

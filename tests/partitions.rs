@@ -258,8 +258,9 @@ async fn a_waiting_acquire_rides_out_an_outage() -> TestResult {
     let proxy = Proxy::start(&db).await;
     let pool = through(&proxy, 2).await?;
     let sem = Semaphore::builder("outage", 1)
-        .fallback_interval(Duration::from_millis(200))
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(
+            &pg_semaphore::Client::new(pool.clone()).fallback_interval(Duration::from_millis(200)),
+        )
         .await?;
     let waiter = tokio::spawn(async move {
         sem.acquiring()

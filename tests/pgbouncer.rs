@@ -186,8 +186,11 @@ async fn the_semaphore_holds_its_limit_through_the_bouncer() -> TestResult {
     let db = support::migrated_db().await; // migrations need a direct connection
     let pool = pool_through_bouncer(&db, 4).await;
     let sem = Semaphore::builder("behind-bouncer", CAPACITY)
-        .fallback_interval(Duration::from_millis(50))
-        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
+        .build(
+            &pg_semaphore::Client::new(pool.clone())
+                .transaction_pooling(true)
+                .fallback_interval(Duration::from_millis(50)),
+        )
         .await?;
     let holding = Arc::new(AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -251,8 +254,11 @@ async fn a_waiter_behind_the_bouncer_is_served_by_polling() -> TestResult {
     let direct = Semaphore::builder("polled", 1).build(&db.client).await?;
     let pool = pool_through_bouncer(&db, 2).await;
     let behind = Semaphore::builder("polled", 1)
-        .fallback_interval(Duration::from_millis(100))
-        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
+        .build(
+            &pg_semaphore::Client::new(pool.clone())
+                .transaction_pooling(true)
+                .fallback_interval(Duration::from_millis(100)),
+        )
         .await?;
     let held = direct.try_acquire().await?;
     let waiter = tokio::spawn(async move {
@@ -317,8 +323,11 @@ async fn the_extensions_work_through_the_bouncer() -> TestResult {
     let behind = Semaphore::builder("extended", 3)
         .reserved(1)
         .queue(QueueOrder::OldestFirst)
-        .fallback_interval(Duration::from_millis(100))
-        .build(&pg_semaphore::Client::new(pool.clone()).transaction_pooling(true))
+        .build(
+            &pg_semaphore::Client::new(pool.clone())
+                .transaction_pooling(true)
+                .fallback_interval(Duration::from_millis(100)),
+        )
         .await?;
     let held = direct.try_acquire().await?;
     // A weighted claim, a queued waiter, a low-priority claim, wait_idle.

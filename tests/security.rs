@@ -52,10 +52,10 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
 
         // Semaphores: build, fail fast, wait and be woken, release, audit.
         let started = Utc::now() - chrono::Duration::seconds(1);
-        let client = pg_semaphore::Client::new(app.clone());
+        let client =
+            pg_semaphore::Client::new(app.clone()).fallback_interval(Duration::from_secs(600));
         let sem = Semaphore::builder("least-privilege", 1)
             .lease(Duration::from_secs(30))
-            .fallback_interval(Duration::from_secs(600))
             .build(&client)
             .await?;
         let held = sem
@@ -120,8 +120,9 @@ async fn the_application_role_does_everything_an_application_does() -> TestResul
         let fair = Semaphore::builder("least-privilege-fair", 2)
             .reserved(1)
             .queue(QueueOrder::OldestFirst)
-            .fallback_interval(Duration::from_secs(600))
-            .build(&pg_semaphore::Client::new(app.clone()))
+            .build(
+                &pg_semaphore::Client::new(app.clone()).fallback_interval(Duration::from_secs(600)),
+            )
             .await?;
         let both = fair
             .acquiring()
@@ -512,9 +513,12 @@ async fn the_application_role_works_through_pgbouncer() -> TestResult {
         let sem = Semaphore::builder("bounced-app", 1)
             .lease(Duration::from_millis(900))
             .heartbeat(Duration::from_millis(200))
-            .fallback_interval(Duration::from_millis(100))
             .queue(QueueOrder::OldestFirst)
-            .build(&pg_semaphore::Client::new(app.clone()).transaction_pooling(true))
+            .build(
+                &pg_semaphore::Client::new(app.clone())
+                    .transaction_pooling(true)
+                    .fallback_interval(Duration::from_millis(100)),
+            )
             .await?;
         let held = sem.try_acquire().await?;
         let waiter = {
@@ -1727,8 +1731,10 @@ async fn privileges_a_squatted_queue_is_cleared_and_places_end() -> TestResult {
 async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
     as_roles(|_db, app, _operator| async move {
         let sem = Semaphore::builder("gated", 1)
-            .fallback_interval(Duration::from_millis(300))
-            .build(&pg_semaphore::Client::new(app.clone()))
+            .build(
+                &pg_semaphore::Client::new(app.clone())
+                    .fallback_interval(Duration::from_millis(300)),
+            )
             .await?;
         for mode in ["pg_advisory_lock", "pg_advisory_lock_shared"] {
             let mut squatter = app.acquire().await?;

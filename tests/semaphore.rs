@@ -26,8 +26,7 @@ async fn hard_limit_holds_under_heavy_contention() -> TestResult {
         let pool = support::another_pool(&db, 4).await;
         sems.push(
             Semaphore::builder("contended", CAPACITY)
-                .holder(format!("process-{p}"))
-                .build(&pg_semaphore::Client::new(pool.clone()))
+                .build(&pg_semaphore::Client::new(pool.clone()).holder(format!("process-{p}")))
                 .await?,
         );
     }
@@ -177,13 +176,18 @@ async fn a_release_wakes_a_waiter_in_another_process() -> TestResult {
     // The fallback re-check is far beyond the test's patience: only the
     // NOTIFY of the release can wake the waiter in time.
     let holder_side = Semaphore::builder("wake", 1)
-        .fallback_interval(Duration::from_secs(600))
-        .build(&db.client)
+        .build(
+            &db.client
+                .clone()
+                .fallback_interval(Duration::from_secs(600)),
+        )
         .await?;
     let other_process = support::another_pool(&db, 2).await;
     let waiter_side = Semaphore::builder("wake", 1)
-        .fallback_interval(Duration::from_secs(600))
-        .build(&pg_semaphore::Client::new(other_process.clone()))
+        .build(
+            &pg_semaphore::Client::new(other_process.clone())
+                .fallback_interval(Duration::from_secs(600)),
+        )
         .await?;
 
     let held = holder_side.try_acquire().await?;
@@ -485,10 +489,10 @@ async fn capacity_changes_apply_to_new_claims_only() -> TestResult {
 
     // Grow to 2 while someone waits: the waiter is woken by the change.
     let waiting = Semaphore::builder("resized", 1)
-        .fallback_interval(Duration::from_secs(600))
-        .build(&pg_semaphore::Client::new(
-            support::another_pool(&db, 2).await,
-        ))
+        .build(
+            &pg_semaphore::Client::new(support::another_pool(&db, 2).await)
+                .fallback_interval(Duration::from_secs(600)),
+        )
         .await;
     // Building with capacity 1 again is a no-op for the row; the wait follows.
     let waiting = waiting?;
@@ -537,8 +541,7 @@ async fn different_semaphores_never_wait_on_each_other() -> TestResult {
 async fn permits_carry_holder_and_metadata() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("labelled", 2)
-        .holder("api-7")
-        .build(&db.client)
+        .build(&db.client.clone().holder("api-7"))
         .await?;
     let plain = sem.try_acquire().await?;
     let tagged = sem
@@ -601,8 +604,11 @@ fn bounds() {
 async fn a_lost_notification_is_covered_by_the_fallback_re_check() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("silent", 1)
-        .fallback_interval(Duration::from_millis(300))
-        .build(&db.client)
+        .build(
+            &db.client
+                .clone()
+                .fallback_interval(Duration::from_millis(300)),
+        )
         .await?;
     let held = sem.try_acquire().await?;
     let waiter = {
@@ -634,8 +640,11 @@ async fn waiters_survive_the_listen_connection_being_killed() -> TestResult {
     let db = support::migrated_db().await;
     // The fallback is out of reach: only a recovered LISTEN can wake the waiter.
     let sem = Semaphore::builder("relisten", 1)
-        .fallback_interval(Duration::from_secs(600))
-        .build(&db.client)
+        .build(
+            &db.client
+                .clone()
+                .fallback_interval(Duration::from_secs(600)),
+        )
         .await?;
     let held = sem.try_acquire().await?;
     let waiter = {

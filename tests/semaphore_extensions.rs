@@ -44,8 +44,7 @@ async fn wait_idle_wakes_when_the_last_holder_releases_and_not_before() -> TestR
     // The waiter lives in a third "process" whose fallback never fires.
     let third = support::another_pool(&db, 2).await;
     let watcher = Semaphore::builder("group", 3)
-        .fallback_interval(NO_FALLBACK)
-        .build(&pg_semaphore::Client::new(third.clone()))
+        .build(&pg_semaphore::Client::new(third.clone()).fallback_interval(NO_FALLBACK))
         .await?;
     let busy = tokio::time::timeout(Duration::from_millis(50), watcher.wait_idle()).await;
     assert!(busy.is_err(), "{busy:?}");
@@ -88,8 +87,7 @@ async fn weighted_claims_are_all_or_nothing_under_contention() -> TestResult {
         let pool = support::another_pool(&db, 4).await;
         sems.push(
             Semaphore::builder("weighted", CAPACITY)
-                .holder(format!("process-{p}"))
-                .build(&pg_semaphore::Client::new(pool.clone()))
+                .build(&pg_semaphore::Client::new(pool.clone()).holder(format!("process-{p}")))
                 .await?,
         );
     }
@@ -278,8 +276,7 @@ async fn a_waiting_weighted_claim_never_holds_part_of_its_slots() -> TestResult 
     let second = sem.try_acquire().await?;
     let other = support::another_pool(&db, 2).await;
     let waiter_sem = Semaphore::builder("triple", 3)
-        .fallback_interval(NO_FALLBACK)
-        .build(&pg_semaphore::Client::new(other.clone()))
+        .build(&pg_semaphore::Client::new(other.clone()).fallback_interval(NO_FALLBACK))
         .await?;
     let waiter = tokio::spawn(async move {
         waiter_sem
@@ -389,8 +386,7 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
     let other = support::another_pool(&db, 2).await;
     let low_sem = Semaphore::builder("shed", 5)
         .reserved(2)
-        .fallback_interval(NO_FALLBACK)
-        .build(&pg_semaphore::Client::new(other.clone()))
+        .build(&pg_semaphore::Client::new(other.clone()).fallback_interval(NO_FALLBACK))
         .await?;
     assert_eq!(sem.available_permits().await?, 3);
     held.push(sem.try_acquire().await?); // 2 free: low must wait
@@ -422,8 +418,7 @@ async fn reserved_capacity_sheds_low_priority_first() -> TestResult {
 async fn queued_waiters(pool: &PgPool, order: QueueOrder, indices: &[i32]) -> TestResult {
     let sem = Semaphore::builder("fair", 1)
         .queue(order)
-        .fallback_interval(NO_FALLBACK)
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(&pg_semaphore::Client::new(pool.clone()).fallback_interval(NO_FALLBACK))
         .await?;
     let mut tasks = tokio::task::JoinSet::new();
     for &i in indices {
@@ -675,8 +670,7 @@ async fn a_cancelled_waiter_leaves_the_queue_and_the_next_is_served() -> TestRes
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("cancel", 1)
         .queue(QueueOrder::OldestFirst)
-        .fallback_interval(NO_FALLBACK)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(NO_FALLBACK))
         .await?;
     let held = sem.try_acquire().await?;
     let first = tokio::spawn({
@@ -687,8 +681,7 @@ async fn a_cancelled_waiter_leaves_the_queue_and_the_next_is_served() -> TestRes
     let other = support::another_pool(&db, 2).await;
     let second_sem = Semaphore::builder("cancel", 1)
         .queue(QueueOrder::OldestFirst)
-        .fallback_interval(NO_FALLBACK)
-        .build(&pg_semaphore::Client::new(other.clone()))
+        .build(&pg_semaphore::Client::new(other.clone()).fallback_interval(NO_FALLBACK))
         .await?;
     let second =
         tokio::spawn(async move { second_sem.acquiring().holder("second").acquire().await });
@@ -717,8 +710,11 @@ async fn a_crashed_waiter_leaves_the_queue_when_its_lease_ends() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("crash", 1)
         .queue(QueueOrder::OldestFirst)
-        .fallback_interval(Duration::from_millis(100))
-        .build(&db.client)
+        .build(
+            &db.client
+                .clone()
+                .fallback_interval(Duration::from_millis(100)),
+        )
         .await?;
     // A process queued a waiter (as `acquire` does, with a short lease
     // here) and died: nobody renews it.
@@ -775,13 +771,19 @@ async fn a_high_priority_waiter_is_not_held_up_by_a_queued_low_priority_one() ->
     let queued = Semaphore::builder("mixed", 4)
         .reserved(2)
         .queue(QueueOrder::OldestFirst)
-        .fallback_interval(Duration::from_millis(100))
-        .build(&db.client)
+        .build(
+            &db.client
+                .clone()
+                .fallback_interval(Duration::from_millis(100)),
+        )
         .await?;
     let plain = Semaphore::builder("mixed", 4)
         .reserved(2)
-        .fallback_interval(Duration::from_millis(100))
-        .build(&db.client)
+        .build(
+            &db.client
+                .clone()
+                .fallback_interval(Duration::from_millis(100)),
+        )
         .await?;
     let held = plain.try_acquire_many(2).await?;
     // A low-priority claim must leave the reserve of 2 free: it queues.

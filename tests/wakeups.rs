@@ -49,8 +49,7 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
     let db = support::migrated_db().await;
     let mut listener = observer(&db).await?;
     let sem = Semaphore::builder("quiet", 1)
-        .fallback_interval(FAR)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     for _ in 0..5 {
         sem.try_acquire().await?.release().await?;
@@ -67,8 +66,7 @@ async fn a_release_nobody_waits_for_sends_no_notification() -> TestResult {
     let held = sem.try_acquire().await?;
     let other = support::another_pool(&db, 2).await;
     let waiting = Semaphore::builder("quiet", 1)
-        .fallback_interval(FAR)
-        .build(&pg_semaphore::Client::new(other.clone()))
+        .build(&pg_semaphore::Client::new(other.clone()).fallback_interval(FAR))
         .await?;
     let waiter = tokio::spawn(async move { waiting.acquire().await });
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -149,8 +147,7 @@ async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> Te
     let db = support::migrated_db().await;
     let mut listener = observer(&db).await?;
     Semaphore::builder("racing", 1)
-        .fallback_interval(FAR)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     let token = b"racing-holder-01".to_vec();
     let id = support::claim_with_token(&db.pool, "racing", "90 s", &token).await?;
@@ -172,8 +169,7 @@ async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> Te
     // for R's gate.
     let other = support::another_pool(&db, 2).await;
     let waiting = Semaphore::builder("racing", 1)
-        .fallback_interval(FAR)
-        .build(&pg_semaphore::Client::new(other.clone()))
+        .build(&pg_semaphore::Client::new(other.clone()).fallback_interval(FAR))
         .await?;
     let waiter = tokio::spawn(async move { waiting.acquire().await });
     until_waiting_for_gate(&db.pool, "racing").await;
@@ -214,8 +210,7 @@ async fn a_registration_waits_for_a_release_in_flight_that_saw_no_waiter() -> Te
 async fn a_release_meeting_a_registration_in_flight_never_waits_and_misses_nobody() -> TestResult {
     let db = support::migrated_db().await;
     Semaphore::builder("racing-2", 1)
-        .fallback_interval(FAR)
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     let token = b"racing-holder-02".to_vec();
     let id = support::claim_with_token(&db.pool, "racing-2", "90 s", &token).await?;
@@ -286,9 +281,8 @@ async fn under_repeatable_read_a_release_checks_for_waiters_after_its_commit() -
 async fn a_waiter_behind_a_crashed_holder_is_served_when_its_lease_ends() -> TestResult {
     let db = support::migrated_db().await;
     let sem = Semaphore::builder("crashed-holder", 1)
-        .fallback_interval(FAR)
         .without_heartbeat()
-        .build(&db.client)
+        .build(&db.client.clone().fallback_interval(FAR))
         .await?;
     let lease = Duration::from_millis(1500);
     let crashed = sem.acquiring().lease(lease).try_acquire().await?;

@@ -189,9 +189,8 @@ async fn adv_ours(
 ) -> Res<Cell> {
     let pool = pool(&server.opts, POOL_SPARE + 1).await?;
     let sem = AdvisorySemaphore::builder(unique(&format!("bench-adv-c{clients}")), CAPACITY)
-        .connections(clients)
         .audit(audit)
-        .build(&pg_semaphore::Client::new(pool.clone()))
+        .build(&pg_semaphore::Client::new(pool.clone()).advisory_connections(clients))
         .await?;
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {
         let sem = sem.clone();

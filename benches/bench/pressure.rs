@@ -627,8 +627,7 @@ async fn design_op(server: &Server, pool: &PgPool, design: &str) -> Res<Op> {
         }
         P_ADVISORY => {
             let sem = AdvisorySemaphore::builder(unique("bench-pressure-adv"), CAPACITY)
-                .connections(CLIENTS)
-                .build(&pg_semaphore::Client::new(pool.clone()))
+                .build(&pg_semaphore::Client::new(pool.clone()).advisory_connections(CLIENTS))
                 .await?;
             Arc::new(move |_, _| {
                 let sem = sem.clone();

@@ -287,13 +287,11 @@ pub async fn wake_cell(
     let build = |pool: PgPool| {
         let name = name.clone();
         async move {
-            let mut builder = Semaphore::builder(name, 1);
             let mut client = pg_semaphore::Client::new(pool);
             if let Some(fallback) = fallback {
-                builder = builder.fallback_interval(fallback);
-                client = client.transaction_pooling(true);
+                client = client.transaction_pooling(true).fallback_interval(fallback);
             }
-            builder.build(&client).await
+            Semaphore::builder(name, 1).build(&client).await
         }
     };
     let holder_pool = pool(&server.opts, 2).await?;

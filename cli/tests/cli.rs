@@ -535,8 +535,7 @@ async fn advisory_history(
     db: &support::TestDb,
 ) -> TestResult<(AdvisorySemaphore, pg_semaphore::AdvisoryPermit)> {
     let sem = AdvisorySemaphore::builder("exports", 3)
-        .holder("batch-1")
-        .build(&pg_semaphore::Client::new(db.pool.clone()))
+        .build(&pg_semaphore::Client::new(db.pool.clone()).holder("batch-1"))
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
@@ -1113,8 +1112,7 @@ async fn families_show_rules_and_busiest_keys_and_rules_change_at_run_time() -> 
     assert_eq!(stdout(&out).trim(), "no semaphore families yet");
 
     let tenants = SemaphoreFamily::builder("tenants", 10)
-        .holder("worker-1")
-        .build(&db.client)
+        .build(&db.client.clone().holder("worker-1"))
         .await?;
     let out = run(&db, &["rule", "set", "tenants", "--tier", "premium", "50"]).await;
     assert_status(&out, 0);

@@ -504,8 +504,7 @@ fn page_data(page: &str) -> serde_json::Value {
 async fn an_advisory_semaphore_s_report_draws_its_finished_permits() -> TestResult {
     let db = support::migrated_db().await;
     let sem = AdvisorySemaphore::builder("exports", 3)
-        .holder(SCRIPT_HOLDER)
-        .build(&db.client)
+        .build(&db.client.clone().holder(SCRIPT_HOLDER))
         .await?;
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);

@@ -33,7 +33,7 @@ use sqlx::postgres::types::PgInterval;
 
 use super::engine::{self, Core, Heartbeat};
 use super::wake::Wakeups;
-use super::{DEFAULT_FALLBACK_INTERVAL, DEFAULT_LEASE, Permit, Semaphore, default_holder};
+use super::{DEFAULT_LEASE, Permit, Semaphore};
 use crate::Client;
 use crate::db::Db;
 use crate::error::{Error, Result, family_not_found};
@@ -152,8 +152,6 @@ pub struct SemaphoreFamilyBuilder {
     capacity: u32,
     lease: Duration,
     idle_after: Duration,
-    holder: Option<String>,
-    fallback: Duration,
     heartbeat: Heartbeat,
 }
 
@@ -173,18 +171,6 @@ impl SemaphoreFamilyBuilder {
     /// or last changed at least this long ago.
     pub fn idle_after(mut self, idle_after: Duration) -> Self {
         self.idle_after = idle_after;
-        self
-    }
-
-    /// The holder label recorded with every claim (default: `host:pid`).
-    pub fn holder(mut self, holder: impl Into<String>) -> Self {
-        self.holder = Some(holder.into());
-        self
-    }
-
-    /// As [`SemaphoreBuilder::fallback_interval`](crate::SemaphoreBuilder::fallback_interval).
-    pub fn fallback_interval(mut self, interval: Duration) -> Self {
-        self.fallback = interval;
         self
     }
 
@@ -223,15 +209,9 @@ impl SemaphoreFamilyBuilder {
         validate::capacity(self.capacity)?;
         let lease = validate::lease(self.lease)?;
         let idle_after = validate::idle_after(self.idle_after)?;
-        validate::nonzero("fallback_interval", self.fallback)?;
+        let fallback = client.fallback()?;
         self.heartbeat.check(self.lease, "lease")?;
-        let holder = match self.holder {
-            Some(holder) => {
-                validate::holder(&holder)?;
-                holder
-            }
-            None => default_holder(),
-        };
+        let holder = client.holder_label()?;
         let db = client.db().clone();
         let query = db
             .query_as::<(i32, PgInterval, PgInterval, bool)>(OPEN_FAMILY)
@@ -268,7 +248,7 @@ impl SemaphoreFamilyBuilder {
                 lease: stored_lease,
                 idle_after: stored_idle,
                 holder,
-                fallback: self.fallback,
+                fallback,
                 heartbeat: self.heartbeat,
                 wakeups: client.wakeups().clone(),
                 keys: StdMutex::new(HashMap::new()),
@@ -288,8 +268,6 @@ impl SemaphoreFamily {
             capacity,
             lease: DEFAULT_LEASE,
             idle_after: DEFAULT_IDLE_AFTER,
-            holder: None,
-            fallback: DEFAULT_FALLBACK_INTERVAL,
             heartbeat: Heartbeat::Default,
         }
     }

@@ -129,13 +129,11 @@ impl fmt::Debug for Semaphore {
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// # let client = pg_semaphore::Client::new(pool.clone());
 /// use std::time::Duration;
+/// let client = pg_semaphore::Client::new(pool).holder("api-7"); // recorded in the audit log
 /// let sem = pg_semaphore::Semaphore::builder("payments-api", 4)
 ///     .lease(Duration::from_secs(30))          // a crashed holder frees its slot after 30 s
 ///     .heartbeat(Duration::from_secs(10))      // a live one renews every 10 s
-///     .holder("api-7")                         // recorded in the audit log
-///     .fallback_interval(Duration::from_secs(2))
 ///     .build(&client)
 ///     .await?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -147,8 +145,6 @@ pub struct SemaphoreBuilder {
     name: String,
     capacity: u32,
     lease: Duration,
-    holder: Option<String>,
-    fallback: Duration,
     heartbeat: Heartbeat,
     fail_open: bool,
     reserved: u32,
@@ -162,20 +158,6 @@ impl SemaphoreBuilder {
     /// Measured on the database clock.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
-        self
-    }
-
-    /// The holder label recorded with every claim (default: `host:pid`).
-    pub fn holder(mut self, holder: impl Into<String>) -> Self {
-        self.holder = Some(holder.into());
-        self
-    }
-
-    /// How often a waiting acquire re-checks even without a wake-up
-    /// (default [`DEFAULT_FALLBACK_INTERVAL`]). It only matters when a
-    /// notification is lost; one re-check per semaphore per process and interval.
-    pub fn fallback_interval(mut self, interval: Duration) -> Self {
-        self.fallback = interval;
         self
     }
 
@@ -343,15 +325,9 @@ impl SemaphoreBuilder {
         validate::name(&self.name)?;
         validate::capacity(self.capacity)?;
         let lease = validate::lease(self.lease)?;
-        validate::nonzero("fallback_interval", self.fallback)?;
+        let fallback = client.fallback()?;
         self.heartbeat.check(self.lease, "lease")?;
-        let holder = match self.holder {
-            Some(holder) => {
-                validate::holder(&holder)?;
-                holder
-            }
-            None => default_holder(),
-        };
+        let holder = client.holder_label()?;
         validate::reserve(self.reserved, self.capacity)?;
         let db = client.db().clone();
         let requested_order = self.queue.map(|q| q.order).unwrap_or_default();
@@ -406,7 +382,7 @@ impl SemaphoreBuilder {
                 capacity,
                 lease: stored_lease,
                 holder,
-                fallback: self.fallback,
+                fallback,
                 heartbeat: self.heartbeat,
                 fail_open: self.fail_open,
                 reserved: self.reserved,
@@ -425,8 +401,6 @@ impl Semaphore {
             name: name.into(),
             capacity,
             lease: DEFAULT_LEASE,
-            holder: None,
-            fallback: DEFAULT_FALLBACK_INTERVAL,
             heartbeat: Heartbeat::Default,
             fail_open: false,
             reserved: 0,
@@ -785,7 +759,7 @@ impl Semaphore {
     /// Waiting holds no pooled connection: the task re-checks (one round
     /// trip) when a release anywhere wakes this semaphore, when the earliest
     /// lease ends, or every
-    /// [`fallback_interval`](SemaphoreBuilder::fallback_interval) in case a
+    /// [`fallback_interval`](crate::Client::fallback_interval) in case a
     /// notification is lost.
     ///
     /// ```no_run

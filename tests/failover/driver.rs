@@ -167,9 +167,8 @@ async fn one_failover(
         Scenario::Partition => {
             // Opened before the cut (it exists: opening reads only).
             let sem = Semaphore::builder(CUT_OFF.0, CUT_OFF.1)
-                .holder(DRIVER)
                 .lease(LEASE)
-                .build(&pg_semaphore::Client::new(driver.clone()))
+                .build(&pg_semaphore::Client::new(driver.clone()).holder(DRIVER))
                 .await?;
             pair.partition();
             let at = now_us();

@@ -26,9 +26,8 @@ pub struct Held {
 pub async fn hold_through(driver: &PgPool, log: &Log) -> Result<Held, BoxError> {
     let (release, released) = tokio::sync::watch::channel(false);
     let sem = Semaphore::builder("cap2", 2)
-        .holder(DRIVER)
         .lease(LEASE)
-        .build(&pg_semaphore::Client::new(driver.clone()))
+        .build(&pg_semaphore::Client::new(driver.clone()).holder(DRIVER))
         .await?;
     let mut sentinels = Vec::new();
     for (key, lease) in [

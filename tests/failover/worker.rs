@@ -37,14 +37,14 @@ pub async fn worker(args: WorkerArgs) {
         |error| log.line(format!("X {} connect: {}", now_us(), one_line(&error))),
     )
     .await;
-    let client = pg_semaphore::Client::new(pool.clone());
+    let client = pg_semaphore::Client::new(pool.clone())
+        .holder(label)
+        .fallback_interval(Duration::from_millis(500));
     let mut semaphores = Vec::new();
     for (name, capacity) in SEMAPHORES {
         let build = || {
             Semaphore::builder(name, capacity)
                 .lease(LEASE)
-                .holder(label)
-                .fallback_interval(Duration::from_millis(500))
                 .build(&client)
         };
         let failed = |error: Error| log.line(format!("X {} build: {}", now_us(), one_line(&error)));

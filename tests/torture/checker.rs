@@ -246,8 +246,7 @@ pub async fn check(
 pub async fn assert_full_capacity(pool: &PgPool) -> TestResult {
     for (name, capacity) in ADVISORY {
         let sem = AdvisorySemaphore::builder(name, capacity)
-            .holder("torture-driver")
-            .build(&pg_semaphore::Client::new(pool.clone()))
+            .build(&pg_semaphore::Client::new(pool.clone()).holder("torture-driver"))
             .await?;
         assert_eq!(
             sem.available_permits().await?,

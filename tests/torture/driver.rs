@@ -232,8 +232,7 @@ pub async fn torture() -> TestResult {
             // through the outage: its holder must be told it is lost.
             let sentinel_sem = Semaphore::builder("cap16", 16)
                 .lease(LEASE)
-                .holder("sentinel")
-                .build(&pg_semaphore::Client::new(driver.clone()))
+                .build(&pg_semaphore::Client::new(driver.clone()).holder("sentinel"))
                 .await?;
             let permit = sentinel_sem.try_acquire().await?;
             let told = {

@@ -51,28 +51,23 @@ pub async fn worker(args: WorkerArgs) {
         |error| log.line(format!("X connect: {error}")),
     )
     .await;
-    let client = pg_semaphore::Client::new(pool.clone());
+    let client = pg_semaphore::Client::new(pool.clone())
+        .holder(label)
+        .fallback_interval(Duration::from_millis(500))
+        .advisory_heartbeat(HEARTBEAT)
+        .advisory_connections(3);
     let mut semaphores = Vec::new();
     for (name, capacity) in SEMAPHORES {
         let build = || {
             Semaphore::builder(name, capacity)
                 .lease(LEASE)
-                .holder(label)
-                .fallback_interval(Duration::from_millis(500))
                 .build(&client)
         };
         semaphores.push(until_ok(build, |error| log.line(format!("X build: {error}"))).await);
     }
     let mut advisory = Vec::new();
     for (name, capacity) in ADVISORY {
-        let build = || {
-            AdvisorySemaphore::builder(name, capacity)
-                .heartbeat(HEARTBEAT)
-                .connections(3)
-                .holder(label)
-                .fallback_interval(Duration::from_millis(500))
-                .build(&client)
-        };
+        let build = || AdvisorySemaphore::builder(name, capacity).build(&client);
         let failed = |error: Error| log.line(format!("x build: {}", one_line(&error)));
         advisory.push(until_ok(build, failed).await);
     }

@@ -37,7 +37,6 @@ use tokio::time::Instant;
 use crate::Client;
 use crate::background::lock;
 use crate::db::Db;
-use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
 use crate::detached::detached;
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::metrics::SemaphoreMetrics;
@@ -47,7 +46,6 @@ pub(crate) use self::audit::AuditWriter;
 pub use self::permit::AdvisoryPermit;
 pub(crate) use self::session::Sessions;
 use self::session::{ClaimReply, Session};
-use super::DEFAULT_FALLBACK_INTERVAL;
 use super::wake::Wakeups;
 
 /// The default most dedicated connections a client's advisory semaphores
@@ -88,7 +86,7 @@ fn waiting_keys(base: i64) -> i64 {
 /// | holder's link cut | holder told within 2.5 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
 /// | an operator's `pg_terminate_backend` of its session | slot free at once, holder told within ~2 heartbeats: its work may overlap the next holder's until then | no effect |
 /// | database restart or failover | every permit lost, every holder told within ~2 heartbeats (the same overlap) | permits survive (durable rows) |
-/// | connections | up to [`connections`](AdvisorySemaphoreBuilder::connections) dedicated ones per client, held while permits are | none held between round trips |
+/// | connections | up to [`advisory_connections`](crate::Client::advisory_connections) dedicated ones per client, held while permits are | none held between round trips |
 /// | behind PgBouncer (transaction pooling) | needs a direct URL for its connections ([`Client::connect_options`](crate::Client::connect_options)) | works through it |
 /// | audit log | one row per finished permit, written in batches after it ends (`pgsemaphore.advisory_claims`); live holders in `pg_locks` ([`semaphores`](crate::admin::semaphores)) | every claim, live or ended, in `pgsemaphore.slots` |
 /// | fence a write into your transaction | no | [`Permit::fence`](crate::Permit::fence) |
@@ -158,48 +156,10 @@ impl fmt::Debug for AdvisorySemaphore {
 pub struct AdvisorySemaphoreBuilder {
     name: String,
     capacity: u32,
-    holder: Option<String>,
-    heartbeat: Duration,
-    connections: usize,
-    fallback: Duration,
     audit: bool,
 }
 
 impl AdvisorySemaphoreBuilder {
-    /// The holder label recorded in the audit log (default: `host:pid`).
-    pub fn holder(mut self, holder: impl Into<String>) -> Self {
-        self.holder = Some(holder.into());
-        self
-    }
-
-    /// How often each dedicated connection proves it is alive (default
-    /// [`DEFAULT_SESSION_HEARTBEAT`], 1 s). A permit is told it is lost
-    /// within two and a half heartbeats of its link going silent; the server
-    /// ends a silent session, freeing its slots, after three (at least a
-    /// second: the floor the dead-man switch keeps). Set on the first advisory
-    /// semaphore built on a client (its sessions are shared).
-    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
-        self.heartbeat = heartbeat;
-        self
-    }
-
-    /// The most dedicated connections this client's advisory semaphores open
-    /// to hold slots (default [`DEFAULT_ADVISORY_CONNECTIONS`]). Each runs
-    /// one statement at a time and holds any number of permits; a new one
-    /// is opened only when every open one is busy. Set on the first
-    /// advisory semaphore built on a client.
-    pub fn connections(mut self, connections: usize) -> Self {
-        self.connections = connections;
-        self
-    }
-
-    /// How often a waiting acquire re-checks even without a wake-up
-    /// (default [`DEFAULT_FALLBACK_INTERVAL`]).
-    pub fn fallback_interval(mut self, interval: Duration) -> Self {
-        self.fallback = interval;
-        self
-    }
-
     /// Whether finished permits are written to the audit log
     /// (`pgsemaphore.advisory_claims`, default `true`).
     pub fn audit(mut self, enabled: bool) -> Self {
@@ -225,16 +185,9 @@ impl AdvisorySemaphoreBuilder {
     pub async fn build(self, client: &Client) -> Result<AdvisorySemaphore> {
         validate::name(&self.name)?;
         validate::capacity(self.capacity)?;
-        validate::nonzero("heartbeat", self.heartbeat)?;
-        validate::nonzero("fallback_interval", self.fallback)?;
-        validate::positive("connections", self.connections as u64)?;
-        let holder = match self.holder {
-            Some(holder) => {
-                validate::holder(&holder)?;
-                holder
-            }
-            None => super::default_holder(),
-        };
+        let fallback = client.fallback()?;
+        let holder = client.holder_label()?;
+        let sessions = client.sessions()?;
         if !client.can_listen() {
             return Err(Error::invalid(
                 "connect_options",
@@ -264,14 +217,14 @@ impl AdvisorySemaphoreBuilder {
         }
         Ok(AdvisorySemaphore {
             core: Arc::new(AdvisoryCore {
-                sessions: client.sessions(self.heartbeat, self.connections),
+                sessions,
                 wakeups: client.wakeups().clone(),
                 audit: self.audit.then(|| client.audit_writer()),
                 metrics: SemaphoreMetrics::new(&self.name),
                 capacity: capacity.max(1) as u32,
                 key_base,
                 holder,
-                fallback: self.fallback,
+                fallback,
                 db,
                 announced: Mutex::new(Weak::new()),
                 name: self.name,
@@ -291,10 +244,6 @@ impl AdvisorySemaphore {
         AdvisorySemaphoreBuilder {
             name: name.into(),
             capacity,
-            holder: None,
-            heartbeat: DEFAULT_SESSION_HEARTBEAT,
-            connections: DEFAULT_ADVISORY_CONNECTIONS,
-            fallback: DEFAULT_FALLBACK_INTERVAL,
             audit: true,
         }
     }

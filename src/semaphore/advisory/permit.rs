@@ -26,7 +26,7 @@ use super::session::Session;
 /// the background: not immediate.** If the process dies, its connections
 /// close and the server frees the slots at once; if its link is cut, the
 /// server ends the session (and frees the slots) after three
-/// [heartbeats](crate::AdvisorySemaphoreBuilder::heartbeat) of silence,
+/// [heartbeats](crate::Client::advisory_heartbeat) of silence,
 /// and the holder is told ([`lost`](AdvisoryPermit::lost)) within about
 /// two, first.
 ///
