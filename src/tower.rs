@@ -1,5 +1,12 @@
-//! A tower layer that limits an HTTP service's concurrent requests with a
-//! [`Semaphore`]: a limit shared by every process, every machine.
+//! Tower layers for HTTP services, with limits shared by every process on
+//! every machine:
+//!
+//! - [`SemaphoreLayer`]: the requests in flight, under a [`Semaphore`], a
+//!   [`SemaphoreFamily`] key taken from the request (a tenant), or both in
+//!   one all-or-nothing claim;
+//! - [`RateLimitLayer`]: the requests started per unit of time, under a
+//!   [`RateLimiter`] keyed by the request, answering `429` with
+//!   `Retry-After` (or waiting up to a bound).
 
 use std::fmt;
 use std::future::Future;
@@ -10,16 +17,35 @@ use std::time::Duration;
 
 use ::tower::{Layer, Service};
 use http::header::{HeaderValue, RETRY_AFTER};
+use http::request::Parts;
 use http::{Request, Response, StatusCode};
 
-use crate::error::Error;
+use crate::error::{Error, WaitedFor};
 use crate::fail_open::{self, Unchecked};
-use crate::semaphore::{Permit, Semaphore};
+use crate::metrics::SemaphoreMetrics;
+use crate::rate_limit::RateLimiter;
+use crate::semaphore::{Permit, Semaphore, SemaphoreFamily};
+
+/// Reads a limit's key (a tenant, a customer) from a request's head;
+/// `None` leaves the request out of that limit.
+type KeyFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
 
 /// Limits the requests in flight in the wrapped service to the capacity of a
-/// [`Semaphore`], across every process that uses the same semaphore.
+/// [`Semaphore`], of a [`SemaphoreFamily`] key read from each request, or of
+/// both at once, across every process that uses the same semaphores.
 ///
-/// Each request claims a slot before it reaches the service and holds it
+/// - [`SemaphoreLayer::new`]: one semaphore for every request.
+/// - [`SemaphoreLayer::family`]: each request takes a slot of its key's
+///   semaphore (say, its tenant's), the key read by a closure from the
+///   request's head; a request for which the closure returns `None` is not
+///   limited.
+/// - [`SemaphoreLayer::new`] then [`per_key`](Self::per_key): both, in **one
+///   all-or-nothing claim** ([`Semaphore::acquire_all`]): a request refused
+///   by its tenant's limit never holds a global slot, and a waiting request
+///   holds neither. Both must be built on the same
+///   [`Client`](crate::Client).
+///
+/// Each request claims its slots before it reaches the service and holds them
 /// until the service's response future completes; then the permit is
 /// released (awaited, so the slot is free by the time the response is
 /// returned). If the response future is dropped first (the client went
@@ -62,11 +88,78 @@ use crate::semaphore::{Permit, Semaphore};
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }
 /// ```
+///
+/// Per tenant and overall, in one claim:
+///
+/// ```no_run
+/// use pg_semaphore::{Client, Semaphore, SemaphoreFamily, tower::SemaphoreLayer};
+///
+/// # async fn run(client: Client) -> Result<(), Box<dyn std::error::Error>> {
+/// let upstream = Semaphore::builder("payments-api", 20).build(&client).await?;
+/// let tenants = SemaphoreFamily::builder("tenants", 4).build(&client).await?;
+/// let layer = SemaphoreLayer::new(upstream).per_key(tenants, |request| {
+///     let tenant = request.headers().get("x-tenant")?;
+///     Some(tenant.to_str().ok()?.to_owned())
+/// });
+/// let app: axum::Router = axum::Router::new()
+///     .route("/charge", axum::routing::post(|| async { "charged" }))
+///     .layer(layer);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 #[must_use = "a layer does nothing until it wraps a service"]
 pub struct SemaphoreLayer {
-    semaphore: Semaphore,
+    limits: Arc<Limits>,
     config: Arc<Config>,
+}
+
+/// What a request of a [`SemaphoreLayer`] must hold.
+struct Limits {
+    global: Option<Semaphore>,
+    family: Option<(SemaphoreFamily, KeyFn)>,
+}
+
+impl Limits {
+    /// The name a request's limit goes by in logs: the semaphore's, else
+    /// `@family`.
+    fn name(&self) -> String {
+        match (&self.global, &self.family) {
+            (Some(global), _) => global.name().to_owned(),
+            (None, Some((family, _))) => format!("@{}", family.name()),
+            (None, None) => String::new(),
+        }
+    }
+
+    /// Holds what a request with `key` needs: a permit of the semaphore, of
+    /// the key's semaphore, or one permit of both; nothing when the request
+    /// is under no limit.
+    async fn hold(
+        &self,
+        key: Option<&str>,
+        wait: Option<Duration>,
+        metadata: Option<serde_json::Value>,
+    ) -> Result<Option<Permit>, Error> {
+        let family = self.family.as_ref().map(|(family, _)| family);
+        match (&self.global, family.zip(key)) {
+            (None, None) => Ok(None),
+            (Some(global), None) => acquire(global, wait, metadata).await.map(Some),
+            (None, Some((family, key))) => family
+                .with_key(key, |sem| {
+                    let metadata = metadata.clone();
+                    async move { acquire(&sem, wait, metadata).await }
+                })
+                .await
+                .map(Some),
+            (Some(global), Some((family, key))) => family
+                .with_key(
+                    key,
+                    |sem| async move { acquire_both(global, &sem, wait).await },
+                )
+                .await
+                .map(Some),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -81,7 +174,14 @@ struct Config {
 impl fmt::Debug for SemaphoreLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SemaphoreLayer")
-            .field("semaphore", &self.semaphore.name())
+            .field(
+                "semaphore",
+                &self.limits.global.as_ref().map(Semaphore::name),
+            )
+            .field(
+                "family",
+                &self.limits.family.as_ref().map(|(family, _)| family.name()),
+            )
             .field("wait", &self.config.wait)
             .field("reject_with", &self.config.status)
             .field("retry_after", &self.config.retry_after)
@@ -95,8 +195,47 @@ impl SemaphoreLayer {
     /// A fail-fast layer on `semaphore`: a request that finds every slot
     /// held is answered `503 Service Unavailable` at once.
     pub fn new(semaphore: Semaphore) -> Self {
+        SemaphoreLayer::with(Limits {
+            global: Some(semaphore),
+            family: None,
+        })
+    }
+
+    /// A fail-fast layer on the keys of `family`: each request takes a slot
+    /// of the semaphore of the key `key` reads from its head (its method,
+    /// URI, headers, extensions); a request for which `key` returns `None`
+    /// is not limited.
+    pub fn family(
+        family: SemaphoreFamily,
+        key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        SemaphoreLayer::with(Limits {
+            global: None,
+            family: Some((family, Arc::new(key))),
+        })
+    }
+
+    /// Also limits each request by its key of `family` (as
+    /// [`SemaphoreLayer::family`]), in one all-or-nothing claim with the
+    /// semaphore: a request is admitted only when both have a free slot,
+    /// and takes nothing from either otherwise. A request for which `key`
+    /// returns `None` takes only the semaphore's slot.
+    pub fn per_key(
+        mut self,
+        family: SemaphoreFamily,
+        key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        let global = self.limits.global.clone();
+        self.limits = Arc::new(Limits {
+            global,
+            family: Some((family, Arc::new(key))),
+        });
+        self
+    }
+
+    fn with(limits: Limits) -> Self {
         SemaphoreLayer {
-            semaphore,
+            limits: Arc::new(limits),
             config: Arc::new(Config {
                 wait: None,
                 status: StatusCode::SERVICE_UNAVAILABLE,
@@ -146,7 +285,8 @@ impl SemaphoreLayer {
 
     /// Records each request's method and path in its claim's metadata
     /// (`{"method": "POST", "path": "/charge"}`), for the audit log (default
-    /// `false`).
+    /// `false`). Not for a claim of a semaphore and a key together, which
+    /// carries no metadata.
     pub fn record_requests(self, enabled: bool) -> Self {
         self.config(|c| c.record_requests = enabled)
     }
@@ -158,7 +298,7 @@ impl<S> Layer<S> for SemaphoreLayer {
     fn layer(&self, inner: S) -> Self::Service {
         SemaphoreService {
             inner,
-            semaphore: self.semaphore.clone(),
+            limits: self.limits.clone(),
             config: self.config.clone(),
         }
     }
@@ -168,14 +308,14 @@ impl<S> Layer<S> for SemaphoreLayer {
 #[derive(Clone)]
 pub struct SemaphoreService<S> {
     inner: S,
-    semaphore: Semaphore,
+    limits: Arc<Limits>,
     config: Arc<Config>,
 }
 
 impl<S> fmt::Debug for SemaphoreService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SemaphoreService")
-            .field("semaphore", &self.semaphore.name())
+            .field("limit", &self.limits.name())
             .field("wait", &self.config.wait)
             .field("reject_with", &self.config.status)
             .finish_non_exhaustive()
@@ -199,40 +339,28 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // Call the instance that poll_ready made ready; keep a fresh clone.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
-        let semaphore = self.semaphore.clone();
+        let mut inner = take_ready(&mut self.inner);
+        let limits = self.limits.clone();
         let config = self.config.clone();
+        let (parts, body) = request.into_parts();
+        let key = limits.family.as_ref().and_then(|(_, key)| key(&parts));
         let metadata = config.record_requests.then(|| {
             serde_json::json!({
-                "method": request.method().as_str(),
-                "path": request.uri().path(),
+                "method": parts.method.as_str(),
+                "path": parts.uri.path(),
             })
         });
+        let request = Request::from_parts(parts, body);
         ResponseFuture {
             future: Box::pin(async move {
-                let permit = match acquire(&semaphore, config.wait, metadata).await {
-                    Ok(permit) => Some(permit),
+                let permit = match limits.hold(key.as_deref(), config.wait, metadata).await {
+                    Ok(permit) => permit,
                     Err(error) if error.is_busy() => {
                         return Ok(reject(config.status, config.retry_after.as_ref()));
                     }
-                    Err(error)
-                        if fail_open::admits(
-                            config.fail_open,
-                            &error,
-                            semaphore.pool(),
-                            Unchecked::Request {
-                                semaphore: semaphore.name(),
-                                metrics: semaphore.metrics(),
-                            },
-                        )
-                        .await =>
-                    {
-                        None
-                    }
+                    Err(error) if admits_unlimited(&limits, config.fail_open, &error).await => None,
                     Err(error) => {
-                        tracing::error!(semaphore = semaphore.name(), %error,
+                        tracing::error!(semaphore = %limits.name(), %error,
                             "cannot use the semaphore: rejecting the request");
                         return Ok(reject(StatusCode::SERVICE_UNAVAILABLE, None));
                     }
@@ -244,12 +372,70 @@ where
                     && let Err(error) = permit.release().await
                 {
                     // Typically PermitLost: the request outlived the lease.
-                    tracing::warn!(semaphore = semaphore.name(), %error,
+                    tracing::warn!(semaphore = %limits.name(), %error,
                         "releasing a request's permit failed");
                 }
                 response
             }),
         }
+    }
+}
+
+/// The service instance `poll_ready` made ready, leaving a fresh clone in
+/// its place for the next request.
+fn take_ready<S: Clone>(service: &mut S) -> S {
+    let clone = service.clone();
+    std::mem::replace(service, clone)
+}
+
+/// Whether a request is served without a limit after `error`
+/// ([`SemaphoreLayer::fail_open`]).
+async fn admits_unlimited(limits: &Limits, enabled: bool, error: &Error) -> bool {
+    let name = limits.name();
+    let (pool, family_metrics);
+    let metrics = match (&limits.global, &limits.family) {
+        (Some(global), _) => {
+            pool = global.pool();
+            global.metrics()
+        }
+        (None, Some((family, _))) => {
+            pool = family.pool();
+            family_metrics = SemaphoreMetrics::new(&name);
+            &family_metrics
+        }
+        (None, None) => return false,
+    };
+    fail_open::admits(
+        enabled,
+        error,
+        pool,
+        Unchecked::Request {
+            semaphore: &name,
+            metrics,
+        },
+    )
+    .await
+}
+
+/// One permit of `global` and `key` together, at once or waiting up to
+/// `wait`.
+async fn acquire_both(
+    global: &Semaphore,
+    key: &Semaphore,
+    wait: Option<Duration>,
+) -> Result<Permit, Error> {
+    let both = [(global, 1), (key, 1)];
+    let Some(timeout) = wait else {
+        return Semaphore::try_acquire_all(&both).await;
+    };
+    match tokio::time::timeout(timeout, Semaphore::acquire_all(&both)).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::Timeout {
+            waited_for: WaitedFor::Permit {
+                semaphore: key.name().to_owned(),
+            },
+            timeout,
+        }),
     }
 }
 
@@ -266,6 +452,182 @@ async fn acquire(
         None => claim.try_acquire().await,
         // An outage is answered at once (503, or fail-open), not waited out.
         Some(timeout) => claim.fail_on_outage().timeout(timeout).acquire().await,
+    }
+}
+
+/// Limits how many requests start per unit of time, per key, with a
+/// [`RateLimiter`]: each request is one permit of the key a closure reads
+/// from its head (a customer, an API key, an address), checked by every
+/// process against the same stored state.
+///
+/// - **refuse** (the default): a request the key does not admit now is
+///   answered `429 Too Many Requests` (or [`reject_with`](Self::reject_with))
+///   with `Retry-After: <seconds>`, the time until the key admits one,
+///   rounded up;
+/// - **wait** ([`wait`](Self::wait)): a request the key admits within the
+///   bound reserves its permit and waits for it ([`RateLimiter::acquire`]);
+///   one it would not is refused as above. A request cancelled while it
+///   waits forfeits its reserved permit: the key admits less, never more.
+///
+/// A request for which the key closure returns `None` is not limited. When
+/// the database cannot be reached, requests get `503 Service Unavailable`,
+/// unless the limiter was built to fail open
+/// ([`RateLimiterBuilder::fail_open`](crate::RateLimiterBuilder::fail_open)).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use pg_semaphore::{Client, RateLimiter, RatePolicy, tower::RateLimitLayer};
+///
+/// # fn run(client: Client) -> Result<(), Box<dyn std::error::Error>> {
+/// // 5 requests per second per customer, bursts of 10.
+/// let per_customer =
+///     RateLimiter::builder("per-customer", RatePolicy::token_bucket(5.0, 10)).build(&client)?;
+/// let layer = RateLimitLayer::new(per_customer, |request| {
+///     let customer = request.headers().get("x-customer")?;
+///     Some(customer.to_str().ok()?.to_owned())
+/// })
+/// .wait(Duration::from_millis(500)); // a short wait rather than a 429
+/// let app: axum::Router = axum::Router::new()
+///     .route("/search", axum::routing::get(|| async { "results" }))
+///     .layer(layer);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+#[must_use = "a layer does nothing until it wraps a service"]
+pub struct RateLimitLayer {
+    limiter: RateLimiter,
+    key: KeyFn,
+    wait: Option<Duration>,
+    status: StatusCode,
+}
+
+impl fmt::Debug for RateLimitLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("limiter", &self.limiter.name())
+            .field("wait", &self.wait)
+            .field("reject_with", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitLayer {
+    /// A refusing layer on `limiter`, one permit per request of the key
+    /// `key` reads from the request's head.
+    pub fn new(
+        limiter: RateLimiter,
+        key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        RateLimitLayer {
+            limiter,
+            key: Arc::new(key),
+            wait: None,
+            status: StatusCode::TOO_MANY_REQUESTS,
+        }
+    }
+
+    /// Waits up to `timeout` for the key to admit a request before refusing
+    /// it.
+    pub fn wait(mut self, timeout: Duration) -> Self {
+        self.wait = Some(timeout);
+        self
+    }
+
+    /// The status of a refused request (default `429 Too Many Requests`).
+    /// The body is empty; `Retry-After` is set.
+    pub fn reject_with(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimitService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimitService {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service made by [`RateLimitLayer`]; see there.
+#[derive(Clone)]
+pub struct RateLimitService<S> {
+    inner: S,
+    layer: RateLimitLayer,
+}
+
+impl<S> fmt::Debug for RateLimitService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitService")
+            .field("layer", &self.layer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimitService<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Default + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<Response<ResBody>, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let mut inner = take_ready(&mut self.inner);
+        let layer = self.layer.clone();
+        let (parts, body) = request.into_parts();
+        let key = (layer.key)(&parts);
+        let request = Request::from_parts(parts, body);
+        ResponseFuture {
+            future: Box::pin(async move {
+                if let Some(key) = key {
+                    match layer.admit(&key).await {
+                        Ok(None) => {}
+                        Ok(Some(retry_after)) => {
+                            let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+                            return Ok(reject(layer.status, Some(&HeaderValue::from(seconds))));
+                        }
+                        Err(error) => {
+                            tracing::error!(limiter = layer.limiter.name(), %error,
+                                "cannot use the rate limiter: rejecting the request");
+                            return Ok(reject(StatusCode::SERVICE_UNAVAILABLE, None));
+                        }
+                    }
+                }
+                inner.call(request).await
+            }),
+        }
+    }
+}
+
+impl RateLimitLayer {
+    /// Admits one request of `key`: `None` when admitted, else how long
+    /// until the key would admit one.
+    async fn admit(&self, key: &str) -> Result<Option<Duration>, Error> {
+        if let Some(timeout) = self.wait {
+            match self.limiter.acquire_timeout(key, 1, timeout).await {
+                Ok(decision) if decision.allowed => return Ok(None),
+                Ok(decision) => return Ok(Some(decision.retry_after)),
+                // Not within the bound: a check says when (or admits, if
+                // the key has refilled meanwhile).
+                Err(Error::Timeout { .. }) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        let decision = self.limiter.check(key, 1).await?;
+        Ok((!decision.allowed).then_some(decision.retry_after))
     }
 }
 

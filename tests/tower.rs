@@ -1,5 +1,6 @@
-//! `SemaphoreLayer` on a real axum server on loopback, called by a real HTTP
-//! client (hyper), with the semaphore on a real PostgreSQL. Handlers count
+//! `SemaphoreLayer` and `RateLimitLayer` on a real axum server on loopback,
+//! called by a real HTTP client (hyper), with the limits on a real
+//! PostgreSQL. Handlers count
 //! themselves in and out, so the limit is checked where it matters: inside
 //! the handler.
 
@@ -21,9 +22,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use pg_semaphore::{
-    Semaphore,
+    RateLimiter, RatePolicy, Semaphore, SemaphoreFamily,
     audit::{AuditLog, Outcome},
-    tower::SemaphoreLayer,
+    tower::{RateLimitLayer, SemaphoreLayer},
 };
 use support::TestResult;
 
@@ -81,16 +82,22 @@ struct Server {
 
 /// Serves `/slow` and `/fast` behind `layer` on a loopback port.
 async fn serve(layer: SemaphoreLayer) -> Server {
+    serve_with(|router| router.layer(layer)).await
+}
+
+/// Serves `/slow` and `/fast`, wrapped by `wrap`, on a loopback port.
+async fn serve_with(wrap: impl FnOnce(Router<App>) -> Router<App>) -> Server {
     let tickets = Arc::new(tokio::sync::Semaphore::new(0));
     let gauge = Arc::new(Gauge::default());
-    let app = Router::new()
-        .route("/slow", get(slow))
-        .route("/fast", get(fast))
-        .layer(layer)
-        .with_state(App {
-            gauge: gauge.clone(),
-            tickets: tickets.clone(),
-        });
+    let app = wrap(
+        Router::new()
+            .route("/slow", get(slow))
+            .route("/fast", get(fast)),
+    )
+    .with_state(App {
+        gauge: gauge.clone(),
+        tickets: tickets.clone(),
+    });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind loopback");
@@ -338,5 +345,149 @@ async fn without_a_database_requests_get_503_unless_failing_open() -> TestResult
     let open = serve(SemaphoreLayer::new(sem).fail_open(true)).await;
     assert_eq!(open.get("/fast").await.0, StatusCode::OK);
     assert_eq!(open.entered(), 1);
+    Ok(())
+}
+
+/// The key a test request names in its query: `/slow?k=acme`.
+fn query_key(request: &http::request::Parts) -> Option<String> {
+    request.uri.query()?.strip_prefix("k=").map(str::to_owned)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_global_and_a_tenant_limit_are_one_claim_that_takes_nothing_when_refused() -> TestResult {
+    let db = support::migrated_db().await;
+    let global = Semaphore::builder("api", 3)
+        .lease(Duration::from_secs(3600))
+        .build(&db.client)
+        .await?;
+    let tenants = SemaphoreFamily::builder("tenants", 2)
+        .lease(Duration::from_secs(3600))
+        .build(&db.client)
+        .await?;
+    let server = serve(SemaphoreLayer::new(global).per_key(tenants, query_key)).await;
+
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(tokio::spawn(server.get("/slow?k=acme")));
+    }
+    eventually("acme's two requests inside", || server.inside() == 2).await;
+    // acme is at its limit: refused, and its refusal holds no global slot.
+    assert_eq!(
+        server.get("/fast?k=acme").await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(support::live_rows(&db.pool, "api").await, 2);
+    // Another tenant takes the last global slot.
+    held.push(tokio::spawn(server.get("/slow?k=globex")));
+    eventually("globex inside", || server.inside() == 3).await;
+    // The global limit is full: a third tenant is refused, and holds no
+    // slot of its own key either.
+    assert_eq!(
+        server.get("/fast?k=initech").await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(support::live_rows(&db.pool, "@tenants/initech").await, 0);
+    // A request without a key takes only the global limit (full here).
+    assert_eq!(server.get("/fast").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.entered(), 3, "a refused request reached a handler");
+
+    server.open_gate();
+    for request in held {
+        assert_eq!(request.await?.0, StatusCode::OK);
+    }
+    assert_eq!(server.get("/fast?k=initech").await.0, StatusCode::OK);
+    assert_eq!(server.max_inside(), 3);
+    assert_eq!(support::live_rows(&db.pool, "api").await, 0);
+    assert_eq!(support::live_rows(&db.pool, "@tenants/acme").await, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_family_layer_limits_each_key_on_its_own_and_waits_for_it() -> TestResult {
+    let db = support::migrated_db().await;
+    let tenants = SemaphoreFamily::builder("tenants", 1)
+        .lease(Duration::from_secs(3600))
+        .build(&db.client)
+        .await?;
+    let layer = SemaphoreLayer::family(tenants, query_key).wait(Duration::from_secs(60));
+    let server = serve(layer).await;
+
+    let acme = tokio::spawn(server.get("/slow?k=acme"));
+    let globex = tokio::spawn(server.get("/slow?k=globex"));
+    eventually("one request of each tenant inside", || server.inside() == 2).await;
+    // A second acme request waits for acme's slot; requests without a key
+    // are not limited.
+    let waiting = tokio::spawn(server.get("/slow?k=acme"));
+    assert_eq!(server.get("/fast").await.0, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(server.inside(), 2, "the waiting request got in early");
+
+    server.open_gate();
+    for request in [acme, globex, waiting] {
+        assert_eq!(request.await?.0, StatusCode::OK);
+    }
+    assert_eq!(server.entered(), 4);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_rate_limit_layer_refuses_with_429_and_retry_after_per_key() -> TestResult {
+    let db = support::migrated_db().await;
+    // Bursts of 2, then one request every 10 s.
+    let limiter =
+        RateLimiter::builder("per-customer", RatePolicy::token_bucket(0.1, 2)).build(&db.client)?;
+    let server = serve_with(|router| router.layer(RateLimitLayer::new(limiter, query_key))).await;
+    server.open_gate();
+
+    for _ in 0..2 {
+        assert_eq!(server.get("/fast?k=acme").await.0, StatusCode::OK);
+    }
+    let (status, retry_after) = server.get("/fast?k=acme").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = retry_after.expect("Retry-After").parse()?;
+    assert!((1..=10).contains(&retry_after), "Retry-After {retry_after}");
+    // Other keys, and requests without one, are not held back.
+    assert_eq!(server.get("/fast?k=globex").await.0, StatusCode::OK);
+    assert_eq!(server.get("/fast").await.0, StatusCode::OK);
+    assert_eq!(server.entered(), 4, "a refused request reached a handler");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_rate_limit_layer_waits_within_its_bound_and_refuses_beyond_it() -> TestResult {
+    let db = support::migrated_db().await;
+    // One request at once, then one every 100 ms: a burst of 4 fits in a
+    // wait of 10 s; one every 100 s does not.
+    let quick =
+        RateLimiter::builder("quick", RatePolicy::token_bucket(10.0, 1)).build(&db.client)?;
+    let slow = RateLimiter::builder("slow", RatePolicy::token_bucket(0.01, 1)).build(&db.client)?;
+    let server = serve_with(|router| {
+        router
+            .layer(RateLimitLayer::new(quick, query_key).wait(Duration::from_secs(10)))
+            .layer(
+                RateLimitLayer::new(slow, |request| {
+                    request
+                        .uri
+                        .path()
+                        .starts_with("/slow")
+                        .then(|| "all".to_owned())
+                })
+                .wait(Duration::from_secs(1)),
+            )
+    })
+    .await;
+    server.open_gate();
+
+    let burst: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(server.get("/fast?k=acme")))
+        .collect();
+    for request in burst {
+        assert_eq!(request.await?.0, StatusCode::OK, "waited within the bound");
+    }
+    assert_eq!(server.get("/slow").await.0, StatusCode::OK);
+    let (status, retry_after) = server.get("/slow").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = retry_after.expect("Retry-After").parse()?;
+    assert!(retry_after > 1, "Retry-After {retry_after}");
     Ok(())
 }

@@ -277,6 +277,11 @@ impl SemaphoreFamily {
         &self.inner.name
     }
 
+    /// The pool the family's statements use.
+    pub(crate) fn pool(&self) -> &sqlx::PgPool {
+        self.inner.db.pool()
+    }
+
     /// The family's default capacity when this handle was opened (a key's
     /// own is [`Semaphore::capacity`] of [`key`](Self::key)).
     pub fn capacity(&self) -> u32 {
@@ -360,7 +365,7 @@ impl SemaphoreFamily {
     /// Runs `op` on the key's semaphore; when the key was removed
     /// ([`Error::SemaphoreNotFound`]), forgets the handle, opens the key
     /// again and runs `op` again, a few times at most.
-    async fn with_key<F, Fut>(&self, key: &str, op: F) -> Result<Permit>
+    pub(crate) async fn with_key<F, Fut>(&self, key: &str, op: F) -> Result<Permit>
     where
         F: Fn(Semaphore) -> Fut,
         Fut: Future<Output = Result<Permit>>,
