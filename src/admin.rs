@@ -25,7 +25,7 @@ use sqlx::PgPool;
 
 use crate::RatePolicy;
 use crate::audit::{Holder, HolderRow, SemaphoreKind};
-use crate::db::Db;
+use crate::db::{Db, seconds};
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::semaphore::QueueOrder;
 use crate::validate;
@@ -317,9 +317,7 @@ pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
                 kind,
                 name: row.name,
                 capacity: row.capacity.max(0) as u32,
-                default_lease: row
-                    .lease_seconds
-                    .map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)),
+                default_lease: row.lease_seconds.map(seconds),
                 created_at: row.semaphore_created_at,
                 updated_at: row.updated_at,
                 holders: Vec::new(),
@@ -792,16 +790,15 @@ pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>>
             ) = row;
             let kind: LimiterKind = kind.parse().ok()?;
             let permits = |limit: i64| u32::try_from(limit).unwrap_or(u32::MAX);
-            let length = |seconds: f64| Duration::try_from_secs_f64(seconds).unwrap_or_default();
             let policy = match (kind, rate, burst, permit_limit, window) {
                 (LimiterKind::TokenBucket, Some(rate), Some(burst), ..) => {
                     Some(RatePolicy::token_bucket(rate, burst as u32))
                 }
                 (LimiterKind::FixedWindow, .., Some(limit), Some(window)) => {
-                    Some(RatePolicy::fixed_window(permits(limit), length(window)))
+                    Some(RatePolicy::fixed_window(permits(limit), seconds(window)))
                 }
                 (LimiterKind::SlidingWindow, .., Some(limit), Some(window)) => {
-                    Some(RatePolicy::sliding_window(permits(limit), length(window)))
+                    Some(RatePolicy::sliding_window(permits(limit), seconds(window)))
                 }
                 _ => None,
             };
@@ -1029,12 +1026,7 @@ mod serialize_tests {
     use serde_json::json;
 
     use super::*;
-
-    fn at(text: &str) -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339(text)
-            .unwrap()
-            .with_timezone(&Utc)
-    }
+    use crate::serialize::at;
 
     fn lease_holder(created_at: &str, expires_at: &str) -> Holder {
         Holder {
