@@ -25,7 +25,7 @@ use sqlx::PgPool;
 
 use crate::RatePolicy;
 use crate::audit::{Holder, HolderRow, SemaphoreKind};
-use crate::db::Db;
+use crate::db::{Db, Statement, seconds};
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::semaphore::QueueOrder;
 use crate::validate;
@@ -317,9 +317,7 @@ pub async fn semaphores(pool: &PgPool) -> Result<Vec<SemaphoreInfo>> {
                 kind,
                 name: row.name,
                 capacity: row.capacity.max(0) as u32,
-                default_lease: row
-                    .lease_seconds
-                    .map(|s| Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)),
+                default_lease: row.lease_seconds.map(seconds),
                 created_at: row.semaphore_created_at,
                 updated_at: row.updated_at,
                 holders: Vec::new(),
@@ -792,16 +790,15 @@ pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>>
             ) = row;
             let kind: LimiterKind = kind.parse().ok()?;
             let permits = |limit: i64| u32::try_from(limit).unwrap_or(u32::MAX);
-            let length = |seconds: f64| Duration::try_from_secs_f64(seconds).unwrap_or_default();
             let policy = match (kind, rate, burst, permit_limit, window) {
                 (LimiterKind::TokenBucket, Some(rate), Some(burst), ..) => {
                     Some(RatePolicy::token_bucket(rate, burst as u32))
                 }
                 (LimiterKind::FixedWindow, .., Some(limit), Some(window)) => {
-                    Some(RatePolicy::fixed_window(permits(limit), length(window)))
+                    Some(RatePolicy::fixed_window(permits(limit), seconds(window)))
                 }
                 (LimiterKind::SlidingWindow, .., Some(limit), Some(window)) => {
-                    Some(RatePolicy::sliding_window(permits(limit), length(window)))
+                    Some(RatePolicy::sliding_window(permits(limit), seconds(window)))
                 }
                 _ => None,
             };
@@ -868,34 +865,15 @@ pub async fn set_rate_limit(
     key: Option<&str>,
     policy: RatePolicy,
 ) -> Result<()> {
-    rate_target(limiter, key)?;
     let kind = policy.kind();
-    if let RatePolicy::TokenBucket { rate, burst } = policy {
-        if !(rate.is_finite() && rate > 0.0 && rate <= crate::limits::MAX_RATE) {
-            return Err(Error::invalid(
-                "rate",
-                format!("{rate}: above 0, at most {}", crate::limits::MAX_RATE),
-            ));
-        }
-        validate::positive("burst", burst.into())?;
-    } else {
-        validate::positive("permit_limit", policy.limit().into())?;
-    }
-    // A window's length is checked here (`window`).
-    let (rate, burst, permit_limit, window) = policy.sql_limits()?.columns();
-    let db = db(pool);
-    let query = db
-        .query_as::<(bool,)>(SET_RATE_LIMIT)
-        .bind(kind.as_str())
-        .bind(limiter.to_owned())
-        .bind(key.map(str::to_owned))
-        .bind(rate)
-        .bind(burst)
-        .bind(permit_limit)
-        .bind(window);
-    db.fetch_one(query)
-        .await
-        .map_err(|e| rate_settings_stalled(e, limiter))?;
+    // The statement's one column (`IS NULL` of a void function) says nothing.
+    let _: bool = rate_setting(pool, SET_RATE_LIMIT, kind, limiter, key, |query| {
+        check_limits(policy)?;
+        // A window's length is checked here (`window`).
+        let (rate, burst, permit_limit, window) = policy.sql_limits()?.columns();
+        Ok(query.bind(rate).bind(burst).bind(permit_limit).bind(window))
+    })
+    .await?;
     tracing::info!(
         kind = kind.as_str(),
         limiter,
@@ -904,6 +882,22 @@ pub async fn set_rate_limit(
         "rate limit stored"
     );
     Ok(())
+}
+
+/// The checks of [`set_rate_limit`]'s limits that a builder makes too,
+/// but for the window's length ([`RatePolicy::sql_limits`]).
+fn check_limits(policy: RatePolicy) -> Result<()> {
+    if let RatePolicy::TokenBucket { rate, burst } = policy {
+        if !(rate.is_finite() && rate > 0.0 && rate <= crate::limits::MAX_RATE) {
+            return Err(Error::invalid(
+                "rate",
+                format!("{rate}: above 0, at most {}", crate::limits::MAX_RATE),
+            ));
+        }
+        validate::positive("burst", burst.into())
+    } else {
+        validate::positive("permit_limit", policy.limit().into())
+    }
 }
 
 /// Forgets the stored limits of `limiter` (`key` `None`) or of its key
@@ -927,25 +921,31 @@ pub async fn clear_rate_limit(
     limiter: &str,
     key: Option<&str>,
 ) -> Result<bool> {
-    rate_setting(pool, CLEAR_RATE_LIMIT, kind, limiter, key).await
+    rate_setting(pool, CLEAR_RATE_LIMIT, kind, limiter, key, Ok).await
 }
 
-/// Runs `sql`, a rate settings function of `(kind, limiter, key)` that
-/// answers whether there was something to change.
-async fn rate_setting(
+/// Runs `sql`, a rate settings function of `(kind, limiter, key)` and of
+/// the arguments `more` checks and binds after them, once the limiter's
+/// name and the key are checked; answers its one column.
+async fn rate_setting<T>(
     pool: &PgPool,
     sql: &'static str,
     kind: LimiterKind,
     limiter: &str,
     key: Option<&str>,
-) -> Result<bool> {
+    more: impl FnOnce(Statement<(T,)>) -> Result<Statement<(T,)>>,
+) -> Result<T>
+where
+    (T,): for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin + 'static,
+{
     rate_target(limiter, key)?;
     let db = db(pool);
-    let query = db
-        .query_as::<(bool,)>(sql)
-        .bind(kind.as_str())
-        .bind(limiter.to_owned())
-        .bind(key.map(str::to_owned));
+    let query = more(
+        db.query_as::<(T,)>(sql)
+            .bind(kind.as_str())
+            .bind(limiter.to_owned())
+            .bind(key.map(str::to_owned)),
+    )?;
     Ok(db
         .fetch_one(query)
         .await
@@ -987,20 +987,10 @@ pub async fn pause_rate_limit(
     key: Option<&str>,
     duration: Duration,
 ) -> Result<DateTime<Utc>> {
-    rate_target(limiter, key)?;
-    let duration = validate::pause(duration)?;
-    let db = db(pool);
-    let query = db
-        .query_as::<(DateTime<Utc>,)>(PAUSE_RATE_LIMIT)
-        .bind(kind.as_str())
-        .bind(limiter.to_owned())
-        .bind(key.map(str::to_owned))
-        .bind(duration);
-    Ok(db
-        .fetch_one(query)
-        .await
-        .map_err(|e| rate_settings_stalled(e, limiter))?
-        .0)
+    rate_setting(pool, PAUSE_RATE_LIMIT, kind, limiter, key, |query| {
+        Ok(query.bind(validate::pause(duration)?))
+    })
+    .await
 }
 
 /// Ends the pause of `limiter` (`key` `None`) or of its key `key` now,
@@ -1021,7 +1011,7 @@ pub async fn resume_rate_limit(
     limiter: &str,
     key: Option<&str>,
 ) -> Result<bool> {
-    rate_setting(pool, RESUME_RATE_LIMIT, kind, limiter, key).await
+    rate_setting(pool, RESUME_RATE_LIMIT, kind, limiter, key, Ok).await
 }
 
 #[cfg(all(test, feature = "serde"))]
@@ -1029,12 +1019,7 @@ mod serialize_tests {
     use serde_json::json;
 
     use super::*;
-
-    fn at(text: &str) -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339(text)
-            .unwrap()
-            .with_timezone(&Utc)
-    }
+    use crate::serialize::at;
 
     fn lease_holder(created_at: &str, expires_at: &str) -> Holder {
         Holder {

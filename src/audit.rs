@@ -24,7 +24,7 @@ use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::QueryAs;
 use sqlx::{FromRow, PgPool, Postgres};
 
-use crate::db::{Db, Statement};
+use crate::db::{Db, Statement, seconds};
 use crate::error::{Error, Result, ours};
 use crate::validate;
 
@@ -1435,12 +1435,6 @@ fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
     Ok(())
 }
 
-/// Seconds from PostgreSQL as a `Duration`; negative or non-finite become zero
-/// (clock adjustments can make an interval slightly negative).
-fn seconds(value: f64) -> Duration {
-    Duration::try_from_secs_f64(value).unwrap_or(Duration::ZERO)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1500,16 +1494,10 @@ mod tests {
 
 #[cfg(all(test, feature = "serde"))]
 mod serialize_tests {
-    use chrono::{DateTime, Utc};
     use serde_json::json;
 
     use super::*;
-
-    fn at(text: &str) -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339(text)
-            .unwrap()
-            .with_timezone(&Utc)
-    }
+    use crate::serialize::at;
 
     #[test]
     fn a_claim_record_has_the_cli_s_field_names() {

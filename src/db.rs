@@ -12,9 +12,11 @@
 //!   [`ours`](crate::error::ours), the one place that reads "undefined
 //!   table" as "migrations not applied"; errors of the caller's statements
 //!   never do.
+//! - [`seconds`] reads the durations the statements answer as seconds.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::{Query, QueryAs};
@@ -35,6 +37,13 @@ pub(crate) struct Db {
 /// A statement of the crate with its arguments bound (owned values: the
 /// statement may run in a spawned task).
 pub(crate) type Statement<O> = QueryAs<'static, Postgres, O, PgArguments>;
+
+/// Seconds from PostgreSQL (an `extract(epoch FROM ...)::float8` column) as
+/// a `Duration`; negative or non-finite become zero (clock adjustments can
+/// make an interval slightly negative).
+pub(crate) fn seconds(value: f64) -> Duration {
+    Duration::try_from_secs_f64(value).unwrap_or(Duration::ZERO)
+}
 
 type ConnFuture<'c, T> = Pin<Box<dyn Future<Output = sqlx::Result<T>> + Send + 'c>>;
 

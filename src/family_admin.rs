@@ -13,7 +13,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 use crate::audit::{Holder, HolderRow};
-use crate::db::{Db, Statement};
+use crate::db::{Db, Statement, seconds};
 use crate::error::{Result, family_not_found};
 use crate::validate;
 
@@ -214,10 +214,6 @@ struct BusyRow {
     held: i64,
     #[sqlx(flatten)]
     holder: HolderRow,
-}
-
-fn seconds(s: f64) -> Duration {
-    Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
 }
 
 /// Every semaphore family, by name, with its settings, rules and key count.

@@ -175,18 +175,57 @@ fn shared(name: &str) -> SharedString {
     SharedString::from(std::sync::Arc::<str>::from(name))
 }
 
+/// The one label of every sample of a semaphore (`semaphore`) or a mutex
+/// (`mutex`): its name. Every metric of theirs is recorded through it.
+#[derive(Debug, Clone)]
+struct Label {
+    #[cfg(feature = "metrics")]
+    key: &'static str,
+    #[cfg(feature = "metrics")]
+    value: SharedString,
+}
+
+impl Label {
+    fn new(key: &'static str, name: &str) -> Self {
+        Label {
+            #[cfg(feature = "metrics")]
+            key,
+            #[cfg(feature = "metrics")]
+            value: shared(name),
+        }
+    }
+
+    /// One event of the counter `metric`.
+    #[inline]
+    fn count(&self, metric: &'static str) {
+        #[cfg(feature = "metrics")]
+        counter!(metric, self.key => self.value.clone()).increment(1);
+    }
+
+    /// A time in the histogram `metric`.
+    #[inline]
+    fn record(&self, metric: &'static str, time: Duration) {
+        #[cfg(feature = "metrics")]
+        histogram!(metric, self.key => self.value.clone()).record(time);
+    }
+
+    /// The gauge `metric`.
+    #[cfg(feature = "metrics")]
+    fn gauge(&self, metric: &'static str) -> ::metrics::Gauge {
+        gauge!(metric, self.key => self.value.clone())
+    }
+}
+
 /// The metrics of one semaphore, as its handles share them.
 #[derive(Debug, Clone)]
 pub(crate) struct SemaphoreMetrics {
-    #[cfg(feature = "metrics")]
-    semaphore: SharedString,
+    semaphore: Label,
 }
 
 impl SemaphoreMetrics {
     pub(crate) fn new(name: &str) -> Self {
         SemaphoreMetrics {
-            #[cfg(feature = "metrics")]
-            semaphore: shared(name),
+            semaphore: Label::new("semaphore", name),
         }
     }
 
@@ -198,8 +237,8 @@ impl SemaphoreMetrics {
         #[cfg(feature = "metrics")]
         {
             let permits = permits as f64;
-            counter!(ACQUISITIONS, "semaphore" => self.semaphore.clone()).increment(1);
-            gauge!(PERMITS_HELD, "semaphore" => self.semaphore.clone()).increment(permits);
+            self.semaphore.count(ACQUISITIONS);
+            self.semaphore.gauge(PERMITS_HELD).increment(permits);
             Held {
                 semaphore: self.semaphore.clone(),
                 permits,
@@ -216,7 +255,7 @@ impl SemaphoreMetrics {
     pub(crate) fn waiting(&self) -> Waiting {
         #[cfg(feature = "metrics")]
         {
-            gauge!(WAITERS, "semaphore" => self.semaphore.clone()).increment(1);
+            self.semaphore.gauge(WAITERS).increment(1);
             Waiting {
                 semaphore: self.semaphore.clone(),
             }
@@ -228,29 +267,25 @@ impl SemaphoreMetrics {
     /// A waiting acquire got its permit after `waited`.
     #[inline]
     pub(crate) fn waited(&self, waited: Duration) {
-        #[cfg(feature = "metrics")]
-        histogram!(WAIT_SECONDS, "semaphore" => self.semaphore.clone()).record(waited);
+        self.semaphore.record(WAIT_SECONDS, waited);
     }
 
     /// A fail-fast acquire found no free slot.
     #[inline]
     pub(crate) fn no_slots(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(NO_SLOTS_AVAILABLE, "semaphore" => self.semaphore.clone()).increment(1);
+        self.semaphore.count(NO_SLOTS_AVAILABLE);
     }
 
     /// A waiting acquire gave up at its timeout.
     #[inline]
     pub(crate) fn timed_out(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(TIMEOUTS, "semaphore" => self.semaphore.clone()).increment(1);
+        self.semaphore.count(TIMEOUTS);
     }
 
     /// An acquire was refused by the fair queue's limit.
     #[inline]
     pub(crate) fn queue_full(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(QUEUE_FULL, "semaphore" => self.semaphore.clone()).increment(1);
+        self.semaphore.count(QUEUE_FULL);
     }
 
     /// A permit ended lost.
@@ -259,7 +294,7 @@ impl SemaphoreMetrics {
         #[cfg(feature = "metrics")]
         counter!(
             PERMITS_LOST,
-            "semaphore" => self.semaphore.clone(),
+            "semaphore" => self.semaphore.value.clone(),
             "reason" => lost_reason(reason),
         )
         .increment(1);
@@ -268,8 +303,7 @@ impl SemaphoreMetrics {
     /// A caller was admitted without a slot: the database was unreachable.
     #[inline]
     pub(crate) fn failed_open(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(FAIL_OPEN, "semaphore" => self.semaphore.clone()).increment(1);
+        self.semaphore.count(FAIL_OPEN);
     }
 }
 
@@ -277,7 +311,7 @@ impl SemaphoreMetrics {
 #[derive(Debug)]
 pub(crate) struct Held {
     #[cfg(feature = "metrics")]
-    semaphore: SharedString,
+    semaphore: Label,
     #[cfg(feature = "metrics")]
     permits: f64,
     #[cfg(feature = "metrics")]
@@ -289,9 +323,8 @@ impl Drop for Held {
     fn drop(&mut self) {
         #[cfg(feature = "metrics")]
         {
-            gauge!(PERMITS_HELD, "semaphore" => self.semaphore.clone()).decrement(self.permits);
-            histogram!(HOLD_SECONDS, "semaphore" => self.semaphore.clone())
-                .record(self.since.elapsed());
+            self.semaphore.gauge(PERMITS_HELD).decrement(self.permits);
+            self.semaphore.record(HOLD_SECONDS, self.since.elapsed());
         }
     }
 }
@@ -300,14 +333,14 @@ impl Drop for Held {
 #[derive(Debug)]
 pub(crate) struct Waiting {
     #[cfg(feature = "metrics")]
-    semaphore: SharedString,
+    semaphore: Label,
 }
 
 impl Drop for Waiting {
     #[inline]
     fn drop(&mut self) {
         #[cfg(feature = "metrics")]
-        gauge!(WAITERS, "semaphore" => self.semaphore.clone()).decrement(1);
+        self.semaphore.gauge(WAITERS).decrement(1);
     }
 }
 
@@ -331,44 +364,38 @@ pub(crate) fn horizon(held_for: Duration, age_xids: i64) {
 /// The metrics of one mutex.
 #[derive(Debug, Clone)]
 pub(crate) struct MutexMetrics {
-    #[cfg(feature = "metrics")]
-    mutex: SharedString,
+    mutex: Label,
 }
 
 impl MutexMetrics {
     pub(crate) fn new(name: &str) -> Self {
         MutexMetrics {
-            #[cfg(feature = "metrics")]
-            mutex: shared(name),
+            mutex: Label::new("mutex", name),
         }
     }
 
     /// A waiting lock was granted after `waited`.
     #[inline]
     pub(crate) fn waited(&self, waited: Duration) {
-        #[cfg(feature = "metrics")]
-        histogram!(MUTEX_WAIT_SECONDS, "mutex" => self.mutex.clone()).record(waited);
+        self.mutex.record(MUTEX_WAIT_SECONDS, waited);
     }
 
     /// A lock wait gave up at its timeout.
     #[inline]
     pub(crate) fn timed_out(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(MUTEX_TIMEOUTS, "mutex" => self.mutex.clone()).increment(1);
+        self.mutex.count(MUTEX_TIMEOUTS);
     }
 
     /// PostgreSQL aborted a lock wait as a deadlock.
     #[inline]
     pub(crate) fn deadlock(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(MUTEX_DEADLOCKS, "mutex" => self.mutex.clone()).increment(1);
+        self.mutex.count(MUTEX_DEADLOCKS);
     }
 
     /// A try-lock found the mutex held.
     #[inline]
     pub(crate) fn busy(&self) {
-        #[cfg(feature = "metrics")]
-        counter!(MUTEX_BUSY, "mutex" => self.mutex.clone()).increment(1);
+        self.mutex.count(MUTEX_BUSY);
     }
 }
 

@@ -270,42 +270,67 @@ pub(crate) struct Facts {
 /// One row of facts from the catalogs (readable by every role; nothing here
 /// looks a name up through the schema, which would need `USAGE` on it).
 pub(crate) const FACTS_SQL: &str = "\
-SELECT current_user::text,
-       pg_get_userbyid(n.nspowner)::text,
-       has_database_privilege(current_database(), 'CREATE'),
-       coalesce(has_schema_privilege(n.oid, 'CREATE'), false),
+SELECT current_user::text AS role,
+       pg_get_userbyid(n.nspowner)::text AS schema_owner,
+       has_database_privilege(current_database(), 'CREATE') AS can_create_schema,
+       coalesce(has_schema_privilege(n.oid, 'CREATE'), false) AS can_create_in_schema,
        coalesce((SELECT count(*) FROM pg_class c
                   WHERE c.relnamespace = n.oid AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')
                     AND c.relname NOT IN ('_sqlx_migrations', 'refinery_schema_history'))
-              + (SELECT count(*) FROM pg_proc p WHERE p.pronamespace = n.oid), 0)::int8,
-       pg_get_userbyid(v.proowner)::text,
-       coalesce(pg_has_role(v.proowner, 'USAGE'), false),
-       v.oid IS NOT NULL,
-       s.oid IS NOT NULL,
-       coalesce(has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(s.oid, 'SELECT'), false),
-       r.oid IS NOT NULL,
+              + (SELECT count(*) FROM pg_proc p WHERE p.pronamespace = n.oid), 0)::int8 AS objects,
+       pg_get_userbyid(v.proowner)::text AS objects_owner,
+       coalesce(pg_has_role(v.proowner, 'USAGE'), false) AS may_own,
+       v.oid IS NOT NULL AS has_version,
+       s.oid IS NOT NULL AS has_sqlx,
+       coalesce(has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(s.oid, 'SELECT'), false)
+           AS sqlx_readable,
+       r.oid IS NOT NULL AS has_refinery,
        coalesce(has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(r.oid, 'SELECT'), false)
+           AS refinery_readable
   FROM (SELECT 1) AS one
   LEFT JOIN pg_namespace n ON n.nspname = 'pgsemaphore'
   LEFT JOIN pg_proc v ON v.pronamespace = n.oid AND v.proname = 'schema_version' AND v.pronargs = 0
   LEFT JOIN pg_class s ON s.relnamespace = n.oid AND s.relname = '_sqlx_migrations'
   LEFT JOIN pg_class r ON r.relnamespace = n.oid AND r.relname = 'refinery_schema_history'";
 
-/// The columns of [`FACTS_SQL`].
-pub(crate) type FactsRow = (
-    String,
-    Option<String>,
-    bool,
-    bool,
-    i64,
-    Option<String>,
-    bool,
-    bool,
-    bool,
-    bool,
-    bool,
-    bool,
-);
+/// The row of [`FACTS_SQL`]: the catalogs' answers as [`Facts`] keeps them,
+/// and whether each history exists and can be read.
+#[derive(sqlx::FromRow)]
+pub(crate) struct FactsRow {
+    role: String,
+    schema_owner: Option<String>,
+    can_create_schema: bool,
+    can_create_in_schema: bool,
+    objects: i64,
+    objects_owner: Option<String>,
+    may_own: bool,
+    has_version: bool,
+    has_sqlx: bool,
+    sqlx_readable: bool,
+    has_refinery: bool,
+    refinery_readable: bool,
+}
+
+#[cfg(feature = "refinery")]
+impl FactsRow {
+    /// The row as tokio-postgres reads it, by column name.
+    pub(crate) fn from_tokio(row: &tokio_postgres::Row) -> FactsRow {
+        FactsRow {
+            role: row.get("role"),
+            schema_owner: row.get("schema_owner"),
+            can_create_schema: row.get("can_create_schema"),
+            can_create_in_schema: row.get("can_create_in_schema"),
+            objects: row.get("objects"),
+            objects_owner: row.get("objects_owner"),
+            may_own: row.get("may_own"),
+            has_version: row.get("has_version"),
+            has_sqlx: row.get("has_sqlx"),
+            sqlx_readable: row.get("sqlx_readable"),
+            has_refinery: row.get("has_refinery"),
+            refinery_readable: row.get("refinery_readable"),
+        }
+    }
+}
 
 pub(crate) const VERSION_SQL: &str =
     "SELECT o_version, o_compatible_from FROM pgsemaphore.schema_version()";
@@ -325,20 +350,6 @@ pub(crate) struct Reads {
 impl Facts {
     /// The facts of [`FACTS_SQL`]'s row, before the follow-up queries.
     pub(crate) fn from_row(row: FactsRow) -> (Facts, Reads) {
-        let (
-            role,
-            schema_owner,
-            can_create_schema,
-            can_create_in_schema,
-            objects,
-            objects_owner,
-            may_own,
-            has_version,
-            has_sqlx,
-            sqlx_readable,
-            has_refinery,
-            refinery_readable,
-        ) = row;
         fn history<T>(present: bool, readable: bool) -> (History<T>, bool) {
             match (present, readable) {
                 (false, _) => (History::Absent, false),
@@ -346,23 +357,23 @@ impl Facts {
                 (true, true) => (History::Rows(Vec::new()), true),
             }
         }
-        let (sqlx, read_sqlx) = history(has_sqlx, sqlx_readable);
-        let (refinery, read_refinery) = history(has_refinery, refinery_readable);
+        let (sqlx, read_sqlx) = history(row.has_sqlx, row.sqlx_readable);
+        let (refinery, read_refinery) = history(row.has_refinery, row.refinery_readable);
         (
             Facts {
-                role,
-                schema_owner,
-                can_create_schema,
-                can_create_in_schema,
-                objects,
-                objects_owner,
-                may_own,
+                role: row.role,
+                schema_owner: row.schema_owner,
+                can_create_schema: row.can_create_schema,
+                can_create_in_schema: row.can_create_in_schema,
+                objects: row.objects,
+                objects_owner: row.objects_owner,
+                may_own: row.may_own,
                 version: None,
                 sqlx,
                 refinery,
             },
             Reads {
-                version: has_version,
+                version: row.has_version,
                 sqlx: read_sqlx,
                 refinery: read_refinery,
             },

@@ -7,7 +7,7 @@ use sqlx::postgres::PgAdvisoryLock;
 
 use crate::error::{Error, Result, SchemaError};
 use crate::migrate::{
-    FACTS_SQL, Facts, History, Plan, REFINERY_HISTORY_SQL, RefineryApplied, SCHEMA,
+    FACTS_SQL, Facts, FactsRow, History, Plan, REFINERY_HISTORY_SQL, RefineryApplied, SCHEMA,
     SQLX_HISTORY_SQL, SqlxApplied, Tool, VERSION_SQL,
 };
 
@@ -161,20 +161,7 @@ fn database(error: tokio_postgres::Error) -> Error {
 /// Reads the schema's [`Facts`] on a tokio-postgres client.
 async fn inspect(client: &mut tokio_postgres::Client) -> Result<Facts> {
     let row = client.query_one(FACTS_SQL, &[]).await.map_err(database)?;
-    let (mut facts, reads) = Facts::from_row((
-        row.get(0),
-        row.get(1),
-        row.get(2),
-        row.get(3),
-        row.get(4),
-        row.get(5),
-        row.get(6),
-        row.get(7),
-        row.get(8),
-        row.get(9),
-        row.get(10),
-        row.get(11),
-    ));
+    let (mut facts, reads) = Facts::from_row(FactsRow::from_tokio(&row));
     if reads.version {
         let row = client.query_one(VERSION_SQL, &[]).await.map_err(database)?;
         facts.version = Some((row.get(0), row.get(1)));

@@ -38,3 +38,12 @@ pub(crate) fn opt_seconds<S: Serializer>(
 pub(crate) fn delta_seconds(delta: TimeDelta) -> Option<f64> {
     delta.num_microseconds().map(|us| us as f64 / 1e6)
 }
+
+/// A time written in RFC 3339, for the tests that pin the JSON of the
+/// types.
+#[cfg(test)]
+pub(crate) fn at(text: &str) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .unwrap()
+        .with_timezone(&chrono::Utc)
+}
