@@ -557,6 +557,15 @@ COMMENT ON TABLE pgsemaphore.families IS
     'Semaphore families: a name plus a key gives one semaphore; default capacity, lease and idle time of its keys.';
 COMMENT ON TABLE pgsemaphore.family_rules IS
     'Capacity rules of a family, by exact key or by tier; the operator''s.';
+-- The roles given access with grant_access, so that a later migration can
+-- give them what it adds (it ends by calling regrant()).
+CREATE TABLE pgsemaphore.grantees (
+    role       oid         NOT NULL,
+    part       text        NOT NULL CHECK (part IN ('application', 'operator')),
+    granted_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (role, part)
+);
+
 COMMENT ON TABLE pgsemaphore.family_tiers IS
     'The operator''s assignment of a family''s keys to tiers.';
 COMMENT ON TABLE pgsemaphore.family_reap_cursors IS
@@ -585,6 +594,8 @@ COMMENT ON TABLE pgsemaphore.rate_limit_settings IS
     'Stored rate limits and pauses, per limiter (key '''') and per key.';
 COMMENT ON TABLE pgsemaphore.rate_ledger IS
     'Rate limiters'' key states, insert-only, newest (highest seq) last.';
+COMMENT ON TABLE pgsemaphore.grantees IS
+    'The roles grant_access gave the application''s or the operator''s part, kept current by regrant().';
 COMMENT ON VIEW pgsemaphore.rate_limits IS
     'Each rate limiter key''s state: its newest row in rate_ledger.';
 

@@ -5,9 +5,13 @@
 -- file of the baseline is in.
 --
 -- Grants. No routine of the schema is executable by PUBLIC (each file
--- revokes it from the routines it defines). The README grants EXECUTE on
--- the application's functions to an application role and on these (and the
--- families' and rate limits' operator functions) to an operator role.
+-- revokes it from the routines it defines). grant_access, run by the
+-- schema's owner, gives a role the application's part or the operator's:
+-- the schema, its tables to read, and EXECUTE on exactly that part's
+-- routines; it records the role in pgsemaphore.grantees, and regrant()
+-- gives every recorded role its part again. Each migration after the
+-- baseline redefines grant_access with its new routines and ends with
+-- SELECT pgsemaphore.regrant(), so an upgrade keeps the grants current.
 
 CREATE FUNCTION pgsemaphore.configure(p_name text, p_capacity integer, p_lease interval,
                                       p_create boolean DEFAULT true,
@@ -391,6 +395,142 @@ BEGIN
     END IF;
     DELETE FROM pgsemaphore.slots s WHERE s.id = ANY (v_ids);
     GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.grant_access(p_role regrole, p_part text)
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '5s'
+AS $$
+-- Gives p_role the application's part ('application') or the operator's
+-- ('operator') of the schema: USAGE on it, SELECT on its tables and views,
+-- EXECUTE on exactly that part's routines; records the role in grantees.
+-- Returns how many routines it granted. Idempotent.
+--   p_role an existing role other than the owner's; p_part 'application'
+--   or 'operator'.
+-- Who: the schema's owner (or a member of its role, or a superuser), with
+-- the caller's rights (SECURITY INVOKER): anyone else is refused (42501)
+-- before anything is granted, never left with a GRANT that silently did
+-- nothing.
+-- Meets: another grant_access or regrant (GRANTs on the same routines
+-- update the same catalog rows: the second waits, bounded by lock_timeout,
+-- 55P03); a migration's DDL (the same); never an admission function (it
+-- locks no row of the schema's tables but grantees').
+DECLARE
+    v_owner    oid;
+    v_routines text[];
+    v_routine  text;
+BEGIN
+    IF p_role IS NULL THEN
+        RAISE EXCEPTION 'p_role must name a role' USING ERRCODE = '22023';
+    END IF;
+    IF p_part IS NULL OR p_part NOT IN ('application', 'operator') THEN
+        RAISE EXCEPTION 'p_part must be ''application'' or ''operator'', not %',
+            coalesce(quote_literal(p_part), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    SELECT n.nspowner INTO v_owner FROM pg_namespace n WHERE n.nspname = 'pgsemaphore';
+    IF NOT pg_has_role(current_user, v_owner, 'USAGE') THEN
+        RAISE EXCEPTION 'only the owner of schema pgsemaphore (%) can grant access to it',
+            v_owner::regrole
+            USING ERRCODE = '42501',
+                  HINT = 'Run it as the role that ran the migrations.';
+    END IF;
+    IF p_role = v_owner THEN
+        RAISE EXCEPTION 'role % owns schema pgsemaphore and needs no grant', p_role
+            USING ERRCODE = '22023';
+    END IF;
+    v_routines := CASE p_part
+        WHEN 'application' THEN ARRAY[
+            'pgsemaphore.schema_version()',
+            'pgsemaphore.open(text, integer, interval, boolean)',
+            'pgsemaphore.claim(text, text, interval, jsonb, bytea, integer, smallint, integer, bigint, bytea, interval)',
+            'pgsemaphore.release(bigint[], bytea, boolean)',
+            'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[])',
+            'pgsemaphore.release_all(bigint[], bytea, boolean)',
+            'pgsemaphore.release_by_token(text, bytea)',
+            'pgsemaphore.renew(bigint[], bytea, interval)',
+            'pgsemaphore.fence(bigint[], bytea)',
+            'pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea, text)',
+            'pgsemaphore.leave_queue(bigint, bytea)',
+            'pgsemaphore.keep_waiting(text, interval, bigint[], bytea, boolean, bigint)',
+            'pgsemaphore.stop_waiting(text, bytea, bigint)',
+            'pgsemaphore.wake(text)',
+            'pgsemaphore.wake_claimed(bigint)',
+            'pgsemaphore.release_then_wake(bigint[], bytea, boolean, text, bigint, timestamptz)',
+            'pgsemaphore.release_all_then_wake(bigint[], bytea, boolean, text, bigint, timestamptz)',
+            'pgsemaphore.token_bucket(text, text, double precision, double precision, double precision)',
+            'pgsemaphore.token_bucket_reserve(text, text, double precision, double precision, double precision, interval)',
+            'pgsemaphore.fixed_window(text, text, bigint, interval, bigint)',
+            'pgsemaphore.sliding_window(text, text, bigint, interval, bigint)',
+            'pgsemaphore.fixed_window_reserve(text, text, bigint, interval, bigint, interval)',
+            'pgsemaphore.sliding_window_reserve(text, text, bigint, interval, bigint, interval)',
+            'pgsemaphore.check_limits(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint)',
+            'pgsemaphore.check_limits_reserve(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint, interval)',
+            'pgsemaphore.pause_rate_limit(text, text, text, interval)',
+            'pgsemaphore.rate_limit_in_force(text, text, text)',
+            'pgsemaphore.open_advisory(text, integer)',
+            'pgsemaphore.advisory_claim(text, integer, integer[])',
+            'pgsemaphore.advisory_claim_check(text, bigint, integer)',
+            'pgsemaphore.advisory_release(text, bigint, integer[])',
+            'pgsemaphore.advisory_release_one(text, bigint, bigint)',
+            'pgsemaphore.advisory_drained(text)',
+            'pgsemaphore.advisory_log(jsonb)',
+            'pgsemaphore.open_family(text, integer, interval, interval)',
+            'pgsemaphore.open_family_key(text, text)']
+        ELSE ARRAY[
+            'pgsemaphore.schema_version()',
+            'pgsemaphore.configure(text, integer, interval, boolean, boolean)',
+            'pgsemaphore.force_release(bigint)',
+            'pgsemaphore.clear_queue(text)',
+            'pgsemaphore.reap()',
+            'pgsemaphore.prune(interval, integer)',
+            'pgsemaphore.prune_rate_limits(interval, text, text, text, integer)',
+            'pgsemaphore.configure_advisory(text, integer)',
+            'pgsemaphore.set_fair_weight(text, text, integer)',
+            'pgsemaphore.set_rate_limit(text, text, text, double precision, double precision, bigint, interval)',
+            'pgsemaphore.clear_rate_limit(text, text, text)',
+            'pgsemaphore.resume_rate_limit(text, text, text)',
+            'pgsemaphore.pause_rate_limit(text, text, text, interval)',
+            'pgsemaphore.configure_family(text, integer, interval, interval, boolean)',
+            'pgsemaphore.set_family_rule(text, text, text, integer)',
+            'pgsemaphore.set_family_tier(text, text, text)',
+            'pgsemaphore.reap_family_keys(integer)']
+    END;
+    EXECUTE format('GRANT USAGE ON SCHEMA pgsemaphore TO %s', p_role);
+    EXECUTE format('GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO %s', p_role);
+    FOREACH v_routine IN ARRAY v_routines LOOP
+        EXECUTE format('GRANT EXECUTE ON ROUTINE %s TO %s', v_routine, p_role);
+    END LOOP;
+    INSERT INTO pgsemaphore.grantees AS g (role, part) VALUES (p_role, p_part)
+        ON CONFLICT (role, part) DO UPDATE SET granted_at = now();
+    RETURN cardinality(v_routines);
+END;
+$$;
+
+CREATE FUNCTION pgsemaphore.regrant()
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '5s'
+AS $$
+-- Gives every role in grantees its part again, as grant_access defines it
+-- now (a migration that adds routines ends by calling it), and forgets
+-- the roles dropped since. Returns how many roles it granted.
+-- Who and meets: as grant_access.
+DECLARE
+    v_count integer := 0;
+    v_row   record;
+BEGIN
+    DELETE FROM pgsemaphore.grantees g
+     WHERE NOT EXISTS (SELECT 1 FROM pg_roles r WHERE r.oid = g.role);
+    FOR v_row IN SELECT g.role, g.part FROM pgsemaphore.grantees g ORDER BY g.role, g.part LOOP
+        PERFORM pgsemaphore.grant_access(v_row.role::regrole, v_row.part);
+        v_count := v_count + 1;
+    END LOOP;
     RETURN v_count;
 END;
 $$;

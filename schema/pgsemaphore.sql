@@ -2338,6 +2338,122 @@ $$;
 
 
 --
+-- Name: grant_access(regrole, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.grant_access(p_role regrole, p_part text) RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET lock_timeout TO '5s'
+    AS $$
+-- Gives p_role the application's part ('application') or the operator's
+-- ('operator') of the schema: USAGE on it, SELECT on its tables and views,
+-- EXECUTE on exactly that part's routines; records the role in grantees.
+-- Returns how many routines it granted. Idempotent.
+--   p_role an existing role other than the owner's; p_part 'application'
+--   or 'operator'.
+-- Who: the schema's owner (or a member of its role, or a superuser), with
+-- the caller's rights (SECURITY INVOKER): anyone else is refused (42501)
+-- before anything is granted, never left with a GRANT that silently did
+-- nothing.
+-- Meets: another grant_access or regrant (GRANTs on the same routines
+-- update the same catalog rows: the second waits, bounded by lock_timeout,
+-- 55P03); a migration's DDL (the same); never an admission function (it
+-- locks no row of the schema's tables but grantees').
+DECLARE
+    v_owner    oid;
+    v_routines text[];
+    v_routine  text;
+BEGIN
+    IF p_role IS NULL THEN
+        RAISE EXCEPTION 'p_role must name a role' USING ERRCODE = '22023';
+    END IF;
+    IF p_part IS NULL OR p_part NOT IN ('application', 'operator') THEN
+        RAISE EXCEPTION 'p_part must be ''application'' or ''operator'', not %',
+            coalesce(quote_literal(p_part), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    SELECT n.nspowner INTO v_owner FROM pg_namespace n WHERE n.nspname = 'pgsemaphore';
+    IF NOT pg_has_role(current_user, v_owner, 'USAGE') THEN
+        RAISE EXCEPTION 'only the owner of schema pgsemaphore (%) can grant access to it',
+            v_owner::regrole
+            USING ERRCODE = '42501',
+                  HINT = 'Run it as the role that ran the migrations.';
+    END IF;
+    IF p_role = v_owner THEN
+        RAISE EXCEPTION 'role % owns schema pgsemaphore and needs no grant', p_role
+            USING ERRCODE = '22023';
+    END IF;
+    v_routines := CASE p_part
+        WHEN 'application' THEN ARRAY[
+            'pgsemaphore.schema_version()',
+            'pgsemaphore.open(text, integer, interval, boolean)',
+            'pgsemaphore.claim(text, text, interval, jsonb, bytea, integer, smallint, integer, bigint, bytea, interval)',
+            'pgsemaphore.release(bigint[], bytea, boolean)',
+            'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[])',
+            'pgsemaphore.release_all(bigint[], bytea, boolean)',
+            'pgsemaphore.release_by_token(text, bytea)',
+            'pgsemaphore.renew(bigint[], bytea, interval)',
+            'pgsemaphore.fence(bigint[], bytea)',
+            'pgsemaphore.enqueue(text, integer, smallint, text, integer, interval, bytea, text)',
+            'pgsemaphore.leave_queue(bigint, bytea)',
+            'pgsemaphore.keep_waiting(text, interval, bigint[], bytea, boolean, bigint)',
+            'pgsemaphore.stop_waiting(text, bytea, bigint)',
+            'pgsemaphore.wake(text)',
+            'pgsemaphore.wake_claimed(bigint)',
+            'pgsemaphore.release_then_wake(bigint[], bytea, boolean, text, bigint, timestamptz)',
+            'pgsemaphore.release_all_then_wake(bigint[], bytea, boolean, text, bigint, timestamptz)',
+            'pgsemaphore.token_bucket(text, text, double precision, double precision, double precision)',
+            'pgsemaphore.token_bucket_reserve(text, text, double precision, double precision, double precision, interval)',
+            'pgsemaphore.fixed_window(text, text, bigint, interval, bigint)',
+            'pgsemaphore.sliding_window(text, text, bigint, interval, bigint)',
+            'pgsemaphore.fixed_window_reserve(text, text, bigint, interval, bigint, interval)',
+            'pgsemaphore.sliding_window_reserve(text, text, bigint, interval, bigint, interval)',
+            'pgsemaphore.check_limits(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint)',
+            'pgsemaphore.check_limits_reserve(text[], text[], text[], double precision[], double precision[], bigint[], interval[], bigint, interval)',
+            'pgsemaphore.pause_rate_limit(text, text, text, interval)',
+            'pgsemaphore.rate_limit_in_force(text, text, text)',
+            'pgsemaphore.open_advisory(text, integer)',
+            'pgsemaphore.advisory_claim(text, integer, integer[])',
+            'pgsemaphore.advisory_claim_check(text, bigint, integer)',
+            'pgsemaphore.advisory_release(text, bigint, integer[])',
+            'pgsemaphore.advisory_release_one(text, bigint, bigint)',
+            'pgsemaphore.advisory_drained(text)',
+            'pgsemaphore.advisory_log(jsonb)',
+            'pgsemaphore.open_family(text, integer, interval, interval)',
+            'pgsemaphore.open_family_key(text, text)']
+        ELSE ARRAY[
+            'pgsemaphore.schema_version()',
+            'pgsemaphore.configure(text, integer, interval, boolean, boolean)',
+            'pgsemaphore.force_release(bigint)',
+            'pgsemaphore.clear_queue(text)',
+            'pgsemaphore.reap()',
+            'pgsemaphore.prune(interval, integer)',
+            'pgsemaphore.prune_rate_limits(interval, text, text, text, integer)',
+            'pgsemaphore.configure_advisory(text, integer)',
+            'pgsemaphore.set_fair_weight(text, text, integer)',
+            'pgsemaphore.set_rate_limit(text, text, text, double precision, double precision, bigint, interval)',
+            'pgsemaphore.clear_rate_limit(text, text, text)',
+            'pgsemaphore.resume_rate_limit(text, text, text)',
+            'pgsemaphore.pause_rate_limit(text, text, text, interval)',
+            'pgsemaphore.configure_family(text, integer, interval, interval, boolean)',
+            'pgsemaphore.set_family_rule(text, text, text, integer)',
+            'pgsemaphore.set_family_tier(text, text, text)',
+            'pgsemaphore.reap_family_keys(integer)']
+    END;
+    EXECUTE format('GRANT USAGE ON SCHEMA pgsemaphore TO %s', p_role);
+    EXECUTE format('GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO %s', p_role);
+    FOREACH v_routine IN ARRAY v_routines LOOP
+        EXECUTE format('GRANT EXECUTE ON ROUTINE %s TO %s', v_routine, p_role);
+    END LOOP;
+    INSERT INTO pgsemaphore.grantees AS g (role, part) VALUES (p_role, p_part)
+        ON CONFLICT (role, part) DO UPDATE SET granted_at = now();
+    RETURN cardinality(v_routines);
+END;
+$$;
+
+
+--
 -- Name: keep_waiting(text, interval, bigint[], bytea, boolean, bigint); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -3772,6 +3888,34 @@ $$;
 
 
 --
+-- Name: regrant(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.regrant() RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET lock_timeout TO '5s'
+    AS $$
+-- Gives every role in grantees its part again, as grant_access defines it
+-- now (a migration that adds routines ends by calling it), and forgets
+-- the roles dropped since. Returns how many roles it granted.
+-- Who and meets: as grant_access.
+DECLARE
+    v_count integer := 0;
+    v_row   record;
+BEGIN
+    DELETE FROM pgsemaphore.grantees g
+     WHERE NOT EXISTS (SELECT 1 FROM pg_roles r WHERE r.oid = g.role);
+    FOR v_row IN SELECT g.role, g.part FROM pgsemaphore.grantees g ORDER BY g.role, g.part LOOP
+        PERFORM pgsemaphore.grant_access(v_row.role::regrole, v_row.part);
+        v_count := v_count + 1;
+    END LOOP;
+    RETURN v_count;
+END;
+$$;
+
+
+--
 -- Name: release(bigint[], bytea, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -5051,6 +5195,25 @@ COMMENT ON TABLE pgsemaphore.family_tiers IS 'The operator''s assignment of a fa
 
 
 --
+-- Name: grantees; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.grantees (
+    role oid NOT NULL,
+    part text NOT NULL,
+    granted_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT grantees_part_check CHECK ((part = ANY (ARRAY['application'::text, 'operator'::text])))
+);
+
+
+--
+-- Name: TABLE grantees; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON TABLE pgsemaphore.grantees IS 'The roles grant_access gave the application''s or the operator''s part, kept current by regrant().';
+
+
+--
 -- Name: slots; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -5364,6 +5527,14 @@ ALTER TABLE ONLY pgsemaphore.family_rules
 
 ALTER TABLE ONLY pgsemaphore.family_tiers
     ADD CONSTRAINT family_tiers_pkey PRIMARY KEY (family, key);
+
+
+--
+-- Name: grantees grantees_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.grantees
+    ADD CONSTRAINT grantees_pkey PRIMARY KEY (role, part);
 
 
 --
@@ -5829,6 +6000,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.gate(p_semaphore text) FROM PUBLIC;
 
 
 --
+-- Name: FUNCTION grant_access(p_role regrole, p_part text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.grant_access(p_role regrole, p_part text) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION keep_waiting(p_semaphore text, p_lease interval, p_tickets bigint[], p_token bytea, p_register boolean, p_spell bigint); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -5994,6 +6172,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.refuse(p_argument text, p_message text) FROM 
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.refuse_isolation() FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION regrant(); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.regrant() FROM PUBLIC;
 
 
 --

@@ -1014,6 +1014,193 @@ pub async fn resume_rate_limit(
     rate_setting(pool, RESUME_RATE_LIMIT, kind, limiter, key, Ok).await
 }
 
+/// A part of the schema a role can be given ([`grant_access`]): what an
+/// application needs, or what an operator needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Access {
+    /// Building, claiming, releasing, waiting, checking rate limits; reading
+    /// the schema's tables (the audit log, status).
+    Application,
+    /// The operator's functions: capacities, force-release, reaping and
+    /// pruning, families' rules, stored rate limits and pauses; reading the
+    /// schema's tables.
+    Operator,
+}
+
+/// The operator's routines: `grant_access`'s operator part, less what the
+/// application's part has too.
+pub(crate) const OPERATOR_ROUTINES: &[&str] = &[
+    "configure",
+    "force_release",
+    "clear_queue",
+    "reap",
+    "prune",
+    "prune_rate_limits",
+    "configure_advisory",
+    "set_fair_weight",
+    "set_rate_limit",
+    "clear_rate_limit",
+    "resume_rate_limit",
+    "configure_family",
+    "set_family_rule",
+    "set_family_tier",
+    "reap_family_keys",
+];
+
+impl Access {
+    /// The part a role lacks when PostgreSQL said `denied` ("permission
+    /// denied for function configure"): the operator's for an operator's
+    /// routine, else the application's.
+    pub(crate) fn needed_for(denied: &str) -> Access {
+        let routine = denied.rsplit(['.', ' ']).next().unwrap_or_default();
+        let of_routine = denied.contains(" function ") || denied.contains(" procedure ");
+        if of_routine && OPERATOR_ROUTINES.contains(&routine) {
+            Access::Operator
+        } else {
+            Access::Application
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Access::Application => "application",
+            Access::Operator => "operator",
+        }
+    }
+}
+
+impl std::fmt::Display for Access {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Gives `role` one part of the schema in one call: `USAGE` on it,
+/// `SELECT` on its tables, `EXECUTE` on exactly the routines of that part
+/// (`pgsemaphore.grant_access`). The role is recorded, and a later upgrade
+/// of the schema gives it what the upgrade adds: nothing to re-run. Run it
+/// with a pool of the role that ran the migrations (the schema's owner).
+/// Idempotent. Returns how many routines it granted. The CLI's
+/// `pg-semaphore grant --application ROLE` does the same.
+///
+/// ```no_run
+/// use pg_semaphore::admin::{Access, grant_access};
+///
+/// # async fn run(owner: sqlx::PgPool) -> pg_semaphore::Result<()> {
+/// grant_access(&owner, "app", Access::Application).await?;
+/// grant_access(&owner, "ops", Access::Operator).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] (`role`) for an empty name, a role that does
+/// not exist, or the schema's owner itself; [`Error::Database`] (SQLSTATE
+/// 42501, "only the owner of schema pgsemaphore ... can grant access") when
+/// this pool's role is not the schema's owner: nothing was granted;
+/// [`Error::Schema`]; [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// One statement: cancelling grants all or nothing.
+pub async fn grant_access(pool: &PgPool, role: &str, access: Access) -> Result<u32> {
+    if role.is_empty() || role.contains('\0') {
+        return Err(Error::invalid(
+            "role",
+            "a role's name, not empty, without NUL",
+        ));
+    }
+    let db = db(pool);
+    let exists = db
+        .query_as::<(Option<String>,)>("SELECT to_regrole(quote_ident($1))::text")
+        .bind(role.to_owned());
+    if db.fetch_one(exists).await?.0.is_none() {
+        return Err(Error::invalid("role", format!("no role named {role:?}")));
+    }
+    let query = db
+        .query_as::<(i32,)>(
+            "SELECT pgsemaphore.grant_access(p_role => quote_ident($1)::regrole, p_part => $2)",
+        )
+        .bind(role.to_owned())
+        .bind(access.as_str());
+    match db.fetch_one(query).await {
+        Ok((granted,)) => Ok(granted.max(0) as u32),
+        Err(Error::Database(error))
+            if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("22023") =>
+        {
+            let reason = error
+                .as_database_error()
+                .map(|e| e.message().to_owned())
+                .unwrap_or_default();
+            Err(Error::invalid("role", reason))
+        }
+        Err(error) => Err(error),
+    }
+}
+
+#[cfg(test)]
+mod access_tests {
+    use super::{Access, OPERATOR_ROUTINES};
+
+    /// The routines of `grant_access`'s `part` array in the migration.
+    fn granted(part: &str) -> Vec<String> {
+        let sql = include_str!("../migrations/20261128010007_pgsemaphore_operator.sql");
+        let body = &sql[sql
+            .find("CREATE FUNCTION pgsemaphore.grant_access")
+            .expect("defined")..];
+        let array = match part {
+            "application" => body.split("WHEN 'application' THEN ARRAY[").nth(1),
+            _ => body.split("ELSE ARRAY[").nth(1),
+        };
+        array
+            .and_then(|a| a.split("]\n").next())
+            .expect("the part's array")
+            .split("'pgsemaphore.")
+            .skip(1)
+            .map(|routine| routine.split('(').next().unwrap_or_default().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_operator_routines_are_the_operator_part_less_the_applications() {
+        let application = granted("application");
+        let mut operator_only: Vec<String> = granted("operator")
+            .into_iter()
+            .filter(|r| !application.contains(r))
+            .collect();
+        let mut listed: Vec<String> = OPERATOR_ROUTINES.iter().map(|r| r.to_string()).collect();
+        operator_only.sort();
+        listed.sort();
+        assert!(application.len() > 30, "{application:?}");
+        assert_eq!(operator_only, listed);
+    }
+
+    #[test]
+    fn a_denied_routine_names_the_part_it_belongs_to() {
+        for (denied, access) in [
+            ("permission denied for function configure", Access::Operator),
+            (
+                "permission denied for function reap_family_keys",
+                Access::Operator,
+            ),
+            ("permission denied for function claim", Access::Application),
+            (
+                "permission denied for procedure release_then_wake",
+                Access::Application,
+            ),
+            (
+                "permission denied for schema pgsemaphore",
+                Access::Application,
+            ),
+            ("permission denied for table slots", Access::Application),
+        ] {
+            assert_eq!(Access::needed_for(denied), access, "{denied}");
+        }
+    }
+}
+
 #[cfg(all(test, feature = "serde"))]
 mod serialize_tests {
     use serde_json::json;

@@ -185,6 +185,18 @@ pub enum Error {
     #[error(transparent)]
     Schema(#[from] SchemaError),
 
+    /// The role lacks a grant this call needs (SQLSTATE 42501): the
+    /// application's part of the schema, or the operator's (an operator's
+    /// function called with the application's role, say). The message
+    /// names the denied object and the command that gives the grant.
+    #[error("{denied}: {}", access_advice(*access))]
+    PermissionDenied {
+        /// The part of the schema the role needs.
+        access: crate::admin::Access,
+        /// What PostgreSQL denied ("permission denied for function configure").
+        denied: String,
+    },
+
     /// A broken internal invariant of pg-semaphore (a bug: please report
     /// it). Never read as an outage: a fail-open handle does not admit on
     /// it, and a waiting acquire does not retry it.
@@ -542,6 +554,19 @@ pub(crate) fn ours(error: sqlx::Error) -> Error {
     };
     match database.code().as_deref() {
         Some("3F000" | "42P01" | "42883") => Error::Schema(SchemaError::Missing { source: error }),
+        // Not the owner's own functions (grant_access, regrant): their
+        // caller must be the owner, which no grant changes.
+        Some("42501")
+            if database.message().starts_with("permission denied for ")
+                && !database.message().ends_with("grant_access")
+                && !database.message().ends_with("regrant") =>
+        {
+            let denied = database.message().to_owned();
+            Error::PermissionDenied {
+                access: crate::admin::Access::needed_for(&denied),
+                denied,
+            }
+        }
         Some("22023") => {
             let column = database
                 .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
@@ -558,6 +583,20 @@ pub(crate) fn ours(error: sqlx::Error) -> Error {
         }
         _ => Error::Database(error),
     }
+}
+
+/// What a role lacking `access` should run, for [`Error::PermissionDenied`].
+fn access_advice(access: crate::admin::Access) -> String {
+    let which = match access {
+        crate::admin::Access::Application => "this role lacks the application's grants",
+        crate::admin::Access::Operator => {
+            "this is an operator's function, and this role lacks the operator's grants"
+        }
+    };
+    format!(
+        "{which}: as the role that ran the migrations, run `pg-semaphore grant --{access} <role>` \
+         (or SELECT pgsemaphore.grant_access('<role>', '{access}'))"
+    )
 }
 
 /// The crate's name for an argument of a SQL function, as

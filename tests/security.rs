@@ -358,9 +358,18 @@ async fn the_application_role_cannot_write_tables_operate_or_end_others_claims()
         }
         assert!(matches!(
             pg_semaphore::admin::set_capacity(&app, "guarded", 100).await,
-            Err(Error::Database(_))
+            Err(Error::PermissionDenied {
+                access: pg_semaphore::admin::Access::Operator,
+                ..
+            })
         ));
-        assert!(matches!(pg_semaphore::admin::reap(&app).await, Err(Error::Database(_))));
+        assert!(matches!(
+            pg_semaphore::admin::reap(&app).await,
+            Err(Error::PermissionDenied {
+                access: pg_semaphore::admin::Access::Operator,
+                ..
+            })
+        ));
 
         // Releasing, renewing or fencing someone else's claim without its
         // token changes nothing.
