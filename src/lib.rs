@@ -363,10 +363,7 @@
 //! pg_semaphore::migrate(&pool).await?;
 //! let client = pg_semaphore::Client::new(pool);
 //!
-//! let sem = Semaphore::builder("payments-api", 4)
-//!     .lease(Duration::from_secs(90))
-//!     .build(&client)
-//!     .await?;
+//! let sem = Semaphore::builder("payments-api", 4).build(&client).await?;
 //! let permit = sem.acquiring().timeout(Duration::from_secs(5)).acquire().await?;
 //! println!("holding slot {} (claim #{})", permit.slot(), permit.id());
 //! // ... call the upstream ...

@@ -43,8 +43,14 @@ pub use self::engine::{Priority, QueueOrder};
 pub use self::family::{DEFAULT_IDLE_AFTER, SemaphoreFamily, SemaphoreFamilyBuilder};
 pub use self::permit::Permit;
 
-/// The default lease: how long a permit is held before a reaper may free it.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(90);
+/// The default lease: how long a permit is held without a renewal before
+/// the next claim (or a reaper) may free it. Short, so that a crashed
+/// holder's slot is free within 10 s with no reaper running; the heartbeat
+/// renews a live holder's every third of it (3.3 s). Give a longer lease
+/// to ride out a database failover (Patroni takes 30 s or more) or long
+/// network stalls: a holder whose renewals fail for most of its lease is
+/// told it lost the permit.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
 /// The default interval of the fallback re-check that covers a lost notification.
 pub const DEFAULT_FALLBACK_INTERVAL: Duration = Duration::from_secs(2);
@@ -73,17 +79,13 @@ const AVAILABLE: &str = "SELECT s.capacity - (SELECT count(*)::int FROM pgsemaph
 /// # Example
 ///
 /// ```no_run
-/// use std::time::Duration;
 /// use pg_semaphore::{Error, Semaphore};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
 /// pg_semaphore::migrate(&pool).await?;
 /// let client = pg_semaphore::Client::new(pool);
-/// let sem = Semaphore::builder("payments-api", 4)
-///     .lease(Duration::from_secs(90))
-///     .build(&client)
-///     .await?;
+/// let sem = Semaphore::builder("payments-api", 4).build(&client).await?;
 ///
 /// match sem.try_acquire().await {
 ///     Ok(permit) => {
