@@ -526,6 +526,65 @@ async fn audit_prints_the_window_as_a_table_json_or_csv() -> TestResult {
     Ok(())
 }
 
+/// `audit` of a family key that nobody holds (`status` no longer lists it)
+/// reads its history, as `report` does: the reaper keeps a key while it has
+/// claims on record. A key with none, which the reaper removed, and a key
+/// of no family, each say so (exit status 3).
+#[tokio::test]
+async fn audit_of_an_idle_family_key_lists_its_history() -> TestResult {
+    let db = support::migrated_db().await;
+    let tenants = SemaphoreFamily::builder("tenants", 2)
+        .idle_after(Duration::ZERO)
+        .build(&db.client.clone().holder("worker-1"))
+        .await?;
+    for _ in 0..2 {
+        tenants.try_acquire("t1").await?.release().await?;
+    }
+    tenants.key("t-unused").await?;
+    pg_semaphore::admin::reap(&db.pool).await?;
+    let families = pg_semaphore::admin::families(&db.pool).await?;
+    assert_eq!(families[0].keys, 1, "t1 stays, t-unused is removed");
+    let out = run(&db, &["status"]).await;
+    assert!(!stdout(&out).contains("@tenants/t1"), "{}", stdout(&out));
+
+    let out = run(&db, &["audit", "@tenants/t1"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(text.contains("worker-1"), "{text}");
+    assert!(text.contains("2 claims: 2 completed"), "{text}");
+    let out = run(&db, &["audit", "@tenants/t1", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["claims"].as_array().map(Vec::len), Some(2), "{json}");
+    assert_eq!(json["summary"]["completed"], 2);
+    let out = run(&db, &["audit", "@tenants/t1", "--csv"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).lines().count(), 3, "{}", stdout(&out));
+
+    let out = run(&db, &["audit", "@tenants/t-unused"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no history of key \"t-unused\" of family \"tenants\""),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&db, &["report", "@tenants/t-unused", "--html", "-"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no history of key"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&db, &["audit", "@nobody/t1"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no semaphore family named \"nobody\""),
+        "{}",
+        stderr(&out)
+    );
+    Ok(())
+}
+
 /// An advisory semaphore "exports" (capacity 3, holder "batch-1") with
 /// three finished permits in its audit log, the writer flushed: one
 /// released on slot 0, one of two slots dropped, and one lost 10 minutes
