@@ -430,7 +430,7 @@ enum TierCommand {
 
 #[derive(Debug, Args)]
 struct AuditArgs {
-    /// The semaphore's name.
+    /// The semaphore's name; a family key is @family/key (held or not).
     name: String,
 
     #[command(flatten)]
@@ -447,7 +447,7 @@ struct AuditArgs {
 
 #[derive(Debug, Args)]
 struct ReportArgs {
-    /// The semaphore's name.
+    /// The semaphore's name; a family key is @family/key (held or not).
     name: String,
 
     #[command(flatten)]
