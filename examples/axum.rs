@@ -5,14 +5,16 @@
 //! is not limited.
 //!
 //! ```text
+//! export DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres
 //! cargo run --example axum --features tower             # serves, sends a burst of 6, prints the outcome
 //! cargo run --example axum --features tower -- --serve  # just serve on 127.0.0.1:3000
 //! ```
 //!
 //! With `--serve`, try `curl -X POST localhost:3000/charge` from a few shells
 //! at once, and `pg-semaphore status` (the `cli/` crate) to see the holders.
-//! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
-//! starts a throwaway PostgreSQL, exactly as the tests do.
+//! `DATABASE_URL` names any PostgreSQL server the user may create a schema
+//! on; the example creates (or upgrades) the `pgsemaphore` schema in that
+//! database.
 
 use std::time::Duration;
 
@@ -24,8 +26,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 use pg_semaphore::{Client, Semaphore, audit::AuditLog, tower::SemaphoreLayer};
-use sqlx::postgres::PgPoolOptions;
-use testkit::server;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 /// Stands in for the call to the fragile upstream.
 async fn charge() -> &'static str {
@@ -36,10 +37,16 @@ async fn charge() -> &'static str {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let serve_only = std::env::args().any(|arg| arg == "--serve");
-    let server = tokio::task::spawn_blocking(server::server).await?;
+    let server: PgConnectOptions = database_url().parse()?;
+    let database = format!(
+        "PostgreSQL {}:{}/{}",
+        server.get_host(),
+        server.get_port(),
+        server.get_database().unwrap_or_default()
+    );
     let pool = PgPoolOptions::new()
         .max_connections(8)
-        .connect_with(server.options.clone())
+        .connect_with(server)
         .await?;
     pg_semaphore::migrate(&pool).await?;
     let client = Client::new(pool.clone());
@@ -65,7 +72,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let listener = tokio::net::TcpListener::bind(address).await?;
     let address = listener.local_addr()?;
-    println!("listening on http://{address} ({})", server.description);
+    println!("listening on http://{address} ({database})");
     if serve_only {
         axum::serve(listener, app).await?;
         return Ok(());
@@ -104,4 +111,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         summary.p50_hold.unwrap_or_default()
     );
     Ok(())
+}
+
+/// The server to use: `DATABASE_URL`, or a message saying how to set it.
+fn database_url() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.trim().is_empty() => url,
+        _ => {
+            eprintln!(
+                "set DATABASE_URL=postgres://user@host/db, e.g.\n  \
+                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
+                 cargo run --example axum --features tower"
+            );
+            std::process::exit(2)
+        }
+    }
 }

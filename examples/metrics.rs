@@ -3,6 +3,7 @@
 //! metrics served on `/metrics` in the Prometheus exposition format.
 //!
 //! ```text
+//! export DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres
 //! cargo run --example metrics --features metrics            # runs, then prints its own /metrics
 //! cargo run --example metrics --features metrics -- --serve # and keeps serving on 127.0.0.1:9184
 //! ```
@@ -21,9 +22,9 @@
 //! or how often they are turned away
 //! (`rate(pg_semaphore_no_slots_available_total[5m])`).
 //!
-//! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
-//! starts a throwaway PostgreSQL from the locally installed server binaries,
-//! exactly as the tests do.
+//! `DATABASE_URL` names any PostgreSQL server the user may create a schema
+//! on; the example creates (or upgrades) the `pgsemaphore` schema in that
+//! database.
 
 use std::time::Duration;
 
@@ -36,7 +37,6 @@ use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use pg_semaphore::{Client, Error, Mutex, RateLimiter, RatePolicy, Semaphore, admin::Reaper};
 use sqlx::postgres::PgPoolOptions;
-use testkit::server;
 
 const CAPACITY: u32 = 4;
 const WORKERS: u32 = 20;
@@ -46,6 +46,7 @@ const SERVE_ON: &str = "127.0.0.1:9184";
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let serve = std::env::args().any(|arg| arg == "--serve");
+    let url = database_url();
 
     // 1. The recorder, before anything records; then the help texts.
     let prometheus = PrometheusBuilder::new()
@@ -76,10 +77,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("metrics on http://{address}/metrics");
 
     // 3. The quickstart workload, a mutex and a rate limiter.
-    let server = tokio::task::spawn_blocking(server::server).await?;
     let pool = PgPoolOptions::new()
         .max_connections(8)
-        .connect_with(server.options.clone())
+        .connect(&url)
         .await?;
     pg_semaphore::migrate(&pool).await?;
     let client = Client::new(pool.clone());
@@ -156,5 +156,20 @@ async fn worker(sem: Semaphore, id: u32) -> Result<(), Error> {
         }
         Err(error) if error.is_busy() => Ok(()), // a 503, counted in the metrics
         Err(error) => Err(error),
+    }
+}
+
+/// The server to use: `DATABASE_URL`, or a message saying how to set it.
+fn database_url() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.trim().is_empty() => url,
+        _ => {
+            eprintln!(
+                "set DATABASE_URL=postgres://user@host/db, e.g.\n  \
+                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
+                 cargo run --example metrics --features metrics"
+            );
+            std::process::exit(2)
+        }
     }
 }

@@ -9,20 +9,20 @@
 //! job ran exactly once.
 //!
 //! ```text
-//! cargo run --example mutex
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo run --example mutex
 //! ```
 //!
-//! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
-//! starts a throwaway PostgreSQL from the locally installed server binaries,
-//! exactly as the tests do. The workers are copies of this program, started
-//! as `mutex worker <id> <job> <start at>` with `DATABASE_URL` set.
+//! `DATABASE_URL` names any PostgreSQL server the user may create a schema
+//! and a table on; the example creates (or upgrades) the `pgsemaphore`
+//! schema and a `nightly_runs` table in that database. The workers are
+//! copies of this program, started as `mutex worker <id> <job> <start at>`
+//! with the same `DATABASE_URL`.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pg_semaphore::{Client, Error, Mutex};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
-use testkit::server;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const WORKERS: u32 = 5;
 /// Workers above this id wait for the lock instead of skipping.
@@ -43,17 +43,20 @@ async fn main() -> Result<(), BoxError> {
     }
 }
 
-/// Finds the server, starts the workers, then checks that the job ran once.
+/// Prepares the database, starts the workers, then checks that the job ran once.
 async fn parent() -> Result<(), BoxError> {
-    // Finding or starting the server blocks (initdb, pg_ctl): keep it off the runtime.
-    let server = tokio::task::spawn_blocking(server::server).await?;
-    println!("PostgreSQL: {}", server.description);
-    let database = server.options.get_database().unwrap_or("postgres");
-    let url = server::url_for(database);
+    let url = database_url();
+    let server: PgConnectOptions = url.parse()?;
+    println!(
+        "PostgreSQL: {}:{}/{}",
+        server.get_host(),
+        server.get_port(),
+        server.get_database().unwrap_or_default()
+    );
 
     let pool = PgPoolOptions::new()
         .max_connections(2)
-        .connect_with(server.options.clone())
+        .connect_with(server)
         .await?;
     pg_semaphore::migrate(&pool).await?;
     // No unique constraint on purpose: the lock alone must keep it to one row.
@@ -116,7 +119,7 @@ async fn parent() -> Result<(), BoxError> {
 
 /// A worker process: connects, takes its turn at the job, disconnects.
 async fn worker(id: u32, job: &str, start_at: u64) -> Result<(), BoxError> {
-    let pool = PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
+    let pool = PgPool::connect(&database_url()).await?;
     let result = take_turn(&Client::new(pool.clone()), id, job, start_at).await;
     pool.close().await;
     result
@@ -192,4 +195,19 @@ async fn take_turn(client: &Client, id: u32, job: &str, start_at: u64) -> Result
     guard.commit().await?; // records the run and releases the lock, atomically
     say("job done: recorded it and released the lock in one commit");
     Ok(())
+}
+
+/// The server to use: `DATABASE_URL`, or a message saying how to set it.
+fn database_url() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.trim().is_empty() => url,
+        _ => {
+            eprintln!(
+                "set DATABASE_URL=postgres://user@host/db, e.g.\n  \
+                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
+                 cargo run --example mutex"
+            );
+            std::process::exit(2)
+        }
+    }
 }

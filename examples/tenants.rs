@@ -6,14 +6,15 @@
 //! at run time with `pg-semaphore rule set` / `tier set`, no redeploy).
 //!
 //! ```text
-//! cargo run --example tenants
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo run --example tenants
 //! ```
 //!
 //! It starts a slow "upstream" HTTP server and the proxy in front of it,
 //! sends a burst of 8 concurrent requests for each of three tenants, and
 //! prints how many each got through (the rest are answered 429 at once).
-//! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
-//! starts a throwaway PostgreSQL, exactly as the tests do.
+//! `DATABASE_URL` names any PostgreSQL server the user may create a schema
+//! on; the example creates (or upgrades) the `pgsemaphore` schema in that
+//! database.
 
 use std::time::Duration;
 
@@ -29,7 +30,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use pg_semaphore::{Client, Error, SemaphoreFamily, admin::RuleKind};
 use sqlx::postgres::PgPoolOptions;
-use testkit::server;
 
 type HttpClient = HyperClient<HttpConnector, Empty<Bytes>>;
 
@@ -88,10 +88,9 @@ async fn serve(app: Router) -> Result<String, Box<dyn std::error::Error>> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let server = tokio::task::spawn_blocking(server::server).await?;
     let pool = PgPoolOptions::new()
         .max_connections(16)
-        .connect_with(server.options.clone())
+        .connect(&database_url())
         .await?;
     pg_semaphore::migrate(&pool).await?;
     let semaphores = Client::new(pool.clone());
@@ -160,4 +159,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("still held: {} ({} of {})", key.key, key.held, key.capacity);
     }
     Ok(())
+}
+
+/// The server to use: `DATABASE_URL`, or a message saying how to set it.
+fn database_url() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.trim().is_empty() => url,
+        _ => {
+            eprintln!(
+                "set DATABASE_URL=postgres://user@host/db, e.g.\n  \
+                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
+                 cargo run --example tenants"
+            );
+            std::process::exit(2)
+        }
+    }
 }

@@ -20,7 +20,7 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use sqlx::PgPool;
 
 use crate::RatePolicy;
@@ -127,8 +127,9 @@ fn db(pool: &PgPool) -> Db {
 /// With the `serde` feature it serializes as `{"kind", "name", "capacity",
 /// "held", "default_lease_seconds", "created_at", "updated_at", "as_of",
 /// "holders"}` (`default_lease_seconds` for a lease semaphore only), each
-/// holder as a [`Holder`]; a lease holder adds its `age_seconds` and
-/// `lease_left_seconds` at `as_of` (negative once its lease has run out).
+/// holder as a [`Holder`]; a lease holder adds its `age_seconds`,
+/// `lease_left_seconds` (negative once its lease has run out) and
+/// `silent_seconds` (its [`silence`](SemaphoreInfo::silence)) at `as_of`.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct SemaphoreInfo {
@@ -166,6 +167,28 @@ impl SemaphoreInfo {
         slots.dedup();
         slots.len() as u32
     }
+
+    /// How long `holder`, a lease holder of this semaphore, had given no
+    /// sign of life at [`as_of`](Self::as_of): the time since its lease was
+    /// last renewed, or since its claim if it never was. A holder whose
+    /// heartbeat runs shows at most about its heartbeat interval (a third
+    /// of the lease by default); one whose silence keeps growing past that
+    /// has stopped renewing (its process is gone, hung, or cut off from the
+    /// database), and its slot is freed when its lease runs out.
+    ///
+    /// The database keeps each claim's lease end, not its renewals, so this
+    /// is `as_of - (expires_at - default_lease)`, at most the claim's age
+    /// and at least zero: exact for a claim with the semaphore's default
+    /// lease (every claim that does not set its own with
+    /// [`Acquiring::lease`](crate::Acquiring::lease)); a claim with a lease
+    /// of its own shows less silence than it had if its lease is longer,
+    /// more if shorter. `None` for an advisory holder.
+    pub fn silence(&self, holder: &Holder) -> Option<Duration> {
+        let lease = TimeDelta::from_std(self.default_lease?).ok()?;
+        let claimed = holder.created_at?;
+        let renewed = holder.expires_at?.checked_sub_signed(lease)?.max(claimed);
+        Some((self.as_of - renewed).to_std().unwrap_or(Duration::ZERO))
+    }
 }
 
 /// Adds `held`, and each lease holder's age and lease left at `as_of`: the
@@ -187,6 +210,8 @@ impl serde::Serialize for SemaphoreInfo {
             age_seconds: Option<Option<f64>>,
             #[serde(skip_serializing_if = "Option::is_none")]
             lease_left_seconds: Option<Option<f64>>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            silent_seconds: Option<f64>,
         }
         let holders: Vec<SeenHolder<'_>> = self
             .holders
@@ -195,6 +220,7 @@ impl serde::Serialize for SemaphoreInfo {
                 holder,
                 age_seconds: holder.created_at.map(|at| delta_seconds(self.as_of - at)),
                 lease_left_seconds: holder.expires_at.map(|at| delta_seconds(at - self.as_of)),
+                silent_seconds: self.silence(holder).map(|d| d.as_secs_f64()),
             })
             .collect();
         let mut s = serializer.serialize_struct("SemaphoreInfo", 9)?;
@@ -1270,8 +1296,36 @@ mod serialize_tests {
                 "expires_at": "2026-11-21T08:00:10Z",
                 "age_seconds": 12.5,
                 "lease_left_seconds": -2.5,
+                "silent_seconds": 12.5,
             })
         );
+    }
+
+    #[test]
+    fn a_lease_holder_s_silence_is_the_time_since_its_last_renewal() {
+        let info = SemaphoreInfo {
+            kind: SemaphoreKind::Lease,
+            name: "payments".into(),
+            capacity: 3,
+            default_lease: Some(Duration::from_secs(600)),
+            created_at: at("2026-11-21T07:00:00Z"),
+            updated_at: at("2026-11-21T07:00:00Z"),
+            holders: Vec::new(),
+            as_of: at("2026-11-21T08:00:12.5Z"),
+        };
+        let silence = |expires_at: &str| {
+            info.silence(&lease_holder("2026-11-21T08:00:00Z", expires_at))
+                .map(|d| d.as_secs_f64())
+        };
+        // Renewed at 08:00:05: its lease ends one default lease after that.
+        assert_eq!(silence("2026-11-21T08:10:05Z"), Some(7.5));
+        // Never renewed: silent since its claim.
+        assert_eq!(silence("2026-11-21T08:10:00Z"), Some(12.5));
+        // A shorter lease of its own: never more than its age.
+        assert_eq!(silence("2026-11-21T08:00:10Z"), Some(12.5));
+        // A longer lease of its own, just renewed: never less than zero.
+        assert_eq!(silence("2026-11-21T09:00:12Z"), Some(0.0));
+        assert_eq!(info.silence(&advisory_holder(0, 4242, true)), None);
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use pg_semaphore::{
+    Error,
     admin::{ReleaseOutcome, RuleKind},
     audit::{AuditLog, SemaphoreKind},
 };
@@ -60,23 +61,24 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
     let log = AuditLog::new(pool);
-    // An unknown name would just give an empty log: say so instead.
-    let Some(kind) = pg_semaphore::admin::semaphores(pool)
-        .await?
-        .iter()
-        .find(|s| s.name == args.name)
-        .map(|s| s.kind)
-    else {
-        return Err(Failure::not_found(format!(
-            "no semaphore named {:?}",
-            args.name
-        )));
-    };
+    // The name is resolved as `report` resolves it: a lease semaphore's row
+    // (a named semaphore, or a family key, idle or not, while it has
+    // history), else an advisory semaphore. An unknown name would just give
+    // an empty log: say so instead.
+    let summary = log.summary(&args.name, window.clone()).await?;
+    let kind = summary.kind;
+    if kind == SemaphoreKind::Advisory
+        && !pg_semaphore::admin::semaphores(pool)
+            .await?
+            .iter()
+            .any(|s| s.kind == kind && s.name == args.name)
+    {
+        return Err(not_found(pool, &args.name).await);
+    }
     let claims = log.history(&args.name, window.clone()).await?;
     if args.csv {
         return Ok(render::audit_csv(kind, &claims));
     }
-    let summary = log.summary(&args.name, window.clone()).await?;
     Ok(if args.json {
         render::audit_json(&args.name, &window, &claims, &summary)
     } else {
@@ -87,9 +89,13 @@ pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Fail
 pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
-    let report = AuditLog::new(pool)
+    let report = match AuditLog::new(pool)
         .report_shaped(&args.name, window, render::report::SHAPE)
-        .await?;
+        .await
+    {
+        Err(Error::SemaphoreNotFound { .. }) => return Err(not_found(pool, &args.name).await),
+        other => other?,
+    };
     let page = render::report::html(&report);
     if args.html.as_os_str() == "-" {
         return Ok(page);
@@ -122,6 +128,26 @@ pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Fa
         rfc3339(report.since),
         rfc3339(report.until),
     ))
+}
+
+/// Why `audit` or `report` has nothing for `name`: no such semaphore; for
+/// a family key (`@family/key`), no such family, or no history of the key
+/// (a key's row lives while it has claims on record, then the reaper
+/// removes it).
+async fn not_found(pool: &PgPool, name: &str) -> Failure {
+    let Some((family, key)) = name.strip_prefix('@').and_then(|n| n.split_once('/')) else {
+        return Failure::not_found(format!("no semaphore named {name:?}"));
+    };
+    match pg_semaphore::admin::families(pool).await {
+        Ok(families) if families.iter().any(|f| f.name == family) => Failure::not_found(format!(
+            "no history of key {key:?} of family {family:?}: it has no claim on record \
+             (never claimed, or its claims were pruned and the idle key removed)"
+        )),
+        Ok(_) => Failure::not_found(format!(
+            "no semaphore family named {family:?} (so no key {name:?})"
+        )),
+        Err(error) => error.into(),
+    }
 }
 
 pub(crate) async fn reap(pool: &PgPool) -> Result<String, Failure> {

@@ -89,15 +89,23 @@ enum Command {
     /// held; `families` and `family NAME` show the rest.
     ///
     /// Lease semaphores first, each holder with its claim id, slot, label,
-    /// age and lease left; then advisory semaphores, each held slot with
+    /// age, lease left and silence: the time since it last renewed its
+    /// lease (or claimed, if it never renewed). A live holder's heartbeat
+    /// keeps its silence under the heartbeat interval (a third of the lease
+    /// by default); a silence that grows past it is a holder that stopped
+    /// renewing (dead, hung or cut off), whose slot is freed when its lease
+    /// runs out. (Silence assumes
+    /// the semaphore's lease: a claim with a lease of its own may show
+    /// more or less.) Then advisory semaphores, each held slot with
     /// the session whose advisory lock it is (from pg_locks): its backend
     /// pid, client address, how long it has been connected (not how long it
     /// has held the slot) and application_name. Sessions of other roles
     /// show their client and start only to a role with pg_read_all_stats
     /// (or pg_monitor).
     ///
-    /// --json prints one array: the lease semaphores as before (objects
-    /// without a "kind" field), then the advisory ones, each with "kind":
+    /// --json prints one array: the lease semaphores ("kind": "lease"),
+    /// each holder with "age_seconds", "lease_left_seconds" and
+    /// "silent_seconds", then the advisory ones, each with "kind":
     /// "advisory" and its holders as {"slot", "pid", "application_name",
     /// "client_addr", "backend_start"}.
     Status {
@@ -422,7 +430,7 @@ enum TierCommand {
 
 #[derive(Debug, Args)]
 struct AuditArgs {
-    /// The semaphore's name.
+    /// The semaphore's name; a family key is @family/key (held or not).
     name: String,
 
     #[command(flatten)]
@@ -439,7 +447,7 @@ struct AuditArgs {
 
 #[derive(Debug, Args)]
 struct ReportArgs {
-    /// The semaphore's name.
+    /// The semaphore's name; a family key is @family/key (held or not).
     name: String,
 
     #[command(flatten)]

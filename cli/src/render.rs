@@ -80,13 +80,14 @@ fn lease_table(out: &mut String, list: &[&SemaphoreInfo]) {
                     } else {
                         format!("expired {} ago", human(signed(-left)))
                     },
+                    sem.silence(h).map_or_else(|| "-".to_owned(), human),
                 ]
             })
             .collect();
         table(
             out,
             "  ",
-            &["CLAIM", "SLOT", "HOLDER", "AGE", "LEASE LEFT"],
+            &["CLAIM", "SLOT", "HOLDER", "AGE", "LEASE LEFT", "SILENT"],
             &rows,
         );
     }

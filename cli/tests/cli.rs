@@ -214,6 +214,70 @@ async fn status_lists_every_semaphore_and_its_holders() -> TestResult {
     Ok(())
 }
 
+/// `status` shows each lease holder's silence, the time since it last
+/// renewed its lease: one that stopped renewing (built without a
+/// heartbeat, as a dead process looks from the database) grows silent,
+/// while a live one's heartbeat keeps its silence short.
+#[tokio::test]
+async fn status_shows_a_growing_silence_for_a_holder_that_stopped_renewing() -> TestResult {
+    let db = support::migrated_db().await;
+    let dead = Semaphore::builder("jobs", 3)
+        .lease(Duration::from_secs(600))
+        .without_heartbeat()
+        .build(&db.client)
+        .await?;
+    let live = Semaphore::builder("jobs", 3)
+        .heartbeat(Duration::from_millis(100))
+        .build(&db.client)
+        .await?;
+    let stuck = dead.acquiring().holder("stuck").try_acquire().await?;
+    let alive = live.acquiring().holder("alive").try_acquire().await?;
+
+    let (before, _) = silences(&db).await?;
+    assert!(before >= 0.0, "{before}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (after, renewing) = silences(&db).await?;
+    assert!(
+        after >= 2.0 && after >= before + 1.5,
+        "silent {before} s, then {after} s after a 2 s sleep"
+    );
+    assert!(
+        renewing < after,
+        "the renewing holder is silent {renewing} s, the stuck one {after} s"
+    );
+
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    // CLAIM SLOT HOLDER AGE LEASE-LEFT SILENT
+    let row = table_row(&text, "CLAIM", &stuck.id().to_string());
+    assert_eq!(row[2], "stuck", "{text}");
+    let silent: f64 = row[5]
+        .strip_suffix('s')
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("SILENT is {:?}:\n{text}", row[5]));
+    assert!(silent >= after, "{text}");
+    stuck.release().await?;
+    alive.release().await?;
+    Ok(())
+}
+
+/// `status jobs --json`: the `silent_seconds` of the holders labelled
+/// "stuck" and "alive".
+async fn silences(db: &support::TestDb) -> TestResult<(f64, f64)> {
+    let out = run(db, &["status", "jobs", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let silence = |holder: &str| {
+        json[0]["holders"]
+            .as_array()
+            .and_then(|hs| hs.iter().find(|h| h["holder"] == holder))
+            .and_then(|h| h["silent_seconds"].as_f64())
+            .unwrap_or_else(|| panic!("no silent_seconds for {holder}: {json}"))
+    };
+    Ok((silence("stuck"), silence("alive")))
+}
+
 /// The cells of the table row whose first cell is `first`, in the table
 /// under the header line that starts with `header`.
 fn table_row(text: &str, header: &str, first: &str) -> Vec<String> {
@@ -523,6 +587,65 @@ async fn audit_prints_the_window_as_a_table_json_or_csv() -> TestResult {
     assert_status(&out, 3);
     assert!(stderr(&out).contains("never-built"), "{}", stderr(&out));
     live.release().await?;
+    Ok(())
+}
+
+/// `audit` of a family key that nobody holds (`status` no longer lists it)
+/// reads its history, as `report` does: the reaper keeps a key while it has
+/// claims on record. A key with none, which the reaper removed, and a key
+/// of no family, each say so (exit status 3).
+#[tokio::test]
+async fn audit_of_an_idle_family_key_lists_its_history() -> TestResult {
+    let db = support::migrated_db().await;
+    let tenants = SemaphoreFamily::builder("tenants", 2)
+        .idle_after(Duration::ZERO)
+        .build(&db.client.clone().holder("worker-1"))
+        .await?;
+    for _ in 0..2 {
+        tenants.try_acquire("t1").await?.release().await?;
+    }
+    tenants.key("t-unused").await?;
+    pg_semaphore::admin::reap(&db.pool).await?;
+    let families = pg_semaphore::admin::families(&db.pool).await?;
+    assert_eq!(families[0].keys, 1, "t1 stays, t-unused is removed");
+    let out = run(&db, &["status"]).await;
+    assert!(!stdout(&out).contains("@tenants/t1"), "{}", stdout(&out));
+
+    let out = run(&db, &["audit", "@tenants/t1"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(text.contains("worker-1"), "{text}");
+    assert!(text.contains("2 claims: 2 completed"), "{text}");
+    let out = run(&db, &["audit", "@tenants/t1", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["claims"].as_array().map(Vec::len), Some(2), "{json}");
+    assert_eq!(json["summary"]["completed"], 2);
+    let out = run(&db, &["audit", "@tenants/t1", "--csv"]).await;
+    assert_status(&out, 0);
+    assert_eq!(stdout(&out).lines().count(), 3, "{}", stdout(&out));
+
+    let out = run(&db, &["audit", "@tenants/t-unused"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no history of key \"t-unused\" of family \"tenants\""),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&db, &["report", "@tenants/t-unused", "--html", "-"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no history of key"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&db, &["audit", "@nobody/t1"]).await;
+    assert_status(&out, 3);
+    assert!(
+        stderr(&out).contains("no semaphore family named \"nobody\""),
+        "{}",
+        stderr(&out)
+    );
     Ok(())
 }
 
