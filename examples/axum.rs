@@ -52,7 +52,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = Client::new(pool.clone());
 
     let upstream = Semaphore::builder("example-upstream", 2)
-        .lease(Duration::from_secs(30)) // longer than any legitimate request
         .build(&client)
         .await?;
     let app = Router::new()

@@ -90,7 +90,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         chrono::Utc::now().timestamp_millis()
     );
     let sem = Semaphore::builder(name, CAPACITY)
-        .lease(Duration::from_secs(30))
         .build(&client)
         .await?;
     let workers: Vec<_> = (1..=WORKERS)

@@ -54,7 +54,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run_start = chrono::Utc::now();
     let name = format!("quickstart-upstream-{}", run_start.timestamp_millis());
     let sem = Semaphore::builder(name, CAPACITY)
-        .lease(Duration::from_secs(30))
         .build(&client)
         .await?;
     println!(

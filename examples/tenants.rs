@@ -97,7 +97,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The application: every tenant 2 unless a rule says otherwise.
     let tenants = SemaphoreFamily::builder("example-tenants", 2)
-        .lease(Duration::from_secs(30))
         .build(&semaphores)
         .await?;
     // The operator (here the same program; in production `pg-semaphore rule

@@ -278,6 +278,7 @@ impl SemaphoreFamily {
     }
 
     /// The pool the family's statements use.
+    #[cfg(feature = "tower")]
     pub(crate) fn pool(&self) -> &sqlx::PgPool {
         self.inner.db.pool()
     }
