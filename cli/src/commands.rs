@@ -155,6 +155,63 @@ pub(crate) async fn reap(pool: &PgPool) -> Result<String, Failure> {
     Ok(format!("reaped {reaped} expired claim{}\n", plural(reaped)))
 }
 
+pub(crate) async fn reaper(
+    pool: &PgPool,
+    every: Duration,
+    retention: Option<Duration>,
+    rate_limits: Option<Duration>,
+) -> Result<String, Failure> {
+    let mut builder = pg_semaphore::admin::Reaper::builder().interval(every);
+    if let Some(retention) = retention {
+        builder = builder.retention(retention);
+    }
+    if let Some(idle_for) = rate_limits {
+        builder = builder.rate_limits(idle_for);
+    }
+    let reaper = builder.spawn(pool)?;
+    eprintln!(
+        "pg-semaphore: reaper running every {} (Ctrl-C or SIGTERM stops it)",
+        human(every)
+    );
+    stopped().await;
+    reaper.shutdown().await;
+    Ok("reaper stopped\n".to_owned())
+}
+
+/// Returns on Ctrl-C, or on SIGTERM on Unix.
+async fn stopped() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+pub(crate) async fn grant(
+    pool: &PgPool,
+    application: Option<&str>,
+    operator: Option<&str>,
+) -> Result<String, Failure> {
+    use pg_semaphore::admin::{Access, grant_access};
+    let mut out = String::new();
+    for (role, access) in [(application, Access::Application), (operator, Access::Operator)] {
+        if let Some(role) = role {
+            let routines = grant_access(pool, role, access).await?;
+            out.push_str(&format!(
+                "granted the {access} part to {role:?}: the schema, its tables to read, {routines} functions\n"
+            ));
+        }
+    }
+    Ok(out)
+}
+
 pub(crate) async fn release(pool: &PgPool, id: i64) -> Result<String, Failure> {
     Ok(match pg_semaphore::admin::force_release(pool, id).await? {
         ReleaseOutcome::Released { semaphore, at } => {

@@ -173,6 +173,49 @@ enum Command {
     /// What a `Reaper` does each round; prints how many were reaped.
     Reap,
 
+    /// Run the reaper until stopped (Ctrl-C or SIGTERM): the operator's
+    /// long-lived process.
+    ///
+    /// Each round times out expired claims (a crashed holder's slot is
+    /// otherwise freed only by the next claim on its semaphore), removes
+    /// idle family keys whose history was pruned, and with --retention and
+    /// --rate-limits prunes the audit log and rate limiter keys at rest.
+    /// Run it as the operator's role; one per database is enough (several
+    /// are safe).
+    #[command(after_help = "Examples:
+  pg-semaphore reaper
+  pg-semaphore reaper --every 5s --retention 30d --rate-limits 1h")]
+    Reaper {
+        /// How often to reap.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+        every: Duration,
+        /// Also delete finished claims older than this (the audit log's history).
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        retention: Option<Duration>,
+        /// Also delete rate limiter keys at rest for this long.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        rate_limits: Option<Duration>,
+    },
+
+    /// Give a role the application's or the operator's grants, in one step.
+    ///
+    /// Run it as the role that ran the migrations (the schema's owner). The
+    /// role gets USAGE on the schema, SELECT on its tables and EXECUTE on
+    /// exactly its part's functions, and is recorded: a later schema
+    /// upgrade gives it what the upgrade adds. Idempotent.
+    #[command(after_help = "Examples:
+  pg-semaphore grant --application app
+  pg-semaphore grant --operator ops")]
+    #[command(group(clap::ArgGroup::new("part").required(true).args(["application", "operator"])))]
+    Grant {
+        /// The role that runs the application.
+        #[arg(long, value_name = "ROLE")]
+        application: Option<String>,
+        /// The role of operators and of the reaper.
+        #[arg(long, value_name = "ROLE")]
+        operator: Option<String>,
+    },
+
     /// Force the release of one claim, for a holder that is stuck or gone.
     ///
     /// Its slot is freed at once and waiters are woken. If the holder is in
@@ -582,6 +625,15 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         Command::Audit(args) => commands::audit(&pool, args).await?,
         Command::Report(args) => commands::report(&pool, args).await?,
         Command::Reap => commands::reap(&pool).await?,
+        Command::Reaper {
+            every,
+            retention,
+            rate_limits,
+        } => commands::reaper(&pool, every, retention, rate_limits).await?,
+        Command::Grant {
+            application,
+            operator,
+        } => commands::grant(&pool, application.as_deref(), operator.as_deref()).await?,
         Command::Release { id } => commands::release(&pool, id).await?,
         Command::SetCapacity { name, capacity } => {
             commands::set_capacity(&pool, &name, capacity).await?

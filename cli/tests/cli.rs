@@ -1321,3 +1321,86 @@ async fn families_show_rules_and_busiest_keys_and_rules_change_at_run_time() -> 
     }
     Ok(())
 }
+
+/// A URL for `db` as `role` (a test role's password).
+fn url_as(db: &support::TestDb, role: &str) -> String {
+    format!(
+        "postgres://{role}:{}@{}:{}/{}",
+        support::roles::PASSWORD,
+        db.options.get_host(),
+        db.options.get_port(),
+        db.name
+    )
+}
+
+#[tokio::test]
+async fn grant_gives_a_role_its_part_in_one_command() -> TestResult {
+    let db = support::migrated_db().await;
+    let roles = support::roles::Roles::create(&db, &["app"]).await?;
+    let app = roles.name("app");
+
+    let out = run(&db, &["grant"]).await;
+    assert_status(&out, 2); // one of --application, --operator
+    let out = run(&db, &["grant", "--application", &app]).await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).contains(&format!("granted the application part to {app:?}")),
+        "{}",
+        stdout(&out)
+    );
+
+    // The application works with that grant alone...
+    let pool = roles.pool(&db, "app").await?;
+    let sem = Semaphore::builder("granted", 1)
+        .build(&pg_semaphore::Client::new(pool.clone()))
+        .await?;
+    sem.try_acquire().await?.release().await?;
+    pool.close().await;
+    // ...and an operator's command run with it says which grant it lacks.
+    let out = run_in(None, Some(&url_as(&db, &app)), &["set-capacity", "granted", "3"]).await;
+    assert_ne!(out.status.code(), Some(0));
+    let error = stderr(&out);
+    assert!(error.contains("operator's function"), "{error}");
+    assert!(error.contains("pg-semaphore grant --operator"), "{error}");
+
+    // Only the schema's owner grants.
+    let out = run_in(None, Some(&url_as(&db, &app)), &["grant", "--operator", &app]).await;
+    assert_ne!(out.status.code(), Some(0));
+    roles.drop_all().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_reaper_command_frees_an_abandoned_slot_and_stops_on_sigterm() -> TestResult {
+    let db = support::migrated_db().await;
+    Semaphore::builder("abandoned", 1).build(&db.client).await?;
+    // A holder that vanished: a claim with a 200 ms lease, never renewed.
+    support::claim_with_token(&db.pool, "abandoned", "200 ms", &support::token("gone")).await?;
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pg-semaphore"))
+        .args(["reaper", "--every", "100ms"])
+        .current_dir(support::cli::bare_dir())
+        .env("DATABASE_URL", support::server::url_for(&db.name))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // Nobody claims "abandoned" again: only the reaper can free the slot.
+    let freed = support::eventually(Duration::from_secs(20), || async {
+        support::live_rows(&db.pool, "abandoned").await == 0
+    })
+    .await;
+    let pid = child.id().expect("running").to_string();
+    let killed = tokio::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .await?;
+    assert!(killed.success());
+    let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("the reaper stops on SIGTERM")?;
+    assert!(freed, "the reaper did not free the abandoned slot");
+    assert_status(&out, 0);
+    assert!(stdout(&out).contains("reaper stopped"), "{}", stdout(&out));
+    assert!(stderr(&out).contains("reaper running every 100ms"), "{}", stderr(&out));
+    Ok(())
+}
