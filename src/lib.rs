@@ -4,7 +4,7 @@
 //! agree that **at most N of them** talk to a fragile upstream at once, with no
 //! other infrastructure.
 //!
-//! This page is the reference's overview; the [guide](crate::guide) is the
+//! This page is the reference's overview; the [`guide`] is the
 //! how-to, one chapter per topic: [choosing a primitive](crate::guide::choosing),
 //! [per-tenant limits](crate::guide::families),
 //! [rate limiting](crate::guide::rate_limiting),
@@ -458,8 +458,6 @@ pub mod schema {
     };
 }
 
-/// The guide: the chapters behind the README, one module each, so that every
-/// example in them is a doctest.
 pub mod guide {
     //! The guide, chapter by chapter. The README is the front door (what
     //! pg-semaphore is, a quick start, which primitive for which need);
@@ -469,13 +467,13 @@ pub mod guide {
     //!
     //! | chapter | what it covers |
     //! |---|---|
-    //! | [`choosing`](crate::guide::choosing) | the [`Client`]; the two semaphores (leases in a table, or advisory locks), weighted permits, several limits at once, reserved capacity, the fair queue, `wait_idle`; the [`Mutex`] and which lock to use when; the tower layer; the API at a glance, errors and limits |
-    //! | [`families`](crate::guide::families) | per-tenant limits: a semaphore per key, capacities by the operator's rules |
-    //! | [`rate_limiting`](crate::guide::rate_limiting) | the [`RateLimiter`]: token bucket, fixed and sliding window, waiting, stored limits, pauses, several limits at once |
-    //! | [`guarantees`](crate::guide::guarantees) | what holds on a crash, a timeout, a partition, a failover, and while a long transaction holds the xmin horizon; what was measured |
-    //! | [`operations`](crate::guide::operations) | deploying, Cargo features, migrating, roles and grants, PgBouncer, the reaper and the operator's functions, the CLI and its report, tracing, metrics |
-    //! | [`sql_api`](crate::guide::sql_api) | the SQL functions as a versioned interface, for services in other languages |
-    //! | [`scaling`](crate::guide::scaling) | what one server was measured to do, and what going past one server would take (on paper) |
+    //! | [`choosing`] | the [`Client`](crate::Client); the two semaphores (leases in a table, or advisory locks), weighted permits, several limits at once, reserved capacity, the fair queue, `wait_idle`; the [`Mutex`](crate::Mutex) and which lock to use when; the tower layer; the API at a glance, errors and limits |
+    //! | [`families`] | per-tenant limits: a semaphore per key, capacities by the operator's rules |
+    //! | [`rate_limiting`] | the [`RateLimiter`](crate::RateLimiter): token bucket, fixed and sliding window, waiting, stored limits, pauses, several limits at once |
+    //! | [`guarantees`] | what holds on a crash, a timeout, a partition, a failover, and while a long transaction holds the xmin horizon; what was measured |
+    //! | [`operations`] | deploying, Cargo features, migrating, roles and grants, PgBouncer, the reaper and the operator's functions, the CLI and its report, tracing, metrics |
+    //! | [`sql_api`] | the SQL functions as a versioned interface, for services in other languages |
+    //! | [`scaling`] | what one server was measured to do, and what going past one server would take (on paper) |
 
     #[doc = include_str!("../docs/guide/choosing.md")]
     pub mod choosing {}
