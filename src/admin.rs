@@ -1,6 +1,6 @@
 //! The operator's side: everything an application needs no more than
 //! reading rights for, and everything that needs the operator role under
-//! the README's grants. The `pg-semaphore` CLI is built on these;
+//! the guide's grants ([operations](crate::guide::operations#privileges)). The `pg-semaphore` CLI is built on these;
 //! applications can call them too (an admin endpoint, a runbook script).
 //!
 //! - Semaphores of either kind: [`semaphores`] lists them with their live
@@ -318,7 +318,7 @@ struct StatusRow {
 /// # Privileges
 ///
 /// Reads the semaphores' tables and the view
-/// `pgsemaphore.advisory_holders`, which the README's grants give both the
+/// `pgsemaphore.advisory_holders`, which the guide's grants give both the
 /// application and the operator role. What a role sees of other roles'
 /// sessions is limited: see [`Holder`].
 ///

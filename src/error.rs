@@ -359,7 +359,7 @@ fn not_permitted(role: &str, owner: Option<&str>, found: Option<i32>, required: 
         (_, None) => format!(
             "pg-semaphore's schema is not installed and role {role:?} may not install it (that \
              needs CREATE on the database): {how} once as the role that should own it, then grant \
-             this role the application's privileges (README, \"Privileges\")"
+             this role the application's privileges (docs/guide/operations.md, \"Privileges\")"
         ),
         (Some(owner), Some(found)) => format!(
             "pg-semaphore's schema is at version {found} but this crate needs version {required}, \

@@ -4,7 +4,7 @@
 //! its rules and its keys' tiers. Every change recomputes the capacity of
 //! the family's existing keys in the same transaction (see
 //! `migrations/20261128010005_pgsemaphore_families.sql`). Under the
-//! README's grants, listing needs only the application role; changing needs
+//! guide's grants ([operations](crate::guide::operations#privileges)), listing needs only the application role; changing needs
 //! the operator role.
 
 use std::time::Duration;

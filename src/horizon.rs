@@ -7,8 +7,8 @@
 //! that might still see them is running. One long query, an `idle in
 //! transaction` session, a `pg_dump`, a prepared transaction or a
 //! replication slot holds that *xmin horizon* for the whole database, and
-//! every claim then walks more dead versions than the last (see the README,
-//! "Two semaphores"). This module names the culprit; the [`Reaper`](crate::admin::Reaper)
+//! every claim then walks more dead versions than the last (see the guide,
+//! [a held xmin horizon](crate::guide::guarantees#a-held-xmin-horizon)). This module names the culprit; the [`Reaper`](crate::admin::Reaper)
 //! warns about it and records it as a metric, and `pg-semaphore doctor`
 //! prints it.
 

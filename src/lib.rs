@@ -4,6 +4,14 @@
 //! agree that **at most N of them** talk to a fragile upstream at once, with no
 //! other infrastructure.
 //!
+//! This page is the reference's overview; the [`guide`] is the
+//! how-to, one chapter per topic: [choosing a primitive](crate::guide::choosing),
+//! [per-tenant limits](crate::guide::families),
+//! [rate limiting](crate::guide::rate_limiting),
+//! [guarantees](crate::guide::guarantees), [operations](crate::guide::operations),
+//! [the SQL API](crate::guide::sql_api) and
+//! [scaling past one server](crate::guide::scaling).
+//!
 //! # The client
 //!
 //! Everything starts from a [`Client`], one per pool: semaphores, families,
@@ -197,7 +205,7 @@
 //! [`set_queue_order`](crate::admin::set_queue_order), [`set_fairness_weight`](crate::admin::set_fairness_weight), [`clear_queue`](crate::admin::clear_queue),
 //! [`force_release`](crate::admin::force_release), [`reap`](crate::admin::reap), [`prune_claims`](crate::admin::prune_claims), [`configure_family`](crate::admin::configure_family),
 //! [`set_family_rule`](crate::admin::set_family_rule), [`set_family_tier`](crate::admin::set_family_tier), [`set_rate_limit`](crate::admin::set_rate_limit),
-//! [`clear_rate_limit`](crate::admin::clear_rate_limit), [`resume_rate_limit`](crate::admin::resume_rate_limit)). The README lists the exact grants, and what the
+//! [`clear_rate_limit`](crate::admin::clear_rate_limit), [`resume_rate_limit`](crate::admin::resume_rate_limit)). The guide's [operations](crate::guide::operations#privileges) chapter lists the exact grants, and what the
 //! application role can and cannot do with them: the SQL functions are the
 //! security boundary, not this crate. They check every argument (a refused
 //! one is [`Error::InvalidArgument`], naming it), never lock or change a
@@ -222,7 +230,8 @@
 //!
 //! Events go through `tracing`, once per operation and never per poll:
 //! mutex lock timeouts (`mutex` field), deadlocks and granted waits; reap
-//! counts (`reaped`); operator actions. See the README for the list.
+//! counts (`reaped`); operator actions. The guide's
+//! [operations](crate::guide::operations#tracing) chapter lists them.
 //!
 //! # Features
 //!
@@ -241,7 +250,8 @@
 //!   permits, fail-open admissions; reaped claims; per mutex, wait time,
 //!   timeouts, deadlocks and busy refusals; per rate limiter, decisions.
 //!   Labels are bounded (names, never a rate limiter key or a holder).
-//!   `describe_metrics()` gives each its help text; the README lists them.
+//!   `describe_metrics()` gives each its help text; the guide's
+//!   [operations](crate::guide::operations#metrics) chapter lists them.
 //!
 //! # Where the names are
 //!
@@ -443,6 +453,39 @@ pub mod schema {
     pub use crate::refinery::{
         REFINERY_TABLE, refinery_migrate, refinery_migrations, refinery_runner,
     };
+}
+
+pub mod guide {
+    //! The guide, chapter by chapter. The README is the front door (what
+    //! pg-semaphore is, a quick start, which primitive for which need);
+    //! these chapters hold the rest. Each is a Markdown file under
+    //! `docs/guide/` in the repository, and every Rust example in it is
+    //! compiled as a doctest.
+    //!
+    //! | chapter | what it covers |
+    //! |---|---|
+    //! | [`choosing`] | the [`Client`](crate::Client); the two semaphores (leases in a table, or advisory locks), weighted permits, several limits at once, reserved capacity, the fair queue, `wait_idle`; the [`Mutex`](crate::Mutex) and which lock to use when; the tower layer; the API at a glance, errors and limits |
+    //! | [`families`] | per-tenant limits: a semaphore per key, capacities by the operator's rules |
+    //! | [`rate_limiting`] | the [`RateLimiter`](crate::RateLimiter): token bucket, fixed and sliding window, waiting, stored limits, pauses, several limits at once |
+    //! | [`guarantees`] | what holds on a crash, a timeout, a partition, a failover, and while a long transaction holds the xmin horizon; what was measured |
+    //! | [`operations`] | deploying, Cargo features, migrating, roles and grants, PgBouncer, the reaper and the operator's functions, the CLI and its report, tracing, metrics |
+    //! | [`sql_api`] | the SQL functions as a versioned interface, for services in other languages |
+    //! | [`scaling`] | what one server was measured to do, and what going past one server would take (on paper) |
+
+    #[doc = include_str!("../docs/guide/choosing.md")]
+    pub mod choosing {}
+    #[doc = include_str!("../docs/guide/families.md")]
+    pub mod families {}
+    #[doc = include_str!("../docs/guide/rate_limiting.md")]
+    pub mod rate_limiting {}
+    #[doc = include_str!("../docs/guide/guarantees.md")]
+    pub mod guarantees {}
+    #[doc = include_str!("../docs/guide/operations.md")]
+    pub mod operations {}
+    #[doc = include_str!("../docs/guide/sql_api.md")]
+    pub mod sql_api {}
+    #[doc = include_str!("../docs/guide/scaling.md")]
+    pub mod scaling {}
 }
 
 /// Compiles the README's Rust examples as doctests, so they stay true to the API.

@@ -75,7 +75,8 @@ const RATE_LIMIT_DECISIONS: &str = "pg_semaphore_rate_limit_decisions_total";
 /// unit) in the installed recorder: call it once, after installing the
 /// recorder. Recording works without it; exporters then show no `# HELP`.
 ///
-/// The metrics and their labels are listed in the README ("Metrics").
+/// The metrics and their labels are listed in the guide's
+/// [operations](crate::guide::operations#metrics) chapter.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -99,7 +99,7 @@ fn bare_migrator() -> Migrator {
 ///
 /// - **up to date** (however it was applied: by this function, sqlx-cli,
 ///   the application's own migration history or refinery): returns `Ok`
-///   at once. Needs only the application's grants (README, "Privileges"),
+///   at once. Needs only the application's grants ([the guide's "Privileges"](crate::guide::operations#privileges)),
 ///   no DDL privilege;
 /// - **missing or older**, applied by this function or sqlx-cli (history in
 ///   [`MIGRATIONS_TABLE`]): applies the missing migrations, holding sqlx's
@@ -600,7 +600,7 @@ mod tests {
         }
     }
 
-    /// The same schema seen by the application role (README grants).
+    /// The same schema seen by the application role (the guide's grants).
     fn app_view() -> Facts {
         Facts {
             role: "app".into(),

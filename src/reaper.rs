@@ -4,8 +4,8 @@
 //! rate-limit pruning) in a background task ([`Reaper`]) that stops with its
 //! handle. Claims reap their own semaphore anyway, and waiters look again
 //! when a lease ends: a reaper frees slots for semaphores nobody is claiming
-//! and keeps the audit log bounded. Operator functions: under the README's
-//! grants they need the operator role. Each round the reaper also looks at
+//! and keeps the audit log bounded. Operator functions: under the
+//! [guide's grants](crate::guide::operations#privileges) they need the operator role. Each round the reaper also looks at
 //! the database's xmin horizon ([`horizon`](crate::admin::horizon)) and warns when
 //! one session, slot or prepared transaction has held it too long. Each
 //! [`reap`] also examines the next 1,000 keys of
@@ -367,7 +367,7 @@ fn warn_horizon(holder: &HorizonHolder, held_for: Duration) {
         held_for_s = held_for.as_secs(),
         age_xids = holder.age_xids,
         "VACUUM has been held back for {} s by {}: the lease semaphore slows down until it \
-         ends (pg-semaphore doctor names it; see the README, \"Two semaphores\")",
+         ends (pg-semaphore doctor names it; see the guide, docs/guide/guarantees.md, \"A held xmin horizon\")",
         held_for.as_secs(),
         holder,
     );

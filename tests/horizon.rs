@@ -3,7 +3,7 @@
 //! another database does not hold its tables' horizon). The reaper's warning
 //! is tested in tests/tracing.rs, its metrics in tests/metrics.rs, the
 //! `doctor` command in cli/tests/cli.rs. Last, the lease semaphore in a
-//! database of its own, as the README suggests to keep it out of the
+//! database of its own, as the guide suggests (docs/guide/guarantees.md) to keep it out of the
 //! application's horizon.
 
 mod support;
@@ -71,7 +71,7 @@ async fn a_session_of_another_database_does_not_hold_this_ones_horizon() -> Test
     Ok(())
 }
 
-/// The README's "Avoid it": the lease semaphore in a database of its own.
+/// The guide's "Avoid it" (docs/guide/guarantees.md): the lease semaphore in a database of its own.
 /// The application's held snapshot does not hold the semaphore database's
 /// horizon; a fence on a transaction of another database fails instead of
 /// fencing nothing; on its own database's transaction it holds.

@@ -1,5 +1,5 @@
 //! Hostile callers of the rate limiters (issue 32, attacks 1, 3 and 4), each
-//! run as the application role with exactly the README's grants and as a
+//! run as the application role with exactly the guide's grants and as a
 //! role with no grants at all:
 //!
 //! 1. a caller passing other limits decides nothing for anyone else: a

@@ -393,8 +393,8 @@ async fn a_schema_applied_through_the_applications_own_history_is_adopted() -> T
     Ok(())
 }
 
-/// The README's three roles: the owner (`CREATE` on the database) runs the
-/// migrations; the application role, with exactly the README's grants,
+/// The guide's three roles (docs/guide/operations.md): the owner (`CREATE` on the database) runs the
+/// migrations; the application role, with exactly the guide's grants,
 /// calls `migrate()` at start-up like every process. On an up-to-date schema
 /// that succeeds with no DDL privilege and writes nothing; on a missing or
 /// outdated one it fails naming the role that must run it, writing nothing.
@@ -429,7 +429,7 @@ async fn migrate_under_the_application_role_needs_no_ddl_and_names_the_owner() -
                 .await?;
         assert_eq!(schemas, 0, "nothing written");
 
-        // The owner migrates and grants the README's privileges.
+        // The owner migrates and grants the guide's privileges.
         pg_semaphore::migrate(&owner_pool).await?;
         owner_pool
             .execute(AssertSqlSafe(support::documented_grants(&app, &roles.name("op"))))

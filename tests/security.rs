@@ -1,5 +1,5 @@
 //! Least privilege: the crate's paths work under roles that hold only the
-//! grants the README documents (an application role and an operator role,
+//! grants the guide documents (docs/guide/operations.md) (an application role and an operator role,
 //! no DDL, no superuser, no table writes), and what each must not do is
 //! refused.
 
@@ -606,12 +606,12 @@ async fn errors_never_show_the_connection_password() -> TestResult {
 }
 
 // ---------------------------------------------------------------------------
-// The README's list of what the application role can and cannot do: each
+// The guide's list (docs/guide/operations.md) of what the application role can and cannot do: each
 // sentence, quoted, above the test that checks it, as the application role
-// with the README's grants, calling the SQL functions directly.
+// with the guide's grants, calling the SQL functions directly.
 // ---------------------------------------------------------------------------
 
-/// The application's and the operator's pools, with the README's grants.
+/// The application's and the operator's pools, with the guide's grants.
 async fn app_and_operator(
     db: &support::TestDb,
 ) -> Result<(Roles, PgPool, PgPool), Box<dyn std::error::Error + Send + Sync>> {
@@ -1475,7 +1475,7 @@ async fn privileges_a_held_creation_key_delays_only_creation_by_at_most_the_boun
 }
 
 /// The baseline's privileges, routine by routine: PUBLIC runs none, and
-/// with the README's grants the application runs exactly the application
+/// with the guide's grants the application runs exactly the application
 /// functions (claim_all, release_all and release_all_then_wake beside
 /// claim; every reservation beside its check; open_family and
 /// open_family_key beside open), the operator exactly the operator
@@ -1791,17 +1791,19 @@ async fn privileges_a_held_gate_costs_wakeups_never_the_limit() -> TestResult {
     .await
 }
 
-/// Every sentence of the README's list has a test above, quoted in its doc
-/// comment: a sentence added without one fails here.
+/// Every sentence of the list in docs/guide/operations.md ("What the
+/// application role can and cannot do") has a test above, quoted in its doc
+/// comment after `README: ` (where the list used to live): a sentence added
+/// without one fails here.
 #[test]
 fn every_sentence_of_the_privileges_list_has_a_test() {
     fn words(text: &str) -> String {
         text.split_whitespace().collect::<Vec<_>>().join(" ")
     }
-    let readme = include_str!("../README.md");
-    let start = readme.find("<!-- privileges:begin -->").expect("marker");
-    let end = readme.find("<!-- privileges:end -->").expect("marker");
-    let sentences: Vec<String> = readme[start..end]
+    let guide = include_str!("../docs/guide/operations.md");
+    let start = guide.find("<!-- privileges:begin -->").expect("marker");
+    let end = guide.find("<!-- privileges:end -->").expect("marker");
+    let sentences: Vec<String> = guide[start..end]
         .lines()
         .filter_map(|line| line.strip_prefix("- "))
         .map(words)
@@ -1818,7 +1820,7 @@ fn every_sentence_of_the_privileges_list_has_a_test() {
     for sentence in sentences {
         assert!(
             quoted.contains(&format!("README: \"{sentence}\"")),
-            "no test quotes the README sentence {sentence:?}"
+            "no test quotes the sentence {sentence:?} of docs/guide/operations.md"
         );
     }
 }

@@ -1,5 +1,5 @@
 //! The SQL API is a contract (docs/sql-api.md): its worked example runs, as
-//! written, from `psql` as a role with exactly the README's application
+//! written, from `psql` as a role with exactly the guide's application
 //! grants, and prints what the document shows; and the document's table of
 //! application functions names exactly the functions the application role
 //! is granted.
@@ -128,7 +128,7 @@ async fn the_documented_psql_example_runs_as_written_with_the_application_grants
     Ok(())
 }
 
-/// The routines the README grants to the application role.
+/// The routines the guide (docs/guide/operations.md) grants to the application role.
 fn granted_to_app() -> Vec<String> {
     let grants = support::documented_grants("app", "operator");
     let mut names = Vec::new();
@@ -179,7 +179,7 @@ fn the_function_table_names_every_application_function() -> TestResult {
     for name in &listed {
         assert!(
             granted.contains(name),
-            "docs/sql-api.md lists pgsemaphore.{name}, which the README does not grant to the application"
+            "docs/sql-api.md lists pgsemaphore.{name}, which docs/guide/operations.md does not grant to the application"
         );
     }
     Ok(())

@@ -1,6 +1,6 @@
 -- pg-semaphore's SQL API driven from psql: the worked example of
 -- docs/sql-api.md. Run it against a database migrated to schema version 1,
--- as a role with the application's grants (README, "Privileges"):
+-- as a role with the application's grants (docs/guide/operations.md, "Privileges"):
 --
 --   psql -X -f docs/sql-api/example.sql "$DATABASE_URL"
 --

@@ -213,8 +213,8 @@ impl Permit {
     /// The claim's id: unique and strictly increasing across the database
     /// (a `bigint` identity, which never wraps), usable as a fencing token.
     /// Not across a failover to an *asynchronous* standby, which may not have
-    /// seen the latest ids and hands them out again (see the README's "High
-    /// availability"); with synchronous replication it stays one.
+    /// seen the latest ids and hands them out again (see the guide's
+    /// [high availability](crate::guide::guarantees#high-availability)); with synchronous replication it stays one.
     /// A weighted permit holds several claims made in one statement: this is
     /// the lowest of their ids, and it is still greater than every id of any
     /// claim on this semaphore made before it. A

@@ -149,7 +149,7 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
 /// the lease that blocked it ends. The database refuses it while a member
 /// has a high-priority waiter queued, so it never overtakes a queue; in
 /// exchange it can be overtaken, without bound, by single claims that keep
-/// a member full (see the README's "Several limits at once").
+/// a member full (see the guide's [several limits at once](crate::guide::choosing#several-limits-at-once)).
 pub(crate) async fn acquire_all(
     several: &Several,
     holder: &str,

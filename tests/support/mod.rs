@@ -142,18 +142,19 @@ pub async fn advisory_rows_logged(pool: &PgPool, semaphore: &str, rows: i64) -> 
     .await
 }
 
-/// The SQL between the README's `grants:begin` and `grants:end` markers,
-/// for the roles `app` and `operator` (tests/security.rs and
-/// tests/migrations.rs run exactly what the README documents).
+/// The SQL between the `grants:begin` and `grants:end` markers of the
+/// guide's operations chapter (docs/guide/operations.md, "Privileges"), for
+/// the roles `app` and `operator` (tests/security.rs and
+/// tests/migrations.rs run exactly what the guide documents).
 pub fn documented_grants(app: &str, operator: &str) -> String {
-    let readme = include_str!("../../README.md");
-    let start = readme
+    let guide = include_str!("../../docs/guide/operations.md");
+    let start = guide
         .find("<!-- grants:begin")
-        .expect("README grants marker");
-    let end = readme
+        .expect("docs/guide/operations.md grants marker");
+    let end = guide
         .find("<!-- grants:end -->")
-        .expect("README grants end marker");
-    let sql = readme[start..end]
+        .expect("docs/guide/operations.md grants end marker");
+    let sql = guide[start..end]
         .split("```sql")
         .nth(1)
         .and_then(|rest| rest.split("```").next())
