@@ -89,9 +89,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "quickstart-upstream-{}",
         chrono::Utc::now().timestamp_millis()
     );
-    let sem = Semaphore::builder(name, CAPACITY)
-        .build(&client)
-        .await?;
+    let sem = Semaphore::builder(name, CAPACITY).build(&client).await?;
     let workers: Vec<_> = (1..=WORKERS)
         .map(|id| tokio::spawn(worker(sem.clone(), id)))
         .collect();

@@ -53,9 +53,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A fresh name per run, so reruns against a persistent DATABASE_URL don't mix.
     let run_start = chrono::Utc::now();
     let name = format!("quickstart-upstream-{}", run_start.timestamp_millis());
-    let sem = Semaphore::builder(name, CAPACITY)
-        .build(&client)
-        .await?;
+    let sem = Semaphore::builder(name, CAPACITY).build(&client).await?;
     println!(
         "semaphore {:?}: {CAPACITY} slots, {WORKERS} workers\n",
         sem.name()

@@ -24,7 +24,11 @@
 //! `pgsemaphore.schema_version()` to return `k + 1` and the oldest version
 //! whose code can still use the schema (`k + 1` if older code would break,
 //! else the previous `o_compatible_from`), and [`SCHEMA_VERSION`] becomes
-//! `k + 1` (`tests/migrations.rs` checks both).
+//! `k + 1` (`tests/migrations.rs` checks both). A file that adds a routine
+//! an application or an operator calls also redefines
+//! `pgsemaphore.grant_access` with it and ends with
+//! `SELECT pgsemaphore.regrant()`, so that the roles given access keep
+//! their part with nothing re-run by hand.
 
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::{PgConnection, PgPool};

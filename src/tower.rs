@@ -98,7 +98,7 @@ type KeyFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
 /// let upstream = Semaphore::builder("payments-api", 20).build(&client).await?;
 /// let tenants = SemaphoreFamily::builder("tenants", 4).build(&client).await?;
 /// let layer = SemaphoreLayer::new(upstream).per_key(tenants, |request| {
-///     let tenant = request.headers().get("x-tenant")?;
+///     let tenant = request.headers.get("x-tenant")?;
 ///     Some(tenant.to_str().ok()?.to_owned())
 /// });
 /// let app: axum::Router = axum::Router::new()
@@ -483,7 +483,7 @@ async fn acquire(
 /// let per_customer =
 ///     RateLimiter::builder("per-customer", RatePolicy::token_bucket(5.0, 10)).build(&client)?;
 /// let layer = RateLimitLayer::new(per_customer, |request| {
-///     let customer = request.headers().get("x-customer")?;
+///     let customer = request.headers.get("x-customer")?;
 ///     Some(customer.to_str().ok()?.to_owned())
 /// })
 /// .wait(Duration::from_millis(500)); // a short wait rather than a 429

@@ -128,21 +128,24 @@ async fn the_documented_psql_example_runs_as_written_with_the_application_grants
     Ok(())
 }
 
-/// The routines the guide (docs/guide/operations.md) grants to the application role.
+/// The routines `pgsemaphore.grant_access` gives the application's part
+/// (its array in the migration; `tests/security.rs` checks what it grants).
 fn granted_to_app() -> Vec<String> {
-    let grants = support::documented_grants("app", "operator");
-    let mut names = Vec::new();
-    for block in grants.split(';') {
-        if block.contains(" TO \"app\"") {
-            for part in block.split("pgsemaphore.").skip(1) {
-                if let Some(name) = part.split('(').next()
-                    && name.chars().all(|c| c.is_ascii_lowercase() || c == '_')
-                {
-                    names.push(name.to_owned());
-                }
-            }
-        }
-    }
+    let sql = include_str!("../migrations/20261128010007_pgsemaphore_operator.sql");
+    let body = &sql[sql
+        .find("CREATE FUNCTION pgsemaphore.grant_access")
+        .expect("grant_access is defined")..];
+    let array = body
+        .split("WHEN 'application' THEN ARRAY[")
+        .nth(1)
+        .and_then(|rest| rest.split("]\n").next())
+        .expect("the application's array");
+    let mut names: Vec<String> = array
+        .split("'pgsemaphore.")
+        .skip(1)
+        .filter_map(|routine| routine.split('(').next())
+        .map(str::to_owned)
+        .collect();
     names.sort();
     names.dedup();
     names

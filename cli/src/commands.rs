@@ -201,7 +201,10 @@ pub(crate) async fn grant(
 ) -> Result<String, Failure> {
     use pg_semaphore::admin::{Access, grant_access};
     let mut out = String::new();
-    for (role, access) in [(application, Access::Application), (operator, Access::Operator)] {
+    for (role, access) in [
+        (application, Access::Application),
+        (operator, Access::Operator),
+    ] {
         if let Some(role) = role {
             let routines = grant_access(pool, role, access).await?;
             out.push_str(&format!(

@@ -1357,14 +1357,24 @@ async fn grant_gives_a_role_its_part_in_one_command() -> TestResult {
     sem.try_acquire().await?.release().await?;
     pool.close().await;
     // ...and an operator's command run with it says which grant it lacks.
-    let out = run_in(None, Some(&url_as(&db, &app)), &["set-capacity", "granted", "3"]).await;
+    let out = run_in(
+        None,
+        Some(&url_as(&db, &app)),
+        &["set-capacity", "granted", "3"],
+    )
+    .await;
     assert_ne!(out.status.code(), Some(0));
     let error = stderr(&out);
     assert!(error.contains("operator's function"), "{error}");
     assert!(error.contains("pg-semaphore grant --operator"), "{error}");
 
     // Only the schema's owner grants.
-    let out = run_in(None, Some(&url_as(&db, &app)), &["grant", "--operator", &app]).await;
+    let out = run_in(
+        None,
+        Some(&url_as(&db, &app)),
+        &["grant", "--operator", &app],
+    )
+    .await;
     assert_ne!(out.status.code(), Some(0));
     roles.drop_all().await?;
     Ok(())
@@ -1377,7 +1387,7 @@ async fn the_reaper_command_frees_an_abandoned_slot_and_stops_on_sigterm() -> Te
     // A holder that vanished: a claim with a 200 ms lease, never renewed.
     support::claim_with_token(&db.pool, "abandoned", "200 ms", &support::token("gone")).await?;
 
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pg-semaphore"))
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pg-semaphore"))
         .args(["reaper", "--every", "100ms"])
         .current_dir(support::cli::bare_dir())
         .env("DATABASE_URL", support::server::url_for(&db.name))
@@ -1401,6 +1411,10 @@ async fn the_reaper_command_frees_an_abandoned_slot_and_stops_on_sigterm() -> Te
     assert!(freed, "the reaper did not free the abandoned slot");
     assert_status(&out, 0);
     assert!(stdout(&out).contains("reaper stopped"), "{}", stdout(&out));
-    assert!(stderr(&out).contains("reaper running every 100ms"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("reaper running every 100ms"),
+        "{}",
+        stderr(&out)
+    );
     Ok(())
 }

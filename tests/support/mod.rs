@@ -159,8 +159,11 @@ pub fn documented_grants(app: &str, operator: &str) -> String {
         .nth(1)
         .and_then(|rest| rest.split("```").next())
         .expect("a sql block between the grants markers");
-    sql.replace(" TO app;", &format!(r#" TO "{app}";"#))
-        .replace(" TO operator;", &format!(r#" TO "{operator}";"#))
+    sql.replace("grant_access('app',", &format!("grant_access('{app}',"))
+        .replace(
+            "grant_access('operator',",
+            &format!("grant_access('{operator}',"),
+        )
 }
 
 /// A claim made straight through the SQL function with a known holder
