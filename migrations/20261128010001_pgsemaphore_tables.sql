@@ -597,6 +597,18 @@ COMMENT ON TABLE pgsemaphore.rate_ledger IS
 COMMENT ON TABLE pgsemaphore.grantees IS
     'The roles grant_access gave the application''s or the operator''s part, kept current by regrant().';
 COMMENT ON VIEW pgsemaphore.rate_limits IS
-    'Each rate limiter key''s state: its newest row in rate_ledger.';
+    'Each rate limiter key''s state: its newest row in rate_ledger. The limits in force are in rate_limit_settings (per limiter, key '''', or per key).';
+COMMENT ON COLUMN pgsemaphore.rate_limits.kind IS
+    'token_bucket, fixed_window or sliding_window.';
+COMMENT ON COLUMN pgsemaphore.rate_limits.tokens IS
+    'token_bucket: the tokens left at stamp, refilling at the stored rate up to the burst. Below zero while waiting acquires have booked permits ahead: -n means n permits are owed, and the next check passes once n + 1 tokens have refilled.';
+COMMENT ON COLUMN pgsemaphore.rate_limits.hits IS
+    'fixed_window, sliding_window: the permits booked in the window that starts at stamp.';
+COMMENT ON COLUMN pgsemaphore.rate_limits.previous_hits IS
+    'sliding_window: the permits of the window before stamp''s, counted in proportion to how much of it still overlaps the sliding window.';
+COMMENT ON COLUMN pgsemaphore.rate_limits.stamp IS
+    'token_bucket: when tokens was computed; windows: the start of the latest window with bookings.';
+COMMENT ON COLUMN pgsemaphore.rate_limits.idle_at IS
+    'From this instant the key is at rest (a full bucket, or every window that counted a permit has ended): pruning deletes it then, which never admits more.';
 
 REVOKE ALL ON ALL ROUTINES IN SCHEMA pgsemaphore FROM PUBLIC;

@@ -5354,7 +5354,49 @@ CREATE VIEW pgsemaphore.rate_limits AS
 -- Name: VIEW rate_limits; Type: COMMENT; Schema: pgsemaphore; Owner: -
 --
 
-COMMENT ON VIEW pgsemaphore.rate_limits IS 'Each rate limiter key''s state: its newest row in rate_ledger.';
+COMMENT ON VIEW pgsemaphore.rate_limits IS 'Each rate limiter key''s state: its newest row in rate_ledger. The limits in force are in rate_limit_settings (per limiter, key '''', or per key).';
+
+
+--
+-- Name: COLUMN rate_limits.kind; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.rate_limits.kind IS 'token_bucket, fixed_window or sliding_window.';
+
+
+--
+-- Name: COLUMN rate_limits.tokens; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.rate_limits.tokens IS 'token_bucket: the tokens left at stamp, refilling at the stored rate up to the burst. Below zero while waiting acquires have booked permits ahead: -n means n permits are owed, and the next check passes once n + 1 tokens have refilled.';
+
+
+--
+-- Name: COLUMN rate_limits.hits; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.rate_limits.hits IS 'fixed_window, sliding_window: the permits booked in the window that starts at stamp.';
+
+
+--
+-- Name: COLUMN rate_limits.previous_hits; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.rate_limits.previous_hits IS 'sliding_window: the permits of the window before stamp''s, counted in proportion to how much of it still overlaps the sliding window.';
+
+
+--
+-- Name: COLUMN rate_limits.stamp; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.rate_limits.stamp IS 'token_bucket: when tokens was computed; windows: the start of the latest window with bookings.';
+
+
+--
+-- Name: COLUMN rate_limits.idle_at; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.rate_limits.idle_at IS 'From this instant the key is at rest (a full bucket, or every window that counted a permit has ended): pruning deletes it then, which never admits more.';
 
 
 --
