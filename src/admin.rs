@@ -1040,6 +1040,95 @@ pub async fn resume_rate_limit(
     rate_setting(pool, RESUME_RATE_LIMIT, kind, limiter, key, Ok).await
 }
 
+/// One advisory lock held, or waited for, in this database that is not an
+/// advisory semaphore's slot: a [`Mutex`](crate::Mutex)'s (or any other
+/// advisory lock), as `pg_locks` shows it ([`mutexes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MutexHolder {
+    /// The lock's key, as [`Mutex::key`](crate::Mutex::key) gives it: match
+    /// it against `Mutex::new(name).key()` to name it.
+    pub key: sqlx::postgres::PgAdvisoryLockKey,
+    /// The backend holding (or waiting for) it.
+    pub pid: i32,
+    /// Held (`true`), or waited for.
+    pub granted: bool,
+    /// Shared (`pg_advisory_*_shared`), else exclusive.
+    pub shared: bool,
+    /// The backend's `application_name` (visible for other roles' sessions
+    /// only to a role with `pg_read_all_stats`).
+    pub application_name: Option<String>,
+    /// The backend's client address.
+    pub client_addr: Option<String>,
+    /// Since when: the start of the backend's transaction (a
+    /// transaction-scoped lock is at most as old), else of its current
+    /// state (a session lock held by an idle session).
+    pub since: Option<DateTime<Utc>>,
+}
+
+/// Every advisory lock in this database that is not an advisory
+/// semaphore's slot, held or waited for: the mutexes' holders and waiters,
+/// from `pg_locks` (one statement; nothing is locked). `pg-semaphore status`
+/// prints them.
+///
+/// # Errors
+///
+/// [`Error::Schema`], [`Error::Database`].
+pub async fn mutexes(pool: &PgPool) -> Result<Vec<MutexHolder>> {
+    type Row = (
+        i16,
+        i64,
+        i64,
+        i32,
+        bool,
+        bool,
+        Option<String>,
+        Option<String>,
+        Option<DateTime<Utc>>,
+    );
+    let db = db(pool);
+    let query = db.query_as::<Row>(
+        "SELECT l.objsubid::int2, l.classid::int8, l.objid::int8, l.pid, l.granted,
+                l.mode = 'ShareLock', p.application_name, p.client_addr::text,
+                coalesce(p.xact_start, p.state_change)
+           FROM pg_catalog.pg_locks l
+           LEFT JOIN pg_catalog.pg_stat_activity p ON p.pid = l.pid
+          WHERE l.locktype = 'advisory'
+            AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                               WHERE d.datname = pg_catalog.current_database())
+            AND NOT (l.objsubid = 1 AND EXISTS (
+                    SELECT 1 FROM pgsemaphore.advisory_semaphores a
+                     WHERE ((l.classid::int8 << 32) | l.objid::int8) >= a.key_base
+                       AND ((l.classid::int8 << 32) | l.objid::int8) < a.key_base + a.peak_capacity))
+          ORDER BY l.objsubid, l.classid, l.objid, l.granted DESC, l.pid",
+    );
+    let rows = db.fetch_all(query).await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(subid, high, low, pid, granted, shared, application_name, client_addr, since)| {
+                let key = if subid == 2 {
+                    sqlx::postgres::PgAdvisoryLockKey::IntPair(
+                        high as u32 as i32,
+                        low as u32 as i32,
+                    )
+                } else {
+                    sqlx::postgres::PgAdvisoryLockKey::BigInt((high << 32) | low)
+                };
+                MutexHolder {
+                    key,
+                    pid,
+                    granted,
+                    shared,
+                    application_name,
+                    client_addr,
+                    since,
+                }
+            },
+        )
+        .collect())
+}
+
 /// A part of the schema a role can be given ([`grant_access`]): what an
 /// application needs, or what an operator needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -33,6 +33,7 @@ pub(crate) async fn status(
     pool: &PgPool,
     name: Option<&str>,
     json: bool,
+    mutex_names: &[String],
 ) -> Result<String, Failure> {
     let mut list = pg_semaphore::admin::semaphores(pool).await?;
     if let Some(name) = name {
@@ -41,11 +42,22 @@ pub(crate) async fn status(
             return Err(Failure::not_found(format!("no semaphore named {name:?}")));
         }
     }
-    Ok(if json {
-        render::status_json(&list)
-    } else {
-        render::status_table(&list)
-    })
+    if json {
+        return Ok(render::status_json(&list));
+    }
+    let mut out = render::status_table(&list);
+    if name.is_none() {
+        let locks = pg_semaphore::admin::mutexes(pool).await?;
+        if !locks.is_empty() {
+            let named: Vec<(sqlx::postgres::PgAdvisoryLockKey, &str)> = mutex_names
+                .iter()
+                .map(|n| (pg_semaphore::Mutex::new(n).key(), n.as_str()))
+                .collect();
+            out.push('\n');
+            out.push_str(&render::mutexes_table(&locks, &named, Utc::now()));
+        }
+    }
+    Ok(out)
 }
 
 pub(crate) async fn doctor(pool: &PgPool, json: bool) -> Result<String, Failure> {

@@ -101,7 +101,9 @@ enum Command {
     /// pid, client address, how long it has been connected (not how long it
     /// has held the slot) and application_name. Sessions of other roles
     /// show their client and start only to a role with pg_read_all_stats
-    /// (or pg_monitor).
+    /// (or pg_monitor). Then, without NAME, every other advisory lock of the
+    /// database (a Mutex's), held or waited for, with its backend and since
+    /// when; --mutex NAME shows a mutex's lock under its name.
     ///
     /// --json prints one array: the lease semaphores ("kind": "lease"),
     /// each holder with "age_seconds", "lease_left_seconds" and
@@ -112,8 +114,12 @@ enum Command {
         /// Only this semaphore, of either kind (exit status 3 if it does not exist).
         name: Option<String>,
         /// Print JSON instead of tables (advisory semaphores carry "kind": "advisory").
+        /// The mutexes' table is printed in text only.
         #[arg(long)]
         json: bool,
+        /// Show this mutex's lock under its name instead of its key (repeatable).
+        #[arg(long = "mutex", value_name = "NAME")]
+        mutexes: Vec<String>,
     },
 
     /// Name what holds back VACUUM on this database, if anything.
@@ -620,7 +626,11 @@ async fn run(cli: Cli) -> Result<String, Failure> {
     let pool = connect(cli.database_url.as_deref()).await?;
     let output = match cli.command {
         Command::Migrate => commands::migrate(&pool).await?,
-        Command::Status { name, json } => commands::status(&pool, name.as_deref(), json).await?,
+        Command::Status {
+            name,
+            json,
+            mutexes,
+        } => commands::status(&pool, name.as_deref(), json, &mutexes).await?,
         Command::Doctor { json } => commands::doctor(&pool, json).await?,
         Command::Audit(args) => commands::audit(&pool, args).await?,
         Command::Report(args) => commands::report(&pool, args).await?,

@@ -41,6 +41,58 @@ pub(crate) fn status_table(all: &[SemaphoreInfo]) -> String {
     out
 }
 
+/// The advisory locks that are no semaphore's (mutexes): key (or the name
+/// given for it), state, mode, backend, application, client, since when.
+pub(crate) fn mutexes_table(
+    locks: &[pg_semaphore::admin::MutexHolder],
+    named: &[(sqlx::postgres::PgAdvisoryLockKey, &str)],
+    now: DateTime<Utc>,
+) -> String {
+    let rows: Vec<Vec<String>> = locks
+        .iter()
+        .map(|lock| {
+            let key = match named.iter().find(|(key, _)| *key == lock.key) {
+                Some((_, name)) => (*name).to_owned(),
+                None => match &lock.key {
+                    sqlx::postgres::PgAdvisoryLockKey::BigInt(key) => key.to_string(),
+                    sqlx::postgres::PgAdvisoryLockKey::IntPair(a, b) => format!("({a}, {b})"),
+                    other => format!("{other:?}"),
+                },
+            };
+            vec![
+                key,
+                if lock.granted { "held" } else { "waiting" }.to_owned(),
+                if lock.shared { "shared" } else { "exclusive" }.to_owned(),
+                lock.pid.to_string(),
+                lock.application_name
+                    .clone()
+                    .unwrap_or_else(|| "-".to_owned()),
+                lock.client_addr.clone().unwrap_or_else(|| "-".to_owned()),
+                lock.since.map_or_else(
+                    || "-".to_owned(),
+                    |at| human((now - at).to_std().unwrap_or_default()),
+                ),
+            ]
+        })
+        .collect();
+    let mut out = String::new();
+    table(
+        &mut out,
+        "",
+        &[
+            "MUTEX (ADVISORY LOCK)",
+            "STATE",
+            "MODE",
+            "PID",
+            "APPLICATION",
+            "CLIENT",
+            "FOR",
+        ],
+        &rows,
+    );
+    out
+}
+
 /// The lease semaphores' table and their holders' tables.
 fn lease_table(out: &mut String, list: &[&SemaphoreInfo]) {
     let rows: Vec<Vec<String>> = list

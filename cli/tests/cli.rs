@@ -1418,3 +1418,54 @@ async fn the_reaper_command_frees_an_abandoned_slot_and_stops_on_sigterm() -> Te
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn status_lists_held_mutexes_by_name_and_not_advisory_semaphore_slots() -> TestResult {
+    let db = support::migrated_db().await;
+    let advisory = AdvisorySemaphore::builder("slots", 2)
+        .build(&db.client)
+        .await?;
+    let slot = advisory.try_acquire().await?;
+    let leader = pg_semaphore::Mutex::new("nightly-report")
+        .locking()
+        .lock_session(&db.client)
+        .await?;
+    let guard = pg_semaphore::Mutex::with_key_pair(-7, 9)
+        .locking()
+        .shared()
+        .lock(&db.client)
+        .await?;
+
+    let out = run(&db, &["status", "--mutex", "nightly-report"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    let mutex_lines: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("MUTEX (ADVISORY LOCK)"))
+        .skip(1)
+        .collect();
+    assert_eq!(
+        mutex_lines.len(),
+        2,
+        "two locks, no semaphore slot:\n{text}"
+    );
+    assert!(
+        mutex_lines.iter().any(|l| l.starts_with("nightly-report")
+            && l.contains("held")
+            && l.contains("exclusive")),
+        "{text}"
+    );
+    assert!(
+        mutex_lines
+            .iter()
+            .any(|l| l.starts_with("(-7, 9)") && l.contains("shared")),
+        "{text}"
+    );
+
+    guard.commit().await?;
+    leader.unlock().await?;
+    slot.release().await?;
+    let out = run(&db, &["status"]).await;
+    assert!(!stdout(&out).contains("MUTEX"), "{}", stdout(&out));
+    Ok(())
+}
