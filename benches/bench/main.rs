@@ -79,6 +79,10 @@
 //!     family with 10, 10,000 and 1,000,000 keys in the table (1,000 and
 //!     10,000 with `--quick`), hot keys and random keys, against named
 //!     semaphores in the same run.
+//! 17. **heartbeat**: workload 1's cycle at 8 clients while another client
+//!     holds 100 or 1,000 permits renewed by their heartbeat, with a 90 s
+//!     and a 10 s lease, against the cycle with nothing held: cycles/s and
+//!     the renewals per second counted on the server.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -91,6 +95,7 @@ mod advisory;
 mod family;
 mod fleet;
 mod growth;
+mod heartbeat;
 mod lateness;
 mod lease;
 mod limits;
@@ -120,7 +125,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family|heartbeat] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,fixed-hot]";
@@ -153,10 +158,11 @@ pub enum Workload {
     Limits,
     Lateness,
     Family,
+    Heartbeat,
 }
 
 impl Workload {
-    const ALL: [Workload; 16] = [
+    const ALL: [Workload; 17] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -173,6 +179,7 @@ impl Workload {
         Workload::Limits,
         Workload::Lateness,
         Workload::Family,
+        Workload::Heartbeat,
     ];
 
     pub fn name(self) -> &'static str {
@@ -193,6 +200,7 @@ impl Workload {
             Workload::Pressure => "pressure",
             Workload::Multi => "multi",
             Workload::Lateness => "lateness",
+            Workload::Heartbeat => "heartbeat",
         }
     }
 
@@ -596,6 +604,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Pressure => pressure::pressure_workload(ctx).await?,
             Workload::Multi => multi::multi_workload(ctx).await?,
             Workload::Lateness => lateness::lateness_workload(ctx).await?,
+            Workload::Heartbeat => heartbeat::heartbeat_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
         eprintln!("== {} took {took:.1} s", workload.name());

@@ -143,22 +143,26 @@ pub async fn sem_ours(
         .await?;
     let load = run_load(clients, s.warmup, s.cell, move |_, _| {
         let sem = sem.clone();
-        async move {
-            match sem.try_acquire().await {
-                Ok(permit) => {
-                    permit.release().await?;
-                    Ok(Outcome::Done)
-                }
-                Err(Error::NoSlotsAvailable { .. }) => Ok(Outcome::Refused),
-                Err(error) => Err(error.into()),
-            }
-        }
+        async move { try_cycle(&sem).await }
     })
     .await?;
     pool.close().await;
     let cell = Cell::from_load(Workload::Semaphore, SEM_OURS, config, load);
     eprintln!("{}", cell.progress());
     Ok(cell)
+}
+
+/// One cycle of workload 1: claim without waiting; if a slot was free,
+/// release it at once.
+pub async fn try_cycle(sem: &Semaphore) -> Res<Outcome> {
+    match sem.try_acquire().await {
+        Ok(permit) => {
+            permit.release().await?;
+            Ok(Outcome::Done)
+        }
+        Err(Error::NoSlotsAvailable { .. }) => Ok(Outcome::Refused),
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// The SQL of seed 001 (Django), for one table.
