@@ -6,17 +6,20 @@
 //! run ends with the audit log's summary of its own time window.
 //!
 //! ```text
-//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo run --example quickstart
+//! cargo run --example quickstart
 //! ```
 //!
-//! `DATABASE_URL` names any PostgreSQL server the user may create a schema
-//! on; the example creates (or upgrades) the `pgsemaphore` schema in that
-//! database.
+//! It uses `DATABASE_URL` (environment or `.env`) when set, and otherwise
+//! starts a throwaway PostgreSQL from the locally installed server binaries,
+//! exactly as the tests do (the one example that uses the repository's
+//! unpublished test harness, so that it runs with no configuration; the
+//! others need only `DATABASE_URL`, and can be copied as they are).
 
 use std::time::{Duration, Instant};
 
 use pg_semaphore::{Client, Error, Semaphore, admin::Reaper};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
+use testkit::server;
 use tokio::sync::oneshot;
 
 const CAPACITY: u32 = 4;
@@ -33,17 +36,13 @@ enum Served {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let server: PgConnectOptions = database_url().parse()?;
-    println!(
-        "PostgreSQL: {}:{}/{}",
-        server.get_host(),
-        server.get_port(),
-        server.get_database().unwrap_or_default()
-    );
+    // Finding or starting the server blocks (initdb, pg_ctl): keep it off the runtime.
+    let server = tokio::task::spawn_blocking(server::server).await?;
+    println!("PostgreSQL: {}", server.description);
 
     let pool = PgPoolOptions::new()
         .max_connections(8)
-        .connect_with(server)
+        .connect_with(server.options.clone())
         .await?;
     pg_semaphore::migrate(&pool).await?;
     // One client per pool: everything is built on it.
@@ -106,21 +105,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     client.shutdown().await?;
     pool.close().await;
     Ok(())
-}
-
-/// The server to use: `DATABASE_URL`, or a message saying how to set it.
-fn database_url() -> String {
-    match std::env::var("DATABASE_URL") {
-        Ok(url) if !url.trim().is_empty() => url,
-        _ => {
-            eprintln!(
-                "set DATABASE_URL=postgres://user@host/db, e.g.\n  \
-                 DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
-                 cargo run --example quickstart"
-            );
-            std::process::exit(2)
-        }
-    }
 }
 
 /// One request to the upstream: every third worker is impatient.
