@@ -449,7 +449,7 @@ BEGIN
             'pgsemaphore.open(text, integer, interval, boolean)',
             'pgsemaphore.claim(text, text, interval, jsonb, bytea, integer, smallint, integer, bigint, bytea, interval)',
             'pgsemaphore.release(bigint[], bytea, boolean)',
-            'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[])',
+            'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[], text[], text[], text[], double precision[], double precision[], bigint[], interval[])',
             'pgsemaphore.release_all(bigint[], bytea, boolean)',
             'pgsemaphore.release_by_token(text, bytea)',
             'pgsemaphore.renew(bigint[], bytea, interval)',

@@ -1330,10 +1330,10 @@ $$;
 
 
 --
--- Name: claim_all(text[], text, interval, jsonb, bytea, integer[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: claim_all(text[], text, interval, jsonb, bytea, integer[], text[], text[], text[], double precision[], double precision[], bigint[], interval[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer[] DEFAULT NULL::integer[]) RETURNS TABLE(o_status text, o_semaphore text, o_ids bigint[], o_semaphores text[], o_slots integer[], o_created_at timestamp with time zone, o_expires_at timestamp with time zone, o_capacity integer, o_free integer, o_retry_in interval, o_wake text[])
+CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer[] DEFAULT NULL::integer[], p_rate_kinds text[] DEFAULT NULL::text[], p_rate_limiters text[] DEFAULT NULL::text[], p_rate_keys text[] DEFAULT NULL::text[], p_rate_rates double precision[] DEFAULT NULL::double precision[], p_rate_bursts double precision[] DEFAULT NULL::double precision[], p_rate_limits bigint[] DEFAULT NULL::bigint[], p_rate_windows interval[] DEFAULT NULL::interval[]) RETURNS TABLE(o_status text, o_semaphore text, o_ids bigint[], o_semaphores text[], o_slots integer[], o_created_at timestamp with time zone, o_expires_at timestamp with time zone, o_capacity integer, o_free integer, o_retry_in interval, o_wake text[], o_rate_limit integer)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -1349,6 +1349,14 @@ CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_leas
 --                the named semaphores: every claim gets the same lease
 --   p_permits    NULL (one permit of each), or one count per semaphore, in
 --                the order of p_semaphores, each 1..100000, no NULLs
+--   p_rate_*     NULL (all seven: no rate limit), or rate limits that the
+--                same call charges one permit each, as
+--                pgsemaphore.check_limits takes them (p_rate_kinds as
+--                p_kinds, p_rate_limiters as p_limiters, and so on; 1 to 16
+--                limits, no key twice; checked as it checks them, with
+--                p_n 1, a refusal naming the p_rate_ argument): the request is admitted only when every semaphore
+--                and every rate limit admit it, and takes nothing from any
+--                otherwise
 -- Every bad argument raises SQLSTATE 22023 naming it in COLUMN; an unknown
 -- semaphore P0002; a semaphore's row held past lock_timeout (2 s) 55P03.
 -- Nothing is claimed then.
@@ -1365,6 +1373,12 @@ CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_leas
 --              that refused, in o_semaphore, with its o_capacity, o_free
 --              and o_retry_in as claim returned them; nothing is claimed
 --              and nothing is held (o_ids NULL, o_wake empty)
+--   'rate_limited': every semaphore admitted but a rate limit refused:
+--              o_rate_limit is its index (from 1, in the order of
+--              p_rate_kinds; the refusing limit with the longest wait),
+--              o_retry_in when it would admit (a pause: until it ends);
+--              nothing is claimed and no limit is charged
+-- o_rate_limit is NULL unless 'rate_limited'.
 -- Claims are high priority (no reserve applies) and outside the fair
 -- queue: a semaphore with a live high-priority waiter queued refuses them
 -- ('behind'), as it refuses any claim without a ticket.
@@ -1374,7 +1388,14 @@ CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_leas
 -- capacity, held counting every live row the claim did not reap, under the
 -- semaphore's row lock), and those claims commit together or not at all:
 -- every claim runs in one subtransaction, rolled back as a whole at the
--- first refusal, which also releases the row locks it took. The rows are
+-- first refusal, which also releases the row locks it took. With rate
+-- limits, after every claim succeeded, one pgsemaphore.rate_take_all
+-- (check_limits' engine, its invariant: each limit admits only what its
+-- own step admits) runs in the same subtransaction: admitted, every limit
+-- is charged and the claims stand; refused, it wrote nothing, and the
+-- subtransaction's rollback undoes the claims. So a request counts
+-- against a semaphore only if every limit admitted it, and against a rate
+-- limit only if every semaphore admitted it. The rows are
 -- locked in ascending byte order of their names (COLLATE "C", the same in
 -- every session), each held until this transaction ends; every other
 -- function locks at most one semaphore row, and another claim_all locks in
@@ -1392,8 +1413,18 @@ CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_leas
 -- transaction and then asking, in it, for a row we hold: a deadlock only
 -- that caller's transactions can close, which PostgreSQL's detector
 -- breaks (40P01 to one of the two; nothing half-claimed either way).
+-- With rate limits, also what rate_take_all meets, per key: its advisory
+-- locks are taken after our row locks, in hash order; every caller that
+-- takes both (another claim_all) takes rows first, then keys, and a plain
+-- rate check or set takes keys only and waits on no row, so no cycle can
+-- form; a key's lock held by a stuck transaction: 2 s, then 55P03, nothing
+-- claimed or charged (the rows stay locked meanwhile, as above).
 DECLARE
     v_count    integer;
+    v_order    integer[];
+    v_rate     record;
+    v_column   text;
+    v_message  text;
     v_names    text[];
     v_permits  integer[];
     v_lease    interval;
@@ -1428,6 +1459,29 @@ BEGIN
     END IF;
     IF p_lease IS NOT NULL AND (p_lease < interval '10 ms' OR p_lease > interval '366 days') THEN
         PERFORM pgsemaphore.checked_interval(p_lease, 'p_lease', interval '10 ms', interval '366 days');
+    END IF;
+    IF p_rate_kinds IS NOT NULL THEN
+        -- Checked before anything is claimed, as check_limits checks its
+        -- arrays; a refusal names our argument (p_kinds -> p_rate_kinds,
+        -- p_key -> p_rate_keys, ...). The limits' canonical order.
+        BEGIN
+            v_order := pgsemaphore.checked_limits(p_rate_kinds, p_rate_limiters, p_rate_keys, p_rate_rates,
+                                                  p_rate_bursts, p_rate_limits, p_rate_windows, 1);
+        EXCEPTION WHEN invalid_parameter_value THEN
+            GET STACKED DIAGNOSTICS v_column = COLUMN_NAME, v_message = MESSAGE_TEXT;
+            PERFORM pgsemaphore.refuse(
+                CASE WHEN v_column IN ('p_kinds', 'p_limiters', 'p_keys', 'p_rates', 'p_bursts', 'p_limits',
+                                       'p_windows')
+                     THEN 'p_rate_' || substr(v_column, 3)
+                     WHEN v_column IN ('p_limiter', 'p_key', 'p_rate', 'p_burst', 'p_limit', 'p_window')
+                     THEN 'p_rate_' || substr(v_column, 3) || 's'
+                     ELSE 'p_rate_limits' END,
+                regexp_replace(v_message, '^invalid [a-z_]+: ', ''));
+        END;
+    ELSIF num_nonnulls(p_rate_limiters, p_rate_keys, p_rate_rates, p_rate_bursts, p_rate_limits,
+                       p_rate_windows) > 0 THEN
+        PERFORM pgsemaphore.refuse('p_rate_kinds',
+            'NULL with other p_rate_ arguments given: pass all seven, or none');
     END IF;
 
     -- 1. The canonical order, and one lease for every claim.
@@ -1465,14 +1519,34 @@ BEGIN
                 o_wake := o_wake || v_names[i];
             END IF;
         END LOOP;
-        -- 3. Link the claims in the audit log: the first id names the group.
+        -- 3. The rate limits, once every semaphore admitted: charged only
+        -- if all admit; a refusal wrote nothing and undoes the claims.
+        IF p_rate_kinds IS NOT NULL THEN
+            SELECT r.o_allowed, r.o_wait_us, r.o_deciding INTO v_rate
+              FROM pgsemaphore.rate_take_all(p_rate_kinds, p_rate_limiters, p_rate_keys, p_rate_rates,
+                                             p_rate_bursts, p_rate_limits, p_rate_windows, 1,
+                                             interval '0', v_order) r;
+            IF NOT v_rate.o_allowed THEN
+                o_rate_limit := v_rate.o_deciding;
+                o_retry_in := make_interval(secs => v_rate.o_wait_us / 1e6);
+                RAISE EXCEPTION 'claim_all refused by rate limit %', v_rate.o_deciding
+                    USING ERRCODE = 'PGSA1';
+            END IF;
+        END IF;
+        -- 4. Link the claims in the audit log: the first id names the group.
         UPDATE pgsemaphore.slots s SET group_id = o_ids[1] WHERE s.id = ANY (o_ids);
         o_status := 'claimed';
     EXCEPTION WHEN SQLSTATE 'PGSA1' THEN
-        o_status := v_refusal.o_status;
-        o_capacity := v_refusal.o_capacity;
-        o_free := v_refusal.o_free;
-        o_retry_in := v_refusal.o_retry_in;
+        -- (Variables keep what the block set: a rate refusal set
+        -- o_rate_limit and o_retry_in, a semaphore's set v_refusal.)
+        IF o_rate_limit IS NOT NULL THEN
+            o_status := 'rate_limited';
+        ELSE
+            o_status := v_refusal.o_status;
+            o_capacity := v_refusal.o_capacity;
+            o_free := v_refusal.o_free;
+            o_retry_in := v_refusal.o_retry_in;
+        END IF;
         o_ids := NULL;
         o_slots := NULL;
         o_semaphores := NULL;
@@ -2390,7 +2464,7 @@ BEGIN
             'pgsemaphore.open(text, integer, interval, boolean)',
             'pgsemaphore.claim(text, text, interval, jsonb, bytea, integer, smallint, integer, bigint, bytea, interval)',
             'pgsemaphore.release(bigint[], bytea, boolean)',
-            'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[])',
+            'pgsemaphore.claim_all(text[], text, interval, jsonb, bytea, integer[], text[], text[], text[], double precision[], double precision[], bigint[], interval[])',
             'pgsemaphore.release_all(bigint[], bytea, boolean)',
             'pgsemaphore.release_by_token(text, bytea)',
             'pgsemaphore.renew(bigint[], bytea, interval)',
@@ -5909,10 +5983,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.claim(p_semaphore text, p_holder text, p_leas
 
 
 --
--- Name: FUNCTION claim_all(p_semaphores text[], p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer[]); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION claim_all(p_semaphores text[], p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer[], p_rate_kinds text[], p_rate_limiters text[], p_rate_keys text[], p_rate_rates double precision[], p_rate_bursts double precision[], p_rate_limits bigint[], p_rate_windows interval[]); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_lease interval, p_metadata jsonb, p_token bytea, p_permits integer[], p_rate_kinds text[], p_rate_limiters text[], p_rate_keys text[], p_rate_rates double precision[], p_rate_bursts double precision[], p_rate_limits bigint[], p_rate_windows interval[]) FROM PUBLIC;
 
 
 --

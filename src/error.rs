@@ -54,6 +54,18 @@ pub enum Error {
         capacity: u32,
     },
 
+    /// A claim with rate limits ([`Acquiring::rate_limit`](crate::Acquiring::rate_limit))
+    /// found every semaphore free but a rate limit refusing: nothing was
+    /// claimed and no limit was charged. Answer 429 with `Retry-After:
+    /// retry_after`.
+    #[error("rate limited by {limiter:?}: it admits again in {retry_after:?}")]
+    RateLimited {
+        /// The limiter that refused (of several, the one with the longest wait).
+        limiter: String,
+        /// When it would admit (a pause: when the pause ends).
+        retry_after: Duration,
+    },
+
     /// The semaphore's queue of waiters already holds its limit: an acquire
     /// on a handle built with [`queue_limit`](crate::SemaphoreBuilder::queue_limit)
     /// is refused at once instead of waiting (answer 429 or 503).
@@ -486,8 +498,8 @@ impl std::fmt::Display for LostReason {
 }
 
 impl Error {
-    /// Whether the error only means "busy": no slot was free, the queue was
-    /// full, a mutex was held, a wait timed out, or the semaphore's row was
+    /// Whether the error only means "busy": no slot was free, a rate limit
+    /// refused a claim, the queue was full, a mutex was held, a wait timed out, or the semaphore's row was
     /// held by a stuck transaction for longer than the bound
     /// ([`Error::Stalled`]).
     ///
@@ -508,6 +520,7 @@ impl Error {
         matches!(
             self,
             Error::NoSlotsAvailable { .. }
+                | Error::RateLimited { .. }
                 | Error::QueueFull { .. }
                 | Error::Locked { .. }
                 | Error::Timeout { .. }

@@ -23,8 +23,8 @@ use http::{Request, Response, StatusCode};
 use crate::error::{Error, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::SemaphoreMetrics;
-use crate::rate_limit::RateLimiter;
-use crate::semaphore::{Permit, Semaphore, SemaphoreFamily};
+use crate::rate_limit::{ClaimRates, LimiterSet, RateLimiter};
+use crate::semaphore::{Permit, Semaphore, SemaphoreFamily, acquire_with_rates};
 
 /// Reads a limit's key (a tenant, a customer) from a request's head;
 /// `None` leaves the request out of that limit.
@@ -118,9 +118,53 @@ pub struct SemaphoreLayer {
 struct Limits {
     global: Option<Semaphore>,
     family: Option<(SemaphoreFamily, KeyFn)>,
+    /// Rate limits charged in the same claim, each on the key its closure
+    /// reads.
+    rates: Vec<(RateLimiter, KeyFn)>,
 }
 
 impl Limits {
+    /// A request under the rate limits only (its family key was `None` and
+    /// there is no global semaphore): one check of them all, or a booking
+    /// within `wait`.
+    async fn rates_only(
+        &self,
+        rate_keys: &[Option<String>],
+        wait: Option<Duration>,
+    ) -> Result<(), Error> {
+        let mut set = LimiterSet::new();
+        for ((limiter, _), rate_key) in self.rates.iter().zip(rate_keys) {
+            if let Some(rate_key) = rate_key {
+                set = set.with_key(limiter, rate_key.clone());
+            }
+        }
+        // Every limit has its own key: the set's key is never used.
+        const UNUSED: &str = "-";
+        if let Some(timeout) = wait {
+            match set.acquire_timeout(UNUSED, 1, timeout).await {
+                Ok(decision) if decision.allowed => return Ok(()),
+                Ok(_) | Err(Error::Timeout { .. }) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        let decision = set.check(UNUSED, 1).await?;
+        if decision.allowed {
+            return Ok(());
+        }
+        // (A set's decision does not say which limiter refused: name them.)
+        let names: Vec<&str> = self
+            .rates
+            .iter()
+            .zip(rate_keys)
+            .filter(|(_, rate_key)| rate_key.is_some())
+            .map(|((limiter, _), _)| limiter.name())
+            .collect();
+        Err(Error::RateLimited {
+            limiter: names.join(", "),
+            retry_after: decision.retry_after,
+        })
+    }
+
     /// The name a request's limit goes by in logs: the semaphore's, else
     /// `@family`.
     fn name(&self) -> String {
@@ -137,10 +181,34 @@ impl Limits {
     async fn hold(
         &self,
         key: Option<&str>,
+        rate_keys: Vec<Option<String>>,
         wait: Option<Duration>,
         metadata: Option<serde_json::Value>,
     ) -> Result<Option<Permit>, Error> {
         let family = self.family.as_ref().map(|(family, _)| family);
+        let mut rates = ClaimRates::default();
+        for ((limiter, _), rate_key) in self.rates.iter().zip(&rate_keys) {
+            if let Some(rate_key) = rate_key {
+                rates.push(limiter, rate_key.clone());
+            }
+        }
+        if !rates.is_empty() {
+            return match (&self.global, family.zip(key)) {
+                (None, None) => self.rates_only(&rate_keys, wait).await.map(|()| None),
+                (Some(global), None) => acquire_with_rates(&[global], rates, wait).await.map(Some),
+                (global, Some((family, key))) => family
+                    .with_key(key, |sem| {
+                        let rates = rates.clone();
+                        async move {
+                            let semaphores: Vec<&Semaphore> =
+                                global.iter().chain(std::iter::once(&sem)).collect();
+                            acquire_with_rates(&semaphores, rates, wait).await
+                        }
+                    })
+                    .await
+                    .map(Some),
+            };
+        }
         match (&self.global, family.zip(key)) {
             (None, None) => Ok(None),
             (Some(global), None) => acquire(global, wait, metadata).await.map(Some),
@@ -198,6 +266,7 @@ impl SemaphoreLayer {
         SemaphoreLayer::with(Limits {
             global: Some(semaphore),
             family: None,
+            rates: Vec::new(),
         })
     }
 
@@ -212,6 +281,7 @@ impl SemaphoreLayer {
         SemaphoreLayer::with(Limits {
             global: None,
             family: Some((family, Arc::new(key))),
+            rates: Vec::new(),
         })
     }
 
@@ -226,9 +296,65 @@ impl SemaphoreLayer {
         key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
         let global = self.limits.global.clone();
+        let rates = self.limits.rates.clone();
         self.limits = Arc::new(Limits {
             global,
             family: Some((family, Arc::new(key))),
+            rates,
+        });
+        self
+    }
+
+    /// Also charges each request one permit of `limiter`, on the key `key`
+    /// reads from the request's head, **in the same claim** as its slots: a
+    /// request is admitted only when its semaphores have room and the rate
+    /// limit admits it, and takes nothing from any of them otherwise
+    /// ([`Acquiring::rate_limit`](crate::Acquiring::rate_limit)). A request
+    /// refused by the rate limit is answered `429 Too Many Requests` with
+    /// `Retry-After` (the limit's, rounded up), whatever
+    /// [`reject_with`](Self::reject_with) says; in [`wait`](Self::wait)
+    /// mode it first waits, within the bound, for the limit to admit it. A
+    /// request for which `key` returns `None` is not rate limited. Call it
+    /// again for more limits. The limiters must be built on the semaphores'
+    /// [`Client`](crate::Client).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use pg_semaphore::{Client, RateLimiter, RatePolicy, Semaphore, SemaphoreFamily};
+    /// use pg_semaphore::tower::SemaphoreLayer;
+    ///
+    /// # async fn run(client: Client) -> Result<(), Box<dyn std::error::Error>> {
+    /// let upstream = Semaphore::builder("payments-api", 20).build(&client).await?;
+    /// let tenants = SemaphoreFamily::builder("tenants", 4).build(&client).await?;
+    /// let per_customer =
+    ///     RateLimiter::builder("per-customer", RatePolicy::token_bucket(5.0, 5)).build(&client)?;
+    /// let header = |name: &'static str| {
+    ///     move |request: &http::request::Parts| {
+    ///         Some(request.headers.get(name)?.to_str().ok()?.to_owned())
+    ///     }
+    /// };
+    /// // 20 in flight, 4 per tenant, 5 per second per customer: one claim.
+    /// let layer = SemaphoreLayer::new(upstream)
+    ///     .per_key(tenants, header("x-tenant"))
+    ///     .rate_limit(per_customer, header("x-customer"))
+    ///     .wait(Duration::from_secs(1));
+    /// let app: axum::Router = axum::Router::new()
+    ///     .route("/charge", axum::routing::post(|| async { "charged" }))
+    ///     .layer(layer);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn rate_limit(
+        mut self,
+        limiter: RateLimiter,
+        key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        let mut rates = self.limits.rates.clone();
+        rates.push((limiter, Arc::new(key)));
+        self.limits = Arc::new(Limits {
+            global: self.limits.global.clone(),
+            family: self.limits.family.clone(),
+            rates,
         });
         self
     }
@@ -344,6 +470,8 @@ where
         let config = self.config.clone();
         let (parts, body) = request.into_parts();
         let key = limits.family.as_ref().and_then(|(_, key)| key(&parts));
+        let rate_keys: Vec<Option<String>> =
+            limits.rates.iter().map(|(_, key)| key(&parts)).collect();
         let metadata = config.record_requests.then(|| {
             serde_json::json!({
                 "method": parts.method.as_str(),
@@ -353,8 +481,16 @@ where
         let request = Request::from_parts(parts, body);
         ResponseFuture {
             future: Box::pin(async move {
-                let permit = match limits.hold(key.as_deref(), config.wait, metadata).await {
+                let permit = match limits
+                    .hold(key.as_deref(), rate_keys, config.wait, metadata)
+                    .await
+                {
                     Ok(permit) => permit,
+                    Err(Error::RateLimited { retry_after, .. }) => {
+                        let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+                        let retry_after = HeaderValue::from(seconds);
+                        return Ok(reject(StatusCode::TOO_MANY_REQUESTS, Some(&retry_after)));
+                    }
                     Err(error) if error.is_busy() => {
                         return Ok(reject(config.status, config.retry_after.as_ref()));
                     }

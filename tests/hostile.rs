@@ -1212,6 +1212,131 @@ async fn claim_all_refuses_every_bad_array_and_claims_nothing() -> TestResult {
     Ok(())
 }
 
+/// The multi-limit claim's rate limits, hostile: half of them given, bad
+/// kinds, lengths, NULLs, a key twice, or limits out of range are refused
+/// with 22023 before anything is claimed or charged.
+#[tokio::test]
+async fn claim_all_refuses_bad_rate_limits_and_takes_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    open(&db.pool, "hr", 2).await?;
+    let call = |rates: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (String,)>(sqlx::AssertSqlSafe(format!(
+                "SELECT o_status FROM pgsemaphore.claim_all(p_semaphores => ARRAY['hr'], \
+                 p_holder => 'h', p_lease => NULL, p_metadata => NULL, \
+                 p_token => '\\x00112233445566778899aabbccddeeff'::bytea{rates})"
+            )))
+            .fetch_one(&pool)
+            .await
+        }
+    };
+    let bucket = |kinds: &str, limiters: &str, keys: &str, rates: &str, bursts: &str| {
+        format!(
+            ", p_rate_kinds => {kinds}, p_rate_limiters => {limiters}, p_rate_keys => {keys}, \
+             p_rate_rates => {rates}, p_rate_bursts => {bursts}, \
+             p_rate_limits => ARRAY[NULL]::bigint[], p_rate_windows => ARRAY[NULL]::interval[]"
+        )
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (", p_rate_limiters => ARRAY['l']".to_owned(), "p_rate_kinds"),
+        (
+            bucket(
+                "ARRAY['nope']",
+                "ARRAY['l']",
+                "ARRAY['k']",
+                "ARRAY[1.0]",
+                "ARRAY[1.0]",
+            ),
+            "p_rate_kinds",
+        ),
+        (
+            bucket(
+                "ARRAY['token_bucket']",
+                "ARRAY[NULL]::text[]",
+                "ARRAY['k']",
+                "ARRAY[1.0]",
+                "ARRAY[1.0]",
+            ),
+            "p_rate_limiters",
+        ),
+        (
+            bucket(
+                "ARRAY['token_bucket']",
+                "ARRAY['l']",
+                "ARRAY['']",
+                "ARRAY[1.0]",
+                "ARRAY[1.0]",
+            ),
+            "p_rate_keys",
+        ),
+        (
+            bucket(
+                "ARRAY['token_bucket']",
+                "ARRAY['l']",
+                "ARRAY['k']",
+                "ARRAY[-1.0]",
+                "ARRAY[1.0]",
+            ),
+            "p_rate_rates",
+        ),
+        (
+            bucket(
+                "ARRAY['token_bucket']",
+                "ARRAY['l']",
+                "ARRAY['k']",
+                "ARRAY[1.0]",
+                "ARRAY['NaN']::float8[]",
+            ),
+            "p_rate_bursts",
+        ),
+        (
+            bucket(
+                "ARRAY['token_bucket']",
+                "ARRAY['l', 'l']",
+                "ARRAY['k']",
+                "ARRAY[1.0]",
+                "ARRAY[1.0]",
+            ),
+            "p_rate_limiters",
+        ),
+    ];
+    for (rates, argument) in cases {
+        let (state, column) = refused(call(Box::leak(rates.clone().into_boxed_str())).await);
+        assert_eq!(
+            (state.as_str(), column.as_deref()),
+            ("22023", Some(argument)),
+            "{rates}"
+        );
+    }
+    let twice = ", p_rate_kinds => ARRAY['token_bucket', 'token_bucket'], p_rate_limiters => ARRAY['l', 'l'], \
+                 p_rate_keys => ARRAY['k', 'k'], p_rate_rates => ARRAY[1.0, 1.0], p_rate_bursts => ARRAY[1.0, 1.0], \
+                 p_rate_limits => ARRAY[NULL, NULL]::bigint[], p_rate_windows => ARRAY[NULL, NULL]::interval[]";
+    let (state, column) = refused(call(twice).await);
+    assert_eq!(
+        (state.as_str(), column.as_deref()),
+        ("22023", Some("p_rate_limiters"))
+    );
+    assert_eq!(live_slots(&db.pool, "hr").await?, 0);
+    let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.rate_ledger")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(charged, 0, "a refused call charged a limit");
+    // Well formed: claimed and charged.
+    let (status,) = call(", p_rate_kinds => ARRAY['token_bucket'], p_rate_limiters => ARRAY['l'], \
+                          p_rate_keys => ARRAY['k'], p_rate_rates => ARRAY[1.0], p_rate_bursts => ARRAY[1.0], \
+                          p_rate_limits => ARRAY[NULL]::bigint[], p_rate_windows => ARRAY[NULL]::interval[]")
+        .await?;
+    assert_eq!(status, "claimed");
+    let (status,) = call(", p_rate_kinds => ARRAY['token_bucket'], p_rate_limiters => ARRAY['l'], \
+                          p_rate_keys => ARRAY['k'], p_rate_rates => ARRAY[1.0], p_rate_bursts => ARRAY[1.0], \
+                          p_rate_limits => ARRAY[NULL]::bigint[], p_rate_windows => ARRAY[NULL]::interval[]")
+        .await?;
+    assert_eq!(status, "rate_limited");
+    assert_eq!(live_slots(&db.pool, "hr").await?, 1);
+    Ok(())
+}
+
 /// release_all with a stranger's token locks and ends nothing, and with a
 /// mix of the caller's ids and someone else's ends only the caller's,
 /// reporting the other as not_holder.

@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use pg_semaphore::{
-    Client, Error, QueueOrder, Semaphore, audit::AuditLog, limits::MAX_SEMAPHORES_PER_CLAIM,
+    Client, Error, QueueOrder, RateLimiter, RatePolicy, Semaphore, audit::AuditLog,
+    limits::MAX_SEMAPHORES_PER_CLAIM,
 };
 use support::{TestResult, connect, live_rows, token};
 
@@ -532,5 +533,181 @@ async fn a_refused_multi_limit_claim_keeps_no_row_locked_in_an_open_transaction(
     permit.release().await?;
     sqlx::query("ROLLBACK").execute(&mut open).await?;
     held.release().await?;
+    Ok(())
+}
+
+/// The tokens left in `limiter`'s bucket for `key` (none before its first use).
+async fn tokens(pool: &sqlx::PgPool, limiter: &str, key: &str) -> Option<f64> {
+    sqlx::query_scalar("SELECT tokens FROM pgsemaphore.rate_limits WHERE limiter = $1 AND key = $2")
+        .bind(limiter)
+        .bind(key)
+        .fetch_optional(pool)
+        .await
+        .expect("read the bucket")
+}
+
+#[tokio::test]
+async fn a_claim_with_a_rate_limit_takes_both_or_nothing() -> TestResult {
+    let db = support::migrated_db().await;
+    let client = quiet(&db.client);
+    let upstream = semaphore(&client, "geocoder", 1).await?;
+    // One call per customer, then one every 1,000 s.
+    let per_customer =
+        RateLimiter::builder("geo-rate", RatePolicy::token_bucket(0.001, 1)).build(&client)?;
+
+    // Both admit: a slot and a token.
+    let permit = upstream
+        .acquiring()
+        .rate_limit(&per_customer, "c1")
+        .try_acquire()
+        .await?;
+    assert_eq!(live_rows(&db.pool, "geocoder").await, 1);
+    assert_eq!(tokens(&db.pool, "geo-rate", "c2").await, None);
+    // The semaphore is full: refused, and c2's bucket is not even touched.
+    match upstream
+        .acquiring()
+        .rate_limit(&per_customer, "c2")
+        .try_acquire()
+        .await
+    {
+        Err(Error::NoSlotsAvailable { semaphore, .. }) => assert_eq!(semaphore, "geocoder"),
+        other => panic!("expected NoSlotsAvailable, got {other:?}"),
+    }
+    assert_eq!(
+        tokens(&db.pool, "geo-rate", "c2").await,
+        None,
+        "a refused claim took a token"
+    );
+    permit.release().await?;
+
+    // c1's token is spent: the rate limit refuses, and no slot is taken.
+    match upstream
+        .acquiring()
+        .rate_limit(&per_customer, "c1")
+        .try_acquire()
+        .await
+    {
+        Err(Error::RateLimited {
+            limiter,
+            retry_after,
+        }) => {
+            assert_eq!(limiter, "geo-rate");
+            assert!(
+                retry_after > Duration::from_secs(900),
+                "retry after {retry_after:?}"
+            );
+        }
+        other => panic!("expected RateLimited, got {other:?}"),
+    }
+    assert_eq!(
+        live_rows(&db.pool, "geocoder").await,
+        0,
+        "a refused claim held a slot"
+    );
+    assert!(
+        upstream
+            .acquiring()
+            .rate_limit(&per_customer, "c1")
+            .try_acquire()
+            .await
+            .unwrap_err()
+            .is_busy()
+    );
+
+    // Another customer is served, and a claim without the limit too.
+    let permit = upstream
+        .acquiring()
+        .rate_limit(&per_customer, "c2")
+        .try_acquire()
+        .await?;
+    assert_eq!(
+        tokens(&db.pool, "geo-rate", "c2").await.map(f64::round),
+        Some(0.0)
+    );
+    permit.release().await?;
+    upstream.try_acquire().await?.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_waiting_claim_with_a_rate_limit_waits_for_the_limit_then_takes_both() -> TestResult {
+    let db = support::migrated_db().await;
+    let client = quiet(&db.client);
+    let upstream = semaphore(&client, "waits-rate", 2).await?;
+    // One call at once, then one every 200 ms.
+    let limit =
+        RateLimiter::builder("five-per-s", RatePolicy::token_bucket(5.0, 1)).build(&client)?;
+    let first = upstream
+        .acquiring()
+        .rate_limit(&limit, "k")
+        .try_acquire()
+        .await?;
+    // The second is refused now, and admitted by a waiting acquire.
+    assert!(matches!(
+        upstream
+            .acquiring()
+            .rate_limit(&limit, "k")
+            .try_acquire()
+            .await,
+        Err(Error::RateLimited { .. })
+    ));
+    let second = upstream
+        .acquiring()
+        .rate_limit(&limit, "k")
+        .timeout(Duration::from_secs(30))
+        .acquire()
+        .await?;
+    assert_eq!(live_rows(&db.pool, "waits-rate").await, 2);
+    // A third waits for a slot and a token both, and times out holding nothing.
+    let third = upstream
+        .acquiring()
+        .rate_limit(&limit, "k")
+        .timeout(Duration::from_millis(300))
+        .acquire()
+        .await;
+    assert!(matches!(third, Err(Error::Timeout { .. })), "got {third:?}");
+    assert_eq!(live_rows(&db.pool, "waits-rate").await, 2);
+    first.release().await?;
+    second.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_claim_with_rate_limits_refuses_what_it_cannot_do_before_sending() -> TestResult {
+    let db = support::migrated_db().await;
+    let client = quiet(&db.client);
+    let sem = semaphore(&client, "rate-args", 2).await?;
+    let limit =
+        RateLimiter::builder("rate-args-l", RatePolicy::token_bucket(1.0, 5)).build(&client)?;
+    let refused = |result: pg_semaphore::Result<pg_semaphore::Permit>| match result {
+        Err(Error::InvalidArgument { argument, .. }) => argument,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    };
+    let argument = refused(
+        sem.acquiring()
+            .rate_limit(&limit, "k")
+            .fairness_key("t")
+            .try_acquire()
+            .await,
+    );
+    assert_eq!(argument, "rate_limit");
+    assert_eq!(
+        refused(sem.acquiring().rate_limit(&limit, "").try_acquire().await),
+        "key"
+    );
+    // A limiter of another pool (another database, as far as a claim knows).
+    let other = support::migrated_db().await;
+    let elsewhere = RateLimiter::builder("rate-args-l", RatePolicy::token_bucket(1.0, 5))
+        .build(&other.client)?;
+    assert_eq!(
+        refused(
+            sem.acquiring()
+                .rate_limit(&elsewhere, "k")
+                .try_acquire()
+                .await
+        ),
+        "rate_limit"
+    );
+    assert_eq!(live_rows(&db.pool, "rate-args").await, 0);
     Ok(())
 }

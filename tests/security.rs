@@ -1502,7 +1502,7 @@ async fn privileges_each_routine_runs_for_exactly_its_documented_roles() -> Test
             "open(text,integer,interval,boolean)",
             "claim(text,text,interval,jsonb,bytea,integer,smallint,integer,bigint,bytea,interval)",
             "release(bigint[],bytea,boolean)",
-            "claim_all(text[],text,interval,jsonb,bytea,integer[])",
+            "claim_all(text[],text,interval,jsonb,bytea,integer[],text[],text[],text[],double precision[],double precision[],bigint[],interval[])",
             "release_all(bigint[],bytea,boolean)",
             "release_by_token(text,bytea)",
             "renew(bigint[],bytea,interval)",

@@ -491,3 +491,90 @@ async fn the_rate_limit_layer_waits_within_its_bound_and_refuses_beyond_it() -> 
     assert!(retry_after > 1, "Retry-After {retry_after}");
     Ok(())
 }
+
+/// The customer a test request names after its key: `/slow?k=acme&c=c1`.
+fn customer_key(request: &http::request::Parts) -> Option<String> {
+    let query = request.uri.query()?;
+    query
+        .split('&')
+        .find_map(|part| part.strip_prefix("c=").map(str::to_owned))
+}
+
+/// The tenant of `/slow?k=acme&c=c1`.
+fn tenant_key(request: &http::request::Parts) -> Option<String> {
+    let query = request.uri.query()?;
+    query
+        .split('&')
+        .find_map(|part| part.strip_prefix("k=").map(str::to_owned))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrency_and_rate_limits_are_one_claim_that_takes_nothing_when_refused() -> TestResult {
+    let db = support::migrated_db().await;
+    let global = Semaphore::builder("api", 2)
+        .lease(Duration::from_secs(3600))
+        .build(&db.client)
+        .await?;
+    let tenants = SemaphoreFamily::builder("tenants", 1)
+        .lease(Duration::from_secs(3600))
+        .build(&db.client)
+        .await?;
+    // Two requests per customer, then one every 100 s.
+    let per_customer = RateLimiter::builder("per-customer", RatePolicy::token_bucket(0.01, 2))
+        .build(&db.client)?;
+    let tokens = |customer: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(
+                "SELECT tokens FROM pgsemaphore.rate_limits WHERE limiter = 'per-customer' AND key = $1",
+            )
+            .bind(customer)
+            .fetch_optional(&pool)
+            .await
+            .expect("read the bucket")
+        }
+    };
+    let layer = SemaphoreLayer::new(global)
+        .per_key(tenants, tenant_key)
+        .rate_limit(per_customer, customer_key);
+    let server = serve(layer).await;
+
+    // acme's request takes a slot of api, of acme, and a token of c1.
+    let first = tokio::spawn(server.get("/slow?k=acme&c=c1"));
+    eventually("acme's request inside", || server.inside() == 1).await;
+    assert_eq!(tokens("c1").await, Some(1.0));
+    // acme is full: refused with the concurrency status, and c1 keeps its token.
+    assert_eq!(
+        server.get("/fast?k=acme&c=c1").await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        tokens("c1").await,
+        Some(1.0),
+        "a refused request spent a token"
+    );
+    // globex spends c1's last token.
+    let second = tokio::spawn(server.get("/slow?k=globex&c=c1"));
+    eventually("globex's request inside", || server.inside() == 2).await;
+    server.let_one_through();
+    server.let_one_through();
+    assert_eq!(first.await?.0, StatusCode::OK);
+    assert_eq!(second.await?.0, StatusCode::OK);
+    // c1 is out of tokens: 429 with Retry-After, and no slot was taken.
+    let (status, retry_after) = server.get("/fast?k=initech&c=c1").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = retry_after.expect("Retry-After").parse()?;
+    assert!(
+        (1..=100).contains(&retry_after),
+        "Retry-After {retry_after}"
+    );
+    assert_eq!(support::live_rows(&db.pool, "api").await, 0);
+    assert_eq!(support::live_rows(&db.pool, "@tenants/initech").await, 0);
+    // Another customer, and a request without one, are served.
+    server.open_gate();
+    assert_eq!(server.get("/fast?k=initech&c=c2").await.0, StatusCode::OK);
+    assert_eq!(server.get("/fast?k=initech").await.0, StatusCode::OK);
+    assert_eq!(server.entered(), 4, "a refused request reached a handler");
+    assert_eq!(server.max_inside(), 2);
+    Ok(())
+}

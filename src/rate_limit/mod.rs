@@ -67,6 +67,7 @@ mod set;
 mod settings;
 
 use engine::Limiter;
+pub(crate) use set::ClaimRates;
 pub use set::LimiterSet;
 pub(crate) use settings::RateWakeups;
 

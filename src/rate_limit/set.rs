@@ -344,42 +344,132 @@ impl LimiterSet {
                 format!("{} limits; at most {MAX_LIMITS}", self.limits.len()),
             ));
         }
-        let options = first.db.pool().connect_options();
-        let mut kinds = Vec::with_capacity(self.limits.len());
-        let mut names = Vec::with_capacity(self.limits.len());
-        let mut keys = Vec::with_capacity(self.limits.len());
-        let mut rates = Vec::with_capacity(self.limits.len());
-        let mut bursts = Vec::with_capacity(self.limits.len());
-        let mut limits = Vec::with_capacity(self.limits.len());
-        let mut windows = Vec::with_capacity(self.limits.len());
-        for (limiter, own_key) in &self.limits {
-            if !Arc::ptr_eq(&limiter.db.pool().connect_options(), &options) {
+        let limits = self
+            .limits
+            .iter()
+            .map(|(limiter, own_key)| (limiter, own_key.as_deref().unwrap_or(key)));
+        let arrays = LimitArrays::new(limits, permits)?;
+        Ok(arrays
+            .bind(first.db.query_as::<(bool, i64, i64, i32)>(sql))
+            .bind(i64::from(permits)))
+    }
+}
+
+/// The seven arrays `pgsemaphore.check_limits` (and `claim_all`'s rate
+/// limits) take, one element per limit, in the caller's order.
+pub(crate) struct LimitArrays {
+    kinds: Vec<&'static str>,
+    names: Vec<String>,
+    keys: Vec<String>,
+    rates: Vec<Option<f64>>,
+    bursts: Vec<Option<f64>>,
+    limits: Vec<Option<i64>>,
+    windows: Vec<Option<sqlx::postgres::types::PgInterval>>,
+}
+
+impl LimitArrays {
+    /// The arrays of `limits` (each limiter with the key it is checked on),
+    /// after the checks every request for `permits` passes: at most
+    /// [`MAX_LIMITS`] limits, all on one pool, each key valid.
+    pub(super) fn new<'a>(
+        limits: impl ExactSizeIterator<Item = (&'a Arc<Limiter>, &'a str)>,
+        permits: u32,
+    ) -> Result<LimitArrays> {
+        let count = limits.len();
+        if count > MAX_LIMITS {
+            return Err(Error::invalid(
+                "limits",
+                format!("{count} limits; at most {MAX_LIMITS}"),
+            ));
+        }
+        let mut arrays = LimitArrays {
+            kinds: Vec::with_capacity(count),
+            names: Vec::with_capacity(count),
+            keys: Vec::with_capacity(count),
+            rates: Vec::with_capacity(count),
+            bursts: Vec::with_capacity(count),
+            limits: Vec::with_capacity(count),
+            windows: Vec::with_capacity(count),
+        };
+        let mut options = None;
+        for (limiter, key) in limits {
+            let own = limiter.db.pool().connect_options();
+            if !Arc::ptr_eq(options.get_or_insert_with(|| own.clone()), &own) {
                 return Err(Error::invalid(
                     "limits",
                     "the limiters of a set must be built on the same pool",
                 ));
             }
-            let key = own_key.as_deref().unwrap_or(key);
             limiter.request(key, permits)?;
-            kinds.push(limiter.policy.kind().as_str());
-            names.push(limiter.name.clone());
-            keys.push(key.to_owned());
+            arrays.kinds.push(limiter.policy.kind().as_str());
+            arrays.names.push(limiter.name.clone());
+            arrays.keys.push(key.to_owned());
             let (rate, burst, limit, window) = limiter.policy.sql_limits()?.columns();
-            rates.push(rate);
-            bursts.push(burst);
-            limits.push(limit);
-            windows.push(window);
+            arrays.rates.push(rate);
+            arrays.bursts.push(burst);
+            arrays.limits.push(limit);
+            arrays.windows.push(window);
         }
-        Ok(first
-            .db
-            .query_as::<(bool, i64, i64, i32)>(sql)
-            .bind(kinds)
-            .bind(names)
-            .bind(keys)
-            .bind(rates)
-            .bind(bursts)
-            .bind(limits)
-            .bind(windows)
-            .bind(i64::from(permits)))
+        Ok(arrays)
+    }
+
+    /// `query` with the seven arrays bound as its next seven parameters.
+    pub(crate) fn bind<O>(self, query: Statement<O>) -> Statement<O> {
+        query
+            .bind(self.kinds)
+            .bind(self.names)
+            .bind(self.keys)
+            .bind(self.rates)
+            .bind(self.bursts)
+            .bind(self.limits)
+            .bind(self.windows)
+    }
+}
+
+/// The rate limits a semaphore claim charges in its own transaction
+/// ([`Acquiring::rate_limit`](crate::Acquiring::rate_limit)): one permit of
+/// each limiter on its key.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ClaimRates {
+    limits: Vec<(Arc<Limiter>, String)>,
+}
+
+impl ClaimRates {
+    pub(crate) fn push(&mut self, limiter: &RateLimiter, key: String) {
+        self.limits.push((limiter.inner.clone(), key));
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.limits.is_empty()
+    }
+
+    /// The arrays of `claim_all`'s `p_rate_*` arguments, after the checks a
+    /// check of one permit passes; `pool` is the semaphores' (a claim is one
+    /// transaction of one database).
+    pub(crate) fn arrays(&self, pool: &sqlx::PgPool) -> Result<LimitArrays> {
+        if let Some((limiter, _)) = self.limits.first()
+            && !Arc::ptr_eq(
+                &limiter.db.pool().connect_options(),
+                &pool.connect_options(),
+            )
+        {
+            return Err(Error::invalid(
+                "rate_limit",
+                format!(
+                    "rate limiter {:?} was built on another pool than the semaphores: a claim is one \
+                     transaction of one database, so build every handle on the same client",
+                    limiter.name
+                ),
+            ));
+        }
+        LimitArrays::new(self.limits.iter().map(|(l, key)| (l, key.as_str())), 1)
+    }
+
+    /// The name of limit `index` (from 1, as the database answers), if any.
+    pub(crate) fn name(&self, index: i32) -> Option<&str> {
+        let index = usize::try_from(index.checked_sub(1)?).ok()?;
+        self.limits
+            .get(index)
+            .map(|(limiter, _)| limiter.name.as_str())
     }
 }

@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use crate::db::{Db, Statement};
 use crate::error::{self, Error, LostReason, Result};
 use crate::metrics::SemaphoreMetrics;
+use crate::rate_limit::ClaimRates;
 use crate::token::Token;
 use crate::validate;
 
@@ -43,10 +44,22 @@ const CLAIM: &str = "SELECT o_status, o_ids, o_slots, o_created_at, o_expires_at
 /// The multi-limit claim, one round trip: permits of several semaphores at
 /// once, all or nothing (`pgsemaphore.claim_all`).
 const CLAIM_ALL: &str = "SELECT o_status, o_semaphore, o_ids, o_semaphores, o_slots, o_created_at, \
-                                o_expires_at, o_capacity, o_retry_in, o_wake \
+                                o_expires_at, o_capacity, o_retry_in, o_wake, o_rate_limit \
                          FROM pgsemaphore.claim_all(p_semaphores => $1, p_holder => $2, \
                                                     p_lease => $3, p_metadata => $4, \
                                                     p_token => $5, p_permits => $6)";
+
+/// [`CLAIM_ALL`] that also charges rate limits (one permit each), in the
+/// same transaction: admitted only if every semaphore and every limit
+/// admit, nothing taken otherwise.
+const CLAIM_ALL_RATED: &str = "SELECT o_status, o_semaphore, o_ids, o_semaphores, o_slots, \
+                                      o_created_at, o_expires_at, o_capacity, o_retry_in, o_wake, \
+                                      o_rate_limit \
+                               FROM pgsemaphore.claim_all(p_semaphores => $1, p_holder => $2, \
+                                   p_lease => $3, p_metadata => $4, p_token => $5, \
+                                   p_permits => $6, p_rate_kinds => $7, p_rate_limiters => $8, \
+                                   p_rate_keys => $9, p_rate_rates => $10, p_rate_bursts => $11, \
+                                   p_rate_limits => $12, p_rate_windows => $13)";
 
 /// Renews a permit's claims, one round trip.
 const RENEW: &str = "SELECT o_id, o_outcome, o_at \
@@ -295,6 +308,11 @@ pub(crate) enum Admission<C = Claimed> {
     TooMany {
         capacity: u32,
     },
+    /// Every semaphore admitted, a rate limit of the claim refused; it
+    /// admits again after `retry_in`.
+    RateLimited {
+        retry_in: Duration,
+    },
 }
 
 impl<C> Admission<C> {
@@ -305,6 +323,7 @@ impl<C> Admission<C> {
             Admission::Behind { capacity, retry_in } => Admission::Behind { capacity, retry_in },
             Admission::NoTicket => Admission::NoTicket,
             Admission::TooMany { capacity } => Admission::TooMany { capacity },
+            Admission::RateLimited { retry_in } => Admission::RateLimited { retry_in },
         }
     }
 }
@@ -332,6 +351,10 @@ pub(crate) struct Claimed {
 #[derive(Debug, Clone)]
 pub(crate) struct Several {
     pub(crate) members: Vec<(Arc<Core>, u32)>,
+    /// Rate limits the claim charges too (none: a claim of semaphores only).
+    pub(crate) rates: ClaimRates,
+    /// The claim's lease (`None`: the shortest default lease of the members).
+    pub(crate) lease: Option<PgInterval>,
 }
 
 impl Several {
@@ -435,6 +458,7 @@ struct ClaimAllRow {
     o_capacity: Option<i32>,
     o_retry_in: Option<PgInterval>,
     o_wake: Vec<String>,
+    o_rate_limit: Option<i32>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -520,15 +544,28 @@ pub(crate) async fn claim_all(
         .map(|(c, _)| c.name.clone())
         .collect();
     let permits: Vec<i32> = several.members.iter().map(|&(_, n)| n as i32).collect();
-    let query = lead
+    let rates = if several.rates.is_empty() {
+        None
+    } else {
+        Some(several.rates.arrays(lead.db.pool())?)
+    };
+    let sql = if rates.is_some() {
+        CLAIM_ALL_RATED
+    } else {
+        CLAIM_ALL
+    };
+    let mut query = lead
         .db
-        .query_as::<ClaimAllRow>(CLAIM_ALL)
+        .query_as::<ClaimAllRow>(sql)
         .bind(names)
         .bind(holder.to_owned())
-        .bind(None::<PgInterval>)
+        .bind(several.lease)
         .bind(metadata.cloned())
         .bind(token.bytes())
         .bind(permits);
+    if let Some(rates) = rates {
+        query = rates.bind(query);
+    }
     let (row, sent) = send_claim(&lead.db, query, || {
         // Each semaphore's release_by_token ends that semaphore's claims
         // with this token, or tombstones the token so that the claim in
@@ -564,6 +601,15 @@ pub(crate) async fn claim_all(
         }
         "behind" => Admission::Behind { capacity, retry_in },
         "too_many" => Admission::TooMany { capacity },
+        "rate_limited" => {
+            let limiter = row.o_rate_limit.and_then(|i| several.rates.name(i));
+            return Ok((
+                Admission::RateLimited {
+                    retry_in: retry_in.unwrap_or_default(),
+                },
+                limiter.map(str::to_owned),
+            ));
+        }
         _ => Admission::Full { capacity, retry_in },
     };
     Ok((admission, row.o_semaphore))

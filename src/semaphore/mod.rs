@@ -33,6 +33,7 @@ use crate::audit::{AuditLog, Holder, Summary};
 use crate::error::{self, Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::SemaphoreMetrics;
+use crate::rate_limit::{ClaimRates, RateLimiter};
 use crate::validate;
 
 pub use self::advisory::{
@@ -519,6 +520,7 @@ impl Semaphore {
             fairness_key: None,
             timeout: None,
             ride_out_outages: true,
+            rates: ClaimRates::default(),
         }
     }
 
@@ -682,27 +684,8 @@ impl Semaphore {
     /// is released at once, all of it.
     pub async fn try_acquire_all(semaphores: &[(&Semaphore, u32)]) -> Result<Permit> {
         let several = several(semaphores)?;
-        let lead = several.lead();
-        match Permit::claim_all(&several, &lead.holder, None).await? {
-            (Admission::Claimed(permit), _) => Ok(permit),
-            (Admission::TooMany { capacity }, refused_by) => {
-                Err(wait::too_many_of(&several, refused_by.as_deref(), capacity))
-            }
-            (Admission::Full { capacity, .. } | Admission::Behind { capacity, .. }, refused_by) => {
-                let semaphore = refused_by.unwrap_or_else(|| lead.name.clone());
-                if let Some((core, _)) = several.members.iter().find(|(c, _)| c.name == semaphore) {
-                    core.metrics.no_slots();
-                }
-                Err(Error::NoSlotsAvailable {
-                    semaphore,
-                    capacity,
-                })
-            }
-            (Admission::NoTicket, _) => Err(Error::NoSlotsAvailable {
-                semaphore: lead.name.clone(),
-                capacity: lead.capacity,
-            }),
-        }
+        let claim = Permit::claim_all(&several, &several.lead().holder, None).await?;
+        refusal_of_all(&several, claim)
     }
 
     /// Waits without limit until every `(semaphore, n)` can admit its `n`
@@ -748,7 +731,7 @@ impl Semaphore {
     /// in this process).
     pub async fn acquire_all(semaphores: &[(&Semaphore, u32)]) -> Result<Permit> {
         let several = several(semaphores)?;
-        wait::acquire_all(&several, &several.lead().holder, None).await
+        wait::acquire_all(&several, &several.lead().holder, None, true).await
     }
 
     /// Waits until the semaphore has no live holders, in any process.
@@ -828,6 +811,7 @@ pub struct Acquiring<'a> {
     fairness_key: Option<String>,
     timeout: Option<Duration>,
     ride_out_outages: bool,
+    rates: ClaimRates,
 }
 
 impl Acquiring<'_> {
@@ -943,6 +927,49 @@ impl Acquiring<'_> {
         self
     }
 
+    /// Also takes one permit of `limiter` for `key`, in the same claim and
+    /// the same transaction: the request is admitted only when the
+    /// semaphore has room **and** the rate limit admits it, and takes
+    /// nothing from either otherwise. Call it again for more limits (up to
+    /// [`MAX_LIMITS`](crate::limits::MAX_LIMITS)).
+    ///
+    /// A concurrency limit checked before a rate limit would hold its slot
+    /// while the rate check refuses (and a rate check first would spend a
+    /// permit on a request the semaphore then refuses); here neither can
+    /// happen. A refusal by the rate limit is [`Error::RateLimited`], with
+    /// the limiter's name and its retry-after; a waiting
+    /// [`acquire`](Self::acquire) sleeps until then and claims again.
+    ///
+    /// ```no_run
+    /// # async fn run(client: pg_semaphore::Client) -> Result<(), Box<dyn std::error::Error>> {
+    /// use pg_semaphore::{Error, RateLimiter, RatePolicy, Semaphore};
+    /// let upstream = Semaphore::builder("geocoder", 8).build(&client).await?;
+    /// // The upstream's contract: 8 at once, and 20 calls per second per customer.
+    /// let per_customer =
+    ///     RateLimiter::builder("geocoder-rate", RatePolicy::token_bucket(20.0, 20)).build(&client)?;
+    /// match upstream.acquiring().rate_limit(&per_customer, "customer-7").try_acquire().await {
+    ///     Ok(permit) => {
+    ///         // ... call the geocoder ...
+    ///         permit.release().await?;
+    ///     }
+    ///     Err(Error::RateLimited { retry_after, .. }) => println!("429, retry in {retry_after:?}"),
+    ///     Err(e) if e.is_busy() => println!("503: 8 calls in flight"),
+    ///     Err(e) => return Err(e.into()),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// Such a claim runs as a [multi-limit claim](Semaphore::try_acquire_all)
+    /// does (`pgsemaphore.claim_all`): of high priority, outside the fair
+    /// queue (a [`fairness_key`](Self::fairness_key) or [`Priority::Low`]
+    /// with it is [`Error::InvalidArgument`]), never failing open. The
+    /// limiters must be built on the semaphore's [`Client`](crate::Client).
+    pub fn rate_limit(mut self, limiter: &RateLimiter, key: impl Into<String>) -> Self {
+        self.rates.push(limiter, key.into());
+        self
+    }
+
     /// As [`Semaphore::try_acquire`], with this claim's options.
     ///
     /// # Errors
@@ -983,6 +1010,11 @@ impl Acquiring<'_> {
     ///
     /// As [`Semaphore::try_acquire_many`].
     pub async fn try_acquire_many(self, n: u32) -> Result<Permit> {
+        if !self.rates.is_empty() {
+            let (several, holder, metadata) = self.rated(n)?;
+            let claim = Permit::claim_all(&several, &holder, metadata.as_ref()).await?;
+            return refusal_of_all(&several, claim);
+        }
         let core = &self.semaphore.core;
         let attempt = self.attempt(n)?;
         let refused = |capacity| {
@@ -998,8 +1030,9 @@ impl Acquiring<'_> {
                 tracing::debug!(semaphore = %core.name, capacity, "no slots available");
                 Err(refused(capacity))
             }
-            // Only a queued claim carries a ticket.
-            Ok(Admission::NoTicket) => Err(refused(core.capacity)),
+            // Only a queued claim carries a ticket; a single claim charges
+            // no rate limit.
+            Ok(Admission::NoTicket | Admission::RateLimited { .. }) => Err(refused(core.capacity)),
             Ok(Admission::TooMany { capacity }) => Err(wait::too_many(core, &attempt, capacity)),
             Err(error) => Err(error),
         };
@@ -1031,6 +1064,22 @@ impl Acquiring<'_> {
     pub async fn acquire_many(self, n: u32) -> Result<Permit> {
         let core = &self.semaphore.core;
         let timeout = self.timeout;
+        if !self.rates.is_empty() {
+            let ride_out = self.ride_out_outages;
+            let (several, holder, metadata) = self.rated(n)?;
+            let wait = wait::acquire_all(&several, &holder, metadata.as_ref(), ride_out);
+            let Some(timeout) = timeout else {
+                return wait.await;
+            };
+            let waited_for = WaitedFor::Permit {
+                semaphore: core.name.clone(),
+            };
+            let result = with_timeout(timeout, waited_for, wait).await;
+            if let Err(Error::Timeout { .. }) = result {
+                core.metrics.timed_out();
+            }
+            return result;
+        }
         let attempt = self.attempt(n)?;
         let Some(timeout) = timeout else {
             return wait::acquire(core, &attempt).await;
@@ -1043,6 +1092,37 @@ impl Acquiring<'_> {
             core.metrics.timed_out();
         }
         result
+    }
+
+    /// A claim with rate limits: `permits` of this semaphore and one permit
+    /// of each limit, as one multi-limit claim; its holder and metadata.
+    fn rated(self, permits: u32) -> Result<(Several, String, Option<serde_json::Value>)> {
+        if self.fairness_key.is_some() || self.priority == Priority::Low {
+            return Err(Error::invalid(
+                "rate_limit",
+                "a claim with rate limits is of high priority and takes no place in the fair \
+                 queue: drop its fairness_key and Priority::Low",
+            ));
+        }
+        let mut several = several(&[(self.semaphore, permits)])?;
+        let core = &self.semaphore.core;
+        let holder = match self.holder {
+            Some(holder) => {
+                validate::holder(&holder)?;
+                holder
+            }
+            None => core.holder.clone(),
+        };
+        if let Some(lease) = self.lease {
+            core.heartbeat.check(lease, "lease")?;
+            several.lease = Some(validate::lease(lease)?);
+        }
+        if let Some(metadata) = &self.metadata {
+            validate::json("metadata", metadata)?;
+        }
+        validate::positive("permits", permits.into())?;
+        several.rates = self.rates;
+        Ok((several, holder, self.metadata))
     }
 
     /// Validates the options for a claim of `permits` slots.
@@ -1085,6 +1165,70 @@ impl Acquiring<'_> {
     }
 }
 
+/// One permit of each of `semaphores` and of each rate limit of `rates`,
+/// in one claim: at once (`wait` `None`) or waiting up to `wait` (the tower
+/// layer's claims; an outage ends the wait at once).
+#[cfg(feature = "tower")]
+pub(crate) async fn acquire_with_rates(
+    semaphores: &[&Semaphore],
+    rates: ClaimRates,
+    wait: Option<Duration>,
+) -> Result<Permit> {
+    let members: Vec<(&Semaphore, u32)> = semaphores.iter().map(|s| (*s, 1)).collect();
+    let mut several = several(&members)?;
+    several.rates = rates;
+    let holder = several.lead().holder.clone();
+    let Some(timeout) = wait else {
+        let claim = Permit::claim_all(&several, &holder, None).await?;
+        return refusal_of_all(&several, claim);
+    };
+    let waited_for = WaitedFor::Permit {
+        semaphore: semaphores
+            .last()
+            .map(|s| s.name().to_owned())
+            .unwrap_or_default(),
+    };
+    with_timeout(
+        timeout,
+        waited_for,
+        wait::acquire_all(&several, &holder, None, false),
+    )
+    .await
+}
+
+/// A multi-limit claim's answer as a fail-fast acquire returns it: the
+/// permit, or the refusal naming what refused.
+fn refusal_of_all(
+    several: &Several,
+    (claim, refused_by): (Admission<Permit>, Option<String>),
+) -> Result<Permit> {
+    let lead = several.lead();
+    match claim {
+        Admission::Claimed(permit) => Ok(permit),
+        Admission::TooMany { capacity } => {
+            Err(wait::too_many_of(several, refused_by.as_deref(), capacity))
+        }
+        Admission::Full { capacity, .. } | Admission::Behind { capacity, .. } => {
+            let semaphore = refused_by.unwrap_or_else(|| lead.name.clone());
+            if let Some((core, _)) = several.members.iter().find(|(c, _)| c.name == semaphore) {
+                core.metrics.no_slots();
+            }
+            Err(Error::NoSlotsAvailable {
+                semaphore,
+                capacity,
+            })
+        }
+        Admission::RateLimited { retry_in } => Err(Error::RateLimited {
+            limiter: refused_by.unwrap_or_default(),
+            retry_after: retry_in,
+        }),
+        Admission::NoTicket => Err(Error::NoSlotsAvailable {
+            semaphore: lead.name.clone(),
+            capacity: lead.capacity,
+        }),
+    }
+}
+
 /// Validates a multi-limit claim's members and puts them in the canonical
 /// order (byte order of the names, as `pgsemaphore.claim_all` locks them).
 fn several(semaphores: &[(&Semaphore, u32)]) -> Result<Several> {
@@ -1124,7 +1268,11 @@ fn several(semaphores: &[(&Semaphore, u32)]) -> Result<Several> {
             ),
         ));
     }
-    Ok(Several { members })
+    Ok(Several {
+        members,
+        rates: ClaimRates::default(),
+        lease: None,
+    })
 }
 
 /// Runs `wait`, giving up with [`Error::Timeout`] after `timeout` (a deadline

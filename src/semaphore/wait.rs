@@ -105,6 +105,10 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
                 Admission::Full { retry_in, .. } | Admission::Behind { retry_in, .. } => {
                     lease_ends = retry_in.map(|wait| Instant::now() + wait + AFTER_LEASE);
                 }
+                // A single claim charges no rate limit.
+                Admission::RateLimited { retry_in } => {
+                    lease_ends = Some(Instant::now() + retry_in);
+                }
             }
             // Registered now, claim again: a release that committed before
             // the registration sent no wake-up, but this claim sees it. A
@@ -150,10 +154,15 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
 /// has a high-priority waiter queued, so it never overtakes a queue; in
 /// exchange it can be overtaken, without bound, by single claims that keep
 /// a member full (see the guide's [several limits at once](crate::guide::choosing#several-limits-at-once)).
+///
+/// A claim with rate limits (`several.rates`) refused by a limit sleeps
+/// until the limit would admit, then claims again. `ride_out_outages`:
+/// as [`Attempt::ride_out_outages`].
 pub(crate) async fn acquire_all(
     several: &Several,
     holder: &str,
     metadata: Option<&serde_json::Value>,
+    ride_out_outages: bool,
 ) -> Result<Permit> {
     let lead = several.lead();
     let _waiting: Vec<_> = several
@@ -167,7 +176,7 @@ pub(crate) async fn acquire_all(
         .iter()
         .map(|(core, _)| core.wakeups.watch(&core.name, core.fallback))
         .collect();
-    let mut outage = Outage::new(true);
+    let mut outage = Outage::new(ride_out_outages);
     let started = Instant::now();
     loop {
         watches.iter_mut().for_each(Watch::seen);
@@ -190,6 +199,12 @@ pub(crate) async fn acquire_all(
             }
             Admission::TooMany { capacity } => {
                 return Err(too_many_of(several, refused_by.as_deref(), capacity));
+            }
+            // The semaphores had room: the limit's own instant decides,
+            // however the semaphores change meanwhile.
+            Admission::RateLimited { retry_in } => {
+                tokio::time::sleep(retry_in.max(Duration::from_millis(1))).await;
+                continue;
             }
             // Only a queued claim carries a ticket.
             Admission::NoTicket => None,
