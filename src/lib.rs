@@ -64,6 +64,9 @@
 //!   semaphores at once ("100 in total and 5 per merchant"), all or
 //!   nothing, without deadlock whatever order callers name them in, and
 //!   holding nothing while they wait: one [`Permit`], one release.
+//! - [`Acquiring::rate_limit`] charges rate limits in the same claim:
+//!   admitted only when the semaphore has room and every limit admits,
+//!   nothing taken from either otherwise ([`Error::RateLimited`]).
 //! - [`SemaphoreBuilder::reserved`] keeps slots for critical traffic:
 //!   [`Priority::Low`] claims succeed only while more than that many are free.
 //! - [`SemaphoreBuilder::queue`] serves waiters in order ([`QueueOrder`])

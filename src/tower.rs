@@ -3,7 +3,8 @@
 //!
 //! - [`SemaphoreLayer`]: the requests in flight, under a [`Semaphore`], a
 //!   [`SemaphoreFamily`] key taken from the request (a tenant), or both in
-//!   one all-or-nothing claim;
+//!   one all-or-nothing claim, with rate limits in the same claim if asked
+//!   ([`SemaphoreLayer::rate_limit`]);
 //! - [`RateLimitLayer`]: the requests started per unit of time, under a
 //!   [`RateLimiter`] keyed by the request, answering `429` with
 //!   `Retry-After` (or waiting up to a bound).
