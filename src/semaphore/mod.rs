@@ -965,6 +965,9 @@ impl Acquiring<'_> {
     /// queue (a [`fairness_key`](Self::fairness_key) or [`Priority::Low`]
     /// with it is [`Error::InvalidArgument`]), never failing open. The
     /// limiters must be built on the semaphore's [`Client`](crate::Client).
+    /// An acquire cancelled after its claim committed releases the slots at
+    /// once, as any acquire does; its rate permits stay spent (a limit
+    /// admits less, never more).
     pub fn rate_limit(mut self, limiter: &RateLimiter, key: impl Into<String>) -> Self {
         self.rates.push(limiter, key.into());
         self
