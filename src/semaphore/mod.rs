@@ -1014,8 +1014,9 @@ impl Acquiring<'_> {
     /// As [`Semaphore::try_acquire_many`].
     pub async fn try_acquire_many(self, n: u32) -> Result<Permit> {
         if !self.rates.is_empty() {
-            let (several, holder, metadata) = self.rated(n)?;
-            let claim = Permit::claim_all(&several, &holder, metadata.as_ref()).await?;
+            let (several, attempt) = self.rated(n)?;
+            let claim =
+                Permit::claim_all(&several, &attempt.holder, attempt.metadata.as_ref()).await?;
             return refusal_of_all(&several, claim);
         }
         let core = &self.semaphore.core;
@@ -1068,9 +1069,13 @@ impl Acquiring<'_> {
         let core = &self.semaphore.core;
         let timeout = self.timeout;
         if !self.rates.is_empty() {
-            let ride_out = self.ride_out_outages;
-            let (several, holder, metadata) = self.rated(n)?;
-            let wait = wait::acquire_all(&several, &holder, metadata.as_ref(), ride_out);
+            let (several, attempt) = self.rated(n)?;
+            let wait = wait::acquire_all(
+                &several,
+                &attempt.holder,
+                attempt.metadata.as_ref(),
+                attempt.ride_out_outages,
+            );
             let Some(timeout) = timeout else {
                 return wait.await;
             };
@@ -1098,8 +1103,9 @@ impl Acquiring<'_> {
     }
 
     /// A claim with rate limits: `permits` of this semaphore and one permit
-    /// of each limit, as one multi-limit claim; its holder and metadata.
-    fn rated(self, permits: u32) -> Result<(Several, String, Option<serde_json::Value>)> {
+    /// of each limit, as one multi-limit claim, with this claim's checked
+    /// options (its holder, lease and metadata).
+    fn rated(mut self, permits: u32) -> Result<(Several, Attempt)> {
         if self.fairness_key.is_some() || self.priority == Priority::Low {
             return Err(Error::invalid(
                 "rate_limit",
@@ -1107,25 +1113,13 @@ impl Acquiring<'_> {
                  queue: drop its fairness_key and Priority::Low",
             ));
         }
-        let mut several = several(&[(self.semaphore, permits)])?;
-        let core = &self.semaphore.core;
-        let holder = match self.holder {
-            Some(holder) => {
-                validate::holder(&holder)?;
-                holder
-            }
-            None => core.holder.clone(),
-        };
-        if let Some(lease) = self.lease {
-            core.heartbeat.check(lease, "lease")?;
-            several.lease = Some(validate::lease(lease)?);
-        }
-        if let Some(metadata) = &self.metadata {
-            validate::json("metadata", metadata)?;
-        }
-        validate::positive("permits", permits.into())?;
-        several.rates = self.rates;
-        Ok((several, holder, self.metadata))
+        let rates = std::mem::take(&mut self.rates);
+        let semaphore = self.semaphore;
+        let attempt = self.attempt(permits)?;
+        let mut several = several(&[(semaphore, permits)])?;
+        several.rates = rates;
+        several.lease = attempt.lease;
+        Ok((several, attempt))
     }
 
     /// Validates the options for a claim of `permits` slots.
