@@ -481,6 +481,54 @@ SELECT DISTINCT ON (l.kind, l.limiter, l.key)
 REVOKE ALL ON pgsemaphore.rate_limits FROM PUBLIC;
 
 -- ---------------------------------------------------------------------------
+-- Outcome counters
+-- ---------------------------------------------------------------------------
+
+-- How many requests each semaphore and rate limiter refused, timed out
+-- and (rate limiters) admitted, per minute: one row per (kind, name,
+-- minute), never one per request. Each process counts in memory and adds
+-- its counts every few seconds (pgsemaphore.record_outcomes, the only
+-- writer), so a busy minute is a handful of updates of one row per name.
+--   kind: 'semaphore' (a lease semaphore, by its name), 'advisory', 'family'
+--   (every key of a family counts under the family's name: keys are
+--   unbounded), or a rate limiter's kind, 'token_bucket', 'fixed_window',
+--   'sliding_window' (a limiter is its kind and name, as in
+--   rate_limit_settings; its keys count under it).
+--   minute: the minute (UTC, whole) in which the counts were written, on the
+--   database's clock: a count lands in the minute its process flushed it,
+--   at most a few seconds after the request (later after an outage).
+-- The counts are what the applications reported: statistics, not an audit
+-- log (a process that dies loses what it had not written; so may a crash
+-- of the database, whose commits of these rows do not wait for the WAL).
+-- Rows are kept until the operator's retention (pgsemaphore.prune) deletes
+-- them with the audit log.
+-- Updates change no indexed column, so with room left on each page
+-- (fillfactor 70) they stay HOT: no index entry per update. A row is
+-- updated only during its own minute, so under a held xmin horizon each
+-- row's chain of versions ends with its minute.
+CREATE TABLE pgsemaphore.outcomes (
+    kind      text        NOT NULL,
+    name      text        NOT NULL,
+    minute    timestamptz NOT NULL,
+    admitted  bigint      NOT NULL DEFAULT 0,
+    refused   bigint      NOT NULL DEFAULT 0,
+    timed_out bigint      NOT NULL DEFAULT 0,
+    PRIMARY KEY (kind, name, minute),
+    CONSTRAINT outcomes_kind CHECK (
+        kind IN ('semaphore', 'advisory', 'family', 'token_bucket', 'fixed_window', 'sliding_window')),
+    CONSTRAINT outcomes_name_length CHECK (char_length(name) BETWEEN 1 AND 200),
+    CONSTRAINT outcomes_whole_minute CHECK (
+        minute = date_bin(interval '1 minute', minute, timestamptz '2000-01-01 00:00:00+00')),
+    CONSTRAINT outcomes_admitted_non_negative CHECK (admitted >= 0),
+    CONSTRAINT outcomes_refused_non_negative CHECK (refused >= 0),
+    CONSTRAINT outcomes_timed_out_non_negative CHECK (timed_out >= 0)
+) WITH (fillfactor = 70);
+
+-- Every name's counts in a time window (pg-semaphore status, a dashboard),
+-- and retention, oldest first.
+CREATE INDEX outcomes_minute_idx ON pgsemaphore.outcomes (minute);
+
+-- ---------------------------------------------------------------------------
 -- One kind per name
 -- ---------------------------------------------------------------------------
 
@@ -594,6 +642,20 @@ COMMENT ON TABLE pgsemaphore.rate_limit_settings IS
     'Stored rate limits and pauses, per limiter (key '''') and per key.';
 COMMENT ON TABLE pgsemaphore.rate_ledger IS
     'Rate limiters'' key states, insert-only, newest (highest seq) last.';
+COMMENT ON TABLE pgsemaphore.outcomes IS
+    'Refused, timed out and (rate limiters) admitted requests per semaphore, family and rate limiter, per minute, as the applications reported them (record_outcomes).';
+COMMENT ON COLUMN pgsemaphore.outcomes.kind IS
+    'semaphore (lease), advisory, family (every key under the family''s name), or a rate limiter''s kind: token_bucket, fixed_window, sliding_window.';
+COMMENT ON COLUMN pgsemaphore.outcomes.name IS
+    'The semaphore''s, family''s or rate limiter''s name (never a key).';
+COMMENT ON COLUMN pgsemaphore.outcomes.minute IS
+    'The whole minute (database clock) in which the counts were written: at most a few seconds after the requests, later if the process could not reach the database.';
+COMMENT ON COLUMN pgsemaphore.outcomes.admitted IS
+    'Rate limiters: checks and acquires admitted (a set''s admission counts for each of its limiters). 0 for semaphores, whose admissions are their claims in the audit log.';
+COMMENT ON COLUMN pgsemaphore.outcomes.refused IS
+    'Requests refused at once: a full semaphore (NoSlotsAvailable), a full fair queue (QueueFull), a rate check refused (a set''s refusal counts for the limiter that decided).';
+COMMENT ON COLUMN pgsemaphore.outcomes.timed_out IS
+    'Waiting acquires that gave up at their timeout (Timeout): a semaphore''s acquire with a timeout, a rate limiter''s acquire that could not be admitted within its wait.';
 COMMENT ON TABLE pgsemaphore.grantees IS
     'The roles grant_access gave the application''s or the operator''s part, kept current by regrant().';
 COMMENT ON VIEW pgsemaphore.rate_limits IS

@@ -2495,7 +2495,8 @@ BEGIN
             'pgsemaphore.advisory_drained(text)',
             'pgsemaphore.advisory_log(jsonb)',
             'pgsemaphore.open_family(text, integer, interval, interval)',
-            'pgsemaphore.open_family_key(text, text)']
+            'pgsemaphore.open_family_key(text, text)',
+            'pgsemaphore.record_outcomes(text[], text[], bigint[], bigint[], bigint[])']
         ELSE ARRAY[
             'pgsemaphore.schema_version()',
             'pgsemaphore.configure(text, integer, interval, boolean, boolean)',
@@ -3019,8 +3020,9 @@ CREATE FUNCTION pgsemaphore.prune(p_older_than interval, p_batch integer) RETURN
 -- Retention: deletes finished claims of lease semaphores that ended before
 -- now - p_older_than (see pgsemaphore.prune_unchecked), then, with what is
 -- left of the batch, finished permits of advisory semaphores
--- (pgsemaphore.prune_advisory_claims): at most p_batch rows in
--- all per call; a caller repeats it until it returns less than p_batch.
+-- (pgsemaphore.prune_advisory_claims), then the outcome counters' minutes
+-- that ended before it (pgsemaphore.prune_outcomes): at most p_batch rows
+-- in all per call; a caller repeats it until it returns less than p_batch.
 --   p_older_than 0..100 years; p_batch 1..1000000
 DECLARE
     v_count bigint;
@@ -3032,6 +3034,9 @@ BEGIN
     v_count := pgsemaphore.prune_unchecked(p_older_than, p_batch);
     IF v_count < p_batch THEN
         v_count := v_count + pgsemaphore.prune_advisory_claims(p_older_than, (p_batch - v_count)::integer);
+    END IF;
+    IF v_count < p_batch THEN
+        v_count := v_count + pgsemaphore.prune_outcomes(p_older_than, (p_batch - v_count)::integer);
     END IF;
     RETURN v_count;
 END;
@@ -3054,6 +3059,31 @@ BEGIN
             SELECT d.ctid
               FROM pgsemaphore.advisory_claims d
              WHERE d.acquired_at < v_cutoff AND d.ended_at < v_cutoff
+             LIMIT p_batch
+               FOR UPDATE SKIP LOCKED));
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+
+--
+-- Name: prune_outcomes(interval, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.prune_outcomes(p_older_than interval, p_batch integer) RETURNS bigint
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_cutoff timestamptz := clock_timestamp() - p_older_than - interval '1 minute';
+    v_count  bigint;
+BEGIN
+    DELETE FROM pgsemaphore.outcomes o
+     WHERE o.ctid = ANY (ARRAY(
+            SELECT d.ctid
+              FROM pgsemaphore.outcomes d
+             WHERE d.minute < v_cutoff
+             ORDER BY d.minute
              LIMIT p_batch
                FOR UPDATE SKIP LOCKED));
     GET DIAGNOSTICS v_count = ROW_COUNT;
@@ -3926,6 +3956,154 @@ BEGIN
         v_total := v_total + v_count;
     END LOOP;
     RETURN v_total;
+END;
+$$;
+
+
+--
+-- Name: record_outcomes(text[], text[], bigint[], bigint[], bigint[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.record_outcomes(p_kinds text[], p_names text[], p_admitted bigint[], p_refused bigint[], p_timed_out bigint[]) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET lock_timeout TO '2s'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+-- Adds a process's counts to the outcome counters (pgsemaphore.outcomes)
+-- of the current minute: entry i adds p_admitted[i], p_refused[i] and
+-- p_timed_out[i] to the row (p_kinds[i], p_names[i], the minute now, on
+-- the database's clock), creating it if needed. One statement, one row
+-- per entry (an entry of three zeros writes nothing). Returns how many
+-- rows it wrote. The crate's tally calls it every 5 s with what it counted
+-- since, and keeps the counts to try again when the call fails.
+--   p_kinds, p_names, p_admitted, p_refused, p_timed_out: one-dimensional
+--   arrays of the same length, 1..1000, without NULLs;
+--   each kind 'semaphore', 'advisory', 'family', 'token_bucket',
+--   'fixed_window' or 'sliding_window'; each name 1..200 characters; no
+--   (kind, name) twice; each count 0..1000000000.
+-- Every bad argument raises 22023 naming it in COLUMN (and the entry's
+-- position from 1 in the message), writing nothing. READ COMMITTED only
+-- (else 0A000): a later snapshot would make ON CONFLICT fail against a
+-- row updated since it began.
+-- Invariant: no count is lost or counted twice. Each entry's addition is
+-- one INSERT ... ON CONFLICT DO UPDATE of its row under the row's lock,
+-- and the update reads the row as the last committed writer left it
+-- (READ COMMITTED re-reads a row it waited for), so concurrent additions
+-- to the same row add up.
+-- Meets:
+--   * another record_outcomes adding to some of the same rows (another
+--     process's tally, or this process's): rows are written in one order,
+--     by (kind, name), so two calls wait for each other in that order and
+--     never deadlock, whatever order their arrays list the entries in; two
+--     calls creating the same row: the second waits for the first's insert,
+--     then adds to it;
+--   * a call left uncommitted (a hostile or stuck session) holding rows of
+--     this minute: the wait is bounded by lock_timeout (2 s, then 55P03,
+--     nothing written; the crate keeps its counts and tries again);
+--   * pgsemaphore.prune deleting old minutes: it deletes only minutes that
+--     ended before its cutoff (at least a minute before now), never the
+--     current one, and skips rows another transaction holds;
+--   * readers: never block it, nor it them.
+-- Bounded: at most 1000 rows per call. No arithmetic overflows: a call adds
+-- at most 10^9 to each count, and each sum saturates at the largest bigint
+-- (least(count, max - added) + added) instead of raising; 9.2e18 would
+-- take 9 billion calls within one minute.
+-- A fast commit (fast_commit): the counts are statistics; a database crash
+-- may lose the last seconds of them, never a slot or a decision.
+-- Trust: the counts are the caller's own report. Any role granted this
+-- function (the application) can add to any name's counters, inflate them,
+-- or write names nothing uses (as it can open semaphores of any name);
+-- roles without the grant cannot call it, and no role writes the table
+-- directly. Read the counters as the applications' account.
+DECLARE
+    v_n      integer;
+    v_bad    record;
+    v_minute timestamptz;
+    v_count  integer;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'record_outcomes needs READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
+    IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1
+       OR cardinality(p_kinds) NOT BETWEEN 1 AND 1000
+       OR array_position(p_kinds, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_kinds',
+            '1 to 1000 kinds, in a one-dimensional array without NULLs');
+    END IF;
+    v_n := cardinality(p_kinds);
+    IF p_names IS NULL OR array_ndims(p_names) IS DISTINCT FROM 1
+       OR cardinality(p_names) <> v_n OR array_position(p_names, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_names',
+            format('%s names (one per kind), in a one-dimensional array without NULLs', v_n));
+    END IF;
+    IF p_admitted IS NULL OR array_ndims(p_admitted) IS DISTINCT FROM 1
+       OR cardinality(p_admitted) <> v_n OR array_position(p_admitted, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_admitted',
+            format('%s counts (one per kind), in a one-dimensional array without NULLs', v_n));
+    END IF;
+    IF p_refused IS NULL OR array_ndims(p_refused) IS DISTINCT FROM 1
+       OR cardinality(p_refused) <> v_n OR array_position(p_refused, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_refused',
+            format('%s counts (one per kind), in a one-dimensional array without NULLs', v_n));
+    END IF;
+    IF p_timed_out IS NULL OR array_ndims(p_timed_out) IS DISTINCT FROM 1
+       OR cardinality(p_timed_out) <> v_n OR array_position(p_timed_out, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_timed_out',
+            format('%s counts (one per kind), in a one-dimensional array without NULLs', v_n));
+    END IF;
+    -- The first entry that fails a check, and which argument.
+    SELECT e.n, e.argument, e.why INTO v_bad
+      FROM (SELECT u.n,
+                   CASE
+                   WHEN u.kind NOT IN ('semaphore', 'advisory', 'family',
+                                       'token_bucket', 'fixed_window', 'sliding_window')
+                       THEN 'p_kinds'
+                   WHEN char_length(u.name) NOT BETWEEN 1 AND 200 THEN 'p_names'
+                   WHEN u.admitted NOT BETWEEN 0 AND 1000000000 THEN 'p_admitted'
+                   WHEN u.refused NOT BETWEEN 0 AND 1000000000 THEN 'p_refused'
+                   WHEN u.timed_out NOT BETWEEN 0 AND 1000000000 THEN 'p_timed_out'
+                   WHEN row_number() OVER (PARTITION BY u.kind, u.name ORDER BY u.n) > 1 THEN 'p_names'
+                   END AS argument,
+                   CASE
+                   WHEN u.kind NOT IN ('semaphore', 'advisory', 'family',
+                                       'token_bucket', 'fixed_window', 'sliding_window')
+                       THEN format('%s: semaphore, advisory, family, token_bucket, fixed_window or sliding_window',
+                                   quote_literal(u.kind))
+                   WHEN char_length(u.name) NOT BETWEEN 1 AND 200
+                       THEN format('1 to 200 characters, got %s', char_length(u.name))
+                   WHEN u.admitted NOT BETWEEN 0 AND 1000000000
+                       THEN format('0 to 1000000000, got %s', u.admitted)
+                   WHEN u.refused NOT BETWEEN 0 AND 1000000000
+                       THEN format('0 to 1000000000, got %s', u.refused)
+                   WHEN u.timed_out NOT BETWEEN 0 AND 1000000000
+                       THEN format('0 to 1000000000, got %s', u.timed_out)
+                   ELSE format('%s %s is listed twice', u.kind, quote_literal(u.name))
+                   END AS why
+              FROM unnest(p_kinds, p_names, p_admitted, p_refused, p_timed_out)
+                   WITH ORDINALITY AS u(kind, name, admitted, refused, timed_out, n)) e
+     WHERE e.argument IS NOT NULL
+     ORDER BY e.n
+     LIMIT 1;
+    IF v_bad.n IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse(v_bad.argument, format('entry %s: %s', v_bad.n, v_bad.why));
+    END IF;
+    PERFORM pgsemaphore.fast_commit();
+    v_minute := date_bin(interval '1 minute', now(), timestamptz '2000-01-01 00:00:00+00');
+    INSERT INTO pgsemaphore.outcomes AS o (kind, name, minute, admitted, refused, timed_out)
+    SELECT u.kind, u.name, v_minute, u.admitted, u.refused, u.timed_out
+      FROM unnest(p_kinds, p_names, p_admitted, p_refused, p_timed_out)
+           AS u(kind, name, admitted, refused, timed_out)
+     WHERE u.admitted > 0 OR u.refused > 0 OR u.timed_out > 0
+     ORDER BY u.kind, u.name
+    ON CONFLICT (kind, name, minute) DO UPDATE
+       SET admitted = least(o.admitted, 9223372036854775807 - excluded.admitted) + excluded.admitted,
+           refused = least(o.refused, 9223372036854775807 - excluded.refused) + excluded.refused,
+           timed_out = least(o.timed_out, 9223372036854775807 - excluded.timed_out) + excluded.timed_out;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
 END;
 $$;
 
@@ -5346,6 +5524,76 @@ COMMENT ON VIEW pgsemaphore.live_slots IS 'The live claims: those that hold a sl
 
 
 --
+-- Name: outcomes; Type: TABLE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TABLE pgsemaphore.outcomes (
+    kind text NOT NULL,
+    name text NOT NULL,
+    minute timestamp with time zone NOT NULL,
+    admitted bigint DEFAULT 0 NOT NULL,
+    refused bigint DEFAULT 0 NOT NULL,
+    timed_out bigint DEFAULT 0 NOT NULL,
+    CONSTRAINT outcomes_admitted_non_negative CHECK ((admitted >= 0)),
+    CONSTRAINT outcomes_kind CHECK ((kind = ANY (ARRAY['semaphore'::text, 'advisory'::text, 'family'::text, 'token_bucket'::text, 'fixed_window'::text, 'sliding_window'::text]))),
+    CONSTRAINT outcomes_name_length CHECK (((char_length(name) >= 1) AND (char_length(name) <= 200))),
+    CONSTRAINT outcomes_refused_non_negative CHECK ((refused >= 0)),
+    CONSTRAINT outcomes_timed_out_non_negative CHECK ((timed_out >= 0)),
+    CONSTRAINT outcomes_whole_minute CHECK ((minute = date_bin('00:01:00'::interval, minute, '2000-01-01 00:00:00+00'::timestamp with time zone)))
+)
+WITH (fillfactor='70');
+
+
+--
+-- Name: TABLE outcomes; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON TABLE pgsemaphore.outcomes IS 'Refused, timed out and (rate limiters) admitted requests per semaphore, family and rate limiter, per minute, as the applications reported them (record_outcomes).';
+
+
+--
+-- Name: COLUMN outcomes.kind; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.outcomes.kind IS 'semaphore (lease), advisory, family (every key under the family''s name), or a rate limiter''s kind: token_bucket, fixed_window, sliding_window.';
+
+
+--
+-- Name: COLUMN outcomes.name; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.outcomes.name IS 'The semaphore''s, family''s or rate limiter''s name (never a key).';
+
+
+--
+-- Name: COLUMN outcomes.minute; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.outcomes.minute IS 'The whole minute (database clock) in which the counts were written: at most a few seconds after the requests, later if the process could not reach the database.';
+
+
+--
+-- Name: COLUMN outcomes.admitted; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.outcomes.admitted IS 'Rate limiters: checks and acquires admitted (a set''s admission counts for each of its limiters). 0 for semaphores, whose admissions are their claims in the audit log.';
+
+
+--
+-- Name: COLUMN outcomes.refused; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.outcomes.refused IS 'Requests refused at once: a full semaphore (NoSlotsAvailable), a full fair queue (QueueFull), a rate check refused (a set''s refusal counts for the limiter that decided).';
+
+
+--
+-- Name: COLUMN outcomes.timed_out; Type: COMMENT; Schema: pgsemaphore; Owner: -
+--
+
+COMMENT ON COLUMN pgsemaphore.outcomes.timed_out IS 'Waiting acquires that gave up at their timeout (Timeout): a semaphore''s acquire with a timeout, a rate limiter''s acquire that could not be admitted within its wait.';
+
+
+--
 -- Name: rate_ledger; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -5654,6 +5902,14 @@ ALTER TABLE ONLY pgsemaphore.grantees
 
 
 --
+-- Name: outcomes outcomes_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
+--
+
+ALTER TABLE ONLY pgsemaphore.outcomes
+    ADD CONSTRAINT outcomes_pkey PRIMARY KEY (kind, name, minute);
+
+
+--
 -- Name: rate_ledger rate_ledger_pkey; Type: CONSTRAINT; Schema: pgsemaphore; Owner: -
 --
 
@@ -5714,6 +5970,13 @@ ALTER TABLE ONLY pgsemaphore.wakeups
 --
 
 CREATE INDEX advisory_claims_history_idx ON pgsemaphore.advisory_claims USING brin (acquired_at) WITH (autosummarize='on');
+
+
+--
+-- Name: outcomes_minute_idx; Type: INDEX; Schema: pgsemaphore; Owner: -
+--
+
+CREATE INDEX outcomes_minute_idx ON pgsemaphore.outcomes USING btree (minute);
 
 
 --
@@ -6200,6 +6463,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.prune_advisory_claims(p_older_than interval, 
 
 
 --
+-- Name: FUNCTION prune_outcomes(p_older_than interval, p_batch integer); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.prune_outcomes(p_older_than interval, p_batch integer) FROM PUBLIC;
+
+
+--
 -- Name: FUNCTION prune_rate_limits(p_idle_for interval, p_kind text, p_limiter text, p_key text, p_batch integer); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
@@ -6274,6 +6544,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.reap() FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.reap_family_keys(p_batch integer) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION record_outcomes(p_kinds text[], p_names text[], p_admitted bigint[], p_refused bigint[], p_timed_out bigint[]); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.record_outcomes(p_kinds text[], p_names text[], p_admitted bigint[], p_refused bigint[], p_timed_out bigint[]) FROM PUBLIC;
 
 
 --

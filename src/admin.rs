@@ -9,11 +9,16 @@
 //!   [`set_fairness_weight`] change them.
 //! - Families: [`families`], [`busiest_keys`], [`configure_family`],
 //!   [`set_family_rule`], [`set_family_tier`].
-//! - Rate limiters' stored limits and pauses: [`rate_limit_settings`] lists
-//!   them, [`set_rate_limit`] and [`clear_rate_limit`] store and forget a
+//! - Rate limiters' stored limits and pauses: [`rate_limiters`] lists the
+//!   limiters with their keys, [`rate_limit_settings`] every stored row,
+//!   [`set_rate_limit`] and [`clear_rate_limit`] store and forget a
 //!   limiter's (or a key's) limits, [`pause_rate_limit`] and
 //!   [`resume_rate_limit`] pause and resume; [`prune_rate_limits`] forgets
 //!   idle keys.
+//! - The outcome counters, what every process's semaphores, families and
+//!   rate limiters refused, timed out and admitted, per minute:
+//!   [`outcomes`], [`outcomes_of`] (the [`Client`](crate::Client) writes
+//!   them).
 //! - Housekeeping: [`Reaper`] (a background task doing [`reap`],
 //!   [`prune_claims`] and [`prune_rate_limits`] on an interval), and
 //!   [`horizon`], the sessions holding back VACUUM.
@@ -35,6 +40,7 @@ pub use crate::family_admin::{
     set_family_rule, set_family_tier,
 };
 pub use crate::horizon::{HorizonHolder, HorizonHolderKind, horizon};
+pub use crate::outcomes::{OutcomeCounts, OutcomeKind, outcomes, outcomes_of};
 pub use crate::rate_limit::prune_rate_limits;
 pub use crate::reaper::{Reaper, ReaperBuilder, prune_claims, reap};
 
@@ -94,6 +100,30 @@ SELECT s.kind, s.limiter, nullif(s.key, '') AS key, s.rate, s.burst, s.permit_li
        s.paused_until, s.updated_at, statement_timestamp() AS as_of
   FROM pgsemaphore.rate_limit_settings s
  ORDER BY s.kind, s.limiter, s.key";
+
+/// Every rate limiter with stored settings or keys: its limiter-wide
+/// limits and pause, how many of its keys have a pause of their own in
+/// force, and how many keys it has (a scan of the ledger), with the
+/// database clock.
+const RATE_LIMITERS: &str = "\
+WITH limiters AS (
+    SELECT s.kind, s.limiter FROM pgsemaphore.rate_limit_settings s
+    UNION
+    SELECT l.kind, l.limiter FROM pgsemaphore.rate_ledger l
+)
+SELECT m.kind, m.limiter, w.rate, w.burst, w.permit_limit,
+       extract(epoch FROM w.window_length)::float8 AS window_seconds,
+       w.paused_until,
+       (SELECT count(*) FROM pgsemaphore.rate_limit_settings k
+         WHERE k.kind = m.kind AND k.limiter = m.limiter AND k.key <> ''
+           AND k.paused_until > statement_timestamp()) AS paused_keys,
+       (SELECT count(DISTINCT l.key) FROM pgsemaphore.rate_ledger l
+         WHERE l.kind = m.kind AND l.limiter = m.limiter) AS keys,
+       statement_timestamp() AS as_of
+  FROM limiters m
+  LEFT JOIN pgsemaphore.rate_limit_settings w
+         ON w.kind = m.kind AND w.limiter = m.limiter AND w.key = ''
+ ORDER BY m.limiter, m.kind";
 
 /// Stores a limiter's (`$3` NULL) or a key's limits.
 const SET_RATE_LIMIT: &str = "SELECT pgsemaphore.set_rate_limit(p_kind => $1, p_limiter => $2, \
@@ -815,19 +845,7 @@ pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>>
                 as_of,
             ) = row;
             let kind: LimiterKind = kind.parse().ok()?;
-            let permits = |limit: i64| u32::try_from(limit).unwrap_or(u32::MAX);
-            let policy = match (kind, rate, burst, permit_limit, window) {
-                (LimiterKind::TokenBucket, Some(rate), Some(burst), ..) => {
-                    Some(RatePolicy::token_bucket(rate, burst as u32))
-                }
-                (LimiterKind::FixedWindow, .., Some(limit), Some(window)) => {
-                    Some(RatePolicy::fixed_window(permits(limit), seconds(window)))
-                }
-                (LimiterKind::SlidingWindow, .., Some(limit), Some(window)) => {
-                    Some(RatePolicy::sliding_window(permits(limit), seconds(window)))
-                }
-                _ => None,
-            };
+            let policy = stored_policy(kind, rate, burst, permit_limit, window);
             Some(RateLimitSetting {
                 kind,
                 limiter,
@@ -838,6 +856,136 @@ pub async fn rate_limit_settings(pool: &PgPool) -> Result<Vec<RateLimitSetting>>
                 as_of,
             })
         })
+        .collect())
+}
+
+/// A stored pair of limits as the policy of its kind (`None`: no pair).
+fn stored_policy(
+    kind: LimiterKind,
+    rate: Option<f64>,
+    burst: Option<f64>,
+    permit_limit: Option<i64>,
+    window: Option<f64>,
+) -> Option<RatePolicy> {
+    let permits = |limit: i64| u32::try_from(limit).unwrap_or(u32::MAX);
+    match (kind, rate, burst, permit_limit, window) {
+        (LimiterKind::TokenBucket, Some(rate), Some(burst), ..) => {
+            Some(RatePolicy::token_bucket(rate, burst as u32))
+        }
+        (LimiterKind::FixedWindow, .., Some(limit), Some(window)) => {
+            Some(RatePolicy::fixed_window(permits(limit), seconds(window)))
+        }
+        (LimiterKind::SlidingWindow, .., Some(limit), Some(window)) => {
+            Some(RatePolicy::sliding_window(permits(limit), seconds(window)))
+        }
+        _ => None,
+    }
+}
+
+/// A rate limiter as the database knows it, listed by [`rate_limiters`]:
+/// its limiter-wide stored limits and pause, and how many keys it has.
+///
+/// With the `serde` feature it serializes as `{"kind", "name", "limit",
+/// "paused_until", "paused_keys", "keys", "as_of"}`, `limit` as in
+/// [`RateLimitSetting`].
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct RateLimiterInfo {
+    /// The limiter's kind (with its name, what names it).
+    pub kind: LimiterKind,
+    /// The limiter's name.
+    pub name: String,
+    /// The limits stored for every key of it (its first check stores its
+    /// code's; an operator changes them); `None`: none stored (its next
+    /// check stores its code's). Keys may have their own
+    /// ([`rate_limit_settings`]).
+    #[cfg_attr(feature = "serde", serde(rename = "limit"))]
+    pub policy: Option<RatePolicy>,
+    /// The end of the pause of every key of it, if one was set (in force
+    /// while after `as_of`: [`is_paused`](Self::is_paused)).
+    pub paused_until: Option<DateTime<Utc>>,
+    /// How many of its keys have a pause of their own in force.
+    pub paused_keys: u64,
+    /// How many keys it has a state for (`pgsemaphore.rate_limits`; a key
+    /// at rest stays until [`prune_rate_limits`] removes it).
+    pub keys: u64,
+    /// The database clock when this was read.
+    pub as_of: DateTime<Utc>,
+}
+
+impl RateLimiterInfo {
+    /// Whether every key of the limiter is paused now (at `as_of`).
+    pub fn is_paused(&self) -> bool {
+        self.paused_until.is_some_and(|until| until > self.as_of)
+    }
+}
+
+/// Every rate limiter that has stored limits, a pause or keys, by name
+/// (then kind): its limiter-wide limits and pause, how many keys are paused
+/// on their own and how many keys it has, read in one statement (a scan of
+/// the ledger, `pgsemaphore.rate_ledger`, to count the keys: an operator's
+/// read, not for a hot path). `pg-semaphore status` prints them beside
+/// their [`outcomes`].
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), pg_semaphore::Error> {
+/// for limiter in pg_semaphore::admin::rate_limiters(&pool).await? {
+///     println!("{} {}: {} keys, paused: {}", limiter.kind, limiter.name, limiter.keys, limiter.is_paused());
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::Schema`], [`Error::Database`].
+///
+/// # Cancel safety
+///
+/// Read-only: cancel at will.
+pub async fn rate_limiters(pool: &PgPool) -> Result<Vec<RateLimiterInfo>> {
+    type Row = (
+        String,
+        String,
+        Option<f64>,
+        Option<f64>,
+        Option<i64>,
+        Option<f64>,
+        Option<DateTime<Utc>>,
+        i64,
+        i64,
+        DateTime<Utc>,
+    );
+    let db = db(pool);
+    let rows = db.fetch_all(db.query_as::<Row>(RATE_LIMITERS)).await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(
+            |(
+                kind,
+                name,
+                rate,
+                burst,
+                permit_limit,
+                window,
+                paused_until,
+                paused_keys,
+                keys,
+                as_of,
+            )| {
+                let kind: LimiterKind = kind.parse().ok()?;
+                Some(RateLimiterInfo {
+                    kind,
+                    name,
+                    policy: stored_policy(kind, rate, burst, permit_limit, window),
+                    paused_until,
+                    paused_keys: paused_keys.max(0) as u64,
+                    keys: keys.max(0) as u64,
+                    as_of,
+                })
+            },
+        )
         .collect())
 }
 

@@ -11,6 +11,7 @@ use sqlx::postgres::PgConnectOptions;
 use crate::db::Db;
 use crate::dead_man::DEFAULT_SESSION_HEARTBEAT;
 use crate::error::Result;
+use crate::outcomes::{Counter, OutcomeKind, Tally};
 use crate::rate_limit::RateWakeups;
 use crate::semaphore::advisory::{AuditWriter, DEFAULT_ADVISORY_CONNECTIONS, Sessions};
 use crate::semaphore::wake::Wakeups;
@@ -36,11 +37,20 @@ use crate::validate;
 /// | the rate limiters' wake-ups: a `LISTEN` task | the first waiting rate acquire | one of its own |
 /// | the advisory semaphores' sessions, which hold their slots | the first advisory claim | up to [`advisory_connections`](Client::advisory_connections) of their own |
 /// | the advisory audit writer, a queue written in batches | the first audited advisory semaphore | the pool's |
+/// | the outcome counters' writer: every 5 s, what its semaphores and rate limiters refused, timed out and (rate limiters) admitted | the first refusal, timeout or rate decision; it ends when a round finds nothing counted | the pool's |
 ///
-/// [`shutdown`](Client::shutdown) writes what the audit writer holds and
-/// stops the rest; call it before the process exits. Dropping the client
-/// and every primitive built on it stops the same work, but writes nothing
-/// more: a dropped queue's records are lost.
+/// [`shutdown`](Client::shutdown) writes what the audit writer and the
+/// outcome counters hold and stops the rest; call it before the process
+/// exits. Dropping the client and every primitive built on it stops the
+/// same work, but writes nothing more: a dropped queue's records, and the
+/// counts of the last seconds, are lost.
+///
+/// The outcome counters are one row per semaphore (a family's keys
+/// together), rate limiter and minute in `pgsemaphore.outcomes`, never a
+/// row per request: `pg-semaphore status` and `audit --limiter` show them,
+/// [`admin::outcomes`](crate::admin::outcomes) reads them. Counting costs a
+/// request a mutex and a hash map update; the writer one statement per 5 s
+/// (BENCHMARKS.md measures both).
 ///
 /// Operator tools take the operator's pool, not a client: the functions of
 /// [`admin`](crate::admin), the [`Reaper`](crate::admin::Reaper) and the
@@ -92,6 +102,7 @@ struct Shared {
     rate_wakeups: Arc<RateWakeups>,
     sessions: OnceLock<Arc<Sessions>>,
     audit: OnceLock<Arc<AuditWriter>>,
+    outcomes: Arc<Tally>,
 }
 
 impl fmt::Debug for Client {
@@ -139,9 +150,11 @@ impl Client {
             Some(options) => Arc::new(options.clone()),
             None => pool.connect_options(),
         };
+        let db = Db::new(&pool, settings.pooled).listening(direct);
         Client {
             shared: Arc::new(Shared {
-                db: Db::new(&pool, settings.pooled).listening(direct),
+                outcomes: Arc::new(Tally::new(&db)),
+                db,
                 wakeups: Arc::new(Wakeups::new(options.clone())),
                 rate_wakeups: Arc::new(RateWakeups::new(options.clone())),
                 options,
@@ -237,11 +250,12 @@ impl Client {
         self.shared.db.pool()
     }
 
-    /// Writes the advisory audit records still queued, then stops the
-    /// client's background work: the `LISTEN` tasks and the ticker stop,
-    /// and the advisory sessions that hold no permit close. Call it when
-    /// the process is done with pg-semaphore, after the last permit was
-    /// released.
+    /// Writes the advisory audit records still queued and the outcome
+    /// counts not written yet, then stops the client's background work:
+    /// the `LISTEN` tasks and the ticker stop, and the advisory sessions
+    /// that hold no permit close (the outcome counters' writer ends at its
+    /// next round, having nothing left). Call it when the process is done
+    /// with pg-semaphore, after the last permit was released.
     ///
     /// The client stays usable: a primitive used afterwards starts the work
     /// it needs again. An acquire still waiting keeps the semaphores'
@@ -250,20 +264,25 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// The error that kept the audit writer from writing its queue (the
-    /// records stay queued, and are retried while the client lives):
+    /// The error that kept the audit writer from writing its queue, or
+    /// the outcome counters from being written (the records and counts are
+    /// kept, and retried while the client lives):
     /// [`Error::Database`](crate::Error::Database) (say, the database is
-    /// unreachable) or [`Error::Schema`](crate::Error::Schema).
+    /// unreachable, or another transaction held a counter's row for 2 s)
+    /// or [`Error::Schema`](crate::Error::Schema).
     ///
     /// # Cancel safety
     ///
-    /// Cancelling it stops waiting for the audit writer, which goes on
-    /// writing; nothing else is left half done.
+    /// Cancelling it stops waiting for the audit writer and the outcome
+    /// counters' write, which go on writing; nothing else is left half
+    /// done.
     pub async fn shutdown(&self) -> Result<()> {
         let written = match self.shared.audit.get() {
             Some(writer) => writer.flush().await,
             None => Ok(()),
         };
+        let counted = self.shared.outcomes.flush().await;
+        let written = written.and(counted);
         self.shared.wakeups.stop();
         self.shared.rate_wakeups.stop();
         if let Some(sessions) = self.shared.sessions.get() {
@@ -325,6 +344,11 @@ impl Client {
                 ))
             })
             .clone())
+    }
+
+    /// The outcome counter of `kind` `name` on the client's tally.
+    pub(crate) fn outcome_counter(&self, kind: OutcomeKind, name: &str) -> Counter {
+        self.shared.outcomes.counter(kind, name)
     }
 
     /// The advisory audit writer, started by the first audited advisory

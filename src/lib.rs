@@ -401,6 +401,7 @@ mod horizon;
 mod metrics;
 mod migrate;
 mod mutex;
+mod outcomes;
 mod rate_limit;
 mod reaper;
 #[cfg(feature = "refinery")]

@@ -41,13 +41,19 @@
 //! recorder, against cycles of 0.3 ms and more (`benches/metrics_overhead.rs`).
 //!
 //! Without the feature, every helper here is an empty `#[inline]` function
-//! and the guards are empty: the call sites stay as they are and cost nothing.
+//! and the guards are empty: the call sites stay as they are and cost
+//! nothing. One thing is counted in every build: a semaphore's refusals
+//! (`no_slots`, `queue_full`) and timeouts (`timed_out`) also go to its
+//! client's outcome counters (`pgsemaphore.outcomes`, `src/outcomes.rs`),
+//! which `pg-semaphore status` shows: these helpers are the one place each
+//! such event is reported.
 // Without the feature the helpers ignore their arguments and the names go unused.
 #![cfg_attr(not(feature = "metrics"), allow(unused_variables, dead_code))]
 
 use std::time::Duration;
 
 use crate::error::LostReason;
+use crate::outcomes::Counter;
 
 #[cfg(feature = "metrics")]
 use ::metrics::{SharedString, counter, gauge, histogram};
@@ -217,17 +223,29 @@ impl Label {
     }
 }
 
-/// The metrics of one semaphore, as its handles share them.
+/// The metrics of one semaphore, as its handles share them, and its
+/// outcome counter: every refusal and timeout reported here is counted in
+/// the client's outcome counters too (`pgsemaphore.outcomes`, see
+/// `src/outcomes.rs`), with or without the `metrics` feature.
 #[derive(Debug, Clone)]
 pub(crate) struct SemaphoreMetrics {
     semaphore: Label,
+    outcomes: Option<Counter>,
 }
 
 impl SemaphoreMetrics {
+    /// A semaphore's metrics, counting no outcome (a layer's fail-open).
     pub(crate) fn new(name: &str) -> Self {
         SemaphoreMetrics {
             semaphore: Label::new("semaphore", name),
+            outcomes: None,
         }
+    }
+
+    /// These metrics, counting refusals and timeouts on `counter` too.
+    pub(crate) fn counting(mut self, counter: Counter) -> Self {
+        self.outcomes = Some(counter);
+        self
     }
 
     /// The database granted `permits` slots: counts the acquisition; the
@@ -275,18 +293,27 @@ impl SemaphoreMetrics {
     #[inline]
     pub(crate) fn no_slots(&self) {
         self.semaphore.count(NO_SLOTS_AVAILABLE);
+        if let Some(outcomes) = &self.outcomes {
+            outcomes.refused();
+        }
     }
 
     /// A waiting acquire gave up at its timeout.
     #[inline]
     pub(crate) fn timed_out(&self) {
         self.semaphore.count(TIMEOUTS);
+        if let Some(outcomes) = &self.outcomes {
+            outcomes.timed_out();
+        }
     }
 
     /// An acquire was refused by the fair queue's limit.
     #[inline]
     pub(crate) fn queue_full(&self) {
         self.semaphore.count(QUEUE_FULL);
+        if let Some(outcomes) = &self.outcomes {
+            outcomes.refused();
+        }
     }
 
     /// A permit ended lost.

@@ -73,10 +73,12 @@ const VACUUM: &str = "VACUUM (SKIP_LOCKED) pgsemaphore.slots";
 const PRUNE_BATCH: i32 = 5_000;
 
 /// Deletes finished claims (completed or timed out) that ended more than
-/// `older_than` ago, of every semaphore, and the advisory semaphores'
+/// `older_than` ago, of every semaphore, the advisory semaphores'
 /// finished permits (`pgsemaphore.advisory_claims`) that ended as long ago,
-/// and returns how many rows of both. Live claims are never touched. This
-/// bounds both audit logs; a [`Reaper`] with a
+/// and the outcome counters' minutes that ended as long ago
+/// (`pgsemaphore.outcomes`, [`outcomes`](crate::admin::outcomes)), and
+/// returns how many rows of the three. Live claims are never touched. This
+/// bounds both audit logs and the counters; a [`Reaper`] with a
 /// [`retention`](ReaperBuilder::retention) calls it every round.
 ///
 /// Works in batches of short transactions, oldest claims first, so it can

@@ -1534,6 +1534,7 @@ async fn privileges_each_routine_runs_for_exactly_its_documented_roles() -> Test
             "advisory_log(jsonb)",
             "open_family(text,integer,interval,interval)",
             "open_family_key(text,text)",
+            "record_outcomes(text[],text[],bigint[],bigint[],bigint[])",
         ]
         .map(|f| format!("pgsemaphore.{f}"));
         application.sort();
@@ -1595,6 +1596,7 @@ async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
             "pgsemaphore.token_bucket_unchecked(text,text,double precision,double precision,double precision)",
             "pgsemaphore.prune_unchecked(interval,integer)",
             "pgsemaphore.prune_advisory_claims(interval,integer)",
+            "pgsemaphore.prune_outcomes(interval,integer)",
             "pgsemaphore.notify_if_waited(text)",
             "pgsemaphore.fixed_window_book(text,text,bigint,interval,bigint,interval)",
             "pgsemaphore.sliding_window_book(text,text,bigint,interval,bigint,interval)",
@@ -1615,6 +1617,7 @@ async fn privileges_operator_functions_and_helpers_are_refused() -> TestResult {
             "SELECT * FROM pgsemaphore.token_bucket_unchecked('l', 'k', 1, 1, 1)",
             "SELECT pgsemaphore.prune_unchecked('0', 1)",
             "SELECT pgsemaphore.prune_advisory_claims('0', 1)",
+            "SELECT pgsemaphore.prune_outcomes('0', 1)",
             "SELECT pgsemaphore.clear_queue('x')",
             "SELECT * FROM pgsemaphore.fixed_window_book('l', 'k', 1, '1 s', 1, '1 s')",
             "SELECT * FROM pgsemaphore.sliding_window_book('l', 'k', 1, '1 s', 1, '1 s')",
@@ -2318,6 +2321,161 @@ async fn privileges_foreign_holds_of_advisory_keys_are_listed_and_counted() -> T
         drop_extra_role(&db, "bare", bare).await?;
         second.release().await?;
         permit.release().await?;
+        Ok(())
+    })
+    .await
+}
+
+/// One call of `pgsemaphore.record_outcomes` adding `refused` refusals to
+/// semaphore `name`.
+fn record_refusals(name: &str, refused: i64) -> String {
+    format!(
+        "SELECT pgsemaphore.record_outcomes(ARRAY['semaphore'], ARRAY['{name}'], \
+         ARRAY[0]::bigint[], ARRAY[{refused}]::bigint[], ARRAY[0]::bigint[])"
+    )
+}
+
+/// README: "Add to the outcome counters (`record_outcomes`), which record
+/// what applications reported: to any name of the six kinds, at most 1,000
+/// rows and 1,000,000,000 per count a call, only ever adding to the current
+/// minute's counts, never setting, lowering or deleting any; the operator's
+/// retention prunes them." The operator and a role without grants cannot
+/// report at all.
+#[tokio::test]
+async fn privileges_outcome_counters_are_only_added_to() -> TestResult {
+    as_roles(|db, app, operator| async move {
+        let counted = |pool: PgPool| async move {
+            sqlx::query_as::<_, (String, i64, bool)>(
+                "SELECT name, refused, minute = date_bin('1 minute', now(), timestamptz '2000-01-01Z') \
+                   FROM pgsemaphore.outcomes ORDER BY name",
+            )
+            .fetch_all(&pool)
+            .await
+        };
+        for refused in [3, 4] {
+            sqlx::query(AssertSqlSafe(record_refusals("counted", refused)))
+                .execute(&app)
+                .await?;
+        }
+        // Any name: nothing checks that a semaphore has it.
+        sqlx::query(AssertSqlSafe(record_refusals("made-up", 1)))
+            .execute(&app)
+            .await?;
+        let before = counted(app.clone()).await?;
+        assert_eq!(
+            before,
+            [("counted".to_owned(), 7, true), ("made-up".to_owned(), 1, true)]
+        );
+        // Nothing lowers a count: negative, oversized and NULL counts,
+        // unknown kinds, too many rows are refused, writing nothing.
+        let thousand_and_one = "SELECT pgsemaphore.record_outcomes(\
+            array_fill('semaphore'::text, ARRAY[1001]), \
+            (SELECT array_agg('s' || i) FROM generate_series(1, 1001) i), \
+            array_fill(0::bigint, ARRAY[1001]), array_fill(1::bigint, ARRAY[1001]), \
+            array_fill(0::bigint, ARRAY[1001]))";
+        for (sql, column) in [
+            (record_refusals("counted", -7), "p_refused"),
+            (record_refusals("counted", 1_000_000_001), "p_refused"),
+            (record_refusals("counted", i64::MAX), "p_refused"),
+            (
+                "SELECT pgsemaphore.record_outcomes(ARRAY['semaphore'], ARRAY['counted'], \
+                 ARRAY[NULL]::bigint[], ARRAY[1]::bigint[], ARRAY[0]::bigint[])"
+                    .to_owned(),
+                "p_admitted",
+            ),
+            (
+                "SELECT pgsemaphore.record_outcomes(ARRAY['slots'], ARRAY['counted'], \
+                 ARRAY[0]::bigint[], ARRAY[1]::bigint[], ARRAY[0]::bigint[])"
+                    .to_owned(),
+                "p_kinds",
+            ),
+            (thousand_and_one.to_owned(), "p_kinds"),
+        ] {
+            let result = sqlx::query(AssertSqlSafe(sql.clone())).execute(&app).await;
+            assert_eq!(refusal(result), ("22023".to_owned(), Some(column.to_owned())), "{sql}");
+        }
+        for sql in [
+            "UPDATE pgsemaphore.outcomes SET refused = 0",
+            "DELETE FROM pgsemaphore.outcomes",
+            "INSERT INTO pgsemaphore.outcomes (kind, name, minute) VALUES ('semaphore', 'x', now())",
+        ] {
+            assert!(denied(sqlx::query(sql).execute(&app).await), "allowed: {sql}");
+        }
+        assert_eq!(counted(app.clone()).await?, before);
+        // The operator reads them and prunes them, but does not report.
+        assert_eq!(counted(operator.clone()).await?, before);
+        assert!(denied(
+            sqlx::query(AssertSqlSafe(record_refusals("counted", 1)))
+                .execute(&operator)
+                .await
+        ));
+        let bare = extra_role(&db, "bare", "GRANT USAGE ON SCHEMA pgsemaphore TO {role};").await?;
+        assert!(denied(
+            sqlx::query(AssertSqlSafe(record_refusals("counted", 1)))
+                .execute(&bare)
+                .await
+        ));
+        drop_extra_role(&db, "bare", bare).await?;
+        // The retention: once a minute has ended more than `older_than` ago.
+        sqlx::query("UPDATE pgsemaphore.outcomes SET minute = minute - interval '2 hours' WHERE name = 'made-up'")
+            .execute(&db.pool)
+            .await?;
+        pg_semaphore::admin::prune_claims(&operator, Duration::from_secs(3600)).await?;
+        assert_eq!(
+            counted(app.clone()).await?,
+            [("counted".to_owned(), 7, true)]
+        );
+        Ok(())
+    })
+    .await
+}
+
+/// README: "Adding to the outcome counters in an open transaction delays
+/// every process's report of the same rows by at most 2 seconds, which then
+/// fails with SQLSTATE 55P03 and is tried again later with the counts
+/// kept." (The crate's side, keeping and retrying: tests/outcomes.rs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn privileges_an_open_report_delays_the_same_rows_at_most_the_bound() -> TestResult {
+    as_roles(|_db, app, _operator| async move {
+        let mut squatter = app.acquire().await?;
+        sqlx::query("BEGIN").execute(&mut *squatter).await?;
+        sqlx::query(AssertSqlSafe(record_refusals("held", 1)))
+            .execute(&mut *squatter)
+            .await?;
+        // Another row is not delayed.
+        let started = std::time::Instant::now();
+        sqlx::query(AssertSqlSafe(record_refusals("other", 1)))
+            .execute(&app)
+            .await?;
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            started.elapsed()
+        );
+        // The held one waits lock_timeout, then 55P03, writing nothing.
+        let started = std::time::Instant::now();
+        let held = tokio::time::timeout(
+            Duration::from_secs(10),
+            sqlx::query(AssertSqlSafe(record_refusals("held", 5))).execute(&app),
+        )
+        .await
+        .map_err(|_| "record_outcomes waited without bound")?;
+        let waited = started.elapsed();
+        assert_eq!(refusal(held).0, "55P03");
+        assert!(
+            waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+            "{waited:?}"
+        );
+        sqlx::query("COMMIT").execute(&mut *squatter).await?;
+        sqlx::query(AssertSqlSafe(record_refusals("held", 5)))
+            .execute(&app)
+            .await?;
+        let held: i64 = sqlx::query_scalar(
+            "SELECT sum(refused)::int8 FROM pgsemaphore.outcomes WHERE name = 'held'",
+        )
+        .fetch_one(&app)
+        .await?;
+        assert_eq!(held, 6);
         Ok(())
     })
     .await

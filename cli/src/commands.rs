@@ -1,12 +1,13 @@
 //! One function per command: call the library, hand its data to `render`,
 //! return the text to print. Failures carry their exit status.
 
+use std::ops::Range;
 use std::time::Duration;
 
-use chrono::Utc;
+use chrono::{DateTime, TimeDelta, Utc};
 use pg_semaphore::{
     Error,
-    admin::{ReleaseOutcome, RuleKind},
+    admin::{LimiterKind, OutcomeCounts, OutcomeKind, RateLimiterInfo, ReleaseOutcome, RuleKind},
     audit::{AuditLog, SemaphoreKind},
 };
 use sqlx::PgPool;
@@ -42,10 +43,32 @@ pub(crate) async fn status(
             return Err(Failure::not_found(format!("no semaphore named {name:?}")));
         }
     }
+    let now = Utc::now();
+    let since = now - TimeDelta::seconds(60);
+    let counted = render::Counted::new(
+        pg_semaphore::admin::outcomes(pool, since..now).await?,
+        since,
+    );
+    // With a name, only that semaphore; without, the families and the
+    // rate limiters too.
+    let (families, limiters) = match name {
+        Some(_) => (Vec::new(), Vec::new()),
+        None => (
+            pg_semaphore::admin::families(pool).await?,
+            pg_semaphore::admin::rate_limiters(pool).await?,
+        ),
+    };
+    let status = render::Status {
+        semaphores: &list,
+        families: &families,
+        limiters: &limiters,
+        counted: &counted,
+        whole: name.is_none(),
+    };
     if json {
-        return Ok(render::status_json(&list));
+        return Ok(render::status_json(&status));
     }
-    let mut out = render::status_table(&list);
+    let mut out = render::status_table(&status);
     if name.is_none() {
         let locks = pg_semaphore::admin::mutexes(pool).await?;
         if !locks.is_empty() {
@@ -72,52 +95,168 @@ pub(crate) async fn doctor(pool: &PgPool, json: bool) -> Result<String, Failure>
 pub(crate) async fn audit(pool: &PgPool, args: AuditArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
+    let Some(name) = args.name else {
+        let limiter = args.limiter.limiter.as_deref().unwrap_or_default();
+        let (kind, info) = resolve_limiter(pool, limiter, args.limiter.kind, &window).await?;
+        let minutes =
+            pg_semaphore::admin::outcomes_of(pool, kind.into(), limiter, window.clone()).await?;
+        let history = render::LimiterHistory {
+            limiter,
+            kind,
+            window: &window,
+            info: info.as_ref(),
+            minutes: &minutes,
+        };
+        return Ok(if args.csv {
+            render::limiter_audit_csv(&minutes)
+        } else if args.json {
+            render::limiter_audit_json(&history)
+        } else {
+            render::limiter_audit_table(&history)
+        });
+    };
     let log = AuditLog::new(pool);
     // The name is resolved as `report` resolves it: a lease semaphore's row
     // (a named semaphore, or a family key, idle or not, while it has
     // history), else an advisory semaphore. An unknown name would just give
     // an empty log: say so instead.
-    let summary = log.summary(&args.name, window.clone()).await?;
+    let summary = log.summary(&name, window.clone()).await?;
     let kind = summary.kind;
     if kind == SemaphoreKind::Advisory
         && !pg_semaphore::admin::semaphores(pool)
             .await?
             .iter()
-            .any(|s| s.kind == kind && s.name == args.name)
+            .any(|s| s.kind == kind && s.name == name)
     {
-        return Err(not_found(pool, &args.name).await);
+        return Err(not_found(pool, &name).await);
     }
-    let claims = log.history(&args.name, window.clone()).await?;
+    let claims = log.history(&name, window.clone()).await?;
     if args.csv {
         return Ok(render::audit_csv(kind, &claims));
     }
+    let outcomes = semaphore_outcomes(pool, kind, &name, &window).await?;
     Ok(if args.json {
-        render::audit_json(&args.name, &window, &claims, &summary)
+        render::audit_json(&name, &window, &claims, &summary, outcomes.as_deref())
     } else {
-        render::audit_table(&args.name, &window, &claims, &summary)
+        render::audit_table(&name, &window, &claims, &summary, outcomes.as_deref())
     })
+}
+
+/// A semaphore's outcome counters in `window`; `None` for a family key,
+/// whose refusals and timeouts count under its family.
+async fn semaphore_outcomes(
+    pool: &PgPool,
+    kind: SemaphoreKind,
+    name: &str,
+    window: &Range<DateTime<Utc>>,
+) -> Result<Option<Vec<OutcomeCounts>>, Failure> {
+    if name.starts_with('@') {
+        return Ok(None);
+    }
+    let kind = match kind {
+        SemaphoreKind::Advisory => OutcomeKind::Advisory,
+        _ => OutcomeKind::Semaphore,
+    };
+    Ok(Some(
+        pg_semaphore::admin::outcomes_of(pool, kind, name, window.clone()).await?,
+    ))
+}
+
+/// The kind of the rate limiter `name` (the one given, else the one kind
+/// that has the name: stored limits, keys, or counts in `window`), and
+/// what the database stores of it.
+async fn resolve_limiter(
+    pool: &PgPool,
+    name: &str,
+    kind: Option<LimiterKind>,
+    window: &Range<DateTime<Utc>>,
+) -> Result<(LimiterKind, Option<RateLimiterInfo>), Failure> {
+    let known: Vec<RateLimiterInfo> = pg_semaphore::admin::rate_limiters(pool)
+        .await?
+        .into_iter()
+        .filter(|l| l.name == name)
+        .collect();
+    let mut kinds: Vec<LimiterKind> = known.iter().map(|l| l.kind).collect();
+    for candidate in [
+        LimiterKind::TokenBucket,
+        LimiterKind::FixedWindow,
+        LimiterKind::SlidingWindow,
+    ] {
+        if !kinds.contains(&candidate)
+            && !pg_semaphore::admin::outcomes_of(pool, candidate.into(), name, window.clone())
+                .await?
+                .is_empty()
+        {
+            kinds.push(candidate);
+        }
+    }
+    let kind = match (kind, kinds.as_slice()) {
+        (Some(kind), _) if kinds.contains(&kind) => kind,
+        (Some(kind), _) => {
+            return Err(Failure::not_found(format!(
+                "no {kind} rate limiter named {name:?} (no stored limits, keys, or counts in the window)"
+            )));
+        }
+        (None, [kind]) => *kind,
+        (None, []) => {
+            return Err(Failure::not_found(format!(
+                "no rate limiter named {name:?} (no stored limits, keys, or counts in the window)"
+            )));
+        }
+        (None, several) => {
+            let names: Vec<&str> = several.iter().map(|k| k.as_str()).collect();
+            return Err(Failure::usage(format!(
+                "rate limiters of several kinds are named {name:?} ({}): pass --kind",
+                names.join(", ")
+            )));
+        }
+    };
+    let info = known.into_iter().find(|l| l.kind == kind);
+    Ok((kind, info))
 }
 
 pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Failure> {
     let w = &args.window;
     let window = parse::window(w.last, w.since, w.until, Utc::now()).map_err(Failure::usage)?;
+    let Some(name) = args.name else {
+        let limiter = args.limiter.limiter.as_deref().unwrap_or_default();
+        let (kind, info) = resolve_limiter(pool, limiter, args.limiter.kind, &window).await?;
+        let minutes =
+            pg_semaphore::admin::outcomes_of(pool, kind.into(), limiter, window.clone()).await?;
+        let history = render::LimiterHistory {
+            limiter,
+            kind,
+            window: &window,
+            info: info.as_ref(),
+            minutes: &minutes,
+        };
+        let page = render::report::limiter_html(&history, Utc::now());
+        let total = render::total(&minutes);
+        return write_page(
+            &args.html,
+            page,
+            format!(
+                "decisions of {kind} rate limiter {limiter:?} between {} and {} \
+                 ({} admitted, {} refused, {} timed out, in {} minute{} with counts)",
+                rfc3339(window.start),
+                rfc3339(window.end),
+                total.admitted,
+                total.refused,
+                total.timed_out,
+                minutes.len(),
+                plural(minutes.len() as u64),
+            ),
+        );
+    };
     let report = match AuditLog::new(pool)
-        .report_shaped(&args.name, window, render::report::SHAPE)
+        .report_shaped(&name, window.clone(), render::report::SHAPE)
         .await
     {
-        Err(Error::SemaphoreNotFound { .. }) => return Err(not_found(pool, &args.name).await),
+        Err(Error::SemaphoreNotFound { .. }) => return Err(not_found(pool, &name).await),
         other => other?,
     };
-    let page = render::report::html(&report);
-    if args.html.as_os_str() == "-" {
-        return Ok(page);
-    }
-    std::fs::write(&args.html, page).map_err(|e| {
-        Failure::new(
-            EXIT_FAILURE,
-            format!("cannot write {}: {e}", args.html.display()),
-        )
-    })?;
+    let outcomes = semaphore_outcomes(pool, report.kind, &name, &window).await?;
+    let page = render::report::html(&report, outcomes.as_deref());
     let drawn = if report.aggregated {
         format!(
             "aggregated into {} buckets of {}",
@@ -131,15 +270,33 @@ pub(crate) async fn report(pool: &PgPool, args: ReportArgs) -> Result<String, Fa
         SemaphoreKind::Advisory => "finished permit",
         _ => "claim",
     };
-    Ok(format!(
-        "wrote {}: {} {what}{} of {:?} between {} and {} ({drawn})\n",
-        args.html.display(),
-        report.summary.total(),
-        plural(report.summary.total()),
-        report.semaphore,
-        rfc3339(report.since),
-        rfc3339(report.until),
-    ))
+    write_page(
+        &args.html,
+        page,
+        format!(
+            "{} {what}{} of {:?} between {} and {} ({drawn})",
+            report.summary.total(),
+            plural(report.summary.total()),
+            report.semaphore,
+            rfc3339(report.since),
+            rfc3339(report.until),
+        ),
+    )
+}
+
+/// Writes a report's `page` to `file` (`-`: returns it, for stdout), and
+/// says what it drew.
+fn write_page(file: &std::path::Path, page: String, drew: String) -> Result<String, Failure> {
+    if file.as_os_str() == "-" {
+        return Ok(page);
+    }
+    std::fs::write(file, page).map_err(|e| {
+        Failure::new(
+            EXIT_FAILURE,
+            format!("cannot write {}: {e}", file.display()),
+        )
+    })?;
+    Ok(format!("wrote {}: {drew}\n", file.display()))
 }
 
 /// Why `audit` or `report` has nothing for `name`: no such semaphore; for

@@ -48,7 +48,7 @@ Exit status:
   1  database or runtime error (connection refused, query failed, ...)
   2  usage error (bad arguments, no database URL)
   3  not found: no such semaphore (audit, report, status NAME, set-capacity, clear-queue,
-     fair-weight),
+     fair-weight), rate limiter (audit --limiter, report --limiter),
      claim (release) or family (family, rule, tier)
   4  pg-semaphore's migrations are not applied to this database (run `pg-semaphore migrate`)
 
@@ -83,10 +83,20 @@ enum Command {
     /// and `sqlx migrate run --source migrations --config migrations/sqlx.toml`.
     Migrate,
 
-    /// Every semaphore, lease and advisory: capacity, live holders.
+    /// Every semaphore, lease and advisory, with its live holders; the
+    /// families; the rate limiters; what each refused and timed out.
     ///
     /// Keys of semaphore families (named @family/key) are listed only while
     /// held; `families` and `family NAME` show the rest.
+    ///
+    /// REFUSED and TIMED OUT (and a rate limiter's ADMITTED) are the
+    /// outcome counters of the minutes that overlap the last 60 seconds
+    /// (this minute so far and the previous one, on the database's clock:
+    /// between 60 and 120 seconds of counts), as every process using
+    /// pg-semaphore writes them every 5 s: refused at once (no free slot, a
+    /// full queue, a refused rate check), gave up at a timeout. A family's
+    /// keys count under the family, never per key (so a family key's row
+    /// shows -).
     ///
     /// Lease semaphores first, each holder with its claim id, slot, label,
     /// age, lease left and silence: the time since it last renewed its
@@ -101,15 +111,23 @@ enum Command {
     /// pid, client address, how long it has been connected (not how long it
     /// has held the slot) and application_name. Sessions of other roles
     /// show their client and start only to a role with pg_read_all_stats
-    /// (or pg_monitor). Then, without NAME, every other advisory lock of the
-    /// database (a Mutex's), held or waited for, with its backend and since
-    /// when; --mutex NAME shows a mutex's lock under its name.
+    /// (or pg_monitor). Then, without NAME: the families (default
+    /// capacity, keys); the rate limiters (kind, the limits stored for all
+    /// their keys, a pause of all their keys with its end, how many keys
+    /// are paused on their own, how many keys they have); and every other
+    /// advisory lock of the database (a Mutex's), held or waited for, with
+    /// its backend and since when; --mutex NAME shows a mutex's lock under
+    /// its name.
     ///
     /// --json prints one array: the lease semaphores ("kind": "lease"),
     /// each holder with "age_seconds", "lease_left_seconds" and
     /// "silent_seconds", then the advisory ones, each with "kind":
     /// "advisory" and its holders as {"slot", "pid", "application_name",
-    /// "client_addr", "backend_start"}.
+    /// "client_addr", "backend_start"}; each with "refused", "timed_out"
+    /// and "counted_since". Without NAME, then the families ("kind":
+    /// "family") and the rate limiters ("kind": "rate_limiter",
+    /// "limiter_kind", "limit", "paused_until", "paused_keys", "keys",
+    /// "admitted", "refused", "timed_out", "counted_since").
     Status {
         /// Only this semaphore, of either kind (exit status 3 if it does not exist).
         name: Option<String>,
@@ -149,10 +167,20 @@ enum Command {
     /// (released, dropped, lost) and hold time; no claim id, no lease.
     /// --json has "kind": "advisory", each claim {"slots", "holder",
     /// "metadata", "claimed_at", "ended_at", "outcome", "held_seconds"}.
+    /// Under the summary: how many requests the semaphore refused and
+    /// timed out in the window (the outcome counters' minutes that overlap
+    /// it; --json: "outcomes", one object per minute).
+    ///
+    /// --limiter NAME: a rate limiter's decisions instead, per minute
+    /// (admitted, refused, timed out), from the outcome counters, with its
+    /// stored limits; --kind when limiters of several kinds share the name.
+    /// --json: {"limiter", "kind", "since", "until", "info", "minutes",
+    /// "total"}; --csv: minute,admitted,refused,timed_out.
     #[command(after_help = "Examples:
   pg-semaphore audit payments-api --last 15m
   pg-semaphore audit payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --csv
-  pg-semaphore audit payments-api --since 2d --until 1d --json")]
+  pg-semaphore audit payments-api --since 2d --until 1d --json
+  pg-semaphore audit --limiter partner-api --last 6h")]
     Audit(AuditArgs),
 
     /// Draw a semaphore's claims over a time window as one HTML page.
@@ -168,10 +196,17 @@ enum Command {
     ///
     /// For an advisory semaphore the page draws its finished permits from
     /// its audit log, and says that the picture ends at the last finished
-    /// permit (live permits are not in the log: see `status`).
+    /// permit (live permits are not in the log: see `status`). Under them,
+    /// the requests refused and timed out per minute (the outcome
+    /// counters).
+    ///
+    /// --limiter NAME draws a rate limiter's decisions per minute instead
+    /// (admitted, refused, timed out, stacked), with its stored limits and
+    /// totals; --kind when limiters of several kinds share the name.
     #[command(after_help = "Examples:
   pg-semaphore report payments-api --since 1h --html report.html
-  pg-semaphore report payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --html 0800.html")]
+  pg-semaphore report payments-api --since 2026-11-21T08:00:00Z --until 2026-11-21T09:00:00Z --html 0800.html
+  pg-semaphore report --limiter partner-api --last 6h --html partner.html")]
     Report(ReportArgs),
 
     /// Time out every live claim whose lease has expired.
@@ -480,7 +515,11 @@ enum TierCommand {
 #[derive(Debug, Args)]
 struct AuditArgs {
     /// The semaphore's name; a family key is @family/key (held or not).
-    name: String,
+    #[arg(required_unless_present = "limiter")]
+    name: Option<String>,
+
+    #[command(flatten)]
+    limiter: LimiterArgs,
 
     #[command(flatten)]
     window: WindowArgs,
@@ -497,7 +536,11 @@ struct AuditArgs {
 #[derive(Debug, Args)]
 struct ReportArgs {
     /// The semaphore's name; a family key is @family/key (held or not).
-    name: String,
+    #[arg(required_unless_present = "limiter")]
+    name: Option<String>,
+
+    #[command(flatten)]
+    limiter: LimiterArgs,
 
     #[command(flatten)]
     window: WindowArgs,
@@ -505,6 +548,19 @@ struct ReportArgs {
     /// Write the HTML page to FILE (`-`: to stdout).
     #[arg(long, value_name = "FILE")]
     html: PathBuf,
+}
+
+/// A rate limiter instead of a semaphore: its name, and its kind when
+/// limiters of several kinds share the name.
+#[derive(Debug, Args)]
+struct LimiterArgs {
+    /// A rate limiter's name instead of a semaphore's.
+    #[arg(long, value_name = "NAME", conflicts_with = "name")]
+    limiter: Option<String>,
+    /// The limiter's kind: token-bucket, fixed-window or sliding-window
+    /// (needed only when limiters of several kinds have the name).
+    #[arg(long, requires = "limiter")]
+    kind: Option<pg_semaphore::admin::LimiterKind>,
 }
 
 /// A time window: `--last`, or `--since` and `--until`.

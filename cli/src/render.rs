@@ -8,37 +8,280 @@ use std::fmt::Write as _;
 use std::ops::Range;
 use std::time::Duration;
 
-use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
+use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
 use pg_semaphore::{
     RatePolicy,
     admin::{
-        FamilyInfo, FamilyKeyInfo, HorizonHolder, HorizonHolderKind, RateLimitSetting, RuleKind,
-        SemaphoreInfo,
+        FamilyInfo, FamilyKeyInfo, HorizonHolder, HorizonHolderKind, LimiterKind, OutcomeCounts,
+        OutcomeKind, RateLimitSetting, RateLimiterInfo, RuleKind, SemaphoreInfo,
     },
     audit::{ClaimRecord, Holder, Outcome, SemaphoreKind, Summary},
 };
 use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Admitted, refused and timed-out requests added up (of a name, over
+/// minutes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub(crate) struct Totals {
+    pub(crate) admitted: u64,
+    pub(crate) refused: u64,
+    pub(crate) timed_out: u64,
+}
+
+impl Totals {
+    fn add(&mut self, row: &OutcomeCounts) {
+        self.admitted += row.admitted;
+        self.refused += row.refused;
+        self.timed_out += row.timed_out;
+    }
+}
+
+/// The minutes' counts added up.
+pub(crate) fn total(minutes: &[OutcomeCounts]) -> Totals {
+    let mut total = Totals::default();
+    for row in minutes {
+        total.add(row);
+    }
+    total
+}
+
+/// The outcome counters `status` shows: each name's counts in the minutes
+/// that overlap the last 60 s, added up.
+#[derive(Debug)]
+pub(crate) struct Counted {
+    by_name: BTreeMap<(OutcomeKind, String), Totals>,
+    /// The start of the first minute counted.
+    since: DateTime<Utc>,
+}
+
+impl Counted {
+    /// `rows`: the minutes that overlap the window starting at `since`.
+    pub(crate) fn new(rows: Vec<OutcomeCounts>, since: DateTime<Utc>) -> Counted {
+        let mut by_name: BTreeMap<(OutcomeKind, String), Totals> = BTreeMap::new();
+        for row in &rows {
+            by_name
+                .entry((row.kind, row.name.clone()))
+                .or_default()
+                .add(row);
+        }
+        Counted {
+            by_name,
+            since: since.duration_trunc(TimeDelta::minutes(1)).unwrap_or(since),
+        }
+    }
+
+    fn of(&self, kind: OutcomeKind, name: &str) -> Totals {
+        self.by_name
+            .get(&(kind, name.to_owned()))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// A semaphore's counts; `None` for a family key, counted under its family.
+    fn of_semaphore(&self, sem: &SemaphoreInfo) -> Option<Totals> {
+        if sem.name.starts_with('@') {
+            return None;
+        }
+        Some(match sem.kind {
+            SemaphoreKind::Advisory => self.of(OutcomeKind::Advisory, &sem.name),
+            _ => self.of(OutcomeKind::Semaphore, &sem.name),
+        })
+    }
+
+    /// The rate limiters with counts, by kind and name.
+    fn limiters(&self) -> impl Iterator<Item = (LimiterKind, &str)> {
+        self.by_name
+            .keys()
+            .filter_map(|(kind, name)| Some((kind.limiter()?, name.as_str())))
+    }
+}
+
+/// What `status` shows.
+pub(crate) struct Status<'a> {
+    pub(crate) semaphores: &'a [SemaphoreInfo],
+    pub(crate) families: &'a [FamilyInfo],
+    pub(crate) limiters: &'a [RateLimiterInfo],
+    pub(crate) counted: &'a Counted,
+    /// Whether it shows every semaphore (no name given), and so the
+    /// families and the rate limiters too.
+    pub(crate) whole: bool,
+}
+
+impl Status<'_> {
+    /// Every rate limiter to show: those the database stores, and those
+    /// with counts only (their keys pruned and limits cleared), by name;
+    /// none for one semaphore's status.
+    fn limiter_rows(&self) -> Vec<(LimiterKind, &str, Option<&RateLimiterInfo>)> {
+        if !self.whole {
+            return Vec::new();
+        }
+        let mut rows: Vec<(LimiterKind, &str, Option<&RateLimiterInfo>)> = self
+            .limiters
+            .iter()
+            .map(|l| (l.kind, l.name.as_str(), Some(l)))
+            .collect();
+        for (kind, name) in self.counted.limiters() {
+            if !rows.iter().any(|(k, n, _)| *k == kind && *n == name) {
+                rows.push((kind, name, None));
+            }
+        }
+        rows.sort_by(|a, b| (a.1, a.0.as_str()).cmp(&(b.1, b.0.as_str())));
+        rows
+    }
+}
+
+/// A count for a table cell: `-` where it is counted elsewhere.
+fn cell(count: Option<u64>) -> String {
+    count.map_or_else(|| "-".to_owned(), |n| n.to_string())
+}
 
 /// `pg-semaphore status`: one row per lease semaphore, then each one's
-/// holders; then one row per advisory semaphore, then each one's holders.
-pub(crate) fn status_table(all: &[SemaphoreInfo]) -> String {
-    let (list, advisory): (Vec<&SemaphoreInfo>, Vec<&SemaphoreInfo>) =
-        all.iter().partition(|s| s.kind == SemaphoreKind::Lease);
+/// holders; then one row per advisory semaphore, then each one's holders;
+/// then the families and the rate limiters; then which minutes the
+/// REFUSED and TIMED OUT columns count.
+pub(crate) fn status_table(status: &Status<'_>) -> String {
+    let (list, advisory): (Vec<&SemaphoreInfo>, Vec<&SemaphoreInfo>) = status
+        .semaphores
+        .iter()
+        .partition(|s| s.kind == SemaphoreKind::Lease);
     let (list, advisory) = (&list[..], &advisory[..]);
-    if list.is_empty() && advisory.is_empty() {
-        return "no semaphores yet\n".to_owned();
-    }
+    let limiters = status.limiter_rows();
     let mut out = String::new();
+    if list.is_empty() && advisory.is_empty() {
+        out.push_str("no semaphores yet\n");
+    }
     if !list.is_empty() {
-        lease_table(&mut out, list);
+        lease_table(&mut out, list, status.counted);
     }
     if !advisory.is_empty() {
         if !out.is_empty() {
             out.push('\n');
         }
-        advisory_table(&mut out, advisory);
+        advisory_table(&mut out, advisory, status.counted);
+    }
+    if !status.families.is_empty() {
+        out.push('\n');
+        status_families(&mut out, status.families, status.counted);
+    }
+    if !limiters.is_empty() {
+        out.push('\n');
+        status_limiters(&mut out, &limiters, status.counted);
+    }
+    if !(list.is_empty()
+        && advisory.is_empty()
+        && status.families.is_empty()
+        && limiters.is_empty())
+    {
+        let _ = writeln!(
+            out,
+            "\nREFUSED, TIMED OUT, ADMITTED: the minutes since {} (this one so far and the previous: \
+             the last 60 s at least), as every process writes them every 5 s",
+            rfc3339(status.counted.since)
+        );
     }
     out
+}
+
+/// The families, each with its keys' refusals and timeouts together.
+fn status_families(out: &mut String, families: &[FamilyInfo], counted: &Counted) {
+    let rows: Vec<Vec<String>> = families
+        .iter()
+        .map(|f| {
+            let counts = counted.of(OutcomeKind::Family, &f.name);
+            vec![
+                f.name.clone(),
+                f.default_capacity.to_string(),
+                f.keys.to_string(),
+                counts.refused.to_string(),
+                counts.timed_out.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        "",
+        &["FAMILY", "DEFAULT", "KEYS", "REFUSED", "TIMED OUT"],
+        &rows,
+    );
+}
+
+/// The rate limiters: kind, limits and pause for all their keys, keys
+/// paused on their own, keys, and their decisions.
+fn status_limiters(
+    out: &mut String,
+    limiters: &[(LimiterKind, &str, Option<&RateLimiterInfo>)],
+    counted: &Counted,
+) {
+    let rows: Vec<Vec<String>> = limiters
+        .iter()
+        .map(|(kind, name, info)| {
+            let counts = counted.of((*kind).into(), name);
+            let (limit, paused, paused_keys, keys) = match info {
+                Some(info) => (
+                    info.policy
+                        .as_ref()
+                        .map_or_else(|| "-".to_owned(), compact_policy),
+                    match info.paused_until {
+                        Some(until) if info.is_paused() => format!("until {}", rfc3339(until)),
+                        _ => "-".to_owned(),
+                    },
+                    info.paused_keys.to_string(),
+                    info.keys.to_string(),
+                ),
+                None => (
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "0".to_owned(),
+                    "0".to_owned(),
+                ),
+            };
+            vec![
+                (*name).to_owned(),
+                kind.as_str().to_owned(),
+                limit,
+                paused,
+                paused_keys,
+                keys,
+                counts.admitted.to_string(),
+                counts.refused.to_string(),
+                counts.timed_out.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        "",
+        &[
+            "RATE LIMITER",
+            "KIND",
+            "LIMIT",
+            "PAUSED",
+            "PAUSED KEYS",
+            "KEYS",
+            "ADMITTED",
+            "REFUSED",
+            "TIMED OUT",
+        ],
+        &rows,
+    );
+}
+
+/// A policy's limits in one word, for a table cell: `50/s,burst=100`,
+/// `1000/1d`.
+fn compact_policy(policy: &RatePolicy) -> String {
+    match *policy {
+        RatePolicy::TokenBucket { rate, burst } => format!("{rate}/s,burst={burst}"),
+        RatePolicy::FixedWindow {
+            permit_limit,
+            window,
+        }
+        | RatePolicy::SlidingWindow {
+            permit_limit,
+            window,
+        } => format!("{permit_limit}/{}", human(window)),
+        _ => "?".to_owned(),
+    }
 }
 
 /// The advisory locks that are no semaphore's (mutexes): key (or the name
@@ -94,24 +337,35 @@ pub(crate) fn mutexes_table(
 }
 
 /// The lease semaphores' table and their holders' tables.
-fn lease_table(out: &mut String, list: &[&SemaphoreInfo]) {
+fn lease_table(out: &mut String, list: &[&SemaphoreInfo], counted: &Counted) {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|sem| {
             let held = sem.held();
+            let counts = counted.of_semaphore(sem);
             vec![
                 sem.name.clone(),
                 sem.capacity.to_string(),
                 held.to_string(),
                 sem.capacity.saturating_sub(held).to_string(),
                 sem.default_lease.map_or_else(|| "-".to_owned(), human),
+                cell(counts.map(|c| c.refused)),
+                cell(counts.map(|c| c.timed_out)),
             ]
         })
         .collect();
     table(
         out,
         "",
-        &["SEMAPHORE", "CAPACITY", "HELD", "FREE", "LEASE"],
+        &[
+            "SEMAPHORE",
+            "CAPACITY",
+            "HELD",
+            "FREE",
+            "LEASE",
+            "REFUSED",
+            "TIMED OUT",
+        ],
         &rows,
     );
     for sem in list.iter().filter(|s| !s.holders.is_empty()) {
@@ -153,23 +407,33 @@ fn lease_times(h: &Holder, at: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) 
     (h.created_at.unwrap_or(at), h.expires_at.unwrap_or(at))
 }
 
-fn advisory_table(out: &mut String, list: &[&SemaphoreInfo]) {
+fn advisory_table(out: &mut String, list: &[&SemaphoreInfo], counted: &Counted) {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|sem| {
             let held = sem.held();
+            let counts = counted.of_semaphore(sem);
             vec![
                 sem.name.clone(),
                 sem.capacity.to_string(),
                 held.to_string(),
                 sem.capacity.saturating_sub(held).to_string(),
+                cell(counts.map(|c| c.refused)),
+                cell(counts.map(|c| c.timed_out)),
             ]
         })
         .collect();
     table(
         out,
         "",
-        &["ADVISORY SEMAPHORE", "CAPACITY", "HELD", "FREE"],
+        &[
+            "ADVISORY SEMAPHORE",
+            "CAPACITY",
+            "HELD",
+            "FREE",
+            "REFUSED",
+            "TIMED OUT",
+        ],
         &rows,
     );
     for sem in list.iter().filter(|s| !s.holders.is_empty()) {
@@ -215,10 +479,221 @@ fn client(holder: &Holder) -> String {
     }
 }
 
-/// `pg-semaphore status --json`: one array of both kinds, by name, each
-/// as the library serializes it (with its `kind`).
-pub(crate) fn status_json(list: &[SemaphoreInfo]) -> String {
-    json(&list)
+/// `pg-semaphore status --json`: one array: the semaphores of both kinds,
+/// by name, each as the library serializes it (with its `kind`) and its
+/// counts; then the families (`"kind": "family"`) and the rate limiters
+/// (`"kind": "rate_limiter"`), with theirs. Every element carries
+/// `counted_since`, the start of the minutes its counts add up.
+pub(crate) fn status_json(status: &Status<'_>) -> String {
+    /// An element with its counts after its own fields.
+    #[derive(Serialize)]
+    struct WithCounts<T> {
+        #[serde(flatten)]
+        item: T,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        admitted: Option<u64>,
+        refused: Option<u64>,
+        timed_out: Option<u64>,
+        counted_since: DateTime<Utc>,
+    }
+    #[derive(Serialize)]
+    struct Family<'a> {
+        kind: &'static str,
+        name: &'a str,
+        default_capacity: u32,
+        keys: u64,
+    }
+    #[derive(Serialize)]
+    struct Limiter<'a> {
+        kind: &'static str,
+        limiter_kind: LimiterKind,
+        name: &'a str,
+        limit: Option<RatePolicy>,
+        paused_until: Option<DateTime<Utc>>,
+        paused_keys: u64,
+        keys: u64,
+    }
+    #[derive(Serialize)]
+    #[serde(untagged)]
+    enum Element<'a> {
+        Semaphore(WithCounts<&'a SemaphoreInfo>),
+        Family(WithCounts<Family<'a>>),
+        Limiter(WithCounts<Limiter<'a>>),
+    }
+    let since = status.counted.since;
+    fn with<T>(
+        item: T,
+        counts: Option<Totals>,
+        admitted: bool,
+        since: DateTime<Utc>,
+    ) -> WithCounts<T> {
+        WithCounts {
+            item,
+            admitted: counts.filter(|_| admitted).map(|c| c.admitted),
+            refused: counts.map(|c| c.refused),
+            timed_out: counts.map(|c| c.timed_out),
+            counted_since: since,
+        }
+    }
+    let mut all: Vec<Element<'_>> = Vec::new();
+    for sem in status.semaphores {
+        all.push(Element::Semaphore(with(
+            sem,
+            status.counted.of_semaphore(sem),
+            false,
+            since,
+        )));
+    }
+    for family in status.families {
+        let counts = status.counted.of(OutcomeKind::Family, &family.name);
+        let item = Family {
+            kind: "family",
+            name: &family.name,
+            default_capacity: family.default_capacity,
+            keys: family.keys,
+        };
+        all.push(Element::Family(with(item, Some(counts), false, since)));
+    }
+    for (kind, name, info) in status.limiter_rows() {
+        let counts = status.counted.of(kind.into(), name);
+        let item = Limiter {
+            kind: "rate_limiter",
+            limiter_kind: kind,
+            name,
+            limit: info.and_then(|i| i.policy),
+            paused_until: info.and_then(|i| i.paused_until.filter(|_| i.is_paused())),
+            paused_keys: info.map_or(0, |i| i.paused_keys),
+            keys: info.map_or(0, |i| i.keys),
+        };
+        all.push(Element::Limiter(with(item, Some(counts), true, since)));
+    }
+    json(&all)
+}
+
+/// A rate limiter's decisions per minute over a window (`audit --limiter`,
+/// `report --limiter`).
+pub(crate) struct LimiterHistory<'a> {
+    pub(crate) limiter: &'a str,
+    pub(crate) kind: LimiterKind,
+    pub(crate) window: &'a Range<DateTime<Utc>>,
+    /// What the database stores of it, if anything.
+    pub(crate) info: Option<&'a RateLimiterInfo>,
+    pub(crate) minutes: &'a [OutcomeCounts],
+}
+
+/// What the database stores of a limiter, in one line.
+fn limiter_line(info: Option<&RateLimiterInfo>) -> String {
+    let Some(info) = info else {
+        return "no stored limits, pause or keys".to_owned();
+    };
+    let limit = info.policy.as_ref().map_or_else(
+        || "no stored limits".to_owned(),
+        |p| format!("limit {}", policy(p)),
+    );
+    let paused = match info.paused_until {
+        Some(until) if info.is_paused() => format!("paused until {}", rfc3339(until)),
+        _ => "not paused".to_owned(),
+    };
+    format!(
+        "{limit}; {paused}; {} key{}, {} paused on its own",
+        info.keys,
+        plural(info.keys),
+        info.paused_keys
+    )
+}
+
+/// `pg-semaphore audit --limiter`: the minutes as a table, then the totals
+/// and the stored limits.
+pub(crate) fn limiter_audit_table(history: &LimiterHistory<'_>) -> String {
+    let mut out = format!(
+        "decisions of {} rate limiter {:?} per minute between {} and {}\n\n",
+        history.kind,
+        history.limiter,
+        rfc3339(history.window.start),
+        rfc3339(history.window.end)
+    );
+    if history.minutes.is_empty() {
+        out.push_str("(none)\n");
+    } else {
+        let rows: Vec<Vec<String>> = history
+            .minutes
+            .iter()
+            .map(|m| {
+                vec![
+                    rfc3339(m.minute),
+                    m.admitted.to_string(),
+                    m.refused.to_string(),
+                    m.timed_out.to_string(),
+                ]
+            })
+            .collect();
+        table(
+            &mut out,
+            "",
+            &["MINUTE", "ADMITTED", "REFUSED", "TIMED OUT"],
+            &rows,
+        );
+    }
+    let total = total(history.minutes);
+    let decided = total.admitted + total.refused + total.timed_out;
+    let share = if decided == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({:.1}% refused or timed out)",
+            (total.refused + total.timed_out) as f64 * 100.0 / decided as f64
+        )
+    };
+    let _ = writeln!(
+        out,
+        "\ntotal: {} admitted, {} refused, {} timed out{share}\nstored: {}\n\
+         counted as every process reported them, in the minute it wrote them (every 5 s)",
+        total.admitted,
+        total.refused,
+        total.timed_out,
+        limiter_line(history.info),
+    );
+    out
+}
+
+/// `pg-semaphore audit --limiter --json`.
+pub(crate) fn limiter_audit_json(history: &LimiterHistory<'_>) -> String {
+    #[derive(Serialize)]
+    struct Audit<'a> {
+        limiter: &'a str,
+        kind: LimiterKind,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        info: Option<&'a RateLimiterInfo>,
+        minutes: &'a [OutcomeCounts],
+        total: Totals,
+    }
+    json(&Audit {
+        limiter: history.limiter,
+        kind: history.kind,
+        since: history.window.start,
+        until: history.window.end,
+        info: history.info,
+        minutes: history.minutes,
+        total: total(history.minutes),
+    })
+}
+
+/// `pg-semaphore audit --limiter --csv`: a header line, then one line per
+/// minute with counts.
+pub(crate) fn limiter_audit_csv(minutes: &[OutcomeCounts]) -> String {
+    let mut out = String::from("minute,admitted,refused,timed_out\n");
+    for m in minutes {
+        let _ = writeln!(
+            out,
+            "{},{},{},{}",
+            rfc3339(m.minute),
+            m.admitted,
+            m.refused,
+            m.timed_out
+        );
+    }
+    out
 }
 
 /// A rate policy's limits, as the CLI prints them (its kind is printed
@@ -460,10 +935,36 @@ pub(crate) fn audit_table(
     window: &Range<DateTime<Utc>>,
     claims: &[ClaimRecord],
     summary: &Summary,
+    outcomes: Option<&[OutcomeCounts]>,
 ) -> String {
-    if summary.kind == SemaphoreKind::Advisory {
-        return advisory_audit_table(name, window, claims, summary);
-    }
+    let mut out = if summary.kind == SemaphoreKind::Advisory {
+        advisory_audit_table(name, window, claims, summary)
+    } else {
+        lease_audit_table(name, window, claims, summary)
+    };
+    let counted = outcomes.map(total);
+    let _ = writeln!(
+        out,
+        "{}",
+        match counted {
+            Some(t) => format!(
+                "requests refused at once: {}, timed out: {} (the outcome counters' minutes that overlap the window)",
+                t.refused, t.timed_out
+            ),
+            None =>
+                "requests refused and timed out: counted under the family, not per key (status)"
+                    .to_owned(),
+        }
+    );
+    out
+}
+
+fn lease_audit_table(
+    name: &str,
+    window: &Range<DateTime<Utc>>,
+    claims: &[ClaimRecord],
+    summary: &Summary,
+) -> String {
     let mut out = format!(
         "claims of {:?} held between {} and {}\n\n",
         name,
@@ -525,6 +1026,7 @@ pub(crate) fn audit_json(
     window: &Range<DateTime<Utc>>,
     claims: &[ClaimRecord],
     summary: &Summary,
+    outcomes: Option<&[OutcomeCounts]>,
 ) -> String {
     #[derive(Serialize)]
     struct Audit<'a> {
@@ -534,6 +1036,8 @@ pub(crate) fn audit_json(
         until: DateTime<Utc>,
         claims: &'a [ClaimRecord],
         summary: &'a Summary,
+        /// The outcome counters' minutes (`null` for a family key).
+        outcomes: Option<&'a [OutcomeCounts]>,
     }
     json(&Audit {
         semaphore: name,
@@ -542,6 +1046,7 @@ pub(crate) fn audit_json(
         until: window.end,
         claims,
         summary,
+        outcomes,
     })
 }
 

@@ -1469,3 +1469,269 @@ async fn status_lists_held_mutexes_by_name_and_not_advisory_semaphore_slots() ->
     assert!(!stdout(&out).contains("MUTEX"), "{}", stdout(&out));
     Ok(())
 }
+
+/// `status` shows what every semaphore, advisory semaphore, family and
+/// rate limiter refused and timed out (and a limiter admitted) in the
+/// minutes that overlap the last 60 s, from the outcome counters the
+/// client wrote at its shutdown; and each rate limiter's stored limits,
+/// pause, paused keys and keys.
+#[tokio::test]
+async fn status_shows_refusals_timeouts_and_the_rate_limiters() -> TestResult {
+    let db = support::migrated_db().await;
+    let client = pg_semaphore::Client::new(db.pool.clone());
+    let api = Semaphore::builder("api", 1).build(&client).await?;
+    let held = api.try_acquire().await?;
+    for _ in 0..3 {
+        assert!(api.try_acquire().await.is_err());
+    }
+    let waited = api
+        .acquiring()
+        .timeout(Duration::from_millis(20))
+        .acquire()
+        .await;
+    assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+    let exports = AdvisorySemaphore::builder("exports", 1)
+        .audit(false)
+        .build(&client)
+        .await?;
+    let exporting = exports.try_acquire().await?;
+    assert!(exports.try_acquire().await.is_err());
+    let tenants = SemaphoreFamily::builder("tenants", 1)
+        .build(&client)
+        .await?;
+    let tenant = tenants.try_acquire("t1").await?;
+    assert!(tenants.try_acquire("t1").await.is_err());
+    assert!(tenants.try_acquire("t1").await.is_err());
+    let partner = pg_semaphore::RateLimiter::builder(
+        "partner",
+        pg_semaphore::RatePolicy::token_bucket(0.001, 2),
+    )
+    .build(&client)?;
+    for key in ["a", "a", "a", "b"] {
+        let _ = partner.check(key, 1).await?;
+    }
+    partner.pause("b", Duration::from_secs(600)).await?;
+    client.shutdown().await?;
+
+    let out = run(&db, &["status"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    // SEMAPHORE CAPACITY HELD FREE LEASE REFUSED TIMED-OUT
+    assert_eq!(
+        table_row(&text, "SEMAPHORE", "api")[5..7],
+        ["3", "1"],
+        "{text}"
+    );
+    // A family key's row: counted under its family.
+    assert_eq!(
+        table_row(&text, "SEMAPHORE", "@tenants/t1")[5..7],
+        ["-", "-"],
+        "{text}"
+    );
+    // ADVISORY SEMAPHORE CAPACITY HELD FREE REFUSED TIMED-OUT
+    let row = table_row(&text, "ADVISORY SEMAPHORE", "exports");
+    assert_eq!(row[4..6], ["1", "0"], "{text}");
+    // FAMILY DEFAULT KEYS REFUSED TIMED-OUT
+    assert_eq!(
+        table_row(&text, "FAMILY", "tenants")[1..5],
+        ["1", "1", "2", "0"],
+        "{text}"
+    );
+    // RATE LIMITER KIND LIMIT PAUSED PAUSED-KEYS KEYS ADMITTED REFUSED TIMED-OUT
+    let row = table_row(&text, "RATE LIMITER", "partner");
+    assert_eq!(
+        row[1..],
+        [
+            "token_bucket",
+            "0.001/s,burst=2",
+            "-",
+            "1",
+            "2",
+            "3",
+            "1",
+            "0"
+        ],
+        "{text}"
+    );
+    assert!(
+        text.contains("REFUSED, TIMED OUT, ADMITTED: the minutes since"),
+        "{text}"
+    );
+
+    // A limiter-wide pause shows with its end.
+    pg_semaphore::admin::pause_rate_limit(
+        &db.pool,
+        pg_semaphore::admin::LimiterKind::TokenBucket,
+        "partner",
+        None,
+        Duration::from_secs(300),
+    )
+    .await?;
+    let out = run(&db, &["status", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let element = |kind: &str, name: &str| {
+        json.as_array()
+            .expect("an array")
+            .iter()
+            .find(|e| e["kind"] == kind && e["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}: {json}"))
+            .clone()
+    };
+    let api = element("lease", "api");
+    assert_eq!(
+        (api["refused"].as_u64(), api["timed_out"].as_u64()),
+        (Some(3), Some(1))
+    );
+    assert!(api["counted_since"].is_string());
+    assert_eq!(
+        element("lease", "@tenants/t1")["refused"],
+        serde_json::Value::Null
+    );
+    assert_eq!(element("advisory", "exports")["refused"], 1);
+    assert_eq!(element("family", "tenants")["refused"], 2);
+    let limiter = element("rate_limiter", "partner");
+    assert_eq!(limiter["limiter_kind"], "token_bucket");
+    assert_eq!(limiter["limit"]["burst"], 2);
+    assert!(limiter["paused_until"].is_string(), "{limiter}");
+    assert_eq!(
+        (
+            limiter["paused_keys"].as_u64(),
+            limiter["keys"].as_u64(),
+            limiter["admitted"].as_u64(),
+            limiter["refused"].as_u64(),
+            limiter["timed_out"].as_u64()
+        ),
+        (Some(1), Some(2), Some(3), Some(1), Some(0))
+    );
+    // One semaphore's status: no family, no rate limiter.
+    let out = run(&db, &["status", "api"]).await;
+    assert_status(&out, 0);
+    assert!(!stdout(&out).contains("RATE LIMITER"), "{}", stdout(&out));
+
+    held.release().await?;
+    exporting.release().await?;
+    tenant.release().await?;
+    Ok(())
+}
+
+/// `audit --limiter` prints a rate limiter's decisions per minute with its
+/// stored limits (as a table, JSON or CSV); `report --limiter` draws them;
+/// an unknown limiter is exit status 3, a name of several kinds needs
+/// `--kind` (2); and a semaphore's audit says what it refused and timed out.
+#[tokio::test]
+async fn audit_and_report_show_a_rate_limiters_decisions_per_minute() -> TestResult {
+    let db = support::migrated_db().await;
+    let client = pg_semaphore::Client::new(db.pool.clone());
+    let bucket = pg_semaphore::RateLimiter::builder(
+        "partner",
+        pg_semaphore::RatePolicy::token_bucket(0.001, 2),
+    )
+    .build(&client)?;
+    for _ in 0..5 {
+        let _ = bucket.check("k", 1).await?;
+    }
+    let waited = bucket
+        .acquire_timeout("k", 1, Duration::from_millis(10))
+        .await;
+    assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+    let api = Semaphore::builder("api", 1).build(&client).await?;
+    let held = api.try_acquire().await?;
+    assert!(api.try_acquire().await.is_err());
+    client.shutdown().await?;
+
+    let out = run(&db, &["audit", "--limiter", "partner", "--last", "10m"]).await;
+    assert_status(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.starts_with("decisions of token_bucket rate limiter \"partner\""),
+        "{text}"
+    );
+    assert!(
+        text.contains("total: 2 admitted, 3 refused, 1 timed out"),
+        "{text}"
+    );
+    assert!(
+        text.contains("stored: limit rate 0.001/s, burst 2; not paused; 1 key"),
+        "{text}"
+    );
+
+    let out = run(&db, &["audit", "--limiter", "partner", "--json"]).await;
+    assert_status(&out, 0);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["kind"], "token_bucket");
+    assert_eq!(
+        json["total"],
+        serde_json::json!({"admitted": 2, "refused": 3, "timed_out": 1})
+    );
+    assert_eq!(json["info"]["keys"], 1);
+    let minutes = json["minutes"].as_array().expect("minutes");
+    assert!(!minutes.is_empty() && minutes.len() <= 2, "{json}");
+
+    let out = run(&db, &["audit", "--limiter", "partner", "--csv"]).await;
+    assert_status(&out, 0);
+    let csv = stdout(&out);
+    assert!(
+        csv.starts_with("minute,admitted,refused,timed_out\n"),
+        "{csv}"
+    );
+    let sum: u64 = csv
+        .lines()
+        .skip(1)
+        .map(|l| {
+            l.split(',')
+                .skip(1)
+                .map(|n| n.parse::<u64>().unwrap())
+                .sum::<u64>()
+        })
+        .sum();
+    assert_eq!(sum, 6);
+
+    let out = run(&db, &["report", "--limiter", "partner", "--html", "-"]).await;
+    assert_status(&out, 0);
+    let page = stdout(&out);
+    assert!(page.contains("id=\"decisions\""), "the page has its chart");
+    assert_eq!(page.matches("<script").count(), 2, "its data and its code");
+    assert!(
+        !page.contains("http://")
+            || page.matches("http://").count()
+                == page.matches("http://www.w3.org/2000/svg").count()
+    );
+
+    // The same name as a fixed window: --kind picks one.
+    let window = pg_semaphore::RateLimiter::builder(
+        "partner",
+        pg_semaphore::RatePolicy::fixed_window(1, Duration::from_secs(60)),
+    )
+    .build(&client)?;
+    let _ = window.check("k", 1).await?;
+    let out = run(&db, &["audit", "--limiter", "partner"]).await;
+    assert_status(&out, 2);
+    assert!(stderr(&out).contains("pass --kind"), "{}", stderr(&out));
+    let out = run(
+        &db,
+        &["audit", "--limiter", "partner", "--kind", "token-bucket"],
+    )
+    .await;
+    assert_status(&out, 0);
+    let out = run(&db, &["audit", "--limiter", "nobody"]).await;
+    assert_status(&out, 3);
+    let out = run(&db, &["report", "--limiter", "nobody", "--html", "-"]).await;
+    assert_status(&out, 3);
+    let out = run(&db, &["audit", "api", "--limiter", "partner"]).await;
+    assert_status(&out, 2);
+
+    // A semaphore's audit: its refusals and timeouts in the window.
+    let out = run(&db, &["audit", "api", "--last", "10m"]).await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).contains("requests refused at once: 1, timed out: 0"),
+        "{}",
+        stdout(&out)
+    );
+    let out = run(&db, &["audit", "api", "--json"]).await;
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["outcomes"][0]["refused"], 1, "{json}");
+    held.release().await?;
+    Ok(())
+}

@@ -712,3 +712,119 @@ async fn a_semaphore_with_many_slots_shares_lanes() -> TestResult {
     );
     Ok(())
 }
+
+/// `report --limiter` draws a rate limiter's decisions per minute (a bar of
+/// each of admitted, refused and timed out per minute with counts), with
+/// the totals and what the database stores of it; a hostile limiter name
+/// reads as text. A semaphore's page draws its refusals and timeouts per
+/// minute under the rest.
+#[tokio::test]
+async fn a_rate_limiter_s_report_draws_its_decisions_per_minute() -> TestResult {
+    let db = support::migrated_db().await;
+    let client = pg_semaphore::Client::new(db.pool.clone());
+    let limiter = pg_semaphore::RateLimiter::builder(
+        SCRIPT_HOLDER,
+        pg_semaphore::RatePolicy::token_bucket(0.001, 3),
+    )
+    .build(&client)?;
+    for _ in 0..5 {
+        let _ = limiter.check("k", 1).await?;
+    }
+    let waited = limiter
+        .acquire_timeout("k", 1, Duration::from_millis(10))
+        .await;
+    assert!(waited.is_err(), "{waited:?}");
+    let sem = Semaphore::builder("api", 1).build(&client).await?;
+    let held = sem.try_acquire().await?;
+    for _ in 0..4 {
+        assert!(sem.try_acquire().await.is_err());
+    }
+    client.shutdown().await?;
+
+    let file = artifacts().join("report-limiter.html");
+    let out = run(
+        &db,
+        &[
+            "report",
+            "--limiter",
+            SCRIPT_HOLDER,
+            "--last",
+            "10m",
+            "--html",
+            file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    assert!(
+        stdout(&out).contains("(3 admitted, 2 refused, 1 timed out"),
+        "{}",
+        stdout(&out)
+    );
+    let page = std::fs::read_to_string(&file)?;
+    assert_self_contained(&page);
+    let data = page_data(&page);
+    assert_eq!(data["kind"], "rate_limiter");
+    assert_eq!(data["limiter"], SCRIPT_HOLDER);
+    assert_eq!(data["total"]["refused"], 2);
+
+    let sem_file = artifacts().join("report-refusals.html");
+    let out = run(
+        &db,
+        &[
+            "report",
+            "api",
+            "--last",
+            "10m",
+            "--html",
+            sem_file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert_status(&out, 0);
+    let sem_page = std::fs::read_to_string(&sem_file)?;
+    let sem_data = page_data(&sem_page);
+    let refused: u64 = sem_data["outcomes"]
+        .as_array()
+        .expect("the semaphore's counters")
+        .iter()
+        .filter_map(|m| m["refused"].as_u64())
+        .sum();
+    assert_eq!(refused, 4);
+
+    let Some(chromium) = chromium() else {
+        held.release().await?;
+        return Ok(());
+    };
+    let dom = render(&chromium, &file, &artifacts().join("report-limiter.png")).await;
+    assert_nothing_injected(&dom);
+    let drawn = |dom: &str, series: &str| -> u64 {
+        dom.split(&format!("data-series=\"{series}\" data-count=\""))
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        (
+            drawn(&dom, "admitted"),
+            drawn(&dom, "refused"),
+            drawn(&dom, "timed_out")
+        ),
+        (3, 2, 1),
+        "the bars drawn"
+    );
+    assert!(
+        text_after(&dom, "<p class=\"sub\" id=\"stored\">").contains("burst 3"),
+        "the stored limits"
+    );
+    let dom = render(
+        &chromium,
+        &sem_file,
+        &artifacts().join("report-refusals.png"),
+    )
+    .await;
+    assert_eq!(count(&dom, "data-rendered=\"true\""), 1);
+    assert_eq!((drawn(&dom, "refused"), drawn(&dom, "timed_out")), (4, 0));
+    held.release().await?;
+    Ok(())
+}

@@ -17,6 +17,7 @@ use crate::db::{Db, Statement};
 use crate::error::{Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::LimiterMetrics;
+use crate::outcomes::Counter;
 use crate::validate::{self, MAX_RATE_WAIT};
 
 /// Token bucket check: takes `$5` tokens from key `$2` of limiter `$1` if it
@@ -63,6 +64,9 @@ pub(super) struct Limiter {
     pub(super) policy: RatePolicy,
     pub(super) fail_open: bool,
     pub(super) metrics: LimiterMetrics,
+    /// The limiter's outcome counter (its kind and name) on the client's
+    /// tally: the database's decisions, and the acquires that gave up.
+    pub(super) outcomes: Counter,
     /// The client's rate limiter `LISTEN` service (its task starts with the
     /// first waiting acquire).
     pub(super) wakeups: Arc<settings::RateWakeups>,
@@ -99,6 +103,7 @@ impl Limiter {
         Limiter {
             db: client.db().clone(),
             metrics: LimiterMetrics::new(&name, policy.kind().as_str()),
+            outcomes: client.outcome_counter(policy.kind().into(), &name),
             name,
             policy,
             fail_open,
@@ -164,9 +169,11 @@ impl Limiter {
     }
 
     /// A waiting acquire's answer when its wait would pass `timeout` (the
-    /// longest wait when none): counted as refused.
+    /// longest wait when none): counted as refused in the metrics, as timed
+    /// out in the outcome counters.
     pub(super) fn timed_out(&self, key: &str, timeout: Option<Duration>) -> Error {
         self.metrics.decided(false);
+        self.outcomes.timed_out();
         Error::Timeout {
             waited_for: WaitedFor::RateLimit {
                 limiter: self.name.clone(),
@@ -230,6 +237,11 @@ impl Limiter {
         let query = self.statement(key, permits, None)?;
         match self.db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us)) => {
+                if allowed {
+                    self.outcomes.admitted();
+                } else {
+                    self.outcomes.refused();
+                }
                 self.decided(allowed).await;
                 Ok(Decision::new(
                     allowed,
@@ -282,6 +294,7 @@ impl Limiter {
             let wait = Duration::from_micros(wait_us.max(0) as u64);
             if allowed {
                 self.metrics.decided(true);
+                self.outcomes.admitted();
                 // Booked: the next waiter in line may book behind it.
                 drop(head);
                 match self.policy {

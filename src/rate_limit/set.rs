@@ -129,6 +129,15 @@ impl LimiterSet {
         let db = &first.db;
         match db.fetch_one(query).await {
             Ok((allowed, remaining, retry_after_us, deciding)) => {
+                // The outcome counters count an admission for every
+                // limiter, a refusal for the one that decided.
+                if allowed {
+                    for (limiter, _) in &self.limits {
+                        limiter.outcomes.admitted();
+                    }
+                } else {
+                    self.decider(deciding).0.outcomes.refused();
+                }
                 for (limiter, _) in &self.limits {
                     limiter.decided(allowed).await;
                 }
@@ -258,6 +267,7 @@ impl LimiterSet {
             if allowed {
                 for (limiter, _) in &self.limits {
                     limiter.metrics.decided(true);
+                    limiter.outcomes.admitted();
                 }
                 drop(head);
                 if !wait.is_zero() {
@@ -275,12 +285,13 @@ impl LimiterSet {
     }
 
     /// A waiting acquire's answer when its wait would pass `timeout` (the
-    /// longest wait when none), naming `limiter` and its `key`: every limit
-    /// counts it as refused.
+    /// longest wait when none), naming `limiter` and its `key`: every limit's
+    /// metrics count it as refused, `limiter`'s outcome counter as timed out.
     fn timed_out(&self, limiter: &Limiter, key: &str, timeout: Option<Duration>) -> Error {
         for (other, _) in &self.limits {
             other.metrics.decided(false);
         }
+        limiter.outcomes.timed_out();
         Error::Timeout {
             waited_for: WaitedFor::RateLimit {
                 limiter: limiter.name.clone(),
@@ -463,6 +474,28 @@ impl ClaimRates {
             ));
         }
         LimitArrays::new(self.limits.iter().map(|(l, key)| (l, key.as_str())), 1)
+    }
+
+    /// Counts a claim's decision in the limiters' metrics and outcome
+    /// counters: every limit admitted (`refusing` `None`), or limit
+    /// `refusing` (from 1) refused. (A claim a semaphore refused never
+    /// asked the limits: nothing to count.)
+    pub(crate) fn count(&self, refusing: Option<i32>) {
+        match refusing {
+            None => {
+                for (limiter, _) in &self.limits {
+                    limiter.metrics.decided(true);
+                    limiter.outcomes.admitted();
+                }
+            }
+            Some(index) => {
+                let index = usize::try_from(index.saturating_sub(1)).unwrap_or(0);
+                if let Some((limiter, _)) = self.limits.get(index) {
+                    limiter.metrics.decided(false);
+                    limiter.outcomes.refused();
+                }
+            }
+        }
     }
 
     /// The name of limit `index` (from 1, as the database answers), if any.

@@ -588,6 +588,7 @@ pub(crate) async fn claim_all(
             let Some(semaphores) = row.o_semaphores else {
                 return Err(without_ids("pgsemaphore.claim_all"));
             };
+            several.rates.count(None);
             let (claims, acquired_at, expires_at) = row.granted.claimed("pgsemaphore.claim_all")?;
             Admission::Claimed(Claimed {
                 claims,
@@ -602,6 +603,7 @@ pub(crate) async fn claim_all(
         "behind" => Admission::Behind { capacity, retry_in },
         "too_many" => Admission::TooMany { capacity },
         "rate_limited" => {
+            several.rates.count(Some(row.o_rate_limit.unwrap_or(1)));
             let limiter = row.o_rate_limit.and_then(|i| several.rates.name(i));
             return Ok((
                 Admission::RateLimited {

@@ -38,6 +38,7 @@ use crate::Client;
 use crate::db::Db;
 use crate::error::{Error, Result, family_not_found};
 use crate::metrics::SemaphoreMetrics;
+use crate::outcomes::{Counter, OutcomeKind};
 use crate::validate;
 
 /// How long a key of a new family stays after nothing references it any
@@ -83,7 +84,9 @@ const OPEN_KEY: &str = "SELECT o_name, o_capacity, o_default_lease \
 /// for the family's [`idle_after`](SemaphoreFamilyBuilder::idle_after), are
 /// removed by the reaper ([`reap`](crate::admin::reap), [`Reaper`](crate::admin::Reaper)):
 /// the table holds the keys in use. Metrics label a key's semaphore by its
-/// family (`semaphore="@family"`), never by its key.
+/// family (`semaphore="@family"`), never by its key, and the outcome
+/// counters count every key's refusals and timeouts under the family's
+/// name (kind `family`).
 ///
 /// `SemaphoreFamily` is a cheap handle (an [`Arc`] inside): clone it freely.
 ///
@@ -122,6 +125,8 @@ struct Inner {
     fallback: Duration,
     heartbeat: Heartbeat,
     wakeups: Arc<Wakeups>,
+    /// Every key's refusals and timeouts count here, under the family's name.
+    outcomes: Counter,
     /// The handles of the keys this process opened.
     keys: StdMutex<HashMap<String, Semaphore>>,
 }
@@ -240,8 +245,10 @@ impl SemaphoreFamilyBuilder {
             );
         }
         self.heartbeat.check(stored_lease, "lease")?;
+        let outcomes = client.outcome_counter(OutcomeKind::Family, &self.name);
         Ok(SemaphoreFamily {
             inner: Arc::new(Inner {
+                outcomes,
                 db,
                 name: self.name,
                 capacity,
@@ -413,7 +420,8 @@ impl SemaphoreFamily {
         let sem = Semaphore {
             core: Arc::new(Core {
                 db: db.clone(),
-                metrics: SemaphoreMetrics::new(&format!("@{}", inner.name)),
+                metrics: SemaphoreMetrics::new(&format!("@{}", inner.name))
+                    .counting(inner.outcomes.clone()),
                 name,
                 capacity: capacity.max(1) as u32,
                 lease,

@@ -33,6 +33,7 @@ use crate::audit::{AuditLog, Holder, Summary};
 use crate::error::{self, Error, Result, WaitedFor};
 use crate::fail_open::{self, Unchecked};
 use crate::metrics::SemaphoreMetrics;
+use crate::outcomes::OutcomeKind;
 use crate::rate_limit::{ClaimRates, RateLimiter};
 use crate::validate;
 
@@ -379,7 +380,8 @@ impl SemaphoreBuilder {
         Ok(Semaphore {
             core: Arc::new(Core {
                 wakeups: client.wakeups().clone(),
-                metrics: SemaphoreMetrics::new(&self.name),
+                metrics: SemaphoreMetrics::new(&self.name)
+                    .counting(client.outcome_counter(OutcomeKind::Semaphore, &self.name)),
                 db,
                 name: self.name,
                 capacity,

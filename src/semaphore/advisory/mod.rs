@@ -40,6 +40,7 @@ use crate::db::Db;
 use crate::detached::detached;
 use crate::error::{Error, Result, semaphore_not_found};
 use crate::metrics::SemaphoreMetrics;
+use crate::outcomes::OutcomeKind;
 use crate::validate::{self, MAX_CAPACITY};
 
 pub(crate) use self::audit::AuditWriter;
@@ -220,7 +221,8 @@ impl AdvisorySemaphoreBuilder {
                 sessions,
                 wakeups: client.wakeups().clone(),
                 audit: self.audit.then(|| client.audit_writer()),
-                metrics: SemaphoreMetrics::new(&self.name),
+                metrics: SemaphoreMetrics::new(&self.name)
+                    .counting(client.outcome_counter(OutcomeKind::Advisory, &self.name)),
                 capacity: capacity.max(1) as u32,
                 key_base,
                 holder,
