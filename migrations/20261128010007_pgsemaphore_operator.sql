@@ -448,8 +448,8 @@ AS $$
 --     this minute: the wait is bounded by lock_timeout (2 s, then 55P03,
 --     nothing written; the crate keeps its counts and tries again);
 --   * pgsemaphore.prune deleting old minutes: it deletes only minutes that
---     ended before its cutoff (at least a minute before now), never the
---     current one, and skips rows another transaction holds;
+--     ended before its cutoff (now - its retention), never the current
+--     one, and skips the rows this call holds rather than wait for them;
 --   * readers: never block it, nor it them.
 -- Bounded: at most 1000 rows per call. No arithmetic overflows: a call adds
 -- at most 10^9 to each count, and each sum saturates at the largest bigint
@@ -557,9 +557,9 @@ $$;
 -- is left of its batch after the audit logs): deletes the minutes that
 -- ended before now - p_older_than, oldest first, at most p_batch rows, and
 -- returns how many. Rows another transaction holds (a record_outcomes in
--- flight can hold only the current minute's, which is never old enough)
--- are skipped, never waited for. The arguments were checked by the caller;
--- granted to nobody.
+-- flight holds rows of the minute it began in, old enough only for a
+-- retention of under a minute) are skipped, never waited for. The
+-- arguments were checked by the caller; granted to nobody.
 CREATE FUNCTION pgsemaphore.prune_outcomes(p_older_than interval, p_batch integer)
 RETURNS bigint
 LANGUAGE plpgsql

@@ -4002,8 +4002,8 @@ CREATE FUNCTION pgsemaphore.record_outcomes(p_kinds text[], p_names text[], p_ad
 --     this minute: the wait is bounded by lock_timeout (2 s, then 55P03,
 --     nothing written; the crate keeps its counts and tries again);
 --   * pgsemaphore.prune deleting old minutes: it deletes only minutes that
---     ended before its cutoff (at least a minute before now), never the
---     current one, and skips rows another transaction holds;
+--     ended before its cutoff (now - its retention), never the current
+--     one, and skips the rows this call holds rather than wait for them;
 --   * readers: never block it, nor it them.
 -- Bounded: at most 1000 rows per call. No arithmetic overflows: a call adds
 -- at most 10^9 to each count, and each sum saturates at the largest bigint

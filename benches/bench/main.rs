@@ -83,6 +83,13 @@
 //!     holds 100 or 1,000 permits renewed by their heartbeat, with a 90 s
 //!     and a 10 s lease, against the cycle with nothing held: cycles/s and
 //!     the renewals per second counted on the server.
+//! 18. **outcomes**: what counting outcomes costs: 8 clients refused by a
+//!     full semaphore's `try_acquire`, and by an empty token bucket key, each
+//!     refusal counted by the client and written every 5 s (the baseline is
+//!     this workload built at the commit before the counters, run apart);
+//!     and `pgsemaphore.record_outcomes` timed on its own: 1, 100 and 1,000
+//!     names per call, one row written 1,200 times in a minute with and
+//!     without a held xmin horizon.
 //!
 //! Throughput and latency cells are measured 3 times, interleaved with their
 //! baselines; tables show the median and the spread (min–max) and targets
@@ -102,6 +109,7 @@ mod limits;
 mod load;
 mod multi;
 mod mutex;
+mod outcomes;
 mod pressure;
 mod rate;
 mod redis;
@@ -125,7 +133,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = Result<T, BoxError>;
 
 const USAGE: &str = "usage: cargo bench --bench bench -- [--json] [--quick] \
-                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family|heartbeat] \
+                     [--only semaphore|mutex|wakeup|waiters|growth|rate|fleet|idle|lease|redis|advisory|pressure|multi|limits|lateness|family|heartbeat|outcomes] \
                      [--server fsync-off|durable] [--minutes M] \
                      [--pressure query|idle-xact|other-db|pg-dump] \
                      [--interleave] [--designs lease,advisory,mutex,bucket,counter,raw,update-hot,bucket-hot,sliding-hot,fixed-hot]";
@@ -159,10 +167,11 @@ pub enum Workload {
     Lateness,
     Family,
     Heartbeat,
+    Outcomes,
 }
 
 impl Workload {
-    const ALL: [Workload; 17] = [
+    const ALL: [Workload; 18] = [
         Workload::Semaphore,
         Workload::Mutex,
         Workload::Wakeup,
@@ -180,6 +189,7 @@ impl Workload {
         Workload::Lateness,
         Workload::Family,
         Workload::Heartbeat,
+        Workload::Outcomes,
     ];
 
     pub fn name(self) -> &'static str {
@@ -201,6 +211,7 @@ impl Workload {
             Workload::Multi => "multi",
             Workload::Lateness => "lateness",
             Workload::Heartbeat => "heartbeat",
+            Workload::Outcomes => "outcomes",
         }
     }
 
@@ -605,6 +616,7 @@ async fn run_workloads(ctx: &mut Ctx, only: Option<Workload>) -> Res<()> {
             Workload::Multi => multi::multi_workload(ctx).await?,
             Workload::Lateness => lateness::lateness_workload(ctx).await?,
             Workload::Heartbeat => heartbeat::heartbeat_workload(ctx).await?,
+            Workload::Outcomes => outcomes::outcomes_workload(ctx).await?,
         }
         let took = started.elapsed().as_secs_f64();
         eprintln!("== {} took {took:.1} s", workload.name());

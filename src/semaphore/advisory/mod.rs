@@ -81,7 +81,7 @@ fn waiting_keys(base: i64) -> i64 {
 /// | | `AdvisorySemaphore` | `Semaphore` |
 /// |---|---|---|
 /// | a permit is | a session-level advisory lock on a dedicated connection | a row in `pgsemaphore.slots`, with a lease |
-/// | a claim + release writes | nothing | a row, then makes it dead |
+/// | a claim + release writes | nothing (a refusal is counted in memory, and the counts written every 5 s: the client's [outcome counters](crate::admin::outcomes)) | a row, then makes it dead |
 /// | a long transaction in the database (`pg_dump`, a report) | no effect | each claim slows, without bound |
 /// | holder crashes | slot free at once (its connection closes) | slot free when its lease ends |
 /// | holder's link cut | holder told within 2.5 heartbeats, slot free after 3 | holder told before its lease ends, slot free when it ends |
