@@ -25,8 +25,8 @@
 //!
 //! # The sampler
 //!
-//! One task per [`Dashboard`] samples the schema and `pg_locks` about once
-//! a [`interval`](Dashboard::interval) (the reads of
+//! One task per [`Dashboard`] samples the schema and `pg_locks` once per
+//! [`interval`](Dashboard::interval), a second by default (the reads of
 //! [`admin`](crate::admin): [`semaphores`](crate::admin::semaphores),
 //! [`families`](crate::admin::families),
 //! [`busiest_keys`](crate::admin::busiest_keys),
@@ -35,7 +35,8 @@
 //! [`outcomes`](crate::admin::outcomes) over the last 15 minutes, and the
 //! fair queues' waiters by key) and hands the snapshot to every viewer.
 //! It starts with the first viewer of `events` and stops when the last
-//! one leaves, so an unwatched dashboard costs the database nothing;
+//! one leaves (the viewers own it: no handle to shut down), so an
+//! unwatched dashboard costs the database nothing;
 //! `snapshot.json` with no viewer samples once. A sample that fails (the
 //! database is down, or does not answer within five intervals) is sent as
 //! an error beside the last good snapshot: the page says since when the

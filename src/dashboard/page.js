@@ -69,11 +69,12 @@ function bar(held, capacity) {
 
 const sum = (minutes, field) => minutes.reduce((total, m) => total + (m[field] || 0), 0);
 
-/// Per-minute bars over the snapshot's window: `fields` stacked, colours in order.
+/// Per-minute bars over the snapshot's window (16 minutes overlap its 15,
+/// the last one under way): `fields` stacked, colours in order.
 function spark(minutes, fields, colours, snap) {
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("class", "spark");
-  svg.setAttribute("viewBox", "0 0 150 22");
+  svg.setAttribute("viewBox", "0 0 160 22");
   const since = ms(snap.since);
   const width = 10;
   const max = Math.max(1, ...minutes.map((m) => fields.reduce((t, f) => t + m[f], 0)));
@@ -86,7 +87,7 @@ function spark(minutes, fields, colours, snap) {
       if (h <= 0) return;
       y -= h;
       const rect = document.createElementNS(SVG, "rect");
-      for (const [k, v] of Object.entries({ x: Math.min(slot, 14) * width, y, width: width - 1, height: h, fill: colours[i] })) {
+      for (const [k, v] of Object.entries({ x: slot * width, y, width: width - 1, height: h, fill: colours[i] })) {
         rect.setAttribute(k, String(v));
       }
       const title = document.createElementNS(SVG, "title");
@@ -125,6 +126,10 @@ function drawSemaphores(snap) {
     const held = cell(tr, "");
     held.appendChild(bar(s.held, s.capacity));
     held.appendChild(document.createTextNode(`${s.held}`));
+    // After a capacity drop, holders above it drain as they release (no
+    // new claim is admitted meanwhile).
+    const above = s.holders.filter((h) => h.slot >= s.capacity).length;
+    if (above > 0) held.appendChild(node("span", "tag bad", ` draining: ${above} above capacity`));
     cell(tr, s.capacity, "n");
     cell(tr, s.kind === "lease" ? s.waiting : "-", "n");
     cell(tr, sum(s.minutes, "refused"), "n");
