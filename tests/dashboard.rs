@@ -93,10 +93,12 @@ async fn shows(
 ) -> TestResult<bool> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        if check(&snapshot(addr).await?) {
+        let snap = snapshot(addr).await?;
+        if check(&snap) {
             return Ok(true);
         }
         if tokio::time::Instant::now() >= deadline {
+            eprintln!("the last snapshot: {snap}");
             return Ok(false);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -254,6 +256,16 @@ async fn an_outage_is_shown_and_recovered_from() -> TestResult {
             && snap["sampled_at"].is_string())
         .await?
     );
+
+    // The sampler has a good snapshot of its own (the one above may be
+    // snapshot.json's, taken before the viewer's request arrived).
+    assert!(
+        support::eventually(Duration::from_secs(5), || async {
+            dashboard.samples() >= 2
+        })
+        .await
+    );
+    assert!(shows(addr, Duration::from_secs(5), |snap| snap["error"].is_null()).await?);
 
     // Partitioned: the pool's connections break, new ones hang.
     proxy.blackhole();
