@@ -2,8 +2,8 @@
 //! dashboard on a loopback port, stops on SIGTERM, refuses a public address
 //! without a token and checks the token it is given; headless Chromium
 //! (driven over the DevTools protocol, `support::cdp`) shows a claim that
-//! this test process makes within 2 s, and its release, with no console
-//! error. Screenshots go to `target/dashboard/`.
+//! this test process makes within 2 s, and its release, shows a hostile
+//! holder label as text, with no console error. Screenshots go to `target/dashboard/`.
 //!
 //! The browser test needs Chromium (the Debian package `chromium`); without
 //! it, it prints how to get it and passes, unless
@@ -25,6 +25,9 @@ use support::cli::{assert_status, run, stderr};
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
+
+/// A holder label that would run if the page ever wrote one as markup.
+const HOSTILE: &str = "<img src=x onerror=\"document.body.dataset.pwned='holder'\">";
 
 /// `target/dashboard/`.
 fn screenshots() -> PathBuf {
@@ -260,6 +263,27 @@ async fn the_page_shows_another_process_s_claim_and_release_within_two_seconds()
     browser
         .screenshot(&screenshots().join("dashboard-released.png"))
         .await;
+    // A hostile holder label is text, never markup.
+    browser
+        .eval("document.querySelector('tr[data-semaphore=\"search-api\"]').click(), true")
+        .await;
+    let search = "(document.querySelector('tr[data-semaphore=\"search-api\"] + tr.detail') || {}).textContent || ''";
+    let hostile = serde_json::to_string(HOSTILE)?;
+    assert!(
+        browser
+            .until(
+                Duration::from_secs(3),
+                &format!("({search}).includes({hostile})")
+            )
+            .await,
+        "the hostile holder shows as text"
+    );
+    assert_eq!(
+        browser
+            .eval("document.body.dataset.pwned === undefined && document.querySelectorAll('img').length === 0")
+            .await,
+        true
+    );
     assert!(
         browser.errors.is_empty(),
         "console errors: {:#?}",
@@ -308,7 +332,10 @@ async fn populate(
             .await;
     })));
     let search = Semaphore::builder("search-api", 8).build(client).await?;
-    for n in 0..5 {
+    held.push(Box::new(
+        search.acquiring().holder(HOSTILE).try_acquire().await?,
+    ));
+    for n in 0..4 {
         held.push(Box::new(
             search
                 .acquiring()
