@@ -391,6 +391,8 @@ pub mod admin;
 pub mod audit;
 mod background;
 mod client;
+#[cfg(feature = "dashboard")]
+pub mod dashboard;
 mod db;
 mod dead_man;
 mod detached;

@@ -363,6 +363,96 @@ async fn stopped() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+/// Refuses what `dashboard` must not serve: a non-loopback address
+/// without a token (unless `allow_unauthenticated`), a token that cannot
+/// travel in a URL.
+pub(crate) fn check_dashboard(
+    listen: std::net::SocketAddr,
+    token: Option<&str>,
+    allow_unauthenticated: bool,
+) -> Result<(), Failure> {
+    if let Some(token) = token {
+        let url_safe = |c: char| c.is_ascii_alphanumeric() || "-_.~".contains(c);
+        if token.is_empty() || !token.chars().all(url_safe) {
+            return Err(Failure::usage(
+                "--token must be letters, digits, '-', '_', '.' or '~' (it may travel in a URL)",
+            ));
+        }
+    } else if !listen.ip().is_loopback() && !allow_unauthenticated {
+        return Err(Failure::usage(format!(
+            "refusing to serve the dashboard on {listen} without a token: pass --token \
+             (or PGSEMAPHORE_DASHBOARD_TOKEN), listen on 127.0.0.1, or pass \
+             --allow-unauthenticated if something in front of it authenticates"
+        )));
+    }
+    Ok(())
+}
+
+/// Serves the dashboard on `listen` until Ctrl-C or SIGTERM.
+pub(crate) async fn dashboard(
+    pool: &PgPool,
+    listen: std::net::SocketAddr,
+    token: Option<String>,
+    every: Duration,
+) -> Result<String, Failure> {
+    let dashboard = pg_semaphore::dashboard::Dashboard::new(pool.clone()).interval(every);
+    let mut app = dashboard.router();
+    if let Some(token) = token {
+        app = app.layer(axum::middleware::from_fn_with_state(
+            std::sync::Arc::<str>::from(token),
+            bearer,
+        ));
+    }
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| Failure::new(EXIT_FAILURE, format!("cannot listen on {listen}: {e}")))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Failure::new(EXIT_FAILURE, format!("cannot listen on {listen}: {e}")))?;
+    eprintln!("pg-semaphore: dashboard at http://{bound}/ (Ctrl-C or SIGTERM stops it)");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(stopped())
+        .await
+        .map_err(|e| Failure::new(EXIT_FAILURE, format!("the dashboard's server failed: {e}")))?;
+    Ok("dashboard stopped\n".to_owned())
+}
+
+/// Lets through a request that carries the token: `Authorization: Bearer
+/// TOKEN`, or `token=TOKEN` in its query (a browser's page and its events).
+async fn bearer(
+    axum::extract::State(token): axum::extract::State<std::sync::Arc<str>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let header = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let query = request
+        .uri()
+        .query()
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .find_map(|pair| pair.strip_prefix("token="));
+    let given = header.or(query).unwrap_or_default();
+    if same(given.as_bytes(), token.as_bytes()) {
+        return next.run(request).await;
+    }
+    (
+        axum::http::StatusCode::UNAUTHORIZED,
+        [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+        "this dashboard needs its token: Authorization: Bearer TOKEN, or ?token=TOKEN\n",
+    )
+        .into_response()
+}
+
+/// Compares without stopping at the first difference.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 pub(crate) async fn grant(
     pool: &PgPool,
     application: Option<&str>,

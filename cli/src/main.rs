@@ -238,6 +238,46 @@ enum Command {
         rate_limits: Option<Duration>,
     },
 
+    /// Serve the live dashboard until stopped (Ctrl-C or SIGTERM): one page
+    /// showing every semaphore, family, rate limiter and mutex as it changes.
+    ///
+    /// Open the address it prints in a browser. A sampler reads the schema
+    /// and pg_locks about once a second while anyone has the page open, and
+    /// stops when nobody does; the page only receives its snapshots (server-
+    /// sent events at /events, the current one at /snapshot.json). It is
+    /// read-only, and the application's role is enough to run it.
+    ///
+    /// It listens on 127.0.0.1 by default. With --token, every request must
+    /// carry `Authorization: Bearer TOKEN`, or `?token=TOKEN` in its URL (for
+    /// a browser: open http://HOST:PORT/?token=TOKEN). A listen address other
+    /// than a loopback one is refused without a token, unless
+    /// --allow-unauthenticated says that is meant (behind a proxy that
+    /// authenticates, say).
+    #[command(after_help = "Examples:
+  pg-semaphore dashboard
+  pg-semaphore dashboard --listen 127.0.0.1:9000
+  PGSEMAPHORE_DASHBOARD_TOKEN=s3cret pg-semaphore dashboard --listen 0.0.0.0:7070")]
+    Dashboard {
+        /// The address to listen on (port 0: any free port, printed).
+        #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:7070")]
+        listen: std::net::SocketAddr,
+        /// Require this bearer token of every request (letters, digits, `-`,
+        /// `_`, `.`, `~`: it may travel in a URL).
+        #[arg(
+            long,
+            env = "PGSEMAPHORE_DASHBOARD_TOKEN",
+            hide_env_values = true,
+            value_name = "TOKEN"
+        )]
+        token: Option<String>,
+        /// Listen on a non-loopback address without a token.
+        #[arg(long)]
+        allow_unauthenticated: bool,
+        /// How often to sample while someone watches.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "1s")]
+        every: Duration,
+    },
+
     /// Give a role the application's or the operator's grants, in one step.
     ///
     /// Run it as the role that ran the migrations (the schema's owner). The
@@ -679,6 +719,16 @@ fn main() -> ExitCode {
 
 /// Runs one command; its output goes to stdout.
 async fn run(cli: Cli) -> Result<String, Failure> {
+    // Refused before connecting: a usage error needs no database.
+    if let Command::Dashboard {
+        listen,
+        token,
+        allow_unauthenticated,
+        ..
+    } = &cli.command
+    {
+        commands::check_dashboard(*listen, token.as_deref(), *allow_unauthenticated)?;
+    }
     let pool = connect(cli.database_url.as_deref()).await?;
     let output = match cli.command {
         Command::Migrate => commands::migrate(&pool).await?,
@@ -696,6 +746,12 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             retention,
             rate_limits,
         } => commands::reaper(&pool, every, retention, rate_limits).await?,
+        Command::Dashboard {
+            listen,
+            token,
+            every,
+            ..
+        } => commands::dashboard(&pool, listen, token, every).await?,
         Command::Grant {
             application,
             operator,

@@ -8,4 +8,5 @@ mod library;
 
 pub use library::*;
 
+pub mod cdp;
 pub mod cli;
