@@ -314,7 +314,8 @@ impl SemaphoreLayer {
     /// refused by the rate limit is answered `429 Too Many Requests` with
     /// `Retry-After` (the limit's, rounded up), whatever
     /// [`reject_with`](Self::reject_with) says; in [`wait`](Self::wait)
-    /// mode it first waits, within the bound, for the limit to admit it. A
+    /// mode it first waits for the limit to admit it, unless the limit
+    /// would admit it only after the bound (then `429` at once). A
     /// request for which `key` returns `None` is not rate limited. Call it
     /// again for more limits. The limiters must be built on the semaphores'
     /// [`Client`](crate::Client).

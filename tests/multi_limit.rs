@@ -604,6 +604,18 @@ async fn a_claim_with_a_rate_limit_takes_both_or_nothing() -> TestResult {
         0,
         "a refused claim held a slot"
     );
+    // A wait the limit would outlast gives up at once, saying why (it
+    // would otherwise end in Timeout after a minute).
+    match upstream
+        .acquiring()
+        .rate_limit(&per_customer, "c1")
+        .timeout(Duration::from_secs(60))
+        .acquire()
+        .await
+    {
+        Err(Error::RateLimited { limiter, .. }) => assert_eq!(limiter, "geo-rate"),
+        other => panic!("expected RateLimited, got {other:?}"),
+    }
     assert!(
         upstream
             .acquiring()

@@ -578,3 +578,30 @@ async fn concurrency_and_rate_limits_are_one_claim_that_takes_nothing_when_refus
     assert_eq!(server.max_inside(), 2);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_layer_answers_429_at_once_when_the_rate_limit_outlasts_its_wait() -> TestResult {
+    let db = support::migrated_db().await;
+    let global = Semaphore::builder("api", 4)
+        .lease(Duration::from_secs(3600))
+        .build(&db.client)
+        .await?;
+    // One request per customer, then one every 1,000 s.
+    let per_customer = RateLimiter::builder("per-customer", RatePolicy::token_bucket(0.001, 1))
+        .build(&db.client)?;
+    let layer = SemaphoreLayer::new(global)
+        .rate_limit(per_customer, customer_key)
+        .wait(Duration::from_secs(60));
+    let server = serve(layer).await;
+    server.open_gate();
+    assert_eq!(server.get("/fast?c=c1").await.0, StatusCode::OK);
+    // The limit admits c1 again only after the layer's wait: 429 with
+    // Retry-After (a wait to the bound would end in 503).
+    let (status, retry_after) = server.get("/fast?c=c1").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = retry_after.expect("Retry-After").parse()?;
+    assert!(retry_after > 60, "Retry-After {retry_after}");
+    assert_eq!(support::live_rows(&db.pool, "api").await, 0);
+    assert_eq!(server.entered(), 1);
+    Ok(())
+}

@@ -733,7 +733,7 @@ impl Semaphore {
     /// in this process).
     pub async fn acquire_all(semaphores: &[(&Semaphore, u32)]) -> Result<Permit> {
         let several = several(semaphores)?;
-        wait::acquire_all(&several, &several.lead().holder, None, true).await
+        wait::acquire_all(&several, &several.lead().holder, None, true, None).await
     }
 
     /// Waits until the semaphore has no live holders, in any process.
@@ -940,7 +940,9 @@ impl Acquiring<'_> {
     /// permit on a request the semaphore then refuses); here neither can
     /// happen. A refusal by the rate limit is [`Error::RateLimited`], with
     /// the limiter's name and its retry-after; a waiting
-    /// [`acquire`](Self::acquire) sleeps until then and claims again.
+    /// [`acquire`](Self::acquire) sleeps until then and claims again, or,
+    /// when that is past its [`timeout`](Self::timeout), returns
+    /// [`Error::RateLimited`] at once.
     ///
     /// ```no_run
     /// # async fn run(client: pg_semaphore::Client) -> Result<(), Box<dyn std::error::Error>> {
@@ -1072,11 +1074,13 @@ impl Acquiring<'_> {
         let timeout = self.timeout;
         if !self.rates.is_empty() {
             let (several, attempt) = self.rated(n)?;
+            let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
             let wait = wait::acquire_all(
                 &several,
                 &attempt.holder,
                 attempt.metadata.as_ref(),
                 attempt.ride_out_outages,
+                deadline,
             );
             let Some(timeout) = timeout else {
                 return wait.await;
@@ -1190,7 +1194,13 @@ pub(crate) async fn acquire_with_rates(
     with_timeout(
         timeout,
         waited_for,
-        wait::acquire_all(&several, &holder, None, false),
+        wait::acquire_all(
+            &several,
+            &holder,
+            None,
+            false,
+            Instant::now().checked_add(timeout),
+        ),
     )
     .await
 }

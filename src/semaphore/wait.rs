@@ -156,13 +156,16 @@ pub(crate) async fn acquire(core: &Arc<Core>, attempt: &Attempt) -> Result<Permi
 /// a member full (see the guide's [several limits at once](crate::guide::choosing#several-limits-at-once)).
 ///
 /// A claim with rate limits (`several.rates`) refused by a limit sleeps
-/// until the limit would admit, then claims again. `ride_out_outages`:
-/// as [`Attempt::ride_out_outages`].
+/// until the limit would admit, then claims again; if that instant is past
+/// `deadline` (the caller's timeout), it returns [`Error::RateLimited`] at
+/// once instead of sleeping in vain. `ride_out_outages`: as
+/// [`Attempt::ride_out_outages`].
 pub(crate) async fn acquire_all(
     several: &Several,
     holder: &str,
     metadata: Option<&serde_json::Value>,
     ride_out_outages: bool,
+    deadline: Option<Instant>,
 ) -> Result<Permit> {
     let lead = several.lead();
     let _waiting: Vec<_> = several
@@ -203,7 +206,14 @@ pub(crate) async fn acquire_all(
             // The semaphores had room: the limit's own instant decides,
             // however the semaphores change meanwhile.
             Admission::RateLimited { retry_in } => {
-                tokio::time::sleep(retry_in.max(Duration::from_millis(1))).await;
+                let at = Instant::now() + retry_in.max(Duration::from_millis(1));
+                if deadline.is_some_and(|deadline| at > deadline) {
+                    return Err(Error::RateLimited {
+                        limiter: refused_by.unwrap_or_default(),
+                        retry_after: retry_in,
+                    });
+                }
+                tokio::time::sleep_until(at).await;
                 continue;
             }
             // Only a queued claim carries a ticket.
