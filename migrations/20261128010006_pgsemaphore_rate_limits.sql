@@ -386,6 +386,24 @@ $$;
 -- windows before it. The decisions of one key are serialised (rate_take),
 -- so each step sees the state the decision before it left.
 
+-- What a step returns: the decision (o_allowed, o_wait_us, o_remaining) and
+-- the key's state to write when admitted, in the ledger's columns (a token
+-- bucket's o_tokens, a window's o_hits and o_previous; o_stamp is a bucket's
+-- stamp or a window's start). A named type, not OUT parameters: a function
+-- with OUT parameters builds its result's row type at every call, which
+-- cost a check about a sixth of its time (measured); a named type's comes
+-- from the type cache. rate_take returns it too.
+CREATE TYPE pgsemaphore.rate_step AS (
+    o_allowed   boolean,
+    o_wait_us   bigint,
+    o_remaining bigint,
+    o_tokens    double precision,
+    o_hits      bigint,
+    o_previous  bigint,
+    o_stamp     timestamptz,
+    o_idle_at   timestamptz
+);
+
 -- Invariant (bucket_step): over any interval of length d, the admissions of
 -- a key at their admitted instants (decision + o_wait_us), plain checks
 -- included, take at most p_burst + p_rate x d tokens. The stored level is
@@ -401,13 +419,18 @@ $$;
 -- tokens taken: the key admits less, never more.
 CREATE FUNCTION pgsemaphore.bucket_step(
     p_tokens double precision, p_stamp timestamptz, p_now timestamptz, p_from timestamptz,
-    p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval,
-    OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint,
-    OUT o_tokens double precision, OUT o_stamp timestamptz, OUT o_idle_at timestamptz)
+    p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval)
+RETURNS pgsemaphore.rate_step
 LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE
-    v_wait double precision;
+    v_wait      double precision;
+    o_allowed   boolean;
+    o_wait_us   bigint;
+    o_remaining bigint;
+    o_tokens    double precision;
+    o_stamp     timestamptz;
+    o_idle_at   timestamptz;
 BEGIN
     -- Refill (from below zero too: what is owed is paid first); the clock
     -- a key sees never goes back.
@@ -443,6 +466,7 @@ BEGIN
     END IF;
     o_remaining := floor(o_tokens)::bigint;
     o_idle_at := o_stamp + make_interval(secs => (p_burst - o_tokens) / p_rate);
+    RETURN ROW(o_allowed, o_wait_us, o_remaining, o_tokens, NULL, NULL, o_stamp, o_idle_at)::pgsemaphore.rate_step;
 END;
 $$;
 
@@ -455,12 +479,17 @@ $$;
 -- the sum of the hits it was given, each time checked against p_limit.
 CREATE FUNCTION pgsemaphore.fixed_step(
     p_hits bigint, p_start timestamptz, p_now timestamptz, p_from timestamptz,
-    p_limit bigint, p_window interval, p_n bigint, p_max_wait interval,
-    OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint,
-    OUT o_hits bigint, OUT o_start timestamptz, OUT o_idle_at timestamptz)
+    p_limit bigint, p_window interval, p_n bigint, p_max_wait interval)
+RETURNS pgsemaphore.rate_step
 LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE
+    o_allowed   boolean;
+    o_wait_us   bigint;
+    o_remaining bigint;
+    o_hits      bigint;
+    o_start     timestamptz;
+    o_idle_at   timestamptz;
     v_at      timestamptz;
     v_b_start timestamptz;
     v_b_hits  bigint;
@@ -501,6 +530,7 @@ BEGIN
     END IF;
     o_remaining := CASE WHEN o_start > p_now THEN 0 ELSE greatest(0, p_limit - o_hits) END;
     o_idle_at := o_start + p_window;
+    RETURN ROW(o_allowed, o_wait_us, o_remaining, NULL, o_hits, NULL, o_start, o_idle_at)::pgsemaphore.rate_step;
 END;
 $$;
 
@@ -517,12 +547,18 @@ $$;
 -- it always fits.
 CREATE FUNCTION pgsemaphore.sliding_step(
     p_hits bigint, p_previous bigint, p_start timestamptz, p_now timestamptz, p_from timestamptz,
-    p_limit bigint, p_window interval, p_n bigint, p_max_wait interval,
-    OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint,
-    OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamptz, OUT o_idle_at timestamptz)
+    p_limit bigint, p_window interval, p_n bigint, p_max_wait interval)
+RETURNS pgsemaphore.rate_step
 LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE
+    o_allowed   boolean;
+    o_wait_us   bigint;
+    o_remaining bigint;
+    o_hits      bigint;
+    o_previous  bigint;
+    o_start     timestamptz;
+    o_idle_at   timestamptz;
     v_window  double precision := extract(epoch FROM p_window)::double precision;
     v_elapsed double precision;
     v_need    double precision;
@@ -599,6 +635,7 @@ BEGIN
         o_remaining := greatest(0, floor(p_limit - (o_previous * (1 - v_elapsed) + o_hits)))::bigint;
     END IF;
     o_idle_at := o_start + 2 * p_window;
+    RETURN ROW(o_allowed, o_wait_us, o_remaining, NULL, o_hits, o_previous, o_start, o_idle_at)::pgsemaphore.rate_step;
 END;
 $$;
 
@@ -626,7 +663,7 @@ CREATE FUNCTION pgsemaphore.rate_take(
     p_kind text, p_limiter text, p_key text,
     p_rate double precision, p_burst double precision, p_limit bigint, p_window interval,
     p_n double precision, p_max_wait interval, p_stored boolean)
-RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+RETURNS pgsemaphore.rate_step
 LANGUAGE plpgsql
 AS $$
 -- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
@@ -705,9 +742,7 @@ DECLARE
     v_prev   bigint;
     v_stamp  timestamptz;
     v_now    timestamptz;
-    b        record;
-    f        record;
-    w        record;
+    d        pgsemaphore.rate_step;
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -726,11 +761,7 @@ BEGIN
       LEFT JOIN pgsemaphore.rate_limit_settings l
         ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = '';
     IF v_paused > clock_timestamp() THEN
-        o_allowed := false;
-        o_wait_us := pgsemaphore.us_until(v_paused);
-        o_remaining := 0;
-        RETURN NEXT;
-        RETURN;
+        RETURN ROW(false, pgsemaphore.us_until(v_paused), 0, NULL, NULL, NULL, NULL, NULL)::pgsemaphore.rate_step;
     END IF;
     -- 2b. No pair in force: the first use stores the caller's as the
     -- limiter's (or finds the one a concurrent first use stored).
@@ -772,38 +803,22 @@ BEGIN
     -- as row seq + 1.
     v_now := clock_timestamp();
     IF p_kind = 'token_bucket' THEN
-        b := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
-        o_allowed := b.o_allowed;
-        o_wait_us := b.o_wait_us;
-        o_remaining := b.o_remaining;
-        IF o_allowed THEN
-            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, stamp, idle_at)
-            VALUES (p_kind, p_limiter, p_key, v_seq, b.o_tokens, b.o_stamp, b.o_idle_at);
-        END IF;
+        d := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
     ELSIF p_kind = 'fixed_window' THEN
-        f := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
-        o_allowed := f.o_allowed;
-        o_wait_us := f.o_wait_us;
-        o_remaining := f.o_remaining;
-        IF o_allowed THEN
-            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, stamp, idle_at)
-            VALUES (p_kind, p_limiter, p_key, v_seq, f.o_hits, f.o_start, f.o_idle_at);
-        END IF;
+        d := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
     ELSE
-        w := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
-        o_allowed := w.o_allowed;
-        o_wait_us := w.o_wait_us;
-        o_remaining := w.o_remaining;
-        IF o_allowed THEN
-            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, previous_hits, stamp, idle_at)
-            VALUES (p_kind, p_limiter, p_key, v_seq, w.o_hits, w.o_previous, w.o_start, w.o_idle_at);
+        d := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint,
+                                      p_max_wait);
+    END IF;
+    IF d.o_allowed THEN
+        INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)
+        VALUES (p_kind, p_limiter, p_key, v_seq, d.o_tokens, d.o_hits, d.o_previous, d.o_stamp, d.o_idle_at);
+        -- The trim: every 16th row of a key.
+        IF v_seq % 16 = 0 THEN
+            PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 32, v_seq - 16);
         END IF;
     END IF;
-    -- The trim: every 16th row of a key.
-    IF o_allowed AND v_seq % 16 = 0 THEN
-        PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 32, v_seq - 16);
-    END IF;
-    RETURN NEXT;
+    RETURN d;
 END;
 $$;
 
@@ -938,14 +953,18 @@ BEGIN
             END IF;
             IF p_kinds[v_i] = 'token_bucket' THEN
                 IF v_srates[v_i] IS NOT NULL THEN
-                    PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                    IF p_n > v_sbursts[v_i] THEN
+                        PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                    END IF;
                     p_rates[v_i] := v_srates[v_i];
                     p_bursts[v_i] := v_sbursts[v_i];
                 END IF;
                 v_bound := least(v_bound, make_interval(secs => p_bursts[v_i] / p_rates[v_i]));
             ELSE
                 IF v_slimits[v_i] IS NOT NULL THEN
-                    PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+                    IF p_n > v_slimits[v_i] THEN
+                        PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+                    END IF;
                     p_limits[v_i] := v_slimits[v_i];
                     p_windows[v_i] := v_swins[v_i];
                 END IF;
@@ -1008,7 +1027,7 @@ BEGIN
                 v_wait := f.o_wait_us;
                 v_left := f.o_remaining;
                 n_hits[v_i] := f.o_hits;
-                n_stamp[v_i] := f.o_start;
+                n_stamp[v_i] := f.o_stamp;
                 n_idle[v_i] := f.o_idle_at;
             ELSE
                 w := pgsemaphore.sliding_step(v_hits[v_i], v_prev[v_i], v_stamp[v_i], v_now, v_from,
@@ -1018,7 +1037,7 @@ BEGIN
                 v_left := w.o_remaining;
                 n_hits[v_i] := w.o_hits;
                 n_prev[v_i] := w.o_previous;
-                n_stamp[v_i] := w.o_start;
+                n_stamp[v_i] := w.o_stamp;
                 n_idle[v_i] := w.o_idle_at;
             END IF;
             -- The fewest left (admitted: that limit decides); refused, the
@@ -1166,8 +1185,9 @@ BEGIN
         PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
     RETURN QUERY
-        SELECT * FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
-                                            p_n, p_max_wait, true);
+        SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+          FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
+                                            p_n, p_max_wait, true) t;
 END;
 $$;
 
@@ -1278,8 +1298,9 @@ BEGIN
         PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
     RETURN QUERY
-        SELECT * FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                            p_n, p_max_wait, true);
+        SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+          FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                            p_n, p_max_wait, true) t;
 END;
 $$;
 
@@ -1312,8 +1333,9 @@ BEGIN
         PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
     RETURN QUERY
-        SELECT * FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                            p_n, p_max_wait, true);
+        SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+          FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                            p_n, p_max_wait, true) t;
 END;
 $$;
 
@@ -1481,8 +1503,9 @@ CREATE FUNCTION pgsemaphore.fixed_window_book(
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE sql
 AS $$
-    SELECT * FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                        p_n, p_max_wait, false)
+    SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+      FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                 p_n, p_max_wait, false) t
 $$;
 
 CREATE FUNCTION pgsemaphore.sliding_window_book(
@@ -1490,8 +1513,9 @@ CREATE FUNCTION pgsemaphore.sliding_window_book(
 RETURNS TABLE (o_allowed boolean, o_wait_us bigint, o_remaining bigint)
 LANGUAGE sql
 AS $$
-    SELECT * FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                        p_n, p_max_wait, false)
+    SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+      FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                 p_n, p_max_wait, false) t
 $$;
 
 -- The plain checks' arithmetic: a booking that may not wait. Admitted only

@@ -28,6 +28,22 @@ CREATE SCHEMA pgsemaphore;
 
 
 --
+-- Name: rate_step; Type: TYPE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TYPE pgsemaphore.rate_step AS (
+	o_allowed boolean,
+	o_wait_us bigint,
+	o_remaining bigint,
+	o_tokens double precision,
+	o_hits bigint,
+	o_previous bigint,
+	o_stamp timestamp with time zone,
+	o_idle_at timestamp with time zone
+);
+
+
+--
 -- Name: advisory_claim(text, integer, integer[]); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
@@ -575,11 +591,17 @@ $$;
 -- Name: bucket_step(double precision, timestamp with time zone, timestamp with time zone, timestamp with time zone, double precision, double precision, double precision, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_tokens double precision, OUT o_stamp timestamp with time zone, OUT o_idle_at timestamp with time zone) RETURNS record
+CREATE FUNCTION pgsemaphore.bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval) RETURNS pgsemaphore.rate_step
     LANGUAGE plpgsql IMMUTABLE
     AS $$
 DECLARE
-    v_wait double precision;
+    v_wait      double precision;
+    o_allowed   boolean;
+    o_wait_us   bigint;
+    o_remaining bigint;
+    o_tokens    double precision;
+    o_stamp     timestamptz;
+    o_idle_at   timestamptz;
 BEGIN
     -- Refill (from below zero too: what is owed is paid first); the clock
     -- a key sees never goes back.
@@ -615,6 +637,7 @@ BEGIN
     END IF;
     o_remaining := floor(o_tokens)::bigint;
     o_idle_at := o_stamp + make_interval(secs => (p_burst - o_tokens) / p_rate);
+    RETURN ROW(o_allowed, o_wait_us, o_remaining, o_tokens, NULL, NULL, o_stamp, o_idle_at)::pgsemaphore.rate_step;
 END;
 $$;
 
@@ -2134,10 +2157,16 @@ $$;
 -- Name: fixed_step(bigint, timestamp with time zone, timestamp with time zone, timestamp with time zone, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) RETURNS record
+CREATE FUNCTION pgsemaphore.fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS pgsemaphore.rate_step
     LANGUAGE plpgsql IMMUTABLE
     AS $$
 DECLARE
+    o_allowed   boolean;
+    o_wait_us   bigint;
+    o_remaining bigint;
+    o_hits      bigint;
+    o_start     timestamptz;
+    o_idle_at   timestamptz;
     v_at      timestamptz;
     v_b_start timestamptz;
     v_b_hits  bigint;
@@ -2178,6 +2207,7 @@ BEGIN
     END IF;
     o_remaining := CASE WHEN o_start > p_now THEN 0 ELSE greatest(0, p_limit - o_hits) END;
     o_idle_at := o_start + p_window;
+    RETURN ROW(o_allowed, o_wait_us, o_remaining, NULL, o_hits, NULL, o_start, o_idle_at)::pgsemaphore.rate_step;
 END;
 $$;
 
@@ -2230,8 +2260,9 @@ $$;
 CREATE FUNCTION pgsemaphore.fixed_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
     LANGUAGE sql
     AS $$
-    SELECT * FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                        p_n, p_max_wait, false)
+    SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+      FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                 p_n, p_max_wait, false) t
 $$;
 
 
@@ -2267,8 +2298,9 @@ BEGIN
         PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
     RETURN QUERY
-        SELECT * FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                            p_n, p_max_wait, true);
+        SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+          FROM pgsemaphore.rate_take('fixed_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                            p_n, p_max_wait, true) t;
 END;
 $$;
 
@@ -3311,7 +3343,7 @@ $$;
 -- Name: rate_take(text, text, text, double precision, double precision, bigint, interval, double precision, interval, boolean); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval, p_n double precision, p_max_wait interval, p_stored boolean) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
+CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval, p_n double precision, p_max_wait interval, p_stored boolean) RETURNS pgsemaphore.rate_step
     LANGUAGE plpgsql
     AS $$
 -- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
@@ -3390,9 +3422,7 @@ DECLARE
     v_prev   bigint;
     v_stamp  timestamptz;
     v_now    timestamptz;
-    b        record;
-    f        record;
-    w        record;
+    d        pgsemaphore.rate_step;
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -3411,11 +3441,7 @@ BEGIN
       LEFT JOIN pgsemaphore.rate_limit_settings l
         ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = '';
     IF v_paused > clock_timestamp() THEN
-        o_allowed := false;
-        o_wait_us := pgsemaphore.us_until(v_paused);
-        o_remaining := 0;
-        RETURN NEXT;
-        RETURN;
+        RETURN ROW(false, pgsemaphore.us_until(v_paused), 0, NULL, NULL, NULL, NULL, NULL)::pgsemaphore.rate_step;
     END IF;
     -- 2b. No pair in force: the first use stores the caller's as the
     -- limiter's (or finds the one a concurrent first use stored).
@@ -3457,38 +3483,22 @@ BEGIN
     -- as row seq + 1.
     v_now := clock_timestamp();
     IF p_kind = 'token_bucket' THEN
-        b := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
-        o_allowed := b.o_allowed;
-        o_wait_us := b.o_wait_us;
-        o_remaining := b.o_remaining;
-        IF o_allowed THEN
-            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, stamp, idle_at)
-            VALUES (p_kind, p_limiter, p_key, v_seq, b.o_tokens, b.o_stamp, b.o_idle_at);
-        END IF;
+        d := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
     ELSIF p_kind = 'fixed_window' THEN
-        f := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
-        o_allowed := f.o_allowed;
-        o_wait_us := f.o_wait_us;
-        o_remaining := f.o_remaining;
-        IF o_allowed THEN
-            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, stamp, idle_at)
-            VALUES (p_kind, p_limiter, p_key, v_seq, f.o_hits, f.o_start, f.o_idle_at);
-        END IF;
+        d := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
     ELSE
-        w := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
-        o_allowed := w.o_allowed;
-        o_wait_us := w.o_wait_us;
-        o_remaining := w.o_remaining;
-        IF o_allowed THEN
-            INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, hits, previous_hits, stamp, idle_at)
-            VALUES (p_kind, p_limiter, p_key, v_seq, w.o_hits, w.o_previous, w.o_start, w.o_idle_at);
+        d := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint,
+                                      p_max_wait);
+    END IF;
+    IF d.o_allowed THEN
+        INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)
+        VALUES (p_kind, p_limiter, p_key, v_seq, d.o_tokens, d.o_hits, d.o_previous, d.o_stamp, d.o_idle_at);
+        -- The trim: every 16th row of a key.
+        IF v_seq % 16 = 0 THEN
+            PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 32, v_seq - 16);
         END IF;
     END IF;
-    -- The trim: every 16th row of a key.
-    IF o_allowed AND v_seq % 16 = 0 THEN
-        PERFORM pgsemaphore.rate_trim(p_kind, p_limiter, p_key, v_seq - 32, v_seq - 16);
-    END IF;
-    RETURN NEXT;
+    RETURN d;
 END;
 $$;
 
@@ -3624,14 +3634,18 @@ BEGIN
             END IF;
             IF p_kinds[v_i] = 'token_bucket' THEN
                 IF v_srates[v_i] IS NOT NULL THEN
-                    PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                    IF p_n > v_sbursts[v_i] THEN
+                        PERFORM pgsemaphore.check_n_stored(p_n, v_sbursts[v_i]);
+                    END IF;
                     p_rates[v_i] := v_srates[v_i];
                     p_bursts[v_i] := v_sbursts[v_i];
                 END IF;
                 v_bound := least(v_bound, make_interval(secs => p_bursts[v_i] / p_rates[v_i]));
             ELSE
                 IF v_slimits[v_i] IS NOT NULL THEN
-                    PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+                    IF p_n > v_slimits[v_i] THEN
+                        PERFORM pgsemaphore.check_n_stored(p_n, v_slimits[v_i]);
+                    END IF;
                     p_limits[v_i] := v_slimits[v_i];
                     p_windows[v_i] := v_swins[v_i];
                 END IF;
@@ -3694,7 +3708,7 @@ BEGIN
                 v_wait := f.o_wait_us;
                 v_left := f.o_remaining;
                 n_hits[v_i] := f.o_hits;
-                n_stamp[v_i] := f.o_start;
+                n_stamp[v_i] := f.o_stamp;
                 n_idle[v_i] := f.o_idle_at;
             ELSE
                 w := pgsemaphore.sliding_step(v_hits[v_i], v_prev[v_i], v_stamp[v_i], v_now, v_from,
@@ -3704,7 +3718,7 @@ BEGIN
                 v_left := w.o_remaining;
                 n_hits[v_i] := w.o_hits;
                 n_prev[v_i] := w.o_previous;
-                n_stamp[v_i] := w.o_start;
+                n_stamp[v_i] := w.o_stamp;
                 n_idle[v_i] := w.o_idle_at;
             END IF;
             -- The fewest left (admitted: that limit decides); refused, the
@@ -4853,10 +4867,17 @@ $$;
 -- Name: sliding_step(bigint, bigint, timestamp with time zone, timestamp with time zone, timestamp with time zone, bigint, interval, bigint, interval); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) RETURNS record
+CREATE FUNCTION pgsemaphore.sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS pgsemaphore.rate_step
     LANGUAGE plpgsql IMMUTABLE
     AS $$
 DECLARE
+    o_allowed   boolean;
+    o_wait_us   bigint;
+    o_remaining bigint;
+    o_hits      bigint;
+    o_previous  bigint;
+    o_start     timestamptz;
+    o_idle_at   timestamptz;
     v_window  double precision := extract(epoch FROM p_window)::double precision;
     v_elapsed double precision;
     v_need    double precision;
@@ -4933,6 +4954,7 @@ BEGIN
         o_remaining := greatest(0, floor(p_limit - (o_previous * (1 - v_elapsed) + o_hits)))::bigint;
     END IF;
     o_idle_at := o_start + 2 * p_window;
+    RETURN ROW(o_allowed, o_wait_us, o_remaining, NULL, o_hits, o_previous, o_start, o_idle_at)::pgsemaphore.rate_step;
 END;
 $$;
 
@@ -4986,8 +5008,9 @@ $$;
 CREATE FUNCTION pgsemaphore.sliding_window_book(p_limiter text, p_key text, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint)
     LANGUAGE sql
     AS $$
-    SELECT * FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                        p_n, p_max_wait, false)
+    SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+      FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                 p_n, p_max_wait, false) t
 $$;
 
 
@@ -5022,8 +5045,9 @@ BEGIN
         PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
     RETURN QUERY
-        SELECT * FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
-                                            p_n, p_max_wait, true);
+        SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+          FROM pgsemaphore.rate_take('sliding_window', p_limiter, p_key, NULL, NULL, p_limit, p_window,
+                                            p_n, p_max_wait, true) t;
 END;
 $$;
 
@@ -5158,8 +5182,9 @@ BEGIN
         PERFORM pgsemaphore.checked_interval(p_max_wait, 'p_max_wait', interval '0', interval '366 days');
     END IF;
     RETURN QUERY
-        SELECT * FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
-                                            p_n, p_max_wait, true);
+        SELECT t.o_allowed, t.o_wait_us, t.o_remaining
+          FROM pgsemaphore.rate_take('token_bucket', p_limiter, p_key, p_rate, p_burst, NULL, NULL,
+                                            p_n, p_max_wait, true) t;
 END;
 $$;
 
@@ -5606,10 +5631,7 @@ CREATE TABLE pgsemaphore.rate_ledger (
     hits bigint,
     previous_hits bigint,
     stamp timestamp with time zone NOT NULL,
-    idle_at timestamp with time zone NOT NULL,
-    CONSTRAINT rate_ledger_key_length CHECK (((char_length(key) >= 1) AND (char_length(key) <= 256))),
-    CONSTRAINT rate_ledger_kind CHECK ((kind = ANY (ARRAY['token_bucket'::text, 'fixed_window'::text, 'sliding_window'::text]))),
-    CONSTRAINT rate_ledger_limiter_length CHECK (((char_length(limiter) >= 1) AND (char_length(limiter) <= 200)))
+    idle_at timestamp with time zone NOT NULL
 )
 WITH (autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_insert_scale_factor='0.02', autovacuum_analyze_scale_factor='0.02');
 
@@ -6141,10 +6163,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.advisory_release_one(p_semaphore text, p_key 
 
 
 --
--- Name: FUNCTION bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_tokens double precision, OUT o_stamp timestamp with time zone, OUT o_idle_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_tokens double precision, OUT o_stamp timestamp with time zone, OUT o_idle_at timestamp with time zone) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.bucket_step(p_tokens double precision, p_stamp timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_rate double precision, p_burst double precision, p_n double precision, p_max_wait interval) FROM PUBLIC;
 
 
 --
@@ -6330,10 +6352,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.fence(p_ids bigint[], p_token bytea) FROM PUB
 
 
 --
--- Name: FUNCTION fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.fixed_step(p_hits bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
 
 
 --
@@ -6659,10 +6681,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.set_rate_limit(p_kind text, p_limiter text, p
 
 
 --
--- Name: FUNCTION sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval, OUT o_allowed boolean, OUT o_wait_us bigint, OUT o_remaining bigint, OUT o_hits bigint, OUT o_previous bigint, OUT o_start timestamp with time zone, OUT o_idle_at timestamp with time zone) FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.sliding_step(p_hits bigint, p_previous bigint, p_start timestamp with time zone, p_now timestamp with time zone, p_from timestamp with time zone, p_limit bigint, p_window interval, p_n bigint, p_max_wait interval) FROM PUBLIC;
 
 
 --

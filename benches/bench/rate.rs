@@ -1,7 +1,8 @@
 //! Workload 6, rate limiters: decisions of the token bucket, the fixed and the
 //! sliding window, against a bare single-row `UPDATE`, at 1, 8 and 32
 //! clients, on one hot key and on keys spread over 1,000 (issue 24: every
-//! limiter ≥ 0.5x the `UPDATE` in each of these cells, on both servers).
+//! limiter ≥ 0.5x the `UPDATE` in each of these cells, on both servers; issue
+//! 35 raised it to 0.6x).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -143,9 +144,9 @@ pub async fn rate_workload(ctx: &mut Ctx) -> Res<()> {
                     let ratio = cell.ratio("vs_update");
                     targets.push(Target::at_least(
                         Workload::Rate,
-                        format!("{label}: {} ≥ 0.5x the bare UPDATE", cell.implementation),
+                        format!("{label}: {} ≥ 0.6x the bare UPDATE", cell.implementation),
                         ratio,
-                        0.5,
+                        0.6,
                         format!(
                             "{} ({} vs {} decisions/s)",
                             fmt_ratio(ratio),
