@@ -3349,20 +3349,28 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 -- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
 -- kind's limits (p_rate, p_burst for a token bucket; p_limit, p_window for a
 -- window), admitted at once or within p_max_wait; p_stored: the stored
--- limits and pauses apply (false only for the _unchecked functions). The arguments were checked by the caller.
+-- limits and pauses apply (false only for the _unchecked functions). The
+-- arguments were checked by the caller.
 -- Steps:
 --   1. READ COMMITTED, or 0A000;
---   2. one statement: the key's advisory lock (waited for at most the
---      calling function's lock_timeout, 2 s, then 55P03), and the stored
---      limits and pause (read with that statement's snapshot, taken before
---      the lock: the pair in force when the check began); a pause refuses,
---      taking nothing; no stored pair: the first use stores the caller's as
---      the limiter's (rate_limit_first_use); the stored pair replaces the
---      caller's (p_n above it: 22023); p_max_wait is clamped to what the
---      pair allows ahead: burst / rate, or one window;
---   3. a new statement, so a new snapshot: the key's newest row, as its
---      previous holder committed it (none: a full bucket, empty windows);
---   4. the kind's step function decides, with the clock read after the lock;
+--   2. one statement, no lock: the stored limits and pause (the pair in
+--      force when the check began) and the key's newest row committed by
+--      then; a pause refuses, taking nothing; no stored pair: the first use
+--      stores the caller's as the limiter's (rate_limit_first_use); the
+--      stored pair replaces the caller's (p_n above it: 22023); p_max_wait
+--      is clamped to what the pair allows ahead: burst / rate, or one window;
+--   3. the kind's step function decides on that row, with the clock: refused,
+--      that is the answer, and nothing was locked or written. A refusal on
+--      an older state is a refusal on every later one: a key's state
+--      changes only by admissions (each takes tokens or counts permits, at
+--      an instant no earlier than the decision) and by deletions of rows at
+--      rest (the same as no row), so what a check can take, and the
+--      earliest instant it can take it, only get less and later;
+--   4. admitted on it: the key's advisory lock (waited for at most the
+--      calling function's lock_timeout, 2 s, then 55P03), then a new
+--      statement, so a new snapshot: the key's newest row, as its previous
+--      holder committed it (none: a full bucket, empty windows), and the step
+--      again on it, with the clock read after the lock;
 --   5. admitted: the new state as row seq + 1; refused: nothing written.
 --      On a seq divisible by 16, the rows 16 to 32 behind it go.
 -- Invariant: once a limiter has been used, every decision of its keys is
@@ -3378,11 +3386,16 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 -- than from the refused check's: the difference is the refill of that
 -- interval at the old rate or the new one).
 -- Meets:
---   * checks, reservations and multi-limit checks of the key: they queue on
---     the advisory lock (a multi-limit check holds it to its end, as a
---     caller's open transaction does); each reads the state the one before
---     left. A rolled-back holder's row was never committed: the next one
---     reads the row before it, so nothing was charged;
+--   * checks, reservations and multi-limit checks of the key: those that
+--     may admit queue on the advisory lock (a multi-limit check holds it to
+--     its end, as a caller's open transaction does); each reads the state
+--     the one before left. A rolled-back holder's row was never committed:
+--     the next one reads the row before it, so nothing was charged. A check
+--     refused in step 3 waits for nobody and holds nothing: a flood of
+--     refused checks of one key neither queues nor delays its admissions
+--     (tests/isolation/specs/rate-refused-unlocked.spec: refused while
+--     another holds the lock; admitted on a row a holder is about to
+--     replace, then refused once its commit is read);
 --   * a check in another isolation level: refused in step 1;
 --   * the key's first use by two callers: the lock orders them; the second
 --     reads the first's row;
@@ -3395,7 +3408,8 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --     other first checks, for at most 2 s each;
 --   * a session holding the key's advisory lock (a check left in an open
 --     transaction; any role's pg_advisory_lock(1885828967, hashtext(...)),
---     which PUBLIC may call): we wait at most 2 s, then 55P03, having
+--     which PUBLIC may call): a check the key's committed state refuses is
+--     answered at once; one it admits waits at most 2 s, then 55P03, having
 --     taken nothing (tests/isolation/specs/rate-key-lock-held.spec);
 --   * the trim of step 5 or prune_rate_limits deleting old rows: never the
 --     newest, which is all a check reads; neither waits for the other
@@ -3404,7 +3418,9 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --     a check reads that row
 --     (at rest) or none (a full bucket, empty windows: the same admissions),
 --     and a row a check commits after prune's read stays, as the state;
---   * a stored limit's change or a pause committed after step 2's snapshot:
+--   * a stored limit's change or a pause committed after step 2's snapshot
+--     (which comes before the lock, as it did when the lock was taken in
+--     that statement):
 --     this check applies the pair read there, in force when it began
 --     (tests/isolation/specs/limits-multi-settings.spec);
 --   * a reader of the ledger under a held xmin horizon: the newest row is
@@ -3428,18 +3444,28 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM pgsemaphore.refuse_isolation();
     END IF;
-    -- 2. (Two primary-key lookups: the key's row, the limiter's row.)
+    -- 2. One statement, no lock: the stored limits and pause, and the
+    -- key's newest row as of this snapshot (two primary-key lookups and the
+    -- first entry of a backward scan).
     SELECT CASE WHEN k.rate IS NOT NULL THEN k.rate ELSE l.rate END,
            CASE WHEN k.rate IS NOT NULL THEN k.burst ELSE l.burst END,
            CASE WHEN k.permit_limit IS NOT NULL THEN k.permit_limit ELSE l.permit_limit END,
            CASE WHEN k.permit_limit IS NOT NULL THEN k.window_length ELSE l.window_length END,
-           greatest(k.paused_until, l.paused_until)
-      INTO v_rate, v_burst, v_limit, v_window, v_paused
-      FROM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key)) AS lock
+           greatest(k.paused_until, l.paused_until),
+           r.seq, r.tokens, r.hits, r.previous_hits, r.stamp
+      INTO v_rate, v_burst, v_limit, v_window, v_paused, v_seq, v_tokens, v_hits, v_prev, v_stamp
+      FROM (SELECT) AS one
       LEFT JOIN pgsemaphore.rate_limit_settings k
         ON p_stored AND k.kind = p_kind AND k.limiter = p_limiter AND k.key = p_key
       LEFT JOIN pgsemaphore.rate_limit_settings l
-        ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = '';
+        ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = ''
+      LEFT JOIN LATERAL (
+            SELECT q.seq, q.tokens, q.hits, q.previous_hits, q.stamp
+              FROM pgsemaphore.rate_ledger q
+             WHERE q.kind = p_kind AND q.limiter = p_limiter AND q.key = p_key
+             ORDER BY q.seq DESC
+             LIMIT 1) AS r
+        ON true;
     IF v_paused > clock_timestamp() THEN
         RETURN ROW(false, pgsemaphore.us_until(v_paused), 0, NULL, NULL, NULL, NULL, NULL)::pgsemaphore.rate_step;
     END IF;
@@ -3471,25 +3497,32 @@ BEGIN
                             CASE WHEN p_kind = 'token_bucket' THEN make_interval(secs => p_burst / p_rate)
                                  ELSE p_window END);
     END IF;
-    -- 3. A new statement: the newest row (a new snapshot, after the lock).
-    SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
-      INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
-      FROM pgsemaphore.rate_ledger l
-     WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
-     ORDER BY l.seq DESC
-     LIMIT 1;
+    -- 3. The step on that row, without the lock: admissions only ever take
+    -- from a key, so the state committed now can only refuse more than the
+    -- row read; refused on it, refused now, and nothing is taken or locked.
+    FOR v_round IN 1 .. 2 LOOP
+        v_now := clock_timestamp();
+        IF p_kind = 'token_bucket' THEN
+            d := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
+        ELSIF p_kind = 'fixed_window' THEN
+            d := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
+        ELSE
+            d := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint,
+                                          p_max_wait);
+        END IF;
+        EXIT WHEN v_round = 2 OR NOT d.o_allowed;
+        -- 4. Admitted on it: the key's lock, then (a new statement, so a new
+        -- snapshot) the newest row as the previous holder committed it, and
+        -- the step again on that row with the clock read after the lock.
+        PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+        SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
+          INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
+          FROM pgsemaphore.rate_ledger l
+         WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+         ORDER BY l.seq DESC
+         LIMIT 1;
+    END LOOP;
     v_seq := coalesce(v_seq, 0) + 1;
-    -- 4. and 5. The step, with the clock read now; admitted, the new state
-    -- as row seq + 1.
-    v_now := clock_timestamp();
-    IF p_kind = 'token_bucket' THEN
-        d := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
-    ELSIF p_kind = 'fixed_window' THEN
-        d := pgsemaphore.fixed_step(v_hits, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint, p_max_wait);
-    ELSE
-        d := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint,
-                                      p_max_wait);
-    END IF;
     IF d.o_allowed THEN
         INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)
         VALUES (p_kind, p_limiter, p_key, v_seq, d.o_tokens, d.o_hits, d.o_previous, d.o_stamp, d.o_idle_at);

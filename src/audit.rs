@@ -1175,7 +1175,7 @@ impl AuditLog {
         shape: ReportShape,
     ) -> Result<Report> {
         validate::report_shape(shape.buckets, shape.hold_time_bins, shape.max_lanes)?;
-        check_window(&window)?;
+        validate::time_range(&window)?;
         let micros = (window.end - window.start)
             .num_microseconds()
             .filter(|&us| us > 0)
@@ -1417,22 +1417,12 @@ fn windowed<O>(
 where
     O: for<'r> FromRow<'r, PgRow>,
 {
-    check_window(window)?;
+    validate::time_range(window)?;
     Ok(db
         .query_as(sql)
         .bind(semaphore.to_owned())
         .bind(window.start)
         .bind(window.end))
-}
-
-fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
-    if window.end < window.start {
-        return Err(Error::invalid(
-            "window",
-            format!("ends ({}) before it starts ({})", window.end, window.start),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ use sqlx::PgPool;
 use crate::admin::LimiterKind;
 use crate::background::lock;
 use crate::db::Db;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::validate;
 
 /// How often a client writes what it counted.
@@ -172,11 +172,11 @@ pub struct OutcomeCounts {
     /// admission counts for each of its limiters). 0 for semaphores: their
     /// admissions are their claims in the audit log.
     pub admitted: u64,
-    /// Refused at once: a full semaphore ([`Error::NoSlotsAvailable`]),
-    /// a full fair queue ([`Error::QueueFull`]), a refused rate check (a
+    /// Refused at once: a full semaphore ([`Error::NoSlotsAvailable`](crate::Error::NoSlotsAvailable)),
+    /// a full fair queue ([`Error::QueueFull`](crate::Error::QueueFull)), a refused rate check (a
     /// set's refusal counts for the limiter that decided).
     pub refused: u64,
-    /// Waits that gave up at their timeout ([`Error::Timeout`]): a
+    /// Waits that gave up at their timeout ([`Error::Timeout`](crate::Error::Timeout)): a
     /// semaphore's [`timeout`](crate::Acquiring::timeout), a rate
     /// limiter's acquire that could not be admitted within its wait.
     pub timed_out: u64,
@@ -193,16 +193,6 @@ fn counts((kind, name, minute, admitted, refused, timed_out): Row) -> Option<Out
         refused: refused.max(0) as u64,
         timed_out: timed_out.max(0) as u64,
     })
-}
-
-fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
-    if window.end < window.start {
-        return Err(Error::invalid(
-            "window",
-            format!("ends ({}) before it starts ({})", window.end, window.start),
-        ));
-    }
-    Ok(())
 }
 
 /// The outcome counters of every semaphore, family and rate limiter, one
@@ -236,14 +226,14 @@ fn check_window(window: &Range<DateTime<Utc>>) -> Result<()> {
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a window that ends before it starts;
-/// [`Error::Schema`], [`Error::Database`].
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a window that ends before it starts;
+/// [`Error::Schema`](crate::Error::Schema), [`Error::Database`](crate::Error::Database).
 ///
 /// # Cancel safety
 ///
 /// Read-only: cancel at will.
 pub async fn outcomes(pool: &PgPool, window: Range<DateTime<Utc>>) -> Result<Vec<OutcomeCounts>> {
-    check_window(&window)?;
+    validate::time_range(&window)?;
     let db = Db::new(pool, true);
     let query = db.query_as::<Row>(READ).bind(window.start).bind(window.end);
     Ok(db
@@ -261,7 +251,7 @@ pub async fn outcomes(pool: &PgPool, window: Range<DateTime<Utc>>) -> Result<Vec
 ///
 /// # Errors
 ///
-/// As [`outcomes`]; [`Error::InvalidArgument`] for a bad name.
+/// As [`outcomes`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad name.
 ///
 /// # Cancel safety
 ///
@@ -272,7 +262,7 @@ pub async fn outcomes_of(
     name: &str,
     window: Range<DateTime<Utc>>,
 ) -> Result<Vec<OutcomeCounts>> {
-    check_window(&window)?;
+    validate::time_range(&window)?;
     validate::name(name)?;
     let db = Db::new(pool, true);
     let query = db

@@ -5,9 +5,10 @@
 //! are the security boundary; these checks give the caller a precise error
 //! without a round trip.
 
-use std::ops::RangeInclusive;
+use std::ops::{Range, RangeInclusive};
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::postgres::types::PgInterval;
 
 use crate::error::{Error, Result};
@@ -211,6 +212,18 @@ pub(crate) fn lease(lease: Duration) -> Result<PgInterval> {
 
 /// A rate limiter's window, [`MIN_WINDOW`] to [`MAX_WINDOW`], as an SQL
 /// interval.
+/// A span of time to read (an audit window, the outcome counters' minutes):
+/// it may be empty, never reversed.
+pub(crate) fn time_range(window: &Range<DateTime<Utc>>) -> Result<()> {
+    if window.end < window.start {
+        return Err(Error::invalid(
+            "window",
+            format!("ends ({}) before it starts ({})", window.end, window.start),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn window(window: Duration) -> Result<PgInterval> {
     interval("window", window, MIN_WINDOW..=MAX_WINDOW)
 }

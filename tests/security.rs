@@ -1106,8 +1106,9 @@ async fn privileges_rate_limits_are_the_stored_ones() -> TestResult {
 
 /// README: "Holding a rate limiter key's advisory lock, which any role may
 /// take, or leaving a check in an open transaction, delays that key's
-/// checks by at most 2 seconds each, which then fail with SQLSTATE 55P03
-/// (`Error::Stalled`), while waiting acquires keep retrying."
+/// checks that could be admitted by at most 2 seconds each, which then fail
+/// with SQLSTATE 55P03 (`Error::Stalled`), while waiting acquires keep
+/// retrying; checks the key's committed state refuses are answered at once."
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestResult {
     as_roles(|_db, app, _operator| async move {
@@ -1145,6 +1146,20 @@ async fn privileges_a_held_rate_key_delays_checks_at_most_2_seconds() -> TestRes
             .expect("a check waited for an open transaction without bound");
         assert!(matches!(stalled, Err(Error::Stalled { .. })), "{stalled:?}");
         open.rollback().await?;
+        // An empty key: its checks are refused on the committed state while
+        // the lock is held (a check that waited for it would end Stalled:
+        // the lock is never let go during the check).
+        let empty = RateLimiter::builder("held-empty", RatePolicy::token_bucket(0.001, 1))
+            .build(&pg_semaphore::Client::new(app.clone()))?;
+        assert!(empty.check("k", 1).await?.allowed);
+        sqlx::query("SELECT pg_advisory_lock(1885828967, hashtext('token_bucket/held-empty/k'))")
+            .execute(&mut *holder)
+            .await?;
+        let refused = empty.check("k", 1).await;
+        assert!(matches!(&refused, Ok(d) if !d.allowed), "{refused:?}");
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *holder)
+            .await?;
         Ok(())
     })
     .await
