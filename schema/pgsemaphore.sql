@@ -3353,24 +3353,28 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 -- arguments were checked by the caller.
 -- Steps:
 --   1. READ COMMITTED, or 0A000;
---   2. one statement, no lock: the stored limits and pause (the pair in
---      force when the check began) and the key's newest row committed by
---      then; a pause refuses, taking nothing; no stored pair: the first use
---      stores the caller's as the limiter's (rate_limit_first_use); the
---      stored pair replaces the caller's (p_n above it: 22023); p_max_wait
---      is clamped to what the pair allows ahead: burst / rate, or one window;
---   3. the kind's step function decides on that row, with the clock: refused,
---      that is the answer, and nothing was locked or written. A refusal on
---      an older state is a refusal on every later one: a key's state
---      changes only by admissions (each takes tokens or counts permits, at
---      an instant no earlier than the decision) and by deletions of rows at
---      rest (the same as no row), so what a check can take, and the
---      earliest instant it can take it, only get less and later;
---   4. admitted on it: the key's advisory lock (waited for at most the
---      calling function's lock_timeout, 2 s, then 55P03), then a new
---      statement, so a new snapshot: the key's newest row, as its previous
---      holder committed it (none: a full bucket, empty windows), and the step
---      again on it, with the clock read after the lock;
+--   2. one statement: the stored limits and pause (the pair in force when
+--      the check began) and the key's advisory lock if it is free
+--      (pg_try_advisory_xact_lock); a pause refuses, taking nothing; no
+--      stored pair: the first use stores the caller's as the limiter's
+--      (rate_limit_first_use); the stored pair replaces the caller's (p_n
+--      above it: 22023); p_max_wait is clamped to what the pair allows
+--      ahead: burst / rate, or one window;
+--   3. a new statement, so a new snapshot: the key's newest row (none: a
+--      full bucket, empty windows), and the kind's step function decides on
+--      it, with the clock read now. With the lock, that row is the one its
+--      previous holder committed: the decision is made;
+--   4. without the lock (another transaction holds the key), a plain check
+--      (a reservation waits for the lock before step 3) refused on that
+--      row: that is the answer, and nothing was locked or written. A
+--      refusal on a committed state is a refusal on every later one: a
+--      key's state changes only by admissions (each takes tokens or counts
+--      permits, at an instant no earlier than its decision) and by
+--      deletions of rows at rest (the same as no row), so what a check can
+--      take, and the earliest instant it can take it, only get less and
+--      later. Admitted on it: the key's lock (waited for at most the
+--      calling function's lock_timeout, 2 s, then 55P03), then step 3 again
+--      with the lock;
 --   5. admitted: the new state as row seq + 1; refused: nothing written.
 --      On a seq divisible by 16, the rows 16 to 32 behind it go.
 -- Invariant: once a limiter has been used, every decision of its keys is
@@ -3391,10 +3395,10 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --     its end, as a caller's open transaction does); each reads the state
 --     the one before left. A rolled-back holder's row was never committed:
 --     the next one reads the row before it, so nothing was charged. A check
---     refused in step 3 waits for nobody and holds nothing: a flood of
---     refused checks of one key neither queues nor delays its admissions
---     (tests/isolation/specs/rate-refused-unlocked.spec: refused while
---     another holds the lock; admitted on a row a holder is about to
+--     that finds the key held and is refused in step 4 waits for nobody and
+--     holds nothing: a flood of refused checks of a busy key does not queue
+--     on its lock (tests/isolation/specs/rate-refused-unlocked.spec: refused
+--     while another holds the lock; admitted on a row a holder is about to
 --     replace, then refused once its commit is read);
 --   * a check in another isolation level: refused in step 1;
 --   * the key's first use by two callers: the lock orders them; the second
@@ -3419,8 +3423,7 @@ CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p
 --     (at rest) or none (a full bucket, empty windows: the same admissions),
 --     and a row a check commits after prune's read stays, as the state;
 --   * a stored limit's change or a pause committed after step 2's snapshot
---     (which comes before the lock, as it did when the lock was taken in
---     that statement):
+--     (taken before the key's lock):
 --     this check applies the pair read there, in force when it began
 --     (tests/isolation/specs/limits-multi-settings.spec);
 --   * a reader of the ledger under a held xmin horizon: the newest row is
@@ -3438,40 +3441,40 @@ DECLARE
     v_prev   bigint;
     v_stamp  timestamptz;
     v_now    timestamptz;
+    v_locked boolean;
     d        pgsemaphore.rate_step;
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM pgsemaphore.refuse_isolation();
     END IF;
-    -- 2. One statement, no lock: the stored limits and pause, and the
-    -- key's newest row as of this snapshot (two primary-key lookups and the
-    -- first entry of a backward scan).
+    -- 2. One statement: the stored limits and pause, and the key's lock if
+    -- it is free (two primary-key lookups; a try, never a wait).
     SELECT CASE WHEN k.rate IS NOT NULL THEN k.rate ELSE l.rate END,
            CASE WHEN k.rate IS NOT NULL THEN k.burst ELSE l.burst END,
            CASE WHEN k.permit_limit IS NOT NULL THEN k.permit_limit ELSE l.permit_limit END,
            CASE WHEN k.permit_limit IS NOT NULL THEN k.window_length ELSE l.window_length END,
            greatest(k.paused_until, l.paused_until),
-           r.seq, r.tokens, r.hits, r.previous_hits, r.stamp
-      INTO v_rate, v_burst, v_limit, v_window, v_paused, v_seq, v_tokens, v_hits, v_prev, v_stamp
+           pg_try_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key))
+      INTO v_rate, v_burst, v_limit, v_window, v_paused, v_locked
       FROM (SELECT) AS one
       LEFT JOIN pgsemaphore.rate_limit_settings k
         ON p_stored AND k.kind = p_kind AND k.limiter = p_limiter AND k.key = p_key
       LEFT JOIN pgsemaphore.rate_limit_settings l
-        ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = ''
-      LEFT JOIN LATERAL (
-            SELECT q.seq, q.tokens, q.hits, q.previous_hits, q.stamp
-              FROM pgsemaphore.rate_ledger q
-             WHERE q.kind = p_kind AND q.limiter = p_limiter AND q.key = p_key
-             ORDER BY q.seq DESC
-             LIMIT 1) AS r
-        ON true;
+        ON p_stored AND l.kind = p_kind AND l.limiter = p_limiter AND l.key = '';
     IF v_paused > clock_timestamp() THEN
         RETURN ROW(false, pgsemaphore.us_until(v_paused), 0, NULL, NULL, NULL, NULL, NULL)::pgsemaphore.rate_step;
     END IF;
     -- 2b. No pair in force: the first use stores the caller's as the
-    -- limiter's (or finds the one a concurrent first use stored).
+    -- limiter's (or finds the one a concurrent first use stored), holding
+    -- the key's lock, so that every check takes the key's lock before a
+    -- settings row (a first use without it could wait for another's row
+    -- while that one waits for this key: a deadlock, seen in tests).
     IF p_stored AND (CASE WHEN p_kind = 'token_bucket' THEN v_rate IS NULL ELSE v_limit IS NULL END) THEN
+        IF NOT v_locked THEN
+            PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+            v_locked := true;
+        END IF;
         SELECT u.o_rate, u.o_burst, u.o_limit, u.o_window
           INTO v_rate, v_burst, v_limit, v_window
           FROM pgsemaphore.rate_limit_first_use(p_kind, p_limiter, p_rate, p_burst, p_limit, p_window) u;
@@ -3497,10 +3500,26 @@ BEGIN
                             CASE WHEN p_kind = 'token_bucket' THEN make_interval(secs => p_burst / p_rate)
                                  ELSE p_window END);
     END IF;
-    -- 3. The step on that row, without the lock: admissions only ever take
-    -- from a key, so the state committed now can only refuse more than the
-    -- row read; refused on it, refused now, and nothing is taken or locked.
-    FOR v_round IN 1 .. 2 LOOP
+    -- 3. and 4. A new statement, so a new snapshot: the key's newest row,
+    -- and the step on it with the clock read now. With the lock, that is
+    -- the row the previous holder committed, and the decision. Without it
+    -- (another transaction holds the key), a plain check decides on the
+    -- committed row: a refusal is final, with nothing locked or written; an
+    -- admission waits for the lock (the next round), then reads and decides
+    -- again. A reservation waits for the lock first: its refusal near the
+    -- booking bound could be an admission a moment later, which its waiter
+    -- would pay for with another round trip.
+    LOOP
+        IF NOT v_locked AND (p_max_wait > interval '0' OR coalesce(d.o_allowed, false)) THEN
+            PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+            v_locked := true;
+        END IF;
+        SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
+          INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
+          FROM pgsemaphore.rate_ledger l
+         WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
+         ORDER BY l.seq DESC
+         LIMIT 1;
         v_now := clock_timestamp();
         IF p_kind = 'token_bucket' THEN
             d := pgsemaphore.bucket_step(v_tokens, v_stamp, v_now, v_now, p_rate, p_burst, p_n, p_max_wait);
@@ -3510,17 +3529,7 @@ BEGIN
             d := pgsemaphore.sliding_step(v_hits, v_prev, v_stamp, v_now, v_now, p_limit, p_window, p_n::bigint,
                                           p_max_wait);
         END IF;
-        EXIT WHEN v_round = 2 OR NOT d.o_allowed;
-        -- 4. Admitted on it: the key's lock, then (a new statement, so a new
-        -- snapshot) the newest row as the previous holder committed it, and
-        -- the step again on that row with the clock read after the lock.
-        PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
-        SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
-          INTO v_seq, v_tokens, v_hits, v_prev, v_stamp
-          FROM pgsemaphore.rate_ledger l
-         WHERE l.kind = p_kind AND l.limiter = p_limiter AND l.key = p_key
-         ORDER BY l.seq DESC
-         LIMIT 1;
+        EXIT WHEN v_locked OR NOT d.o_allowed;
     END LOOP;
     v_seq := coalesce(v_seq, 0) + 1;
     IF d.o_allowed THEN
