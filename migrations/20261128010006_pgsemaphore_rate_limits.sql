@@ -21,10 +21,11 @@
 --     only share a lock, they never share a state.) A check in REPEATABLE
 --     READ or SERIALIZABLE would read with its transaction's first snapshot
 --     and could miss the previous holder's row: every check raises 0A000
---     there, before it takes anything. A single key's check first decides
---     on the newest committed row without the lock: refused there, it is
---     refused (a key's state only ever admits less as admissions are added),
---     so only a check that may admit takes the lock and decides again.
+--     there, before it takes anything. A single key's plain check tries the
+--     lock; when another transaction holds it, the check decides first on
+--     the newest committed row: refused there, it is refused (a key's state
+--     only ever admits less as admissions are added) without waiting, and
+--     only a check that may admit waits for the lock and decides again.
 --   * Old rows go in batches: the admission that writes a seq divisible by
 --     16 deletes the key's rows 16 to 32 behind it (the range, not "all
 --     older": under a held horizon the older ones are deleted but not yet

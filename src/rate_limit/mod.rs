@@ -5,11 +5,12 @@
 //! The state of every key is the newest of its rows in
 //! `pgsemaphore.rate_ledger`, created by the key's first check. A check is
 //! one call of one SQL function (one round trip) that
-//! reads the key's newest row and the database clock and decides; a refusal
-//! there is final and takes no lock (admissions only ever take from a key).
-//! A check that may admit takes the key's transaction-level advisory lock,
-//! reads the newest row again, decides again, and when it admits inserts the
-//! next state as a new row (a refusal writes nothing; no row is ever
+//! takes the key's transaction-level advisory lock, reads the key's newest
+//! row and the database clock, and decides; when another check holds the
+//! lock, a refusal on the row committed so far is final and waits for nobody
+//! (admissions only ever take from a key), and a check that may admit waits
+//! for the lock and decides again. When it admits it inserts the next state
+//! as a new row (a refusal writes nothing; no row is ever
 //! updated, so a long transaction elsewhere does not slow it). Concurrent
 //! checks from any number of processes queue on the key's lock and never
 //! admit more than the limit. Each policy has its SQL function,
@@ -194,8 +195,7 @@ pub enum RatePolicy {
     /// tokens if the bucket has them and takes nothing otherwise. A key's
     /// first check finds a full bucket, so a burst of `burst` requests
     /// passes at once, then `rate` per second. Time is the database's
-    /// clock, read after the key's lock is taken (a check that may admit
-    /// decides there).
+    /// clock.
     TokenBucket {
         /// Tokens added to each key's bucket per second: positive, at most
         /// [`MAX_RATE`](crate::limits::MAX_RATE); may be fractional (`0.5` is one
