@@ -433,7 +433,16 @@ fn targets(ctx: &mut Ctx, cells: &[Cell], servers: &[Server]) {
     for server in servers {
         let label = server.label;
         for pressure in [Pressure::Query, Pressure::IdleXact, Pressure::PgDump] {
-            for design in [P_ADVISORY, P_MUTEX] {
+            // The rate limiters' designs too (issue 35: a limiter's hot key
+            // ≥ 0.9x in every interval of a held query).
+            for design in [
+                P_ADVISORY,
+                P_MUTEX,
+                P_BUCKET,
+                P_BUCKET_HOT,
+                P_FIXED_HOT,
+                P_SLIDING_HOT,
+            ] {
                 let Some(cell) = find(label, design, pressure) else {
                     continue;
                 };
