@@ -887,6 +887,46 @@ async fn a_failed_wait_leaves_the_connection_clean() -> TestResult {
     Ok(())
 }
 
+/// A lock without limit waits past the session's own `lock_timeout` (set
+/// here for every connection of the pool, as `ALTER ROLE .. SET` would):
+/// the first such wait in a process is ended by it and waits again with a
+/// statement that sets `lock_timeout` itself; every wait is granted once
+/// the holder commits, and the protected work still runs under the
+/// session's setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_without_limit_outlasts_the_sessions_lock_timeout() -> TestResult {
+    let db = support::migrated_db().await;
+    let mutex = Mutex::new("outlast");
+    let strict = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.options.clone().options([("lock_timeout", "100ms")]))
+        .await?;
+    let client = pg_semaphore::Client::new(strict.clone());
+    for _ in 0..2 {
+        let held = mutex.lock(&db.client).await?;
+        let started = Instant::now();
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            held.commit().await
+        });
+        let mut guard = mutex.lock(&client).await?;
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "granted only once the holder committed"
+        );
+        release.await??;
+        let setting: String = sqlx::query_scalar("SHOW lock_timeout")
+            .fetch_one(&mut *guard)
+            .await?;
+        assert_eq!(
+            setting, "100ms",
+            "the work runs with the session's lock_timeout"
+        );
+        guard.commit().await?;
+    }
+    Ok(())
+}
+
 /// Sessions opened in `db`'s database so far (PostgreSQL 14+ counts them).
 async fn sessions(admin: &mut sqlx::PgConnection) -> sqlx::Result<i64> {
     sqlx::query("SELECT pg_stat_clear_snapshot()")

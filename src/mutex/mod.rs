@@ -289,6 +289,15 @@ impl Locking<'_> {
     /// Takes the lock in a new transaction, which the [`MutexGuard`] owns:
     /// the lock is released when that transaction commits or rolls back.
     ///
+    /// Without a [`timeout`](Locking::timeout) the wait has no limit, even
+    /// where the session has a `lock_timeout` of its own (`ALTER ROLE ..
+    /// SET lock_timeout`). The lock statement is then the lock function
+    /// alone, the cheapest to parse. The first time, in a process, that such
+    /// a setting ends a wait (one 55P03 in the server's log), the wait
+    /// starts again at the back of the lock's queue with a statement that
+    /// sets `lock_timeout` for the wait, as every later wait of the process
+    /// does. The protected work runs under the session's own setting.
+    ///
     /// # Errors
     ///
     /// [`Error::Locked`] with [`no_wait`](Locking::no_wait) when someone
