@@ -648,9 +648,20 @@ $$;
 -- committed): nobody ever waits for it, and the row goes with that
 -- transaction or with a later trim or prune. Never called with a range
 -- that holds the key's newest row, unless that row is at rest (prune).
+-- enable_seqscan off: the plan is kept for the session, and one made while
+-- the ledger was a page or two (a new database, a new limiter's first
+-- minutes) read the whole table twice, by sequential scans, at every trim.
+-- While a transaction holds the xmin horizon, no deleted row can go, so
+-- that cost grew with every admission, under the key's lock: in the bench's
+-- held-query run, the token bucket's hot key fell to 0.26x of its own rate
+-- (one check waited 2 s for the key's lock) until an autoanalyze replaced
+-- the plan. Without sequential scans, the plan is the key's index range
+-- and a TID scan of the rows found, whatever the statistics
+-- (tests/rate_limit.rs: a_trim_never_scans_the_ledger).
 CREATE FUNCTION pgsemaphore.rate_trim(p_kind text, p_limiter text, p_key text, p_from bigint, p_to bigint)
 RETURNS void
 LANGUAGE plpgsql  -- (not sql: its plan is kept for the session)
+SET enable_seqscan = off
 AS $$
 BEGIN
     DELETE FROM pgsemaphore.rate_ledger l
@@ -766,6 +777,8 @@ DECLARE
     v_stamp  timestamptz;
     v_now    timestamptz;
     v_locked boolean;
+    -- The key's advisory lock: (1885828967, v_lock).
+    v_lock   integer := hashtext(p_kind || '/' || p_limiter || '/' || p_key);
     d        pgsemaphore.rate_step;
 BEGIN
     -- 1.
@@ -779,7 +792,7 @@ BEGIN
            CASE WHEN k.permit_limit IS NOT NULL THEN k.permit_limit ELSE l.permit_limit END,
            CASE WHEN k.permit_limit IS NOT NULL THEN k.window_length ELSE l.window_length END,
            greatest(k.paused_until, l.paused_until),
-           pg_try_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key))
+           pg_try_advisory_xact_lock(1885828967, v_lock)
       INTO v_rate, v_burst, v_limit, v_window, v_paused, v_locked
       FROM (SELECT) AS one
       LEFT JOIN pgsemaphore.rate_limit_settings k
@@ -796,7 +809,7 @@ BEGIN
     -- while that one waits for this key: a deadlock, seen in tests).
     IF p_stored AND (CASE WHEN p_kind = 'token_bucket' THEN v_rate IS NULL ELSE v_limit IS NULL END) THEN
         IF NOT v_locked THEN
-            PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+            PERFORM pg_advisory_xact_lock(1885828967, v_lock);
             v_locked := true;
         END IF;
         SELECT u.o_rate, u.o_burst, u.o_limit, u.o_window
@@ -835,7 +848,7 @@ BEGIN
     -- would pay for with another round trip.
     LOOP
         IF NOT v_locked AND (p_max_wait > interval '0' OR coalesce(d.o_allowed, false)) THEN
-            PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+            PERFORM pg_advisory_xact_lock(1885828967, v_lock);
             v_locked := true;
         END IF;
         SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp

@@ -3442,6 +3442,8 @@ DECLARE
     v_stamp  timestamptz;
     v_now    timestamptz;
     v_locked boolean;
+    -- The key's advisory lock: (1885828967, v_lock).
+    v_lock   integer := hashtext(p_kind || '/' || p_limiter || '/' || p_key);
     d        pgsemaphore.rate_step;
 BEGIN
     -- 1.
@@ -3455,7 +3457,7 @@ BEGIN
            CASE WHEN k.permit_limit IS NOT NULL THEN k.permit_limit ELSE l.permit_limit END,
            CASE WHEN k.permit_limit IS NOT NULL THEN k.window_length ELSE l.window_length END,
            greatest(k.paused_until, l.paused_until),
-           pg_try_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key))
+           pg_try_advisory_xact_lock(1885828967, v_lock)
       INTO v_rate, v_burst, v_limit, v_window, v_paused, v_locked
       FROM (SELECT) AS one
       LEFT JOIN pgsemaphore.rate_limit_settings k
@@ -3472,7 +3474,7 @@ BEGIN
     -- while that one waits for this key: a deadlock, seen in tests).
     IF p_stored AND (CASE WHEN p_kind = 'token_bucket' THEN v_rate IS NULL ELSE v_limit IS NULL END) THEN
         IF NOT v_locked THEN
-            PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+            PERFORM pg_advisory_xact_lock(1885828967, v_lock);
             v_locked := true;
         END IF;
         SELECT u.o_rate, u.o_burst, u.o_limit, u.o_window
@@ -3511,7 +3513,7 @@ BEGIN
     -- would pay for with another round trip.
     LOOP
         IF NOT v_locked AND (p_max_wait > interval '0' OR coalesce(d.o_allowed, false)) THEN
-            PERFORM pg_advisory_xact_lock(1885828967, hashtext(p_kind || '/' || p_limiter || '/' || p_key));
+            PERFORM pg_advisory_xact_lock(1885828967, v_lock);
             v_locked := true;
         END IF;
         SELECT l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
@@ -3821,6 +3823,7 @@ $$;
 
 CREATE FUNCTION pgsemaphore.rate_trim(p_kind text, p_limiter text, p_key text, p_from bigint, p_to bigint) RETURNS void
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
     AS $$
 BEGIN
     DELETE FROM pgsemaphore.rate_ledger l
