@@ -652,12 +652,12 @@ $$;
 -- the ledger was a page or two (a new database, a new limiter's first
 -- minutes) read the whole table twice, by sequential scans, at every trim.
 -- While a transaction holds the xmin horizon, no deleted row can go, so
--- that cost grew with every admission, under the key's lock: in the bench's
--- held-query run, the token bucket's hot key fell to 0.26x of its own rate
--- (one check waited 2 s for the key's lock) until an autoanalyze replaced
--- the plan. Without sequential scans, the plan is the key's index range
--- and a TID scan of the rows found, whatever the statistics
--- (tests/rate_limit.rs: a_trim_never_scans_the_ledger).
+-- that cost grew with every admission, under the key's lock: in pgbench,
+-- one key checked by 4 clients through 4 minutes of a held query fell from
+-- 9,341 to 2,068 checks/s (15,062 sequential scans of the ledger).
+-- Without sequential scans, the plan is the key's index range and a TID
+-- scan of the rows found, whatever the statistics (tests/rate_limit.rs:
+-- a_trim_never_scans_the_ledger).
 CREATE FUNCTION pgsemaphore.rate_trim(p_kind text, p_limiter text, p_key text, p_from bigint, p_to bigint)
 RETURNS void
 LANGUAGE plpgsql  -- (not sql: its plan is kept for the session)
