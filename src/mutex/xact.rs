@@ -57,10 +57,11 @@ fn statement(mutex: &Lock, mode: Mode, wait: Wait, token: &str) -> String {
 /// The statement of a wait without limit in a transaction the guard owns
 /// ([`lock`]): the lock function alone, relying on the session's
 /// `lock_timeout` being PostgreSQL's default, 0 (no limit). PostgreSQL
-/// parses, analyses and plans every simple-protocol statement, and for
-/// [`statement`]'s six calls that was a fifth of a lock's cost: in a probe
-/// of 8 tasks on spread keys (5 runs of 3 s, median), the statement alone
-/// ran 1.2x the locks/s of the full one. A session whose `lock_timeout` is
+/// parses, analyses and plans every simple-protocol statement: for
+/// [`statement`]'s six calls that was a third of the backend's time per
+/// lock (perf, pgbench, 1 client), and in a probe of 8 tasks on spread
+/// keys (5 runs of 3 s) a statement of one such call ran 1.23x the locks/s
+/// of the full one (medians 29,678 and 24,087). A session whose `lock_timeout` is
 /// not 0 ends such a wait with 55P03; [`lock`] then waits again with the
 /// full statement, and so does every later wait of this process
 /// ([`SESSION_LOCK_TIMEOUT`]).
