@@ -3345,6 +3345,7 @@ $$;
 
 CREATE FUNCTION pgsemaphore.rate_take(p_kind text, p_limiter text, p_key text, p_rate double precision, p_burst double precision, p_limit bigint, p_window interval, p_n double precision, p_max_wait interval, p_stored boolean) RETURNS pgsemaphore.rate_step
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
     AS $$
 -- ONE KEY: p_n permits of key p_key of limiter (p_kind, p_limiter), with the
 -- kind's limits (p_rate, p_burst for a token bucket; p_limit, p_window for a
@@ -3553,6 +3554,7 @@ $$;
 
 CREATE FUNCTION pgsemaphore.rate_take_all(p_kinds text[], p_limiters text[], p_keys text[], p_rates double precision[], p_bursts double precision[], p_limits bigint[], p_windows interval[], p_n bigint, p_max_wait interval, p_order integer[]) RETURNS TABLE(o_allowed boolean, o_wait_us bigint, o_remaining bigint, o_deciding integer)
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
     AS $$
 -- SEVERAL LIMITS: p_n permits against limit i = (p_kinds[i], p_limiters[i],
 -- p_keys[i]) with its kind's limits (p_rates[i], p_bursts[i] or p_limits[i],
