@@ -114,39 +114,38 @@ pub(super) async fn lock(
     let (mutex, pool) = (mutex.clone(), pool.clone());
     detached(move |mut caller| async move {
         let started = std::time::Instant::now();
-        // Gone before a connection was free: nothing was sent, nothing to undo.
-        let conn = tokio::select! {
-            conn = pool.acquire() => conn?,
-            () = caller.wait() => return Err(caller_gone()),
-        };
-        let tx = match wait {
-            Wait::Try => try_lock(&mutex, &pool, conn, mode, &token(), &mut caller).await?,
-            Wait::Forever if !SESSION_LOCK_TIMEOUT.load(Ordering::Relaxed) => {
-                let bare = token();
-                let sql = bare_statement(&mutex, mode, &bare);
-                match wait_lock(&mutex, &pool, conn, sql, wait, &bare, &mut caller).await {
-                    Err(error) if ended_by_lock_timeout(&error) => {
-                        SESSION_LOCK_TIMEOUT.store(true, Ordering::Relaxed);
-                        tracing::info!(
-                            mutex = %mutex.label,
-                            "a session's lock_timeout ended a wait without limit; this \
-                             wait and every later one set lock_timeout themselves"
-                        );
-                        let conn = tokio::select! {
-                            conn = pool.acquire() => conn?,
-                            () = caller.wait() => return Err(caller_gone()),
-                        };
-                        let token = token();
-                        let sql = statement(&mutex, mode, wait, &token);
-                        wait_lock(&mutex, &pool, conn, sql, wait, &token, &mut caller).await?
-                    }
-                    result => result?,
+        // At most two turns: a wait without limit first sends the bare lock
+        // statement; if the session's own lock_timeout ends it, it waits
+        // again with the full one (and so does every later wait).
+        let tx = loop {
+            // Gone before a connection was free: nothing was sent, nothing to undo.
+            let conn = tokio::select! {
+                conn = pool.acquire() => conn?,
+                () = caller.wait() => return Err(caller_gone()),
+            };
+            let token = token();
+            let bare = wait == Wait::Forever && !SESSION_LOCK_TIMEOUT.load(Ordering::Relaxed);
+            let locked = match wait {
+                Wait::Try => try_lock(&mutex, &pool, conn, mode, &token, &mut caller).await,
+                _ => {
+                    let sql = if bare {
+                        bare_statement(&mutex, mode, &token)
+                    } else {
+                        statement(&mutex, mode, wait, &token)
+                    };
+                    wait_lock(&mutex, &pool, conn, sql, wait, &token, &mut caller).await
                 }
-            }
-            _ => {
-                let token = token();
-                let sql = statement(&mutex, mode, wait, &token);
-                wait_lock(&mutex, &pool, conn, sql, wait, &token, &mut caller).await?
+            };
+            match locked {
+                Err(error) if bare && ended_by_lock_timeout(&error) => {
+                    SESSION_LOCK_TIMEOUT.store(true, Ordering::Relaxed);
+                    tracing::info!(
+                        mutex = %mutex.label,
+                        "a session's lock_timeout ended a wait without limit; this \
+                         wait and every later one set lock_timeout themselves"
+                    );
+                }
+                locked => break locked?,
             }
         };
         if wait != Wait::Try {
