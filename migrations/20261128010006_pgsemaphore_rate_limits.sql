@@ -907,30 +907,41 @@ AS $$
 -- p_order, the limits' indexes in the canonical order it returns).
 -- Steps:
 --   1. READ COMMITTED, or 0A000;
---   2. one statement: every key's advisory lock, in the order of the lock's
---      hash (the same order for every caller, so two of these never wait on
---      each other in a cycle; a single check holds one lock and cannot close
---      a cycle either), and each limit's stored limits and pause, read with
---      that statement's snapshot; any pause refuses, taking nothing;
---   3. one statement: every key's newest row (new snapshot, after the locks);
+--   2. one statement: each limit's stored limits and pause, and the keys
+--      in the order of their locks' hash (the same order for every caller);
+--      then a try of each key's lock in that order, stopping at the first
+--      another transaction holds; any pause refuses, taking nothing; a limit
+--      with no pair in force first takes every lock (below);
+--   3. one statement: every key's newest row (a new snapshot);
 --   4. the step functions decide at an instant t: from the clock, t moves to
 --      the latest instant any limit needs, and the limits decide again from
 --      there, until all admit at t (at most 8 rounds; each round only moves
 --      t later, and a bucket or a fixed window that admits at t admits at
 --      any later instant, so only a sliding window's previous window can
 --      make a round more);
+--   4b. a plain check (p_max_wait 0) without every lock decided on the
+--      committed rows: refused, that is the answer (a refusal on a key's
+--      committed state is final, as in rate_take: step 4 there), with
+--      nothing written; admitted, the locks not yet held, waited for in
+--      hash order, then steps 3 and 4 again with them. A reservation, and a
+--      limit's first use, wait for every lock before step 3;
 --   5. admitted: every new state in one INSERT; refused: nothing written.
 -- Invariant: each limit admits only what its own step admits on the state
 -- the previous decision on its key left (as a single check would, at the
 -- instant t), and a refused call writes nothing, so no limit counts a
--- refused call.
+-- refused call. The locks are taken in hash order, tries first, and a wait
+-- only ever comes after every lock before it in that order was taken (the
+-- tries stop at the first key held), so two of these never wait on each
+-- other in a cycle; a single check holds one lock and cannot close a cycle
+-- either.
 -- Step 2 also stores, for every limit with no pair in force, the caller's
 -- pair as its limiter's (as rate_take), and clamps p_max_wait to the least
 -- of what the limits in force allow ahead (burst / rate, one window).
 -- Meets: what rate_take meets, for every key (each lock waited for at most
--- 2 s, then 55P03: the whole call fails, nothing charged); a multi-limit
--- check holding some of our keys: it holds their locks, we wait in hash
--- order.
+-- 2 s, then 55P03: the whole call fails, nothing charged; a plain check
+-- the committed rows refuse waits for no lock, as a single check:
+-- tests/isolation/specs/limits-refused-unlocked.spec); a multi-limit check
+-- holding some of our keys: it holds their locks, we wait in hash order.
 DECLARE
     v_count   integer := cardinality(p_kinds);
     v_bound   interval := interval '366 days';
@@ -959,6 +970,11 @@ DECLARE
     v_wait    bigint;
     v_left    bigint;
     v_i       integer;
+    -- The keys' lock hashes, in lock order; the first not yet locked (past
+    -- the end: every one); decided admitted without every lock.
+    v_hashes  integer[];
+    v_next    integer := 1;
+    v_admit   boolean := false;
     r         record;
     u         record;
     b         record;
@@ -972,12 +988,11 @@ BEGIN
     -- 2. (A loop over the statement's rows, each put at its limit's index:
     -- no aggregate, whose sorts cost more than the rows.)
     FOR r IN
-        SELECT o.i, st.rate, st.burst, st.lim, st.win, st.paused
+        SELECT o.i, o.h, st.rate, st.burst, st.lim, st.win, st.paused
           FROM (SELECT g.i, hashtext(p_kinds[g.i] || '/' || p_limiters[g.i] || '/' || p_keys[g.i]) AS h
                   FROM generate_subscripts(p_kinds, 1) AS g(i)
                  ORDER BY 2
                 OFFSET 0) AS o
-         CROSS JOIN LATERAL pg_advisory_xact_lock(1885828967, o.h) AS lock
           LEFT JOIN LATERAL (
                 SELECT CASE WHEN k.rate IS NOT NULL THEN k.rate ELSE l.rate END AS rate,
                        CASE WHEN k.rate IS NOT NULL THEN k.burst ELSE l.burst END AS burst,
@@ -990,12 +1005,21 @@ BEGIN
                   LEFT JOIN pgsemaphore.rate_limit_settings l
                     ON l.kind = p_kinds[o.i] AND l.limiter = p_limiters[o.i] AND l.key = '') AS st
             ON true
+         ORDER BY o.h
     LOOP
+        v_hashes := v_hashes || r.h;
         v_srates[r.i] := r.rate;
         v_sbursts[r.i] := r.burst;
         v_slimits[r.i] := r.lim;
         v_swins[r.i] := r.win;
         v_paused[r.i] := r.paused;
+    END LOOP;
+    -- The tries, in hash order, up to the first key another transaction
+    -- holds (a try never waits; a wait for a key after it would break the
+    -- order).
+    FOR v_i IN 1 .. v_count LOOP
+        EXIT WHEN NOT pg_try_advisory_xact_lock(1885828967, v_hashes[v_i]);
+        v_next := v_i + 1;
     END LOOP;
     v_now := clock_timestamp();
     o_allowed := true;
@@ -1011,8 +1035,12 @@ BEGIN
             o_allowed := false;
         ELSE
             -- No pair in force: the first use stores the caller's (as in
-            -- rate_take).
+            -- rate_take, holding the keys' locks: every lock, in order).
             IF (CASE WHEN p_kinds[v_i] = 'token_bucket' THEN v_srates[v_i] IS NULL ELSE v_slimits[v_i] IS NULL END) THEN
+                FOR v_j IN v_next .. v_count LOOP
+                    PERFORM pg_advisory_xact_lock(1885828967, v_hashes[v_j]);
+                END LOOP;
+                v_next := v_count + 1;
                 u := pgsemaphore.rate_limit_first_use(p_kinds[v_i], p_limiters[v_i], p_rates[v_i], p_bursts[v_i],
                                                       p_limits[v_i], p_windows[v_i]);
                 v_srates[v_i] := u.o_rate;
@@ -1049,102 +1077,121 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    -- 3. (The same kind of loop.)
-    FOR r IN
-        SELECT g.i, l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
-          FROM generate_subscripts(p_kinds, 1) AS g(i)
-          JOIN LATERAL (
-                SELECT q.seq, q.tokens, q.hits, q.previous_hits, q.stamp
-                  FROM pgsemaphore.rate_ledger q
-                 WHERE q.kind = p_kinds[g.i] AND q.limiter = p_limiters[g.i] AND q.key = p_keys[g.i]
-                 ORDER BY q.seq DESC
-                 LIMIT 1) AS l
-            ON true
+    -- 3. and 4., and again with every lock when admitted without them (4b).
     LOOP
-        v_seq[r.i] := r.seq;
-        v_tokens[r.i] := r.tokens;
-        v_hits[r.i] := r.hits;
-        v_prev[r.i] := r.previous_hits;
-        v_stamp[r.i] := r.stamp;
-    END LOOP;
-    -- 4.
-    v_now := clock_timestamp();
-    v_from := v_now;
-    v_at_us := 0;
-    FOR v_round IN 1 .. 8 LOOP
-        v_all := true;
-        v_latest := v_at_us;
-        v_refused := 0;
-        o_remaining := NULL;
-        o_deciding := NULL;
-        -- In the canonical order (kind, limiter, key): ties decide the same
-        -- whatever order the caller listed the limits in.
-        FOREACH v_i IN ARRAY p_order LOOP
-            IF p_kinds[v_i] = 'token_bucket' THEN
-                b := pgsemaphore.bucket_step(v_tokens[v_i], v_stamp[v_i], v_now, v_from,
-                                             p_rates[v_i], p_bursts[v_i], p_n, p_max_wait);
-                v_ok := b.o_allowed;
-                v_wait := b.o_wait_us;
-                v_left := b.o_remaining;
-                n_tokens[v_i] := b.o_tokens;
-                n_stamp[v_i] := b.o_stamp;
-                n_idle[v_i] := b.o_idle_at;
-            ELSIF p_kinds[v_i] = 'fixed_window' THEN
-                f := pgsemaphore.fixed_step(v_hits[v_i], v_stamp[v_i], v_now, v_from,
-                                            p_limits[v_i], p_windows[v_i], p_n, p_max_wait);
-                v_ok := f.o_allowed;
-                v_wait := f.o_wait_us;
-                v_left := f.o_remaining;
-                n_hits[v_i] := f.o_hits;
-                n_stamp[v_i] := f.o_stamp;
-                n_idle[v_i] := f.o_idle_at;
-            ELSE
-                w := pgsemaphore.sliding_step(v_hits[v_i], v_prev[v_i], v_stamp[v_i], v_now, v_from,
-                                              p_limits[v_i], p_windows[v_i], p_n, p_max_wait);
-                v_ok := w.o_allowed;
-                v_wait := w.o_wait_us;
-                v_left := w.o_remaining;
-                n_hits[v_i] := w.o_hits;
-                n_prev[v_i] := w.o_previous;
-                n_stamp[v_i] := w.o_stamp;
-                n_idle[v_i] := w.o_idle_at;
-            END IF;
-            -- The fewest left (admitted: that limit decides); refused, the
-            -- refusing limit with the longest wait decides.
-            IF o_remaining IS NULL OR v_left < o_remaining THEN
-                o_remaining := v_left;
-                IF v_all AND v_ok THEN
+        IF v_next <= v_count AND (p_max_wait > interval '0' OR v_admit) THEN
+            FOR v_j IN v_next .. v_count LOOP
+                PERFORM pg_advisory_xact_lock(1885828967, v_hashes[v_j]);
+            END LOOP;
+            v_next := v_count + 1;
+            -- (A key with no row now reads as none.)
+            v_seq := NULL;
+            v_tokens := NULL;
+            v_hits := NULL;
+            v_prev := NULL;
+            v_stamp := NULL;
+        END IF;
+        -- 3. (The same kind of loop.)
+        FOR r IN
+            SELECT g.i, l.seq, l.tokens, l.hits, l.previous_hits, l.stamp
+              FROM generate_subscripts(p_kinds, 1) AS g(i)
+              JOIN LATERAL (
+                    SELECT q.seq, q.tokens, q.hits, q.previous_hits, q.stamp
+                      FROM pgsemaphore.rate_ledger q
+                     WHERE q.kind = p_kinds[g.i] AND q.limiter = p_limiters[g.i] AND q.key = p_keys[g.i]
+                     ORDER BY q.seq DESC
+                     LIMIT 1) AS l
+                ON true
+        LOOP
+            v_seq[r.i] := r.seq;
+            v_tokens[r.i] := r.tokens;
+            v_hits[r.i] := r.hits;
+            v_prev[r.i] := r.previous_hits;
+            v_stamp[r.i] := r.stamp;
+        END LOOP;
+        -- 4.
+        v_now := clock_timestamp();
+        v_from := v_now;
+        v_at_us := 0;
+        FOR v_round IN 1 .. 8 LOOP
+            v_all := true;
+            v_latest := v_at_us;
+            v_refused := 0;
+            o_remaining := NULL;
+            o_deciding := NULL;
+            -- In the canonical order (kind, limiter, key): ties decide the same
+            -- whatever order the caller listed the limits in.
+            FOREACH v_i IN ARRAY p_order LOOP
+                IF p_kinds[v_i] = 'token_bucket' THEN
+                    b := pgsemaphore.bucket_step(v_tokens[v_i], v_stamp[v_i], v_now, v_from,
+                                                 p_rates[v_i], p_bursts[v_i], p_n, p_max_wait);
+                    v_ok := b.o_allowed;
+                    v_wait := b.o_wait_us;
+                    v_left := b.o_remaining;
+                    n_tokens[v_i] := b.o_tokens;
+                    n_stamp[v_i] := b.o_stamp;
+                    n_idle[v_i] := b.o_idle_at;
+                ELSIF p_kinds[v_i] = 'fixed_window' THEN
+                    f := pgsemaphore.fixed_step(v_hits[v_i], v_stamp[v_i], v_now, v_from,
+                                                p_limits[v_i], p_windows[v_i], p_n, p_max_wait);
+                    v_ok := f.o_allowed;
+                    v_wait := f.o_wait_us;
+                    v_left := f.o_remaining;
+                    n_hits[v_i] := f.o_hits;
+                    n_stamp[v_i] := f.o_stamp;
+                    n_idle[v_i] := f.o_idle_at;
+                ELSE
+                    w := pgsemaphore.sliding_step(v_hits[v_i], v_prev[v_i], v_stamp[v_i], v_now, v_from,
+                                                  p_limits[v_i], p_windows[v_i], p_n, p_max_wait);
+                    v_ok := w.o_allowed;
+                    v_wait := w.o_wait_us;
+                    v_left := w.o_remaining;
+                    n_hits[v_i] := w.o_hits;
+                    n_prev[v_i] := w.o_previous;
+                    n_stamp[v_i] := w.o_stamp;
+                    n_idle[v_i] := w.o_idle_at;
+                END IF;
+                -- The fewest left (admitted: that limit decides); refused, the
+                -- refusing limit with the longest wait decides.
+                IF o_remaining IS NULL OR v_left < o_remaining THEN
+                    o_remaining := v_left;
+                    IF v_all AND v_ok THEN
+                        o_deciding := v_i;
+                    END IF;
+                END IF;
+                IF NOT v_ok AND (v_all OR v_wait > v_refused) THEN
+                    v_all := false;
+                    v_refused := v_wait;
                     o_deciding := v_i;
                 END IF;
-            END IF;
-            IF NOT v_ok AND (v_all OR v_wait > v_refused) THEN
-                v_all := false;
-                v_refused := v_wait;
-                o_deciding := v_i;
-            END IF;
-            IF v_ok AND v_wait > v_latest THEN
-                v_latest := v_wait;
-            END IF;
+                IF v_ok AND v_wait > v_latest THEN
+                    v_latest := v_wait;
+                END IF;
+            END LOOP;
+            EXIT WHEN NOT v_all OR v_latest <= v_at_us;
+            -- Some limit admits only later: every limit again, from there.
+            v_at_us := v_latest;
+            v_from := v_now + make_interval(secs => v_latest / 1e6);
         END LOOP;
-        EXIT WHEN NOT v_all OR v_latest <= v_at_us;
-        -- Some limit admits only later: every limit again, from there.
-        v_at_us := v_latest;
-        v_from := v_now + make_interval(secs => v_latest / 1e6);
+        IF NOT v_all THEN
+            o_allowed := false;
+            o_wait_us := v_refused;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        -- Not settled in 8 rounds: refused with the latest instant found (the
+        -- caller may try again then).
+        o_allowed := v_latest <= v_at_us;
+        o_wait_us := v_latest;
+        IF NOT o_allowed THEN
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        -- 4b. Admitted with every lock: the decision; without them, the
+        -- locks and the decision again.
+        EXIT WHEN v_next > v_count;
+        v_admit := true;
     END LOOP;
-    IF NOT v_all THEN
-        o_allowed := false;
-        o_wait_us := v_refused;
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    -- Not settled in 8 rounds: refused with the latest instant found (the
-    -- caller may try again then).
-    o_allowed := v_latest <= v_at_us;
-    o_wait_us := v_latest;
-    IF NOT o_allowed THEN
-        RETURN NEXT;
-        RETURN;
-    END IF;
     -- 5.
     INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)
     SELECT p_kinds[g.i], p_limiters[g.i], p_keys[g.i], coalesce(v_seq[g.i], 0) + 1,
@@ -1423,8 +1470,9 @@ AS $$
 -- limit admits now, and then charged to every one; refused if any refuses,
 -- and then charged to none. Each limit decides as its kind's check would
 -- (stored limits and pauses apply). The steps, the invariant and what it
--- meets: pgsemaphore.rate_take_all (one statement locks every key, one
--- reads them, one writes them).
+-- meets: pgsemaphore.rate_take_all (one statement reads the limits in
+-- force, one reads the keys, one writes them; the keys' locks are tried,
+-- then waited for only by a check that may admit).
 --   p_kinds: a one-dimensional array of 1 to 16 kinds, from index 1, no
 --   NULL; the six other arrays: one-dimensional, from index 1, as long
 --   (elements as each kind's function takes them; the other kind's may be

@@ -40,7 +40,9 @@ const CHECK_LIMITS_RESERVE: &str = "SELECT o_allowed, o_wait_us, o_remaining, o_
 /// the database locks the limits' keys in one order for every caller (two
 /// sets never deadlock, whatever order they list their limits in) and
 /// decides each as its own limiter's check would, so stored limits and
-/// pauses apply as in a single [`check`](RateLimiter::check). A set can
+/// pauses apply as in a single [`check`](RateLimiter::check). As there, a
+/// check that the keys' committed state refuses is answered without
+/// waiting for a key another transaction holds. A set can
 /// wait too ([`acquire`](Self::acquire)).
 ///
 /// ```no_run
