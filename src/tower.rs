@@ -116,6 +116,7 @@ pub struct SemaphoreLayer {
 }
 
 /// What a request of a [`SemaphoreLayer`] must hold.
+#[derive(Clone)]
 struct Limits {
     global: Option<Semaphore>,
     family: Option<(SemaphoreFamily, KeyFn)>,
@@ -292,18 +293,11 @@ impl SemaphoreLayer {
     /// and takes nothing from either otherwise. A request for which `key`
     /// returns `None` takes only the semaphore's slot.
     pub fn per_key(
-        mut self,
+        self,
         family: SemaphoreFamily,
         key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        let global = self.limits.global.clone();
-        let rates = self.limits.rates.clone();
-        self.limits = Arc::new(Limits {
-            global,
-            family: Some((family, Arc::new(key))),
-            rates,
-        });
-        self
+        self.limits(|limits| limits.family = Some((family, Arc::new(key))))
     }
 
     /// Also charges each request one permit of `limiter`, on the key `key`
@@ -347,18 +341,11 @@ impl SemaphoreLayer {
     /// # }
     /// ```
     pub fn rate_limit(
-        mut self,
+        self,
         limiter: RateLimiter,
         key: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        let mut rates = self.limits.rates.clone();
-        rates.push((limiter, Arc::new(key)));
-        self.limits = Arc::new(Limits {
-            global: self.limits.global.clone(),
-            family: self.limits.family.clone(),
-            rates,
-        });
-        self
+        self.limits(|limits| limits.rates.push((limiter, Arc::new(key))))
     }
 
     fn with(limits: Limits) -> Self {
@@ -376,6 +363,11 @@ impl SemaphoreLayer {
 
     fn config(mut self, change: impl FnOnce(&mut Config)) -> Self {
         change(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    fn limits(mut self, change: impl FnOnce(&mut Limits)) -> Self {
+        change(Arc::make_mut(&mut self.limits));
         self
     }
 
