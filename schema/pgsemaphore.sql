@@ -1441,8 +1441,10 @@ CREATE FUNCTION pgsemaphore.claim_all(p_semaphores text[], p_holder text, p_leas
 -- locks are taken after our row locks, in hash order; every caller that
 -- takes both (another claim_all) takes rows first, then keys, and a plain
 -- rate check or set takes keys only and waits on no row, so no cycle can
--- form; a key's lock held by a stuck transaction: 2 s, then 55P03, nothing
--- claimed or charged (the rows stay locked meanwhile, as above).
+-- form; a key's lock held by a stuck transaction: refused at once
+-- ('rate_limited') if the key's committed state refuses, else 2 s, then
+-- 55P03, nothing claimed or charged (the rows stay locked meanwhile, as
+-- above).
 DECLARE
     v_count    integer;
     v_order    integer[];
