@@ -311,11 +311,16 @@ CREATE TABLE pgsemaphore.wakeups (
 --   it, so the audit log (advisory_log) accepts only slots below it. A
 --   holder's row may be written after a drop has ended (peak_capacity
 --   lowered again), so peak_capacity alone would refuse an honest row.
+--   epoch: a value of the sequence pgsemaphore.advisory_epoch at which no
+--   change of this row's capacity was in flight (see advisory_epoch below);
+--   the one-statement claim keeps its slot only while the sequence still
+--   reads this value after its lock.
 CREATE TABLE pgsemaphore.advisory_semaphores (
     name          text        PRIMARY KEY,
     capacity      integer     NOT NULL,
     peak_capacity integer     NOT NULL,
     highest_capacity integer  NOT NULL DEFAULT 1,
+    epoch         bigint      NOT NULL DEFAULT 0,
     key_base      bigint      NOT NULL GENERATED ALWAYS AS
                   (hashtextextended(name, 0) & ~1048575::bigint) STORED,
     created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -347,6 +352,67 @@ $$;
 CREATE TRIGGER advisory_semaphores_highest_capacity
     BEFORE INSERT OR UPDATE ON pgsemaphore.advisory_semaphores
     FOR EACH ROW EXECUTE FUNCTION pgsemaphore.advisory_highest_capacity();
+
+-- THE CAPACITY EPOCH. The crate's one-statement claim of one slot
+-- (CLAIM_ONE in src/semaphore/advisory/session.rs) reads the semaphore's
+-- row with its statement's snapshot, then try-locks a slot below the
+-- capacity it read. A capacity drop committed between that snapshot and
+-- the lock would be missed, so after the lock, in the same statement, it
+-- reads this sequence, which is not transactional (pg_sequence_last_value
+-- reads the value in place, whatever the snapshot), and keeps the slot only
+-- if it still equals the row's epoch; else it gives the slot back and the
+-- caller falls back to advisory_claim, which re-reads after its locks.
+-- The trigger below moves the sequence (nextval) whenever a row's capacity
+-- or name changes, or a row is deleted: during that statement, after the
+-- row's lock and before the commit. A new row takes the value in force
+-- (creating a semaphore moves nothing: the application may create them).
+-- Why a claim that finds the value unchanged is safe: let the claim read
+-- row version V (epoch e) with snapshot S, lock a slot at L, and read the
+-- sequence at R > L. A change of the capacity committed after S locked
+-- the row after V's writer had released it, so its nextval came after V
+-- was written and returned more than e (and more than every value read
+-- before it). If that nextval came before R, R reads more than e: the
+-- claim gives back. If it came after R, L came before the change's
+-- commit: the claim is a holder from before the change, which
+-- advisory_claim's proof (case (a)) already covers (a drop's drain sees it
+-- in pg_locks). A drain (advisory_drained lowers peak_capacity) needs no
+-- move: a claim whose snapshot shows a drop pending takes no fast slot.
+-- The argument needs no snapshot taken after the lock, so it holds at any
+-- isolation level: a REPEATABLE READ claim whose snapshot predates a
+-- change gives its slot back like any other (tests/security.rs).
+-- The sequence is shared by every advisory semaphore, so a change of one
+-- sends the others' fast claims to advisory_claim until their epoch is
+-- read again: advisory_rearm, which advisory_claim calls when it finds the
+-- row's epoch behind, sets it under the row's lock (see there why that is
+-- safe). A value that moves for any other reason (a rolled-back change,
+-- the values a crash skips) costs the same one fallback, never a slot.
+-- Only the owner moves it: the application may read it (SELECT), not
+-- call nextval or setval on it (USAGE, UPDATE).
+CREATE SEQUENCE pgsemaphore.advisory_epoch;
+SELECT setval('pgsemaphore.advisory_epoch', 1);
+
+CREATE FUNCTION pgsemaphore.advisory_epoch()
+RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        NEW.epoch := pg_sequence_last_value('pgsemaphore.advisory_epoch');
+        RETURN NEW;
+    ELSIF TG_OP = 'DELETE' THEN
+        PERFORM nextval('pgsemaphore.advisory_epoch');
+        RETURN OLD;
+    END IF;
+    IF NEW.capacity IS DISTINCT FROM OLD.capacity OR NEW.name IS DISTINCT FROM OLD.name THEN
+        NEW.epoch := nextval('pgsemaphore.advisory_epoch');
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+CREATE TRIGGER advisory_semaphores_epoch
+    BEFORE INSERT OR UPDATE OR DELETE ON pgsemaphore.advisory_semaphores
+    FOR EACH ROW EXECUTE FUNCTION pgsemaphore.advisory_epoch();
 
 -- The audit log of advisory semaphores: one row per finished permit,
 -- written by the holder's process in batches after the release (never on

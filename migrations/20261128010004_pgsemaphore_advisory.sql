@@ -10,7 +10,8 @@
 -- Advisory locks live in shared memory and have no versions, so a held
 -- horizon does not touch them. What it reads per claim is its own row of
 -- pgsemaphore.advisory_semaphores, which changes only when an operator
--- changes its capacity (configure_advisory, 7: operator functions). An
+-- changes its capacity (configure_advisory, 7: operator functions), and
+-- the sequence pgsemaphore.advisory_epoch, which such a change moves. An
 -- advisory lock belongs to one database (pg_locks.database): two databases
 -- of one cluster may each have an advisory semaphore of the same name and
 -- never share a slot; everything here reads this database's locks only.
@@ -100,7 +101,11 @@ AS $$
 --      in any mode (this one's included); more than the capacity: give
 --      back, 'full'; none at or above the capacity: the drop is over
 --      (advisory_drained, which checks again itself);
---   5. 'claimed'.
+--   5. if no drop is pending and the row's epoch (step 3) is behind the
+--      sequence pgsemaphore.advisory_epoch, advisory_rearm (so that the
+--      crate's one-statement claim, which this call stands in for, works
+--      again);
+--   6. 'claimed'.
 --
 -- Invariant: at any instant, the holders of a semaphore's slots that its
 -- claims admitted number at most its capacity C (the committed one).
@@ -157,7 +162,7 @@ AS $$
 -- exceed the limit itself, as any client that does not use a semaphore
 -- can; it cannot free or take over another session's slots. The one write,
 -- lowering peak_capacity when a drop is over, is
--- pgsemaphore.advisory_drained's.
+-- pgsemaphore.advisory_drained's; advisory_rearm's epoch is the other.
 DECLARE
     v_capacity integer;
     v_peak     integer;
@@ -168,6 +173,7 @@ DECLARE
     v_above    integer;
     v_round    integer := 0;
     v_again    boolean;
+    v_epoch    bigint;
     s          integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -229,7 +235,7 @@ BEGIN
                 RETURN;
             END IF;
             -- 3. A new statement: a snapshot taken after every lock above.
-            SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
+            SELECT a.capacity, a.peak_capacity, a.epoch INTO v_capacity, v_peak, v_epoch
               FROM pgsemaphore.advisory_semaphores a
              WHERE a.name = p_semaphore AND a.key_base = v_base;
             IF NOT FOUND THEN
@@ -265,6 +271,13 @@ BEGIN
                     PERFORM pgsemaphore.advisory_drained(p_semaphore);
                 END IF;
             END IF;
+            -- 5. The row's epoch is behind the sequence (a change of any
+            -- advisory semaphore, since): the one-statement claim gives
+            -- every slot back until it is read again.
+            IF NOT v_again AND v_peak = v_capacity
+               AND v_epoch <> pg_sequence_last_value('pgsemaphore.advisory_epoch') THEN
+                PERFORM pgsemaphore.advisory_rearm(p_semaphore);
+            END IF;
         EXCEPTION WHEN query_canceled OR others THEN
             -- Nothing taken here stays taken: the slots in v_slots were
             -- locked by this call; v_try, if set, was being tried, and is
@@ -289,49 +302,6 @@ BEGIN
     o_status := 'claimed';
     o_slots := v_slots;
     o_at := clock_timestamp();
-END;
-$$;
-
--- The fast path's re-check (the crate's one-statement claim of one slot,
--- CLAIM_ONE in src/semaphore/advisory/session.rs): called in that
--- statement after its try-lock took p_slot, when the statement's snapshot,
--- taken before the lock, showed no drop pending. A VOLATILE PL/pgSQL
--- function, never inlined: its SELECT runs with a new snapshot, taken
--- after the lock (READ COMMITTED; any other level: it gives the slot back
--- and raises 0A000). Keeps the slot (returns p_slot) only if that snapshot
--- shows the semaphore with this key base, no drop pending, and p_slot
--- below the capacity: then the claim meets advisory_claim's case (a) with
--- a snapshot taken after its lock. Otherwise it gives the slot back and
--- returns -1 (the caller then sends advisory_claim). STRICT: a NULL slot
--- (nothing taken) is not checked. With the caller's rights: it reads the
--- semaphore's row and frees only the caller's own lock, p_key_base +
--- p_slot for a slot in 0..1048559 (anything else, or a key base whose sum
--- would overflow, is left alone: -1).
-CREATE FUNCTION pgsemaphore.advisory_claim_check(p_semaphore text, p_key_base bigint, p_slot integer)
-RETURNS integer
-LANGUAGE plpgsql VOLATILE STRICT
-AS $$
-DECLARE
-    v_capacity integer;
-    v_peak     integer;
-BEGIN
-    IF p_slot NOT BETWEEN 0 AND 1048559 OR p_key_base > 9223372036854775807 - 1048560 THEN
-        RETURN -1;
-    END IF;
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pg_advisory_unlock(p_key_base + p_slot);
-        RAISE EXCEPTION 'advisory claims need READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
-    END IF;
-    SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
-      FROM pgsemaphore.advisory_semaphores a
-     WHERE a.name = p_semaphore AND a.key_base = p_key_base;
-    IF FOUND AND v_peak = v_capacity AND p_slot < v_capacity THEN
-        RETURN p_slot;
-    END IF;
-    PERFORM pg_advisory_unlock(p_key_base + p_slot);
-    RETURN -1;
 END;
 $$;
 
@@ -484,6 +454,59 @@ BEGIN
     END IF;
     UPDATE pgsemaphore.advisory_semaphores a
        SET peak_capacity = a.capacity
+     WHERE a.name = p_semaphore;
+    RETURN true;
+END;
+$$;
+
+-- Sets an advisory semaphore's epoch to the value the sequence
+-- pgsemaphore.advisory_epoch reads now, so that the crate's one-statement
+-- claim (which gives its slot back while the two differ: see the sequence
+-- in part 1) works again after another semaphore's change moved the
+-- sequence. advisory_claim calls it when it finds the epoch behind. Returns
+-- whether it wrote. p_semaphore not NULL (22023); READ COMMITTED only
+-- (0A000). Waits for nothing: it locks the row SKIP LOCKED (held: another
+-- transaction is changing or re-arming it, which ends the same way or
+-- moves the sequence again; nothing written), and writes only when the
+-- epoch is behind, so a caller can write at most once per move of the
+-- sequence, which only the owner's functions make. (lock_timeout bounds
+-- the table's own relation lock, which only DDL could hold.)
+-- Why the value is safe: it is read in a statement after the row's lock.
+-- Every change of the capacity locks the row before it moves the sequence
+-- (the trigger runs during its UPDATE or DELETE) and keeps the lock to its
+-- commit; so while this holds the lock, no change of this semaphore has
+-- moved the sequence without having committed (its capacity is the one
+-- this UPDATE keeps, READ COMMITTED updating the newest version), and the
+-- moves it reads are other semaphores' or of rolled-back changes. A claim
+-- that compares the new epoch then meets the argument of the sequence's
+-- comment as with any epoch a change wrote. With the owner's rights: the
+-- application may not write the table.
+CREATE FUNCTION pgsemaphore.advisory_rearm(p_semaphore text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET lock_timeout = '2s'
+AS $$
+BEGIN
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'advisory_rearm needs READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
+    PERFORM 1 FROM pgsemaphore.advisory_semaphores a
+     WHERE a.name = p_semaphore AND a.epoch <> pg_sequence_last_value('pgsemaphore.advisory_epoch')
+       FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    -- A hint: losing it in a crash costs a claim a fallback.
+    PERFORM pgsemaphore.fast_commit();
+    UPDATE pgsemaphore.advisory_semaphores a
+       SET epoch = pg_sequence_last_value('pgsemaphore.advisory_epoch')
      WHERE a.name = p_semaphore;
     RETURN true;
 END;

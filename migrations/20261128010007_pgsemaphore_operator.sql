@@ -235,7 +235,9 @@ AS $$
 -- release, and are counted by every claim until then (peak_capacity, see
 -- advisory_claim); claims see the new capacity at once. Wakes the
 -- semaphore's waiters when the capacity grew (the NOTIFY goes out at this
--- transaction's commit).
+-- transaction's commit). A change moves the sequence
+-- pgsemaphore.advisory_epoch (the row's trigger, under the row's lock), so
+-- a one-statement claim whose snapshot predates it gives its slot back.
 --   p_name 1..200 characters; p_capacity 1..100000
 -- READ COMMITTED only (else 0A000, changing nothing). The one wait it can
 -- meet is for the semaphore's row (another configure_advisory, or an
@@ -588,7 +590,8 @@ SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '5s'
 AS $$
 -- Gives p_role the application's part ('application') or the operator's
--- ('operator') of the schema: USAGE on it, SELECT on its tables and views,
+-- ('operator') of the schema: USAGE on it, SELECT on its tables and views
+-- and on the advisory semaphores' epoch (a sequence: read, never moved),
 -- EXECUTE on exactly that part's routines; records the role in grantees.
 -- Returns how many routines it granted. Idempotent.
 --   p_role an existing role other than the owner's; p_part 'application'
@@ -656,10 +659,10 @@ BEGIN
             'pgsemaphore.rate_limit_in_force(text, text, text)',
             'pgsemaphore.open_advisory(text, integer)',
             'pgsemaphore.advisory_claim(text, integer, integer[])',
-            'pgsemaphore.advisory_claim_check(text, bigint, integer)',
             'pgsemaphore.advisory_release(text, bigint, integer[])',
             'pgsemaphore.advisory_release_one(text, bigint, bigint)',
             'pgsemaphore.advisory_drained(text)',
+            'pgsemaphore.advisory_rearm(text)',
             'pgsemaphore.advisory_log(jsonb)',
             'pgsemaphore.open_family(text, integer, interval, interval)',
             'pgsemaphore.open_family_key(text, text)',
@@ -685,6 +688,7 @@ BEGIN
     END;
     EXECUTE format('GRANT USAGE ON SCHEMA pgsemaphore TO %s', p_role);
     EXECUTE format('GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO %s', p_role);
+    EXECUTE format('GRANT SELECT ON SEQUENCE pgsemaphore.advisory_epoch TO %s', p_role);
     FOREACH v_routine IN ARRAY v_routines LOOP
         EXECUTE format('GRANT EXECUTE ON ROUTINE %s TO %s', v_routine, p_role);
     END LOOP;

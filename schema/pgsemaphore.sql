@@ -88,7 +88,11 @@ CREATE FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits integer, 
 --      in any mode (this one's included); more than the capacity: give
 --      back, 'full'; none at or above the capacity: the drop is over
 --      (advisory_drained, which checks again itself);
---   5. 'claimed'.
+--   5. if no drop is pending and the row's epoch (step 3) is behind the
+--      sequence pgsemaphore.advisory_epoch, advisory_rearm (so that the
+--      crate's one-statement claim, which this call stands in for, works
+--      again);
+--   6. 'claimed'.
 --
 -- Invariant: at any instant, the holders of a semaphore's slots that its
 -- claims admitted number at most its capacity C (the committed one).
@@ -145,7 +149,7 @@ CREATE FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits integer, 
 -- exceed the limit itself, as any client that does not use a semaphore
 -- can; it cannot free or take over another session's slots. The one write,
 -- lowering peak_capacity when a drop is over, is
--- pgsemaphore.advisory_drained's.
+-- pgsemaphore.advisory_drained's; advisory_rearm's epoch is the other.
 DECLARE
     v_capacity integer;
     v_peak     integer;
@@ -156,6 +160,7 @@ DECLARE
     v_above    integer;
     v_round    integer := 0;
     v_again    boolean;
+    v_epoch    bigint;
     s          integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -217,7 +222,7 @@ BEGIN
                 RETURN;
             END IF;
             -- 3. A new statement: a snapshot taken after every lock above.
-            SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
+            SELECT a.capacity, a.peak_capacity, a.epoch INTO v_capacity, v_peak, v_epoch
               FROM pgsemaphore.advisory_semaphores a
              WHERE a.name = p_semaphore AND a.key_base = v_base;
             IF NOT FOUND THEN
@@ -253,6 +258,13 @@ BEGIN
                     PERFORM pgsemaphore.advisory_drained(p_semaphore);
                 END IF;
             END IF;
+            -- 5. The row's epoch is behind the sequence (a change of any
+            -- advisory semaphore, since): the one-statement claim gives
+            -- every slot back until it is read again.
+            IF NOT v_again AND v_peak = v_capacity
+               AND v_epoch <> pg_sequence_last_value('pgsemaphore.advisory_epoch') THEN
+                PERFORM pgsemaphore.advisory_rearm(p_semaphore);
+            END IF;
         EXCEPTION WHEN query_canceled OR others THEN
             -- Nothing taken here stays taken: the slots in v_slots were
             -- locked by this call; v_try, if set, was being tried, and is
@@ -277,38 +289,6 @@ BEGIN
     o_status := 'claimed';
     o_slots := v_slots;
     o_at := clock_timestamp();
-END;
-$$;
-
-
---
--- Name: advisory_claim_check(text, bigint, integer); Type: FUNCTION; Schema: pgsemaphore; Owner: -
---
-
-CREATE FUNCTION pgsemaphore.advisory_claim_check(p_semaphore text, p_key_base bigint, p_slot integer) RETURNS integer
-    LANGUAGE plpgsql STRICT
-    AS $$
-DECLARE
-    v_capacity integer;
-    v_peak     integer;
-BEGIN
-    IF p_slot NOT BETWEEN 0 AND 1048559 OR p_key_base > 9223372036854775807 - 1048560 THEN
-        RETURN -1;
-    END IF;
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pg_advisory_unlock(p_key_base + p_slot);
-        RAISE EXCEPTION 'advisory claims need READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
-    END IF;
-    SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
-      FROM pgsemaphore.advisory_semaphores a
-     WHERE a.name = p_semaphore AND a.key_base = p_key_base;
-    IF FOUND AND v_peak = v_capacity AND p_slot < v_capacity THEN
-        RETURN p_slot;
-    END IF;
-    PERFORM pg_advisory_unlock(p_key_base + p_slot);
-    RETURN -1;
 END;
 $$;
 
@@ -381,6 +361,29 @@ BEGIN
        SET peak_capacity = a.capacity
      WHERE a.name = p_semaphore;
     RETURN true;
+END;
+$$;
+
+
+--
+-- Name: advisory_epoch(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_epoch() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        NEW.epoch := pg_sequence_last_value('pgsemaphore.advisory_epoch');
+        RETURN NEW;
+    ELSIF TG_OP = 'DELETE' THEN
+        PERFORM nextval('pgsemaphore.advisory_epoch');
+        RETURN OLD;
+    END IF;
+    IF NEW.capacity IS DISTINCT FROM OLD.capacity OR NEW.name IS DISTINCT FROM OLD.name THEN
+        NEW.epoch := nextval('pgsemaphore.advisory_epoch');
+    END IF;
+    RETURN NEW;
 END;
 $$;
 
@@ -499,6 +502,41 @@ BEGIN
                                              ended_at timestamptz, outcome text);
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
+END;
+$$;
+
+
+--
+-- Name: advisory_rearm(text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+--
+
+CREATE FUNCTION pgsemaphore.advisory_rearm(p_semaphore text) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET lock_timeout TO '2s'
+    AS $$
+BEGIN
+    IF p_semaphore IS NULL THEN
+        PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'advisory_rearm needs READ COMMITTED, this transaction is %',
+            upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
+    PERFORM 1 FROM pgsemaphore.advisory_semaphores a
+     WHERE a.name = p_semaphore AND a.epoch <> pg_sequence_last_value('pgsemaphore.advisory_epoch')
+       FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    -- A hint: losing it in a crash costs a claim a fallback.
+    PERFORM pgsemaphore.fast_commit();
+    UPDATE pgsemaphore.advisory_semaphores a
+       SET epoch = pg_sequence_last_value('pgsemaphore.advisory_epoch')
+     WHERE a.name = p_semaphore;
+    RETURN true;
 END;
 $$;
 
@@ -1752,7 +1790,9 @@ CREATE FUNCTION pgsemaphore.configure_advisory(p_name text, p_capacity integer) 
 -- release, and are counted by every claim until then (peak_capacity, see
 -- advisory_claim); claims see the new capacity at once. Wakes the
 -- semaphore's waiters when the capacity grew (the NOTIFY goes out at this
--- transaction's commit).
+-- transaction's commit). A change moves the sequence
+-- pgsemaphore.advisory_epoch (the row's trigger, under the row's lock), so
+-- a one-statement claim whose snapshot predates it gives its slot back.
 --   p_name 1..200 characters; p_capacity 1..100000
 -- READ COMMITTED only (else 0A000, changing nothing). The one wait it can
 -- meet is for the semaphore's row (another configure_advisory, or an
@@ -2456,7 +2496,8 @@ CREATE FUNCTION pgsemaphore.grant_access(p_role regrole, p_part text) RETURNS in
     SET lock_timeout TO '5s'
     AS $$
 -- Gives p_role the application's part ('application') or the operator's
--- ('operator') of the schema: USAGE on it, SELECT on its tables and views,
+-- ('operator') of the schema: USAGE on it, SELECT on its tables and views
+-- and on the advisory semaphores' epoch (a sequence: read, never moved),
 -- EXECUTE on exactly that part's routines; records the role in grantees.
 -- Returns how many routines it granted. Idempotent.
 --   p_role an existing role other than the owner's; p_part 'application'
@@ -2524,10 +2565,10 @@ BEGIN
             'pgsemaphore.rate_limit_in_force(text, text, text)',
             'pgsemaphore.open_advisory(text, integer)',
             'pgsemaphore.advisory_claim(text, integer, integer[])',
-            'pgsemaphore.advisory_claim_check(text, bigint, integer)',
             'pgsemaphore.advisory_release(text, bigint, integer[])',
             'pgsemaphore.advisory_release_one(text, bigint, bigint)',
             'pgsemaphore.advisory_drained(text)',
+            'pgsemaphore.advisory_rearm(text)',
             'pgsemaphore.advisory_log(jsonb)',
             'pgsemaphore.open_family(text, integer, interval, interval)',
             'pgsemaphore.open_family_key(text, text)',
@@ -2553,6 +2594,7 @@ BEGIN
     END;
     EXECUTE format('GRANT USAGE ON SCHEMA pgsemaphore TO %s', p_role);
     EXECUTE format('GRANT SELECT ON ALL TABLES IN SCHEMA pgsemaphore TO %s', p_role);
+    EXECUTE format('GRANT SELECT ON SEQUENCE pgsemaphore.advisory_epoch TO %s', p_role);
     FOREACH v_routine IN ARRAY v_routines LOOP
         EXECUTE format('GRANT EXECUTE ON ROUTINE %s TO %s', v_routine, p_role);
     END LOOP;
@@ -5399,6 +5441,18 @@ COMMENT ON TABLE pgsemaphore.advisory_claims IS 'The audit log of advisory semap
 
 
 --
+-- Name: advisory_epoch; Type: SEQUENCE; Schema: pgsemaphore; Owner: -
+--
+
+CREATE SEQUENCE pgsemaphore.advisory_epoch
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+
+--
 -- Name: advisory_semaphores; Type: TABLE; Schema: pgsemaphore; Owner: -
 --
 
@@ -5407,6 +5461,7 @@ CREATE TABLE pgsemaphore.advisory_semaphores (
     capacity integer NOT NULL,
     peak_capacity integer NOT NULL,
     highest_capacity integer DEFAULT 1 NOT NULL,
+    epoch bigint DEFAULT 0 NOT NULL,
     key_base bigint GENERATED ALWAYS AS ((hashtextextended(name, (0)::bigint) & (~ (1048575)::bigint))) STORED NOT NULL,
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
@@ -6134,6 +6189,13 @@ CREATE INDEX waiters_queue_idx ON pgsemaphore.waiters USING btree (semaphore, pr
 
 
 --
+-- Name: advisory_semaphores advisory_semaphores_epoch; Type: TRIGGER; Schema: pgsemaphore; Owner: -
+--
+
+CREATE TRIGGER advisory_semaphores_epoch BEFORE INSERT OR DELETE OR UPDATE ON pgsemaphore.advisory_semaphores FOR EACH ROW EXECUTE FUNCTION pgsemaphore.advisory_epoch();
+
+
+--
 -- Name: advisory_semaphores advisory_semaphores_highest_capacity; Type: TRIGGER; Schema: pgsemaphore; Owner: -
 --
 
@@ -6218,17 +6280,17 @@ REVOKE ALL ON FUNCTION pgsemaphore.advisory_claim(p_semaphore text, p_permits in
 
 
 --
--- Name: FUNCTION advisory_claim_check(p_semaphore text, p_key_base bigint, p_slot integer); Type: ACL; Schema: pgsemaphore; Owner: -
---
-
-REVOKE ALL ON FUNCTION pgsemaphore.advisory_claim_check(p_semaphore text, p_key_base bigint, p_slot integer) FROM PUBLIC;
-
-
---
 -- Name: FUNCTION advisory_drained(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.advisory_drained(p_semaphore text) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_epoch(); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_epoch() FROM PUBLIC;
 
 
 --
@@ -6243,6 +6305,13 @@ REVOKE ALL ON FUNCTION pgsemaphore.advisory_highest_capacity() FROM PUBLIC;
 --
 
 REVOKE ALL ON FUNCTION pgsemaphore.advisory_log(p_claims jsonb) FROM PUBLIC;
+
+
+--
+-- Name: FUNCTION advisory_rearm(p_semaphore text); Type: ACL; Schema: pgsemaphore; Owner: -
+--
+
+REVOKE ALL ON FUNCTION pgsemaphore.advisory_rearm(p_semaphore text) FROM PUBLIC;
 
 
 --

@@ -787,18 +787,18 @@ async fn a_record_the_audit_log_refuses_never_holds_up_the_others() -> TestResul
 }
 
 /// A claim that fails after its statement took a slot's lock (here: the
-/// one-statement claim's re-check raises, through a function that a
-/// database-wide `search_path` puts before `pg_catalog`) answers the error
-/// holding nothing: the session gives the slot back before it answers, so
-/// what it believes it holds and what the server holds for it agree, and
-/// its next claim takes the slot.
+/// one-statement claim's read of the capacity epoch raises, through a
+/// function that a database-wide `search_path` puts before `pg_catalog`)
+/// answers the error holding nothing: the session gives the slot back
+/// before it answers, so what it believes it holds and what the server
+/// holds for it agree, and its next claim takes the slot.
 #[tokio::test]
 async fn a_claim_that_fails_after_taking_a_lock_leaves_nothing_held() -> TestResult {
     let db = support::migrated_db().await;
     let sem = advisory(&db.pool, "fails-late", 1).await?;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE SCHEMA evil; \
-         CREATE FUNCTION evil.current_setting(text) RETURNS text LANGUAGE plpgsql \
+         CREATE FUNCTION evil.pg_sequence_last_value(regclass) RETURNS bigint LANGUAGE plpgsql \
              AS $$ BEGIN RAISE EXCEPTION 'boom after the lock'; END $$; \
          ALTER DATABASE \"{}\" SET search_path = evil, pg_catalog, public",
         db.name

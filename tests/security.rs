@@ -1542,10 +1542,10 @@ async fn privileges_each_routine_runs_for_exactly_its_documented_roles() -> Test
             "rate_limit_in_force(text,text,text)",
             "open_advisory(text,integer)",
             "advisory_claim(text,integer,integer[])",
-            "advisory_claim_check(text,bigint,integer)",
             "advisory_release(text,bigint,integer[])",
             "advisory_release_one(text,bigint,bigint)",
             "advisory_drained(text)",
+            "advisory_rearm(text)",
             "advisory_log(jsonb)",
             "open_family(text,integer,interval,interval)",
             "open_family_key(text,text)",
@@ -2003,13 +2003,21 @@ async fn exclusive_holders(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> 
 
 /// The crate's one-statement claim of one slot (`CLAIM_ONE`), as any
 /// client may send it.
-const FAST_CLAIM: &str = "SELECT pgsemaphore.advisory_claim_check(a.name, a.key_base, \
-     (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
-       WHERE a.peak_capacity = a.capacity AND pg_try_advisory_lock(a.key_base + g.s) LIMIT 1)) \
-     FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
+const FAST_CLAIM: &str = "SELECT CASE WHEN t.slot IS NULL THEN NULL \
+          WHEN pg_sequence_last_value('pgsemaphore.advisory_epoch') = a.epoch THEN t.slot \
+          WHEN pg_advisory_unlock(a.key_base + t.slot) THEN -1 ELSE -1 END \
+     FROM pgsemaphore.advisory_semaphores a \
+     CROSS JOIN LATERAL (SELECT (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
+       WHERE a.peak_capacity = a.capacity AND pg_try_advisory_lock(a.key_base + g.s) LIMIT 1) AS slot \
+       OFFSET 0) AS t \
+     WHERE a.name = $1";
 
-/// README: "Claim slots of an advisory semaphore only in READ COMMITTED
-/// and within the capacity it reads after taking its locks: a claim whose
+/// README: "Claim slots of an advisory semaphore only within a capacity
+/// known after taking the locks: `advisory_claim` runs only in READ
+/// COMMITTED and re-reads the capacity after its locks, and the
+/// one-statement claim keeps its slot only if the capacity epoch (the
+/// sequence `pgsemaphore.advisory_epoch`, which every capacity change
+/// moves) still reads the row's value after its lock. A claim whose
 /// snapshot predates a capacity drop is refused or gives its slots back,
 /// and a claim that fails after taking locks gives them back before it
 /// answers."
@@ -2055,22 +2063,46 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         assert_eq!(advisory_locks_held(&mut stale).await?, 0);
         assert_eq!(exclusive_holders(&app, "adv-drop").await?, 2);
 
-        // The one-statement claim in REPEATABLE READ, on a free slot: its
-        // re-check gives the slot back and refuses.
-        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 1)
+        // The one-statement claim in REPEATABLE READ whose snapshot
+        // predates a drop 2 -> 1, on a free slot: the capacity epoch moved
+        // after its snapshot, so it gives the slot back (-1) and holds
+        // nothing; kept, it would make 2 holders on capacity 1.
+        let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 2)
             .audit(false)
             .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
+        let mut first = app.acquire().await?;
+        let slot = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
+            .bind("adv-drop-rr")
+            .fetch_one(&mut *first)
+            .await?;
+        assert_eq!(slot, Some(0));
         sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *stale)
             .await?;
+        let seen: i32 = sqlx::query_scalar(
+            "SELECT capacity FROM pgsemaphore.advisory_semaphores WHERE name = 'adv-drop-rr'",
+        )
+        .fetch_one(&mut *stale)
+        .await?;
+        assert_eq!(seen, 2);
+        pg_semaphore::admin::set_capacity(&operator, "adv-drop-rr", 1).await?;
+        let drained: bool = sqlx::query_scalar("SELECT pgsemaphore.advisory_drained('adv-drop-rr')")
+            .fetch_one(&app)
+            .await?;
+        assert!(drained, "nothing above the new capacity is held");
         let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
             .bind("adv-drop-rr")
             .fetch_one(&mut *stale)
-            .await;
-        assert_eq!(refusal(fast).0, "0A000");
+            .await?;
+        assert_eq!(fast, Some(-1), "a fast claim kept a slot above a lowered capacity");
         sqlx::query("ROLLBACK").execute(&mut *stale).await?;
         assert_eq!(advisory_locks_held(&mut stale).await?, 0);
+        assert_eq!(exclusive_holders(&app, "adv-drop-rr").await?, 1);
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *first)
+            .await?;
+        drop(first);
 
         // The crate's own sessions claim in READ COMMITTED whatever the
         // role's default isolation says.

@@ -33,9 +33,11 @@
 //!   process's session ends at once (its socket closes).
 //!
 //! Each session runs in READ COMMITTED whatever the role's or database's
-//! default (it sets `default_transaction_isolation` when it connects): a
-//! claim decides on a snapshot taken after its locks, which only READ
-//! COMMITTED gives, and the SQL refuses any other level. A claim that fails
+//! default (it sets `default_transaction_isolation` when it connects): the
+//! general claim decides on a snapshot taken after its locks, which only
+//! READ COMMITTED gives, and the SQL refuses any other level (the
+//! one-statement claim checks the capacity epoch after its lock instead,
+//! whatever the level). A claim that fails
 //! with an error that leaves the session usable gives back, before it
 //! answers, any slot of the semaphore the session holds beyond its permits'
 //! ([`GIVE_BACK`]): what the session believes it holds and what the server
@@ -67,28 +69,38 @@ use crate::error::{self, Error, LostReason, Result};
 const CLAIM: &str = "SELECT o_status, o_slots, o_capacity, o_at \
                      FROM pgsemaphore.advisory_claim(p_semaphore => $1, p_permits => $2, p_mine => $3)";
 
-/// The common claim, as one small statement: one permit, on a session that
+/// The common claim, as one plain statement: one permit, on a session that
 /// holds no slot of the semaphore (so no lock it takes can be one it
 /// holds), with no capacity drop pending; what `pgsemaphore.advisory_claim`
-/// does in that case, at the cost of a plain statement and one small
-/// PL/pgSQL call (a PL/pgSQL call rebuilds its expressions in every
-/// transaction: `advisory_claim` whole costs more). The statement's
-/// snapshot is taken before its try-lock, so the slot it locks is checked
-/// again by `pgsemaphore.advisory_claim_check`, a VOLATILE function whose
-/// own statement takes a snapshot after the lock: the slot (kept), -1
-/// (given back: a capacity drop came in between; the caller then sends
-/// [`CLAIM`]), or NULL (nothing was free). No row: no such semaphore. A drop
-/// pending (`peak_capacity > capacity`) as the statement saw it takes
-/// nothing (the gate is a one-time filter of the subquery), and the caller
-/// then sends [`CLAIM`].
+/// does in that case, without a PL/pgSQL call (a PL/pgSQL call rebuilds
+/// its expressions in every transaction). The statement reads the row with
+/// a snapshot taken before its try-lock, so after the lock (the lateral
+/// subquery runs before the select list) it reads the sequence
+/// `pgsemaphore.advisory_epoch`, which is not transactional and which every
+/// change of a capacity moves under the row's lock: the slot is kept only
+/// if it still reads the row's epoch, else given back (-1: a change came in
+/// between, or another semaphore's moved the sequence; the caller then
+/// sends [`CLAIM`], which re-reads after its locks and re-arms the epoch).
+/// NULL: nothing was free. No row: no such semaphore. A drop pending
+/// (`peak_capacity > capacity`) as the statement saw it takes nothing (the
+/// gate is a one-time filter of the subquery), and the caller then sends
+/// [`CLAIM`]. Why an unchanged epoch is safe: the sequence's comment in the
+/// schema (part 1).
 const CLAIM_ONE: &str = "SELECT a.capacity, a.peak_capacity, \
-                                pgsemaphore.advisory_claim_check(a.name, a.key_base, \
-                                    (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
+                                CASE WHEN t.slot IS NULL THEN NULL \
+                                     WHEN pg_sequence_last_value('pgsemaphore.advisory_epoch') = a.epoch \
+                                         THEN t.slot \
+                                     WHEN pg_advisory_unlock(a.key_base + t.slot) THEN -1 \
+                                     ELSE -1 END AS slot, \
+                                clock_timestamp() AS at \
+                         FROM pgsemaphore.advisory_semaphores a \
+                         CROSS JOIN LATERAL ( \
+                             SELECT (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
                                       WHERE a.peak_capacity = a.capacity \
                                         AND pg_try_advisory_lock(a.key_base + g.s) \
-                                      LIMIT 1)) AS slot, \
-                                clock_timestamp() AS at \
-                         FROM pgsemaphore.advisory_semaphores a WHERE a.name = $1";
+                                      LIMIT 1) AS slot \
+                             OFFSET 0) AS t \
+                         WHERE a.name = $1";
 
 /// After a claim failed with an error (not an outage: the session lives
 /// on), the locks of the semaphore's slots this session holds and its
