@@ -991,7 +991,6 @@ BEGIN
         SELECT o.i, o.h, st.rate, st.burst, st.lim, st.win, st.paused
           FROM (SELECT g.i, hashtext(p_kinds[g.i] || '/' || p_limiters[g.i] || '/' || p_keys[g.i]) AS h
                   FROM generate_subscripts(p_kinds, 1) AS g(i)
-                 ORDER BY 2
                 OFFSET 0) AS o
           LEFT JOIN LATERAL (
                 SELECT CASE WHEN k.rate IS NOT NULL THEN k.rate ELSE l.rate END AS rate,
@@ -1084,12 +1083,6 @@ BEGIN
                 PERFORM pg_advisory_xact_lock(1885828967, v_hashes[v_j]);
             END LOOP;
             v_next := v_count + 1;
-            -- (A key with no row now reads as none.)
-            v_seq := NULL;
-            v_tokens := NULL;
-            v_hits := NULL;
-            v_prev := NULL;
-            v_stamp := NULL;
         END IF;
         -- 3. (The same kind of loop.)
         FOR r IN
@@ -1191,6 +1184,12 @@ BEGIN
         -- locks and the decision again.
         EXIT WHEN v_next > v_count;
         v_admit := true;
+        -- (Read again: a key with no row now reads as none.)
+        v_seq := NULL;
+        v_tokens := NULL;
+        v_hits := NULL;
+        v_prev := NULL;
+        v_stamp := NULL;
     END LOOP;
     -- 5.
     INSERT INTO pgsemaphore.rate_ledger (kind, limiter, key, seq, tokens, hits, previous_hits, stamp, idle_at)

@@ -1200,12 +1200,7 @@ async fn a_trim_never_scans_the_ledger() -> TestResult {
     let db = support::migrated_db().await;
     let mut conn = db.pool.acquire().await?;
     sqlx::query("BEGIN").execute(&mut *conn).await?;
-    // Counted before and after the admissions: PostgreSQL 15's
-    // per-transaction counts can still hold this session's earlier
-    // statements (the migration's index builds count as sequential scans).
-    let scans = "SELECT seq_scan FROM pg_stat_xact_user_tables \
-                  WHERE relid = 'pgsemaphore.rate_ledger'::regclass";
-    let before: i64 = sqlx::query_scalar(scans).fetch_one(&mut *conn).await?;
+    let before = ledger_seq_scans(&mut conn).await?;
     for _ in 0..33 {
         let allowed: bool = sqlx::query_scalar(
             "SELECT o_allowed FROM pgsemaphore.token_bucket('trim', 'k', 1000, 1000, 1)",
@@ -1214,7 +1209,7 @@ async fn a_trim_never_scans_the_ledger() -> TestResult {
         .await?;
         assert!(allowed, "a bucket of 1,000 admits 33");
     }
-    let after: i64 = sqlx::query_scalar(scans).fetch_one(&mut *conn).await?;
+    let after = ledger_seq_scans(&mut conn).await?;
     let rows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM pgsemaphore.rate_ledger WHERE key = 'k'")
             .fetch_one(&mut *conn)
@@ -1254,18 +1249,27 @@ async fn no_check_scans_the_ledger() -> TestResult {
     }
     let mut conn = db.pool.acquire().await?;
     sqlx::query("BEGIN").execute(&mut *conn).await?;
-    // Counted before and after the checks: PostgreSQL 15's per-transaction
-    // counts can still hold this session's earlier statements (the setup's).
-    let scans = "SELECT seq_scan FROM pg_stat_xact_user_tables \
-                  WHERE relid = 'pgsemaphore.rate_ledger'::regclass";
-    let before: i64 = sqlx::query_scalar(scans).fetch_one(&mut *conn).await?;
+    let before = ledger_seq_scans(&mut conn).await?;
     for _ in 0..3 {
         sqlx::query("SELECT o_allowed FROM pgsemaphore.token_bucket('scan', 'k', 1000, 1000, 1)")
             .execute(&mut *conn)
             .await?;
     }
-    let after: i64 = sqlx::query_scalar(scans).fetch_one(&mut *conn).await?;
+    let after = ledger_seq_scans(&mut conn).await?;
     assert_eq!(after - before, 0, "a check read the ledger sequentially");
     sqlx::query("ROLLBACK").execute(&mut *conn).await?;
     Ok(())
+}
+
+/// The sequential scans of the ledger this transaction has made so far.
+/// Tests count before and after what they check: PostgreSQL 15's
+/// per-transaction counts can still hold this session's earlier statements
+/// (a migration's index builds, a test's setup, count as sequential scans).
+async fn ledger_seq_scans(conn: &mut sqlx::PgConnection) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "SELECT seq_scan FROM pg_stat_xact_user_tables \
+          WHERE relid = 'pgsemaphore.rate_ledger'::regclass",
+    )
+    .fetch_one(conn)
+    .await
 }
