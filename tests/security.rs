@@ -2170,6 +2170,87 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
     .await
 }
 
+/// `advisory_rearm` from the application role, with hostile arguments: NULL
+/// is refused (22023, `p_semaphore`), and so is REPEATABLE READ (0A000); a
+/// name that does not exist, or whose epoch is current, writes nothing.
+/// After an operator's change of another semaphore moved the shared
+/// sequence, the one-statement claim gives its slot back until the row is
+/// re-armed; the call writes once, and what it writes is the value the
+/// sequence reads, never anything of the caller's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_rearm_writes_only_the_sequences_value_once_per_move() -> TestResult {
+    as_roles(|_db, app, operator| async move {
+        for name in ["rearm-a", "rearm-b"] {
+            sqlx::query("SELECT * FROM pgsemaphore.open_advisory($1, 2)")
+                .bind(name)
+                .execute(&app)
+                .await?;
+        }
+        let rearm = |name: Option<&'static str>| {
+            sqlx::query_scalar::<_, bool>("SELECT pgsemaphore.advisory_rearm($1)").bind(name)
+        };
+        let armed = || {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT epoch = pg_sequence_last_value('pgsemaphore.advisory_epoch') \
+                   FROM pgsemaphore.advisory_semaphores WHERE name = 'rearm-a'",
+            )
+        };
+        assert_eq!(
+            refusal(rearm(None).fetch_one(&app).await),
+            ("22023".to_owned(), Some("p_semaphore".to_owned()))
+        );
+        assert!(!rearm(Some("no-such-semaphore")).fetch_one(&app).await?);
+        assert!(
+            !rearm(Some("rearm-a")).fetch_one(&app).await?,
+            "its epoch is current"
+        );
+
+        pg_semaphore::admin::set_capacity(&operator, "rearm-b", 3).await?;
+        assert!(!armed().fetch_one(&app).await?);
+        let mut conn = app.acquire().await?;
+        let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
+            .bind("rearm-a")
+            .fetch_one(&mut *conn)
+            .await?;
+        assert_eq!(
+            fast,
+            Some(-1),
+            "the epoch is behind: the slot is given back"
+        );
+        assert_eq!(advisory_locks_held(&mut conn).await?, 0);
+
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *conn)
+            .await?;
+        assert_eq!(
+            refusal(rearm(Some("rearm-a")).fetch_one(&mut *conn).await).0,
+            "0A000"
+        );
+        sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+        assert!(!armed().fetch_one(&app).await?, "a refused call wrote");
+
+        assert!(
+            rearm(Some("rearm-a")).fetch_one(&app).await?,
+            "behind: written"
+        );
+        assert!(armed().fetch_one(&app).await?);
+        assert!(
+            !rearm(Some("rearm-a")).fetch_one(&app).await?,
+            "written once per move"
+        );
+        let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
+            .bind("rearm-a")
+            .fetch_one(&mut *conn)
+            .await?;
+        assert_eq!(fast, Some(0), "re-armed: the slot is kept");
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    })
+    .await
+}
+
 /// README: "Calling `advisory_drained` in an open transaction delays no
 /// advisory claim, and delays the operator's `configure_advisory` by at
 /// most 2 seconds, which then fails with SQLSTATE 55P03
