@@ -512,99 +512,142 @@ BEGIN
 END;
 $$;
 
-CREATE FUNCTION pgsemaphore.advisory_log(p_claims jsonb)
+CREATE FUNCTION pgsemaphore.advisory_log(
+    p_semaphores text[], p_holders text[], p_slot_counts integer[], p_slots integer[],
+    p_metadata jsonb[], p_acquired_at timestamptz[], p_ended_at timestamptz[],
+    p_outcomes text[])
 RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 -- Appends finished permits of advisory semaphores to the audit log
--- (pgsemaphore.advisory_claims), a batch at a time: a JSON array of at most
--- 1000 objects {semaphore, slots, holder, metadata, acquired_at, ended_at,
--- outcome}. Insert-only: nothing it writes is ever updated. Returns how many
--- rows it wrote. A fast commit: losing a batch in a crash loses audit rows,
--- never a slot.
+-- (pgsemaphore.advisory_claims), a batch at a time, as parallel arrays (no
+-- JSON to build or parse: arrays arrive in binary): entry i is permit i of
+-- p_semaphores, p_holders, p_metadata, p_acquired_at, p_ended_at and
+-- p_outcomes, and its slots are the next p_slot_counts[i] elements of
+-- p_slots (the permits' slots one after another). Insert-only: nothing it
+-- writes is ever updated. Returns how many rows it wrote. A fast commit:
+-- losing a batch in a crash loses audit rows, never a slot.
+-- The shape: one-dimensional arrays without NULLs (p_metadata may hold
+-- NULLs), all of the same length, at most 1000 entries, p_slots the sum of
+-- p_slot_counts and at most 100000 slots; else 22023 naming the argument.
 -- The log records what holders reported: any role granted this function
 -- can write a row for a permit it never held. What it checks is what a
 -- holder could have reported; a batch with one entry that fails a check is
--- refused whole (22023, p_claims, naming the entry's position from 1 and
--- the check), writing nothing:
+-- refused whole (22023, naming the argument, the entry's position from 1
+-- and the check), writing nothing:
 --   semaphore  an advisory semaphore that exists;
 --   slots      1 or more distinct slots, each in [0, highest_capacity) of
 --              that semaphore (every slot ever held lies there);
 --   holder     1..1000 characters;
 --   metadata   NULL or jsonb of at most 64 kB (as pgsemaphore.claim);
 --   acquired_at not after ended_at;
---   ended_at   not later than the database's clock plus one minute (the
---              crate writes acquired_at, the database's clock at the claim,
---              plus the hold its process measured on a monotonic clock);
+--   ended_at   not later than the database's clock at the call plus one
+--              minute (the crate writes acquired_at, the database's clock at
+--              the claim, plus the hold its process measured on a monotonic
+--              clock);
 --   outcome    'released', 'lost' or 'dropped'.
--- Bounded: at most 1000 rows per call, each at most 64 kB of metadata. The
--- log is pruned with the lease semaphore's history (pgsemaphore.prune, the
--- reaper's retention).
+-- One pass: each entry is read once, with the first check it fails, and
+-- the rows are inserted by the same statement only if none fails; a
+-- one-slot entry (the usual permit) skips the subqueries over its slots.
+-- Bounded: at most 1000 rows and 100000 slots per call, each row at most
+-- 64 kB of metadata. The log is pruned with the lease semaphore's history
+-- (pgsemaphore.prune, the reaper's retention).
 DECLARE
-    v_count integer;
-    v_bad   record;
+    v_n      integer := cardinality(p_semaphores);
+    v_latest timestamptz := clock_timestamp() + interval '1 minute';
+    v_done   record;
 BEGIN
-    IF p_claims IS NULL OR jsonb_typeof(p_claims) <> 'array' OR jsonb_array_length(p_claims) > 1000 THEN
-        PERFORM pgsemaphore.refuse('p_claims', 'a JSON array of at most 1000 claims');
+    IF p_semaphores IS NULL OR array_ndims(p_semaphores) > 1 OR v_n > 1000 THEN
+        PERFORM pgsemaphore.refuse('p_semaphores', 'a one-dimensional array of at most 1000 semaphore names');
     END IF;
+    IF p_holders IS NULL OR array_ndims(p_holders) > 1 OR cardinality(p_holders) <> v_n THEN
+        PERFORM pgsemaphore.refuse('p_holders', 'one holder per entry of p_semaphores');
+    END IF;
+    IF p_slot_counts IS NULL OR array_ndims(p_slot_counts) > 1 OR cardinality(p_slot_counts) <> v_n
+       OR array_position(p_slot_counts, NULL) IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse('p_slot_counts', 'one count of slots per entry of p_semaphores, without NULLs');
+    END IF;
+    IF p_metadata IS NULL OR array_ndims(p_metadata) > 1 OR cardinality(p_metadata) <> v_n THEN
+        PERFORM pgsemaphore.refuse('p_metadata', 'one metadata (or NULL) per entry of p_semaphores');
+    END IF;
+    IF p_acquired_at IS NULL OR array_ndims(p_acquired_at) > 1 OR cardinality(p_acquired_at) <> v_n THEN
+        PERFORM pgsemaphore.refuse('p_acquired_at', 'one timestamp per entry of p_semaphores');
+    END IF;
+    IF p_ended_at IS NULL OR array_ndims(p_ended_at) > 1 OR cardinality(p_ended_at) <> v_n THEN
+        PERFORM pgsemaphore.refuse('p_ended_at', 'one timestamp per entry of p_semaphores');
+    END IF;
+    IF p_outcomes IS NULL OR array_ndims(p_outcomes) > 1 OR cardinality(p_outcomes) <> v_n THEN
+        PERFORM pgsemaphore.refuse('p_outcomes', 'one outcome per entry of p_semaphores');
+    END IF;
+    IF p_slots IS NULL OR array_ndims(p_slots) > 1 OR cardinality(p_slots) > 100000
+       OR array_position(p_slots, NULL) IS NOT NULL
+       OR cardinality(p_slots) IS DISTINCT FROM
+          (SELECT coalesce(sum(k::bigint), 0) FROM unnest(p_slot_counts) AS u(k))
+       OR (SELECT min(k) FROM unnest(p_slot_counts) AS u(k)) < 1 THEN
+        PERFORM pgsemaphore.refuse('p_slots',
+            'each entry''s slots in turn (p_slot_counts[i] of them, at least 1), at most 100000 in all, without NULLs');
+    END IF;
+    -- Subscripts from 1, whatever bounds the caller gave.
+    p_slots := p_slots[:];
     PERFORM pgsemaphore.fast_commit();
-    BEGIN
-        -- The first entry that fails a check, and which check.
-        SELECT e.n, e.why INTO v_bad
-          FROM (SELECT j.n,
-                       CASE
-                       WHEN c.semaphore IS NULL OR char_length(c.semaphore) NOT BETWEEN 1 AND 200
-                           THEN 'semaphore: 1 to 200 characters'
-                       WHEN a.name IS NULL
-                           THEN format('semaphore %s: no such advisory semaphore', quote_literal(c.semaphore))
-                       WHEN c.slots IS NULL OR cardinality(c.slots) = 0 OR array_ndims(c.slots) <> 1
-                            OR array_position(c.slots, NULL) IS NOT NULL
-                           THEN 'slots: one or more slots, in a one-dimensional array without NULLs'
-                       WHEN cardinality(c.slots) > a.highest_capacity
-                            OR EXISTS (SELECT 1 FROM unnest(c.slots) AS t(slot)
-                                        WHERE t.slot NOT BETWEEN 0 AND a.highest_capacity - 1)
-                           THEN format('slots: each 0 to %s (below the highest capacity %s has had)',
-                                       a.highest_capacity - 1, quote_literal(a.name))
-                       WHEN (SELECT count(DISTINCT t.slot) FROM unnest(c.slots) AS t(slot)) <> cardinality(c.slots)
-                           THEN 'slots: a slot appears twice'
-                       WHEN c.holder IS NULL OR char_length(c.holder) NOT BETWEEN 1 AND 1000
-                           THEN 'holder: 1 to 1000 characters'
-                       WHEN c.metadata IS NOT NULL AND pg_column_size(c.metadata) > 65536
-                           THEN format('metadata: at most 64 kB of jsonb, got %s bytes', pg_column_size(c.metadata))
-                       WHEN c.acquired_at IS NULL OR c.ended_at IS NULL
-                           THEN 'acquired_at and ended_at: timestamps, got NULL'
-                       WHEN c.ended_at < c.acquired_at
-                           THEN 'ended_at: not before acquired_at'
-                       WHEN c.ended_at > clock_timestamp() + interval '1 minute'
-                           THEN 'ended_at: in the future'
-                       WHEN c.outcome IS NULL OR c.outcome NOT IN ('released', 'lost', 'dropped')
-                           THEN 'outcome: released, lost or dropped'
-                       END AS why
-                  FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS j(entry, n)
-                 CROSS JOIN LATERAL jsonb_to_record(j.entry) AS c(semaphore text, slots integer[], holder text,
-                                                                  metadata jsonb, acquired_at timestamptz,
-                                                                  ended_at timestamptz, outcome text)
-                  LEFT JOIN pgsemaphore.advisory_semaphores a ON a.name = c.semaphore) e
-         WHERE e.why IS NOT NULL
-         ORDER BY e.n
-         LIMIT 1;
-    EXCEPTION WHEN data_exception THEN
-        -- Not an object, or a field of the wrong type.
-        PERFORM pgsemaphore.refuse('p_claims', 'an entry does not fit the audit log: ' || SQLERRM);
-    END;
-    IF v_bad.n IS NOT NULL THEN
-        PERFORM pgsemaphore.refuse('p_claims', format('entry %s: %s', v_bad.n, v_bad.why));
+    WITH c AS (
+        SELECT u.*, (sum(u.k) OVER (ORDER BY u.n) - u.k)::integer AS first
+          FROM unnest(p_semaphores, p_holders, p_slot_counts, p_metadata, p_acquired_at, p_ended_at, p_outcomes)
+               WITH ORDINALITY AS u(semaphore, holder, k, metadata, acquired_at, ended_at, outcome, n)),
+    e AS MATERIALIZED (
+        SELECT c.n, c.semaphore, p_slots[c.first + 1 : c.first + c.k] AS slots, c.holder, c.metadata,
+               c.acquired_at, c.ended_at, c.outcome,
+               -- The first check the entry fails, as 'argument|reason'.
+               CASE
+               WHEN c.semaphore IS NULL OR char_length(c.semaphore) NOT BETWEEN 1 AND 200
+                   THEN 'p_semaphores|1 to 200 characters'
+               WHEN a.name IS NULL
+                   THEN format('p_semaphores|%s: no such advisory semaphore', quote_literal(c.semaphore))
+               WHEN CASE WHEN c.k = 1
+                         THEN p_slots[c.first + 1] NOT BETWEEN 0 AND a.highest_capacity - 1
+                         ELSE c.k > a.highest_capacity
+                              OR EXISTS (SELECT 1 FROM unnest(p_slots[c.first + 1 : c.first + c.k]) AS t(slot)
+                                          WHERE t.slot NOT BETWEEN 0 AND a.highest_capacity - 1)
+                    END
+                   THEN format('p_slots|each 0 to %s (below the highest capacity %s has had)',
+                               a.highest_capacity - 1, quote_literal(a.name))
+               WHEN c.k > 1
+                    AND (SELECT count(DISTINCT t.slot) FROM unnest(p_slots[c.first + 1 : c.first + c.k]) AS t(slot)) <> c.k
+                   THEN 'p_slots|a slot appears twice'
+               WHEN c.holder IS NULL OR char_length(c.holder) NOT BETWEEN 1 AND 1000
+                   THEN 'p_holders|1 to 1000 characters'
+               WHEN c.metadata IS NOT NULL AND pg_column_size(c.metadata) > 65536
+                   THEN format('p_metadata|at most 64 kB of jsonb, got %s bytes', pg_column_size(c.metadata))
+               WHEN c.acquired_at IS NULL
+                   THEN 'p_acquired_at|a timestamp, got NULL'
+               WHEN c.ended_at IS NULL
+                   THEN 'p_ended_at|a timestamp, got NULL'
+               WHEN c.ended_at < c.acquired_at
+                   THEN 'p_ended_at|not before acquired_at'
+               WHEN c.ended_at > v_latest
+                   THEN 'p_ended_at|in the future'
+               WHEN c.outcome IS NULL OR c.outcome NOT IN ('released', 'lost', 'dropped')
+                   THEN 'p_outcomes|released, lost or dropped'
+               END AS why
+          FROM c LEFT JOIN pgsemaphore.advisory_semaphores a ON a.name = c.semaphore),
+    bad AS (SELECT e.n, e.why FROM e WHERE e.why IS NOT NULL ORDER BY e.n LIMIT 1),
+    written AS (
+        INSERT INTO pgsemaphore.advisory_claims
+               (semaphore, slots, holder, metadata, acquired_at, ended_at, outcome)
+        SELECT e.semaphore, e.slots, e.holder, e.metadata, e.acquired_at, e.ended_at, e.outcome
+          FROM e
+         WHERE NOT EXISTS (SELECT FROM bad)
+        RETURNING 1)
+    SELECT b.n, b.why, (SELECT count(*) FROM written)::integer AS count
+      INTO v_done
+      FROM (SELECT) AS one LEFT JOIN bad b ON true;
+    IF v_done.n IS NOT NULL THEN
+        PERFORM pgsemaphore.refuse(split_part(v_done.why, '|', 1),
+                                   format('entry %s: %s', v_done.n, substr(v_done.why, strpos(v_done.why, '|') + 1)));
     END IF;
-    INSERT INTO pgsemaphore.advisory_claims
-           (semaphore, slots, holder, metadata, acquired_at, ended_at, outcome)
-    SELECT c.semaphore, c.slots, c.holder, c.metadata, c.acquired_at, c.ended_at, c.outcome
-      FROM jsonb_to_recordset(p_claims) AS c(semaphore text, slots integer[], holder text,
-                                             metadata jsonb, acquired_at timestamptz,
-                                             ended_at timestamptz, outcome text);
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    RETURN v_count;
+    RETURN v_done.count;
 END;
 $$;
 

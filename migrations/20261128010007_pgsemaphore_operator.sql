@@ -663,7 +663,7 @@ BEGIN
             'pgsemaphore.advisory_release_one(text, bigint, bigint)',
             'pgsemaphore.advisory_drained(text)',
             'pgsemaphore.advisory_rearm(text)',
-            'pgsemaphore.advisory_log(jsonb)',
+            'pgsemaphore.advisory_log(text[], text[], integer[], integer[], jsonb[], timestamptz[], timestamptz[], text[])',
             'pgsemaphore.open_family(text, integer, interval, interval)',
             'pgsemaphore.open_family_key(text, text)',
             'pgsemaphore.record_outcomes(text[], text[], bigint[], bigint[], bigint[])']

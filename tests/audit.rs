@@ -430,12 +430,12 @@ async fn log_lost_permit(
     ago: &str,
 ) -> sqlx::Result<()> {
     sqlx::query(
-        "SELECT pgsemaphore.advisory_log(jsonb_build_array(jsonb_build_object(
-             'semaphore', $1::text, 'slots', jsonb_build_array($2::int), 'holder', 'crashed',
-             'metadata', jsonb_build_object('job', 'j-9'),
-             'acquired_at', now() - $3::interval,
-             'ended_at', now() - $3::interval + interval '3 seconds',
-             'outcome', 'lost')))",
+        "SELECT pgsemaphore.advisory_log(
+             p_semaphores => ARRAY[$1::text], p_holders => '{crashed}', p_slot_counts => '{1}',
+             p_slots => ARRAY[$2::int], p_metadata => ARRAY[jsonb_build_object('job', 'j-9')],
+             p_acquired_at => ARRAY[now() - $3::interval],
+             p_ended_at => ARRAY[now() - $3::interval + interval '3 seconds'],
+             p_outcomes => '{lost}')",
     )
     .bind(semaphore)
     .bind(slot)

@@ -1286,7 +1286,20 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
         sqlx::query("SELECT * FROM pgsemaphore.open_advisory('audited', 4)")
             .execute(&app)
             .await?;
-        let log = "SELECT pgsemaphore.advisory_log($1)";
+        // The test writes its entries as JSON objects; this statement hands
+        // them to the function as the arrays a holder's writer sends.
+        let log = "SELECT pgsemaphore.advisory_log(
+                       coalesce(array_agg(j.e->>'semaphore' ORDER BY j.n), '{}'),
+                       coalesce(array_agg(j.e->>'holder' ORDER BY j.n), '{}'),
+                       coalesce(array_agg(jsonb_array_length(j.e->'slots') ORDER BY j.n), '{}'),
+                       coalesce((SELECT array_agg(s.v::int ORDER BY k.n, s.o)
+                                   FROM jsonb_array_elements($1) WITH ORDINALITY AS k(e, n),
+                                        jsonb_array_elements_text(k.e->'slots') WITH ORDINALITY AS s(v, o)), '{}'),
+                       coalesce(array_agg(nullif(j.e->'metadata', 'null') ORDER BY j.n), '{}'),
+                       coalesce(array_agg((j.e->>'acquired_at')::timestamptz ORDER BY j.n), '{}'),
+                       coalesce(array_agg((j.e->>'ended_at')::timestamptz ORDER BY j.n), '{}'),
+                       coalesce(array_agg(j.e->>'outcome' ORDER BY j.n), '{}'))
+                     FROM jsonb_array_elements($1) WITH ORDINALITY AS j(e, n)";
         let entry = |changes: serde_json::Value| {
             let mut entry = serde_json::json!({
                 "semaphore": "audited", "slots": [0, 3], "holder": "worker-1",
@@ -1304,48 +1317,77 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
                 .fetch_one(&db.pool)
                 .await
         };
-        // What a holder reports is written.
+        // What a holder reports is written, each permit with its own slots.
         let written: i32 = sqlx::query_scalar(log)
-            .bind(serde_json::json!([entry(serde_json::json!({}))]))
+            .bind(serde_json::json!([
+                entry(serde_json::json!({})),
+                entry(serde_json::json!({"slots": [2], "metadata": null}))
+            ]))
             .fetch_one(&app)
             .await?;
-        assert_eq!((written, rows().await?), (1, 1));
+        assert_eq!((written, rows().await?), (2, 2));
+        let slots: Vec<Vec<i32>> = sqlx::query_scalar(
+            "SELECT slots FROM pgsemaphore.advisory_claims ORDER BY cardinality(slots) DESC",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        assert_eq!(slots, [vec![0, 3], vec![2]]);
 
-        // What no holder could report is refused, the whole batch with it.
+        // What no holder could report is refused, the whole batch with it,
+        // naming the argument and the entry.
         let in_an_hour = (Utc::now() + chrono::Duration::hours(1)).to_rfc3339();
         let an_hour_ago = (Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
         let big = "x".repeat(70_000);
-        for (forged, what) in [
+        for (forged, what, argument) in [
             (
                 serde_json::json!({"semaphore": "nobody-made-it"}),
                 "a semaphore that does not exist",
+                "p_semaphores",
             ),
             (
                 serde_json::json!({"slots": [99999, -5]}),
                 "slots outside the capacity",
+                "p_slots",
             ),
-            (serde_json::json!({"slots": [4]}), "a slot at the capacity"),
-            (serde_json::json!({"slots": [1, 1]}), "a slot twice"),
-            (serde_json::json!({"slots": []}), "no slot"),
+            (
+                serde_json::json!({"slots": [4]}),
+                "a slot at the capacity",
+                "p_slots",
+            ),
+            (
+                serde_json::json!({"slots": [0, 4]}),
+                "one of several slots at the capacity",
+                "p_slots",
+            ),
+            (
+                serde_json::json!({"slots": [1, 1]}),
+                "a slot twice",
+                "p_slots",
+            ),
+            (
+                serde_json::json!({"holder": ""}),
+                "an empty holder",
+                "p_holders",
+            ),
             (
                 serde_json::json!({"ended_at": an_hour_ago}),
                 "an end before the start",
+                "p_ended_at",
             ),
             (
                 serde_json::json!({"ended_at": in_an_hour}),
                 "an end in the future",
+                "p_ended_at",
             ),
             (
                 serde_json::json!({"metadata": {"blob": big}}),
                 "more than 64 kB of metadata",
+                "p_metadata",
             ),
             (
                 serde_json::json!({"outcome": "stolen"}),
                 "an outcome no holder reports",
-            ),
-            (
-                serde_json::json!({"slots": "not slots"}),
-                "slots of the wrong type",
+                "p_outcomes",
             ),
         ] {
             let batch = serde_json::json!([entry(serde_json::json!({})), entry(forged)]);
@@ -1353,12 +1395,64 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
                 .bind(batch)
                 .fetch_one(&app)
                 .await;
+            let message = result.as_ref().err().map(ToString::to_string);
             assert_eq!(
                 refusal(result),
-                ("22023".to_owned(), Some("p_claims".to_owned())),
+                ("22023".to_owned(), Some(argument.to_owned())),
                 "{what} was accepted"
             );
-            assert_eq!(rows().await?, 1, "{what}: a refused batch wrote rows");
+            let message = message.unwrap_or_default();
+            assert!(
+                message.contains("entry 2:"),
+                "{what}: the refusal names the wrong entry: {message}"
+            );
+            assert_eq!(rows().await?, 2, "{what}: a refused batch wrote rows");
+        }
+
+        // Arrays that do not line up are refused before any entry is read.
+        let now = Utc::now();
+        let earlier = now - chrono::Duration::seconds(5);
+        let shaped = |counts: Vec<i32>, slots: Vec<i32>, holders: Vec<&'static str>| {
+            sqlx::query_scalar::<_, i32>(
+                "SELECT pgsemaphore.advisory_log($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(vec!["audited", "audited"])
+            .bind(holders)
+            .bind(counts)
+            .bind(slots)
+            .bind(vec![None::<serde_json::Value>, None])
+            .bind(vec![earlier, earlier])
+            .bind(vec![now, now])
+            .bind(vec!["released", "released"])
+        };
+        for (query, what, argument) in [
+            (
+                shaped(vec![1, 0], vec![1], vec!["w", "w"]),
+                "a permit of no slot",
+                "p_slots",
+            ),
+            (
+                shaped(vec![2, -1], vec![1], vec!["w", "w"]),
+                "a negative count that evens out the slots",
+                "p_slots",
+            ),
+            (
+                shaped(vec![1, 1], vec![1, 2, 3], vec!["w", "w"]),
+                "more slots than the counts say",
+                "p_slots",
+            ),
+            (
+                shaped(vec![1, 1], vec![1, 2], vec!["w"]),
+                "a holder missing",
+                "p_holders",
+            ),
+        ] {
+            assert_eq!(
+                refusal(query.fetch_one(&app).await),
+                ("22023".to_owned(), Some(argument.to_owned())),
+                "{what} was accepted"
+            );
+            assert_eq!(rows().await?, 2, "{what}: a refused batch wrote rows");
         }
         let too_many: Vec<_> = (0..1001).map(|_| entry(serde_json::json!({}))).collect();
         let result = sqlx::query_scalar::<_, i32>(log)
@@ -1367,9 +1461,9 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
             .await;
         assert_eq!(
             refusal(result),
-            ("22023".to_owned(), Some("p_claims".to_owned()))
+            ("22023".to_owned(), Some("p_semaphores".to_owned()))
         );
-        assert_eq!(rows().await?, 1);
+        assert_eq!(rows().await?, 2);
 
         // A row of a permit held before a capacity drop is still accepted
         // once the drop is over: its slot lies below the highest capacity.
@@ -1391,7 +1485,7 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
             )]))
             .execute(&app)
             .await?;
-        assert_eq!(rows().await?, 2);
+        assert_eq!(rows().await?, 3);
 
         // A role with no grants writes nothing.
         let nobody = extra_role(&db, "none", "").await?;
@@ -1401,7 +1495,7 @@ async fn privileges_the_advisory_audit_log_takes_only_what_a_holder_could_report
             .await;
         drop_extra_role(&db, "none", nobody).await?;
         assert!(denied(result), "a role with no grants wrote the audit log");
-        assert_eq!(rows().await?, 2);
+        assert_eq!(rows().await?, 3);
 
         // The operator's retention prunes the log (the application cannot).
         assert!(denied(
@@ -1546,7 +1640,7 @@ async fn privileges_each_routine_runs_for_exactly_its_documented_roles() -> Test
             "advisory_release_one(text,bigint,bigint)",
             "advisory_drained(text)",
             "advisory_rearm(text)",
-            "advisory_log(jsonb)",
+            "advisory_log(text[],text[],integer[],integer[],jsonb[],timestamp with time zone[],timestamp with time zone[],text[])",
             "open_family(text,integer,interval,interval)",
             "open_family_key(text,text)",
             "record_outcomes(text[],text[],bigint[],bigint[],bigint[])",

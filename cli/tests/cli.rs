@@ -663,12 +663,13 @@ async fn advisory_history(
     sem.try_acquire().await?.release().await?;
     drop(sem.try_acquire_many(2).await?);
     sqlx::query(
-        "SELECT pgsemaphore.advisory_log(jsonb_build_array(jsonb_build_object(
-             'semaphore', 'exports', 'slots', jsonb_build_array(2), 'holder', 'crashed, pid 7',
-             'metadata', jsonb_build_object('job', 'j-9'),
-             'acquired_at', now() - interval '10 minutes',
-             'ended_at', now() - interval '10 minutes' + interval '3 seconds',
-             'outcome', 'lost')))",
+        "SELECT pgsemaphore.advisory_log(
+             p_semaphores => '{exports}', p_holders => '{\"crashed, pid 7\"}',
+             p_slot_counts => '{1}', p_slots => '{2}',
+             p_metadata => ARRAY[jsonb_build_object('job', 'j-9')],
+             p_acquired_at => ARRAY[now() - interval '10 minutes'],
+             p_ended_at => ARRAY[now() - interval '10 minutes' + interval '3 seconds'],
+             p_outcomes => '{lost}')",
     )
     .execute(&db.pool)
     .await?;

@@ -1,10 +1,10 @@
 //! The advisory semaphores' audit log, written off the hot path: a finished
 //! permit is queued in memory and a background task appends queued permits
 //! to `pgsemaphore.advisory_claims` in batches (`pgsemaphore.advisory_log`,
-//! one statement per batch, at most every [`FLUSH_EVERY`]), through the
-//! application's pool. Claims and releases never wait for it, and it never
-//! writes a row that is later updated: under a held xmin horizon its table
-//! only grows, it does not churn.
+//! one statement per batch, its columns as arrays, at most every
+//! [`FLUSH_EVERY`]), through the application's pool. Claims and releases
+//! never wait for it, and it never writes a row that is later updated:
+//! under a held xmin horizon its table only grows, it does not churn.
 //!
 //! What it does not promise: permits that end while the database is
 //! unreachable are retried until the queue holds [`MAX_QUEUED`] of them,
@@ -23,7 +23,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::db::Db;
+use crate::db::{Db, Statement};
 use crate::error::{Error, Result};
 
 /// How often queued permits are written.
@@ -32,10 +32,16 @@ pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
 /// Rows per statement (the function accepts at most 1,000).
 const BATCH: usize = 1_000;
 
+/// Slots per statement, all rows together (the function accepts at most
+/// 100,000).
+const BATCH_SLOTS: usize = 100_000;
+
 /// Permits kept in memory while the database is unreachable.
 const MAX_QUEUED: usize = 100_000;
 
-const LOG: &str = "SELECT pgsemaphore.advisory_log(p_claims => $1)";
+const LOG: &str = "SELECT pgsemaphore.advisory_log(p_semaphores => $1, p_holders => $2, \
+                   p_slot_counts => $3, p_slots => $4, p_metadata => $5, p_acquired_at => $6, \
+                   p_ended_at => $7, p_outcomes => $8)";
 
 /// How a permit ended, as the audit log records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,18 +73,53 @@ pub(crate) struct Record {
     pub(crate) ending: Ending,
 }
 
-impl Record {
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "semaphore": self.semaphore,
-            "slots": self.slots,
-            "holder": self.holder,
-            "metadata": self.metadata,
-            "acquired_at": self.acquired_at.to_rfc3339(),
-            "ended_at": self.ended_at.to_rfc3339(),
-            "outcome": self.ending.as_str(),
-        })
+/// The statement that writes `records` (at most [`BATCH`] of them, with at
+/// most [`BATCH_SLOTS`] slots), a column per argument.
+fn log_statement(db: &Db, records: &[Record]) -> Statement<(i32,)> {
+    let mut slots = Vec::new();
+    let mut counts = Vec::with_capacity(records.len());
+    for record in records {
+        counts.push(record.slots.len() as i32);
+        slots.extend(record.slots.iter().map(|&slot| slot as i32));
     }
+    db.query_as(LOG)
+        .bind(
+            records
+                .iter()
+                .map(|r| r.semaphore.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(records.iter().map(|r| r.holder.clone()).collect::<Vec<_>>())
+        .bind(counts)
+        .bind(slots)
+        .bind(
+            records
+                .iter()
+                .map(|r| r.metadata.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(records.iter().map(|r| r.acquired_at).collect::<Vec<_>>())
+        .bind(records.iter().map(|r| r.ended_at).collect::<Vec<_>>())
+        .bind(
+            records
+                .iter()
+                .map(|r| r.ending.as_str())
+                .collect::<Vec<_>>(),
+        )
+}
+
+/// How many of `pending`'s first records one statement takes.
+fn batch_len(pending: &[Record]) -> usize {
+    let mut slots = 0;
+    let mut take = 0;
+    for record in pending.iter().take(BATCH) {
+        slots += record.slots.len();
+        if take > 0 && slots > BATCH_SLOTS {
+            break;
+        }
+        take += 1;
+    }
+    take
 }
 
 /// A client's audit writer: a queue and the task that empties it.
@@ -149,12 +190,8 @@ async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Message>) {
             }
         }
         while !pending.is_empty() {
-            let take = pending.len().min(BATCH);
-            let batch: Vec<serde_json::Value> = pending[..take].iter().map(Record::json).collect();
-            let query = db
-                .query_as::<(i32,)>(LOG)
-                .bind(serde_json::Value::Array(batch));
-            match db.fetch_one(query).await {
+            let take = batch_len(&pending);
+            match db.fetch_one(log_statement(&db, &pending[..take])).await {
                 Ok(_) => {
                     pending.drain(..take);
                     warned = false;
@@ -165,9 +202,7 @@ async fn write(db: Db, mut inbox: mpsc::UnboundedReceiver<Message>) {
                     // queued for the next round.
                     let mut written = 0;
                     for record in &pending[..take] {
-                        let one = db
-                            .query_as::<(i32,)>(LOG)
-                            .bind(serde_json::Value::Array(vec![record.json()]));
+                        let one = log_statement(&db, std::slice::from_ref(record));
                         match db.fetch_one(one).await {
                             Ok(_) => {}
                             Err(Error::InvalidArgument { reason, .. }) => tracing::warn!(
