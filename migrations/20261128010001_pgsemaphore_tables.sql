@@ -354,20 +354,23 @@ CREATE TRIGGER advisory_semaphores_highest_capacity
     FOR EACH ROW EXECUTE FUNCTION pgsemaphore.advisory_highest_capacity();
 
 -- THE CAPACITY EPOCH. The crate's one-statement claim of one slot
--- (CLAIM_ONE in src/semaphore/advisory/session.rs) reads the semaphore's
--- row with its statement's snapshot, then try-locks a slot below the
--- capacity it read. A capacity drop committed between that snapshot and
--- the lock would be missed, so after the lock, in the same statement, it
+-- (CLAIM_ONE in src/semaphore/advisory/session.rs) reads no table: the
+-- process read the semaphore's row (capacity, peak_capacity, epoch) once,
+-- in an earlier statement, and passes its capacity and epoch; the claim
+-- try-locks a slot below that capacity. A capacity drop committed since
+-- that read would be missed, so after the lock, in the same statement, it
 -- reads this sequence, which is not transactional (pg_sequence_last_value
 -- reads the value in place, whatever the snapshot), and keeps the slot only
--- if it still equals the row's epoch; else it gives the slot back and the
--- caller falls back to advisory_claim, which re-reads after its locks.
+-- if it still equals the epoch read; else it gives the slot back, and the
+-- process reads the row again or falls back to advisory_claim, which
+-- re-reads after its locks.
 -- The trigger below moves the sequence (nextval) whenever a row's capacity
 -- or name changes, or a row is deleted: during that statement, after the
 -- row's lock and before the commit. A new row takes the value in force
 -- (creating a semaphore moves nothing: the application may create them).
--- Why a claim that finds the value unchanged is safe: let the claim read
--- row version V (epoch e) with snapshot S, lock a slot at L, and read the
+-- Why a claim that finds the value unchanged is safe, however old its
+-- read of the row: let the process read row version V (epoch e) with
+-- snapshot S, and the claim lock a slot at L and read the
 -- sequence at R > L. A change of the capacity committed after S locked
 -- the row after V's writer had released it, so its nextval came after V
 -- was written and returned more than e (and more than every value read
@@ -376,10 +379,11 @@ CREATE TRIGGER advisory_semaphores_highest_capacity
 -- commit: the claim is a holder from before the change, which
 -- advisory_claim's proof (case (a)) already covers (a drop's drain sees it
 -- in pg_locks). A drain (advisory_drained lowers peak_capacity) needs no
--- move: a claim whose snapshot shows a drop pending takes no fast slot.
+-- move: a process whose read shows a drop pending sends no fast claim.
 -- The argument needs no snapshot taken after the lock, so it holds at any
--- isolation level: a REPEATABLE READ claim whose snapshot predates a
--- change gives its slot back like any other (tests/security.rs).
+-- isolation level and for a read of the row of any age: a claim whose read
+-- predates a change gives its slot back like any other
+-- (tests/security.rs).
 -- The sequence is shared by every advisory semaphore, so a change of one
 -- sends the others' fast claims to advisory_claim until their epoch is
 -- read again: advisory_rearm, which advisory_claim calls when it finds the

@@ -836,8 +836,10 @@ async fn a_claim_that_fails_after_taking_a_lock_leaves_nothing_held() -> TestRes
 }
 
 /// A claim behind a lock on the semaphores' table (a migration's DDL
-/// waiting, or holding it) waits at most the session's lock_timeout and
-/// answers `Error::Stalled`, holding nothing, and the session stays usable;
+/// waiting, or holding it) that must read the semaphore's row waits at most
+/// the session's lock_timeout and answers `Error::Stalled`, holding nothing,
+/// and the session stays usable (a claim whose process has read the row
+/// already does not read it, and goes through);
 /// a waiting acquire keeps waiting through it and gets the slot once the
 /// table is free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -845,11 +847,20 @@ async fn a_claim_behind_a_table_lock_is_stalled_not_stuck() -> TestResult {
     let db = support::migrated_db().await;
     let sem = advisory(&db.pool, "behind-ddl", 1).await?;
     sem.try_acquire().await?.release().await?;
+    // A handle of another process: it has not read the row yet.
+    let other = advisory(&db.pool, "behind-ddl", 1).await?;
     let mut ddl = db.pool.acquire().await?;
     sqlx::query("BEGIN").execute(&mut *ddl).await?;
     sqlx::query("LOCK TABLE pgsemaphore.advisory_semaphores IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *ddl)
         .await?;
+    // The handle that read the row claims without the table: its claim is
+    // checked against the capacity epoch, which the lock does not hold.
+    let claimed = tokio::time::timeout(Duration::from_secs(10), sem.try_acquire())
+        .await
+        .map_err(|_| "a claim on a view of the row waited for the table's lock")??;
+    claimed.release().await?;
+    let sem = other;
     let refused = tokio::time::timeout(Duration::from_secs(10), sem.try_acquire())
         .await
         .map_err(|_| "a claim waited for the table's lock without bound")?;

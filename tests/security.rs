@@ -14,8 +14,8 @@ use pg_semaphore::{
     admin::{Reaper, SemaphoreInfo},
     audit::{AuditLog, SemaphoreKind},
 };
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
+use sqlx::postgres::{PgArguments, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres};
 use support::roles::{PASSWORD, Roles};
 use support::{TestResult, live_slots, raw_claim, token};
 
@@ -2096,25 +2096,46 @@ async fn exclusive_holders(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> 
 }
 
 /// The crate's one-statement claim of one slot (`CLAIM_ONE`), as any
-/// client may send it.
-const FAST_CLAIM: &str = "SELECT CASE WHEN t.slot IS NULL THEN NULL \
-          WHEN pg_sequence_last_value('pgsemaphore.advisory_epoch') = a.epoch THEN t.slot \
-          WHEN pg_advisory_unlock(a.key_base + t.slot) THEN -1 ELSE -1 END \
-     FROM pgsemaphore.advisory_semaphores a \
-     CROSS JOIN LATERAL (SELECT (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
-       WHERE a.peak_capacity = a.capacity AND pg_try_advisory_lock(a.key_base + g.s) LIMIT 1) AS slot \
-       OFFSET 0) AS t \
-     WHERE a.name = $1";
+/// client may send it: on a view of the row (`$1` key base, `$2` capacity,
+/// `$3` epoch, read by [`row_view`] earlier); the slot, -1 when given back.
+const FAST_CLAIM: &str = "SELECT CASE WHEN t.slot IS NULL THEN NULL WHEN t.current THEN t.slot \
+          WHEN pg_advisory_unlock($1 + t.slot) THEN -1 ELSE -1 END \
+     FROM (SELECT s.slot, pg_sequence_last_value('pgsemaphore.advisory_epoch') = $3 AS current \
+             FROM (SELECT (SELECT g.s FROM generate_series(0, $2 - 1) AS g(s) \
+                            WHERE pg_try_advisory_lock($1 + g.s) LIMIT 1) AS slot \
+                   OFFSET 0) AS s \
+           OFFSET 0) AS t";
+
+/// A process's view of a semaphore's row, as the crate reads it for
+/// [`FAST_CLAIM`]: key base, capacity, epoch.
+async fn row_view(pool: &PgPool, semaphore: &str) -> sqlx::Result<(i64, i32, i64)> {
+    sqlx::query_as(
+        "SELECT key_base, capacity, epoch FROM pgsemaphore.advisory_semaphores WHERE name = $1",
+    )
+    .bind(semaphore)
+    .fetch_one(pool)
+    .await
+}
+
+/// [`FAST_CLAIM`] on `view`.
+fn fast_claim(
+    view: (i64, i32, i64),
+) -> sqlx::query::QueryScalar<'static, Postgres, Option<i32>, PgArguments> {
+    sqlx::query_scalar(FAST_CLAIM)
+        .bind(view.0)
+        .bind(view.1)
+        .bind(view.2)
+}
 
 /// README: "Claim slots of an advisory semaphore only within a capacity
 /// known after taking the locks: `advisory_claim` runs only in READ
 /// COMMITTED and re-reads the capacity after its locks, and the
 /// one-statement claim keeps its slot only if the capacity epoch (the
 /// sequence `pgsemaphore.advisory_epoch`, which every capacity change
-/// moves) still reads the row's value after its lock. A claim whose
-/// snapshot predates a capacity drop is refused or gives its slots back,
-/// and a claim that fails after taking locks gives them back before it
-/// answers."
+/// moves) still reads, after its lock, the value its process last read of
+/// the row. A claim whose snapshot, or whose view of the row, predates a
+/// capacity drop is refused or gives its slots back, and a claim that
+/// fails after taking locks gives them back before it answers."
 /// (Issue 32, attack 2: a REPEATABLE READ claim whose snapshot predates a
 /// drop 4 -> 2, admitted on slot 2 after the drain, would make 3 holders
 /// on capacity 2.) Also as a role with no grants, and as one granted the
@@ -2157,19 +2178,20 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         assert_eq!(advisory_locks_held(&mut stale).await?, 0);
         assert_eq!(exclusive_holders(&app, "adv-drop").await?, 2);
 
-        // The one-statement claim in REPEATABLE READ whose snapshot
-        // predates a drop 2 -> 1, on a free slot: the capacity epoch moved
-        // after its snapshot, so it gives the slot back (-1) and holds
-        // nothing; kept, it would make 2 holders on capacity 1.
+        // The one-statement claim on a view of the row read before a drop
+        // 2 -> 1, on a free slot (and in a REPEATABLE READ transaction begun
+        // before the drop: the claim reads no table, so its level does not
+        // matter): the capacity epoch moved after the view was read, so it
+        // gives the slot back (-1) and holds nothing; kept, it would make 2
+        // holders on capacity 1.
         let sem = pg_semaphore::AdvisorySemaphore::builder("adv-drop-rr", 2)
             .audit(false)
             .build(&pg_semaphore::Client::new(app.clone()))
             .await?;
+        let view = row_view(&app, "adv-drop-rr").await?;
+        assert_eq!(view.1, 2);
         let mut first = app.acquire().await?;
-        let slot = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
-            .bind("adv-drop-rr")
-            .fetch_one(&mut *first)
-            .await?;
+        let slot = fast_claim(view).fetch_one(&mut *first).await?;
         assert_eq!(slot, Some(0));
         sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *stale)
@@ -2185,14 +2207,20 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
             .fetch_one(&app)
             .await?;
         assert!(drained, "nothing above the new capacity is held");
-        let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
-            .bind("adv-drop-rr")
-            .fetch_one(&mut *stale)
-            .await?;
+        let fast = fast_claim(view).fetch_one(&mut *stale).await?;
         assert_eq!(fast, Some(-1), "a fast claim kept a slot above a lowered capacity");
         sqlx::query("ROLLBACK").execute(&mut *stale).await?;
         assert_eq!(advisory_locks_held(&mut stale).await?, 0);
+        let fast = fast_claim(view).fetch_one(&mut *stale).await?;
+        assert_eq!(fast, Some(-1), "the same view, in READ COMMITTED");
+        assert_eq!(advisory_locks_held(&mut stale).await?, 0);
         assert_eq!(exclusive_holders(&app, "adv-drop-rr").await?, 1);
+        // The crate's own claim, whose view is also from before the drop,
+        // finds the semaphore full.
+        assert!(matches!(
+            sem.try_acquire().await,
+            Err(pg_semaphore::Error::NoSlotsAvailable { .. })
+        ));
         sqlx::query("SELECT pg_advisory_unlock_all()")
             .execute(&mut *first)
             .await?;
@@ -2222,9 +2250,8 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
             .execute(&mut *conn)
             .await;
         assert!(denied(refused));
-        let refused = sqlx::query(FAST_CLAIM)
-            .bind("adv-drop")
-            .execute(&mut *conn)
+        let refused = fast_claim(row_view(&app, "adv-drop").await?)
+            .fetch_one(&mut *conn)
             .await;
         assert!(denied(refused));
         assert_eq!(advisory_locks_held(&mut conn).await?, 0);
@@ -2302,8 +2329,7 @@ async fn advisory_rearm_writes_only_the_sequences_value_once_per_move() -> TestR
         pg_semaphore::admin::set_capacity(&operator, "rearm-b", 3).await?;
         assert!(!armed().fetch_one(&app).await?);
         let mut conn = app.acquire().await?;
-        let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
-            .bind("rearm-a")
+        let fast = fast_claim(row_view(&app, "rearm-a").await?)
             .fetch_one(&mut *conn)
             .await?;
         assert_eq!(
@@ -2332,8 +2358,7 @@ async fn advisory_rearm_writes_only_the_sequences_value_once_per_move() -> TestR
             !rearm(Some("rearm-a")).fetch_one(&app).await?,
             "written once per move"
         );
-        let fast = sqlx::query_scalar::<_, Option<i32>>(FAST_CLAIM)
-            .bind("rearm-a")
+        let fast = fast_claim(row_view(&app, "rearm-a").await?)
             .fetch_one(&mut *conn)
             .await?;
         assert_eq!(fast, Some(0), "re-armed: the slot is kept");

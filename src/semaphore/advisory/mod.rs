@@ -46,7 +46,7 @@ use crate::validate::{self, MAX_CAPACITY};
 pub(crate) use self::audit::AuditWriter;
 pub use self::permit::AdvisoryPermit;
 pub(crate) use self::session::Sessions;
-use self::session::{ClaimReply, Session};
+use self::session::{ClaimReply, RowView, Session};
 use super::wake::Wakeups;
 
 /// The default most dedicated connections a client's advisory semaphores
@@ -135,6 +135,8 @@ pub(crate) struct AdvisoryCore {
     /// This process's waiting announcement for the semaphore, shared by its
     /// waiters.
     announced: Mutex<Weak<Announcement>>,
+    /// What the one-statement claim last read of the semaphore's row.
+    row: RowView,
 }
 
 impl fmt::Debug for AdvisorySemaphore {
@@ -229,6 +231,7 @@ impl AdvisorySemaphoreBuilder {
                 fallback,
                 db,
                 announced: Mutex::new(Weak::new()),
+                row: RowView::default(),
                 name: self.name,
             }),
         })
@@ -404,15 +407,18 @@ async fn claim(core: &Arc<AdvisoryCore>, n: u32) -> Result<Claim> {
     let core = core.clone();
     detached(move |_| async move {
         let session = core.sessions.pick().await?;
-        let reply = session.claim(&core.name, n).await.map_err(|error| {
-            // The session's lock_timeout (2 s) ran out: nothing was taken.
-            if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
-                return Error::Stalled {
-                    semaphore: core.name.clone(),
-                };
-            }
-            semaphore_not_found(error, &core.name)
-        })?;
+        let reply = session
+            .claim(&core.name, core.key_base, &core.row, n)
+            .await
+            .map_err(|error| {
+                // The session's lock_timeout (2 s) ran out: nothing was taken.
+                if crate::error::sqlstate(&error).as_deref() == Some("55P03") {
+                    return Error::Stalled {
+                        semaphore: core.name.clone(),
+                    };
+                }
+                semaphore_not_found(error, &core.name)
+            })?;
         Ok(match reply {
             ClaimReply::Claimed { slots, at } => {
                 tracing::debug!(semaphore = %core.name, ?slots, "advisory permit acquired");

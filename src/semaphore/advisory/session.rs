@@ -69,38 +69,58 @@ use crate::error::{self, Error, LostReason, Result};
 const CLAIM: &str = "SELECT o_status, o_slots, o_capacity, o_at \
                      FROM pgsemaphore.advisory_claim(p_semaphore => $1, p_permits => $2, p_mine => $3)";
 
-/// The common claim, as one plain statement: one permit, on a session that
-/// holds no slot of the semaphore (so no lock it takes can be one it
-/// holds), with no capacity drop pending; what `pgsemaphore.advisory_claim`
-/// does in that case, without a PL/pgSQL call (a PL/pgSQL call rebuilds
-/// its expressions in every transaction). The statement reads the row with
-/// a snapshot taken before its try-lock, so after the lock (the lateral
-/// subquery runs before the select list) it reads the sequence
-/// `pgsemaphore.advisory_epoch`, which is not transactional and which every
-/// change of a capacity moves under the row's lock: the slot is kept only
-/// if it still reads the row's epoch, else given back (-1: a change came in
-/// between, or another semaphore's moved the sequence; the caller then
-/// sends [`CLAIM`], which re-reads after its locks and re-arms the epoch).
-/// NULL: nothing was free. No row: no such semaphore. A drop pending
-/// (`peak_capacity > capacity`) as the statement saw it takes nothing (the
-/// gate is a one-time filter of the subquery), and the caller then sends
-/// [`CLAIM`]. Why an unchanged epoch is safe: the sequence's comment in the
-/// schema (part 1).
-const CLAIM_ONE: &str = "SELECT a.capacity, a.peak_capacity, \
-                                CASE WHEN t.slot IS NULL THEN NULL \
-                                     WHEN pg_sequence_last_value('pgsemaphore.advisory_epoch') = a.epoch \
-                                         THEN t.slot \
-                                     WHEN pg_advisory_unlock(a.key_base + t.slot) THEN -1 \
+/// The common claim, as one plain statement that reads no table: one
+/// permit, on a session that holds no slot of the semaphore (so no lock it
+/// takes can be one it holds), with no capacity drop pending; what
+/// `pgsemaphore.advisory_claim` does in that case, without a PL/pgSQL call
+/// (a PL/pgSQL call rebuilds its expressions in every transaction) and
+/// without the semaphore's row. The caller passes what it last read of the
+/// row ([`RowView`]): `$1` the key base, `$2` the capacity and `$3` the
+/// epoch in force. The statement try-locks a slot below that capacity (the
+/// innermost subquery, fenced by `OFFSET 0`, runs before the select lists
+/// above it), then reads the sequence `pgsemaphore.advisory_epoch`, which
+/// is not transactional and which every change of a capacity moves under
+/// the row's lock before it commits: if it still reads `$3` (`current`),
+/// nothing has changed a capacity since the row was read, and the slot is
+/// kept, or NULL means all were taken; if not, the slot is given back (-1)
+/// and the caller reads the row again ([`ROW`]) and, if need be, sends
+/// [`CLAIM`], which re-reads after its locks and re-arms the epoch. Why an
+/// unchanged epoch is safe however old the read of the row was: the
+/// sequence's comment in the schema (part 1).
+const CLAIM_ONE: &str = "SELECT CASE WHEN t.slot IS NULL THEN NULL \
+                                     WHEN t.current THEN t.slot \
+                                     WHEN pg_advisory_unlock($1 + t.slot) THEN -1 \
                                      ELSE -1 END AS slot, \
-                                clock_timestamp() AS at \
-                         FROM pgsemaphore.advisory_semaphores a \
-                         CROSS JOIN LATERAL ( \
-                             SELECT (SELECT g.s FROM generate_series(0, a.capacity - 1) AS g(s) \
-                                      WHERE a.peak_capacity = a.capacity \
-                                        AND pg_try_advisory_lock(a.key_base + g.s) \
-                                      LIMIT 1) AS slot \
-                             OFFSET 0) AS t \
-                         WHERE a.name = $1";
+                                t.current, clock_timestamp() AS at \
+                         FROM (SELECT s.slot, \
+                                      pg_sequence_last_value('pgsemaphore.advisory_epoch') = $3 AS current \
+                                 FROM (SELECT (SELECT g.s FROM generate_series(0, $2 - 1) AS g(s) \
+                                                WHERE pg_try_advisory_lock($1 + g.s) \
+                                                LIMIT 1) AS slot \
+                                       OFFSET 0) AS s \
+                               OFFSET 0) AS t";
+
+/// What [`CLAIM_ONE`] needs of a semaphore's row: its capacity, the
+/// highest capacity a drop is draining (`peak_capacity`) and its epoch.
+const ROW: &str = "SELECT capacity, peak_capacity, epoch \
+                   FROM pgsemaphore.advisory_semaphores WHERE name = $1";
+
+/// A process's view of one semaphore's row for [`CLAIM_ONE`], shared by
+/// its handles: the capacity and epoch last read, kept only while no drop
+/// was pending. Every use checks it against the sequence after its lock,
+/// so a stale view costs a round trip, never a slot.
+#[derive(Debug, Default)]
+pub(crate) struct RowView(Mutex<Option<(i32, i64)>>);
+
+impl RowView {
+    fn get(&self) -> Option<(i32, i64)> {
+        *lock(&self.0)
+    }
+
+    fn set(&self, view: Option<(i32, i64)>) {
+        *lock(&self.0) = view;
+    }
+}
 
 /// After a claim failed with an error (not an outage: the session lives
 /// on), the locks of the semaphore's slots this session holds and its
@@ -266,7 +286,13 @@ impl Session {
     /// (a claim whose reply is dropped keeps its slots until they are
     /// released): run it inside [`detached`](crate::detached::detached),
     /// whose value, dropped if the caller has gone, releases them.
-    pub(crate) async fn claim(&self, semaphore: &str, permits: u32) -> Result<ClaimReply> {
+    pub(crate) async fn claim(
+        &self,
+        semaphore: &str,
+        key_base: i64,
+        view: &RowView,
+        permits: u32,
+    ) -> Result<ClaimReply> {
         let _in_flight = InFlight::new(&self.in_flight);
         let mut guard = self.state.lock().await;
         let Some(mut state) = guard.as_mut() else {
@@ -278,21 +304,44 @@ impl Session {
             .get(semaphore)
             .map(|slots| slots.iter().map(|&s| s as i32).collect())
             .unwrap_or_default();
-        // The common claim, as a plain statement.
-        if permits == 1 && mine.is_empty() {
-            let query = sqlx::query_as::<_, (i32, i32, Option<i32>, DateTime<Utc>)>(CLAIM_ONE)
-                .bind(semaphore);
-            let outcome = tokio::time::timeout(bound, query.fetch_optional(&mut state.conn)).await;
+        // The common claim, as a plain statement, on the process's view of
+        // the row; read again (once) when there is none or it is stale.
+        let mut read = false;
+        while permits == 1 && mine.is_empty() {
+            let Some((capacity, epoch)) = view.get() else {
+                if read {
+                    // A drop is pending: the general claim counts.
+                    break;
+                }
+                let outcome = tokio::time::timeout(
+                    bound,
+                    sqlx::query_as::<_, (i32, i32, i64)>(ROW)
+                        .bind(semaphore)
+                        .fetch_optional(&mut state.conn),
+                )
+                .await;
+                let (row, answered) = self.answered(&mut guard, "a claim", bound, outcome)?;
+                state = answered;
+                let Some((capacity, peak, epoch)) = row else {
+                    return Err(Error::SemaphoreNotFound {
+                        semaphore: semaphore.to_owned(),
+                    });
+                };
+                view.set((peak == capacity).then_some((capacity, epoch)));
+                read = true;
+                continue;
+            };
+            let query = sqlx::query_as::<_, (Option<i32>, bool, DateTime<Utc>)>(CLAIM_ONE)
+                .bind(key_base)
+                .bind(capacity)
+                .bind(epoch);
+            let outcome = tokio::time::timeout(bound, query.fetch_one(&mut state.conn)).await;
             self.give_back_after_error(&mut guard, semaphore, &mine, &outcome)
                 .await;
-            let (reply, answered) = self.answered(&mut guard, "a claim", bound, outcome)?;
+            let ((slot, current, at), answered) =
+                self.answered(&mut guard, "a claim", bound, outcome)?;
             state = answered;
-            let Some((capacity, peak, slot, at)) = reply else {
-                return Err(Error::SemaphoreNotFound {
-                    semaphore: semaphore.to_owned(),
-                });
-            };
-            if peak <= capacity && slot != Some(-1) {
+            if current {
                 let capacity = capacity.max(0) as u32;
                 return Ok(match slot {
                     Some(slot) => {
@@ -310,9 +359,15 @@ impl Session {
                     None => ClaimReply::Full { capacity },
                 });
             }
-            // A capacity drop is pending, or came between the statement's
-            // snapshot and its lock (the slot was given back): the general
-            // claim re-reads and counts.
+            // A capacity changed since the view was read (or another
+            // semaphore's did: the sequence is shared), and the slot was
+            // given back: read the row again, or, if that was just done,
+            // let the general claim re-read and count (it re-arms the
+            // epoch).
+            view.set(None);
+            if read {
+                break;
+            }
         }
         let query = sqlx::query_as::<_, ClaimRow>(CLAIM)
             .bind(semaphore)
