@@ -320,7 +320,7 @@ CREATE TABLE pgsemaphore.advisory_semaphores (
     capacity      integer     NOT NULL,
     peak_capacity integer     NOT NULL,
     highest_capacity integer  NOT NULL DEFAULT 1,
-    epoch         bigint      NOT NULL DEFAULT 0,
+    epoch         bigint      NOT NULL,
     key_base      bigint      NOT NULL GENERATED ALWAYS AS
                   (hashtextextended(name, 0) & ~1048575::bigint) STORED,
     created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),

@@ -182,6 +182,49 @@ async fn a_capacity_drop_admits_nobody_until_the_holders_drain() -> TestResult {
     Ok(())
 }
 
+/// A handle claims on its view of the semaphore's row (capacity, epoch),
+/// read once: a raise by the operator, or another semaphore's change (the
+/// epoch is shared), makes its next claim read the row again, and the new
+/// capacity is used at once.
+#[tokio::test]
+async fn a_raise_and_another_semaphores_change_reach_a_handle_at_its_next_claim() -> TestResult {
+    let db = support::migrated_db().await;
+    let sem = advisory(&db.pool, "raised", 1).await?;
+    let elsewhere = advisory(&db.pool, "elsewhere", 1).await?;
+    let first = sem.try_acquire().await?;
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { capacity: 1, .. })
+    ));
+    pg_semaphore::admin::set_capacity(&db.pool, "raised", 2).await?;
+    let second = sem.try_acquire().await?;
+    assert_eq!(second.slot(), 1);
+    assert!(matches!(
+        sem.try_acquire().await,
+        Err(Error::NoSlotsAvailable { capacity: 2, .. })
+    ));
+    second.release().await?;
+    // Another semaphore's change moves the shared epoch: the view is stale,
+    // the claim reads again (and the general claim re-arms the row).
+    let held = elsewhere.try_acquire().await?;
+    pg_semaphore::admin::set_capacity(&db.pool, "elsewhere", 3).await?;
+    for _ in 0..3 {
+        let again = sem.try_acquire().await?;
+        assert_eq!(again.slot(), 1);
+        again.release().await?;
+    }
+    let armed: bool = sqlx::query_scalar(
+        "SELECT epoch = pg_sequence_last_value('pgsemaphore.advisory_epoch') \
+           FROM pgsemaphore.advisory_semaphores WHERE name = 'raised'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(armed, "the general claim re-armed the row");
+    first.release().await?;
+    held.release().await?;
+    Ok(())
+}
+
 /// A waiter in another process is woken by a release (a NOTIFY, its
 /// fallback a minute away), and one in the same process directly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
