@@ -105,9 +105,9 @@ const CLAIM_ONE: &str = "SELECT CASE WHEN t.slot IS NULL THEN NULL \
 const ROW: &str = "SELECT capacity, peak_capacity, epoch \
                    FROM pgsemaphore.advisory_semaphores WHERE name = $1";
 
-/// A process's view of one semaphore's row for [`CLAIM_ONE`], shared by
-/// its handles: the capacity and epoch last read, kept only while no drop
-/// was pending. Every use checks it against the sequence after its lock,
+/// A handle's view of its semaphore's row for [`CLAIM_ONE`], shared by the
+/// handle's clones: the capacity and epoch last read, kept only while no
+/// drop was pending. Every use checks it against the sequence after its lock,
 /// so a stale view costs a round trip, never a slot.
 #[derive(Debug, Default)]
 pub(crate) struct RowView(Mutex<Option<(i32, i64)>>);
