@@ -313,13 +313,14 @@ CREATE TABLE pgsemaphore.wakeups (
 --   lowered again), so peak_capacity alone would refuse an honest row.
 --   epoch: a value of the sequence pgsemaphore.advisory_epoch at which no
 --   change of this row's capacity was in flight (see advisory_epoch below);
---   the one-statement claim keeps its slot only while the sequence still
---   reads this value after its lock.
+--   the one-statement claim, on a view of the row read earlier, keeps its
+--   slot only while the sequence still reads the view's value after its
+--   lock.
 CREATE TABLE pgsemaphore.advisory_semaphores (
     name          text        PRIMARY KEY,
     capacity      integer     NOT NULL,
     peak_capacity integer     NOT NULL,
-    highest_capacity integer  NOT NULL DEFAULT 1,
+    highest_capacity integer  NOT NULL,
     epoch         bigint      NOT NULL,
     key_base      bigint      NOT NULL GENERATED ALWAYS AS
                   (hashtextextended(name, 0) & ~1048575::bigint) STORED,

@@ -5499,7 +5499,7 @@ CREATE TABLE pgsemaphore.advisory_semaphores (
     name text NOT NULL,
     capacity integer NOT NULL,
     peak_capacity integer NOT NULL,
-    highest_capacity integer DEFAULT 1 NOT NULL,
+    highest_capacity integer NOT NULL,
     epoch bigint NOT NULL,
     key_base bigint GENERATED ALWAYS AS ((hashtextextended(name, (0)::bigint) & (~ (1048575)::bigint))) STORED NOT NULL,
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
