@@ -2190,6 +2190,8 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
             .await?;
         let view = row_view(&app, "adv-drop-rr").await?;
         assert_eq!(view.1, 2);
+        // The crate's handle reads its own view now, before the drop.
+        sem.try_acquire().await?.release().await?;
         let mut first = app.acquire().await?;
         let slot = fast_claim(view).fetch_one(&mut *first).await?;
         assert_eq!(slot, Some(0));
@@ -2216,7 +2218,7 @@ async fn privileges_advisory_claims_never_admit_above_a_lowered_capacity() -> Te
         assert_eq!(advisory_locks_held(&mut stale).await?, 0);
         assert_eq!(exclusive_holders(&app, "adv-drop-rr").await?, 1);
         // The crate's own claim, whose view is also from before the drop,
-        // finds the semaphore full.
+        // reads the row again and finds the semaphore full.
         assert!(matches!(
             sem.try_acquire().await,
             Err(pg_semaphore::Error::NoSlotsAvailable { .. })
