@@ -423,9 +423,11 @@ CREATE FUNCTION pgsemaphore.advisory_log(p_semaphores text[], p_holders text[], 
 -- p_slots (the permits' slots one after another). Insert-only: nothing it
 -- writes is ever updated. Returns how many rows it wrote. A fast commit:
 -- losing a batch in a crash loses audit rows, never a slot.
--- The shape: one-dimensional arrays without NULLs (p_metadata may hold
--- NULLs), all of the same length, at most 1000 entries, p_slots the sum of
--- p_slot_counts and at most 100000 slots; else 22023 naming the argument.
+-- The shape: one-dimensional arrays of the same length, at most 1000
+-- entries; p_slot_counts and p_slots without NULLs, p_slots as long as the
+-- counts' sum and at most 100000 slots; else 22023 naming the argument. A
+-- NULL in another array fails its entry's check (below), except in
+-- p_metadata, where it means no metadata.
 -- The log records what holders reported: any role granted this function
 -- can write a row for a permit it never held. What it checks is what a
 -- holder could have reported; a batch with one entry that fails a check is
