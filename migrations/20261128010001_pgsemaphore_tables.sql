@@ -642,9 +642,8 @@ BEGIN
                AND EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = NEW.name)) THEN
             RETURN NEW;
         END IF;
-        RAISE EXCEPTION 'creating a pg-semaphore semaphore needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('creating a semaphore',
+            'an older snapshot could miss a semaphore of the other kind created under the same name');
     END IF;
     PERFORM pg_advisory_xact_lock(1885828966, hashtext(NEW.name));
     IF TG_TABLE_NAME = 'semaphores'

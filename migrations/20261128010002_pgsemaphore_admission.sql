@@ -87,6 +87,25 @@ BEGIN
 END;
 $$;
 
+-- Raises the refusal of every function whose decision needs a snapshot
+-- taken after its locks, called in a REPEATABLE READ or SERIALIZABLE
+-- transaction: SQLSTATE 0A000, what was called (p_subject) in the message,
+-- and what an older snapshot could miss (p_why) in the hint. Called only on
+-- the error path, before anything is taken. advisory_claim, which runs with
+-- its caller's rights (this is granted to nobody), raises the same error
+-- itself.
+CREATE FUNCTION pgsemaphore.refuse_isolation(p_subject text, p_why text)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RAISE EXCEPTION '% needs READ COMMITTED, this transaction is %',
+        p_subject, upper(current_setting('transaction_isolation'))
+        USING ERRCODE = 'feature_not_supported',
+              HINT = 'call it outside the transaction, or in a READ COMMITTED one: ' || p_why;
+END;
+$$;
+
 -- The checks every function shares. Each returns its argument (so it can
 -- be used inline) or raises through pgsemaphore.refuse.
 
@@ -373,9 +392,8 @@ BEGIN
     -- Every statement below must take a fresh snapshot after the locks it
     -- waited for: READ COMMITTED only.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.claim needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.claim',
+            'an older snapshot could miss slots taken, freed or reaped meanwhile');
     END IF;
     v_hash := sha256(p_token);
     v_reserve := CASE WHEN p_priority = 0 THEN p_reserve ELSE 0 END;

@@ -228,9 +228,8 @@ BEGIN
     -- semaphore's row lock was granted: READ COMMITTED only (an older
     -- snapshot could miss a waiter queued meanwhile).
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.enqueue needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.enqueue',
+            'an older snapshot could miss a waiter queued meanwhile');
     END IF;
     PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
     IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN

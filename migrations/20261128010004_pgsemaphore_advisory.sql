@@ -177,10 +177,12 @@ DECLARE
     s          integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'advisory claims need READ COMMITTED, this transaction is %',
+        -- (pgsemaphore.refuse_isolation's error, raised here: this runs
+        -- with the caller's rights, and the helper is granted to nobody.)
+        RAISE EXCEPTION 'pgsemaphore.advisory_claim needs READ COMMITTED, this transaction is %',
             upper(current_setting('transaction_isolation'))
             USING ERRCODE = 'feature_not_supported',
-                  HINT = 'claim outside the transaction, or in a READ COMMITTED one: '
+                  HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
                          'an older snapshot could miss a capacity drop';
     END IF;
     IF p_semaphore IS NULL THEN
@@ -426,9 +428,8 @@ BEGIN
         PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'advisory_drained needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.advisory_drained',
+            'an older snapshot could miss a capacity change committed meanwhile');
     END IF;
     SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
       FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
@@ -493,9 +494,8 @@ BEGIN
         PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'advisory_rearm needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.advisory_rearm',
+            'an older snapshot could miss a capacity change committed meanwhile');
     END IF;
     PERFORM 1 FROM pgsemaphore.advisory_semaphores a
      WHERE a.name = p_semaphore AND a.epoch <> pg_sequence_last_value('pgsemaphore.advisory_epoch')

@@ -238,9 +238,8 @@ BEGIN
     PERFORM pgsemaphore.checked_family(p_family);
     PERFORM pgsemaphore.checked_text(p_key, 'p_key', 128);
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.open_family_key needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.open_family_key',
+            'an older snapshot could miss a rule or a key changed meanwhile');
     END IF;
     v_name := '@' || p_family || '/' || p_key;
     -- 2. The family's row, share-locked: no rule change runs until we commit.

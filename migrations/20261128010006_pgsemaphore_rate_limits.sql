@@ -283,20 +283,6 @@ BEGIN
 END;
 $$;
 
--- Raised by every check outside READ COMMITTED (see this file's header).
-CREATE FUNCTION pgsemaphore.refuse_isolation()
-RETURNS void
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    RAISE EXCEPTION 'rate limiter checks need READ COMMITTED, this transaction is %',
-        upper(current_setting('transaction_isolation'))
-        USING ERRCODE = 'feature_not_supported',
-              HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
-                     'its snapshot could not see the previous check''s state';
-END;
-$$;
-
 -- The microseconds until p_until, from the clock now (at least 1).
 CREATE FUNCTION pgsemaphore.us_until(p_until timestamptz)
 RETURNS bigint
@@ -792,7 +778,8 @@ DECLARE
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pgsemaphore.refuse_isolation();
+        PERFORM pgsemaphore.refuse_isolation('a rate limiter check',
+            'its snapshot could not see the previous check''s state');
     END IF;
     -- 2. One statement: the stored limits and pause, and the key's lock if
     -- it is free (two primary-key lookups; a try, never a wait).
@@ -983,7 +970,8 @@ DECLARE
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pgsemaphore.refuse_isolation();
+        PERFORM pgsemaphore.refuse_isolation('a rate limiter check',
+            'its snapshot could not see the previous check''s state');
     END IF;
     -- 2. (A loop over the statement's rows, each put at its limit's index:
     -- no aggregate, whose sorts cost more than the rows.)

@@ -247,9 +247,8 @@ DECLARE
     v_old integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'configure_advisory needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.configure_advisory',
+            'an older snapshot could miss a change of the semaphore committed meanwhile');
     END IF;
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
@@ -471,9 +470,8 @@ DECLARE
     v_count  integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'record_outcomes needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.record_outcomes',
+            'an older snapshot could miss a count added meanwhile');
     END IF;
     IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1
        OR cardinality(p_kinds) NOT BETWEEN 1 AND 1000

@@ -164,10 +164,12 @@ DECLARE
     s          integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'advisory claims need READ COMMITTED, this transaction is %',
+        -- (pgsemaphore.refuse_isolation's error, raised here: this runs
+        -- with the caller's rights, and the helper is granted to nobody.)
+        RAISE EXCEPTION 'pgsemaphore.advisory_claim needs READ COMMITTED, this transaction is %',
             upper(current_setting('transaction_isolation'))
             USING ERRCODE = 'feature_not_supported',
-                  HINT = 'claim outside the transaction, or in a READ COMMITTED one: '
+                  HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
                          'an older snapshot could miss a capacity drop';
     END IF;
     IF p_semaphore IS NULL THEN
@@ -331,9 +333,8 @@ BEGIN
         PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'advisory_drained needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.advisory_drained',
+            'an older snapshot could miss a capacity change committed meanwhile');
     END IF;
     SELECT a.capacity, a.peak_capacity INTO v_capacity, v_peak
       FROM pgsemaphore.advisory_semaphores a WHERE a.name = p_semaphore;
@@ -563,9 +564,8 @@ BEGIN
         PERFORM pgsemaphore.refuse('p_semaphore', 'a semaphore name, got NULL');
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'advisory_rearm needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.advisory_rearm',
+            'an older snapshot could miss a capacity change committed meanwhile');
     END IF;
     PERFORM 1 FROM pgsemaphore.advisory_semaphores a
      WHERE a.name = p_semaphore AND a.epoch <> pg_sequence_last_value('pgsemaphore.advisory_epoch')
@@ -1217,9 +1217,8 @@ BEGIN
     -- Every statement below must take a fresh snapshot after the locks it
     -- waited for: READ COMMITTED only.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.claim needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.claim',
+            'an older snapshot could miss slots taken, freed or reaped meanwhile');
     END IF;
     v_hash := sha256(p_token);
     v_reserve := CASE WHEN p_priority = 0 THEN p_reserve ELSE 0 END;
@@ -1844,9 +1843,8 @@ DECLARE
     v_old integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'configure_advisory needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.configure_advisory',
+            'an older snapshot could miss a change of the semaphore committed meanwhile');
     END IF;
     PERFORM pgsemaphore.checked_text(p_name, 'p_name', 200);
     IF p_capacity IS NULL OR p_capacity NOT BETWEEN 1 AND 100000 THEN
@@ -2029,9 +2027,8 @@ BEGIN
     -- semaphore's row lock was granted: READ COMMITTED only (an older
     -- snapshot could miss a waiter queued meanwhile).
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.enqueue needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.enqueue',
+            'an older snapshot could miss a waiter queued meanwhile');
     END IF;
     PERFORM pgsemaphore.checked_text(p_semaphore, 'p_semaphore', 200);
     IF p_permits IS NULL OR p_permits NOT BETWEEN 1 AND 100000 THEN
@@ -2816,9 +2813,8 @@ BEGIN
                AND EXISTS (SELECT 1 FROM pgsemaphore.advisory_semaphores a WHERE a.name = NEW.name)) THEN
             RETURN NEW;
         END IF;
-        RAISE EXCEPTION 'creating a pg-semaphore semaphore needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('creating a semaphore',
+            'an older snapshot could miss a semaphore of the other kind created under the same name');
     END IF;
     PERFORM pg_advisory_xact_lock(1885828966, hashtext(NEW.name));
     IF TG_TABLE_NAME = 'semaphores'
@@ -3032,9 +3028,8 @@ BEGIN
     PERFORM pgsemaphore.checked_family(p_family);
     PERFORM pgsemaphore.checked_text(p_key, 'p_key', 128);
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pg_semaphore.open_family_key needs READ COMMITTED isolation, the session uses %',
-            current_setting('transaction_isolation')
-            USING ERRCODE = 'invalid_transaction_state';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.open_family_key',
+            'an older snapshot could miss a rule or a key changed meanwhile');
     END IF;
     v_name := '@' || p_family || '/' || p_key;
     -- 2. The family's row, share-locked: no rule change runs until we commit.
@@ -3536,7 +3531,8 @@ DECLARE
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pgsemaphore.refuse_isolation();
+        PERFORM pgsemaphore.refuse_isolation('a rate limiter check',
+            'its snapshot could not see the previous check''s state');
     END IF;
     -- 2. One statement: the stored limits and pause, and the key's lock if
     -- it is free (two primary-key lookups; a try, never a wait).
@@ -3728,7 +3724,8 @@ DECLARE
 BEGIN
     -- 1.
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pgsemaphore.refuse_isolation();
+        PERFORM pgsemaphore.refuse_isolation('a rate limiter check',
+            'its snapshot could not see the previous check''s state');
     END IF;
     -- 2. (A loop over the statement's rows, each put at its limit's index:
     -- no aggregate, whose sorts cost more than the rows.)
@@ -4217,9 +4214,8 @@ DECLARE
     v_count  integer;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'record_outcomes needs READ COMMITTED, this transaction is %',
-            upper(current_setting('transaction_isolation'))
-            USING ERRCODE = 'feature_not_supported';
+        PERFORM pgsemaphore.refuse_isolation('pgsemaphore.record_outcomes',
+            'an older snapshot could miss a count added meanwhile');
     END IF;
     IF p_kinds IS NULL OR array_ndims(p_kinds) IS DISTINCT FROM 1
        OR cardinality(p_kinds) NOT BETWEEN 1 AND 1000
@@ -4317,18 +4313,17 @@ $$;
 
 
 --
--- Name: refuse_isolation(); Type: FUNCTION; Schema: pgsemaphore; Owner: -
+-- Name: refuse_isolation(text, text); Type: FUNCTION; Schema: pgsemaphore; Owner: -
 --
 
-CREATE FUNCTION pgsemaphore.refuse_isolation() RETURNS void
+CREATE FUNCTION pgsemaphore.refuse_isolation(p_subject text, p_why text) RETURNS void
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    RAISE EXCEPTION 'rate limiter checks need READ COMMITTED, this transaction is %',
-        upper(current_setting('transaction_isolation'))
+    RAISE EXCEPTION '% needs READ COMMITTED, this transaction is %',
+        p_subject, upper(current_setting('transaction_isolation'))
         USING ERRCODE = 'feature_not_supported',
-              HINT = 'call it outside the transaction, or in a READ COMMITTED one: '
-                     'its snapshot could not see the previous check''s state';
+              HINT = 'call it outside the transaction, or in a READ COMMITTED one: ' || p_why;
 END;
 $$;
 
@@ -6790,10 +6785,10 @@ REVOKE ALL ON FUNCTION pgsemaphore.refuse(p_argument text, p_message text) FROM 
 
 
 --
--- Name: FUNCTION refuse_isolation(); Type: ACL; Schema: pgsemaphore; Owner: -
+-- Name: FUNCTION refuse_isolation(p_subject text, p_why text); Type: ACL; Schema: pgsemaphore; Owner: -
 --
 
-REVOKE ALL ON FUNCTION pgsemaphore.refuse_isolation() FROM PUBLIC;
+REVOKE ALL ON FUNCTION pgsemaphore.refuse_isolation(p_subject text, p_why text) FROM PUBLIC;
 
 
 --

@@ -10,8 +10,8 @@ use pg_semaphore::{
     admin::Reaper,
     limits::{MAX_CAPACITY, MAX_LEASE, MIN_LEASE},
 };
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgDatabaseError, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
 use support::TestResult;
 
 async fn rows(pool: &PgPool) -> (i64, i64) {
@@ -355,6 +355,117 @@ async fn a_non_read_committed_session_is_refused_rather_than_over_admitting() ->
     assert_eq!(waiters, 0);
     // The normal pool is unaffected.
     sem.try_acquire().await?.release().await?;
+    Ok(())
+}
+
+/// Every function that decides on a snapshot taken after its locks refuses
+/// a REPEATABLE READ or SERIALIZABLE transaction the same way: SQLSTATE
+/// 0A000, a message that names what was called and the transaction's
+/// level, and a hint that says what to do. Nothing is taken or created.
+#[tokio::test]
+async fn every_refusal_outside_read_committed_is_0a000_naming_the_call() -> TestResult {
+    let db = support::migrated_db().await;
+    Semaphore::builder("lease", 1).build(&db.client).await?;
+    AdvisorySemaphore::builder("advisory", 1)
+        .build(&db.client)
+        .await?;
+    sqlx::query("SELECT * FROM pgsemaphore.open_family('tenants', 2, '10 s', '0')")
+        .execute(&db.pool)
+        .await?;
+    let calls = [
+        (
+            "SELECT * FROM pgsemaphore.claim('lease', 'h', NULL, NULL, 'sixteen-byte-tok')",
+            "pgsemaphore.claim",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.enqueue('lease', 1, 1::smallint, 'h', NULL, '10 s', \
+             'sixteen-byte-tok')",
+            "pgsemaphore.enqueue",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.open('new-lease', 1, '10 s')",
+            "creating a semaphore",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.open_advisory('new-advisory', 1)",
+            "creating a semaphore",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.open_family_key('tenants', 'acme')",
+            "pgsemaphore.open_family_key",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.advisory_claim('advisory', 1, ARRAY[]::integer[])",
+            "pgsemaphore.advisory_claim",
+        ),
+        (
+            "SELECT pgsemaphore.advisory_drained('advisory')",
+            "pgsemaphore.advisory_drained",
+        ),
+        (
+            "SELECT pgsemaphore.advisory_rearm('advisory')",
+            "pgsemaphore.advisory_rearm",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.configure_advisory('advisory', 2)",
+            "pgsemaphore.configure_advisory",
+        ),
+        (
+            "SELECT pgsemaphore.record_outcomes(ARRAY['semaphore'], ARRAY['lease'], \
+             ARRAY[0]::bigint[], ARRAY[1]::bigint[], ARRAY[0]::bigint[])",
+            "pgsemaphore.record_outcomes",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.token_bucket('api', 'k', 10, 10, 1)",
+            "a rate limiter check",
+        ),
+        (
+            "SELECT * FROM pgsemaphore.check_limits(ARRAY['fixed_window'], ARRAY['api'], \
+             ARRAY['k'], ARRAY[NULL]::float8[], ARRAY[NULL]::float8[], ARRAY[10]::bigint[], \
+             ARRAY['1 s']::interval[], 1)",
+            "a rate limiter check",
+        ),
+    ];
+    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+        for (sql, subject) in calls {
+            let mut conn = db.pool.acquire().await?;
+            sqlx::query(AssertSqlSafe(format!("BEGIN ISOLATION LEVEL {level}")))
+                .execute(&mut *conn)
+                .await?;
+            let err = sqlx::query(sql).execute(&mut *conn).await.expect_err(sql);
+            sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+            let pg = err
+                .as_database_error()
+                .and_then(|e| e.try_downcast_ref::<PgDatabaseError>())
+                .unwrap_or_else(|| panic!("{sql}: {err}"));
+            assert_eq!(pg.code(), "0A000", "{sql}: {err}");
+            assert_eq!(
+                pg.message(),
+                format!("{subject} needs READ COMMITTED, this transaction is {level}"),
+                "{sql}"
+            );
+            assert!(
+                pg.hint().is_some_and(|h| h
+                    .starts_with("call it outside the transaction, or in a READ COMMITTED one: ")),
+                "{sql}: {:?}",
+                pg.hint()
+            );
+        }
+    }
+    // Nothing was created or taken.
+    let (semaphores, advisory, slots, waiters, ledger): (i64, i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pgsemaphore.semaphores), \
+                    (SELECT count(*) FROM pgsemaphore.advisory_semaphores), \
+                    (SELECT count(*) FROM pgsemaphore.slots), \
+                    (SELECT count(*) FROM pgsemaphore.waiters), \
+                    (SELECT count(*) FROM pgsemaphore.rate_ledger)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(
+        (semaphores, advisory, slots, waiters, ledger),
+        (1, 1, 0, 0, 0)
+    );
     Ok(())
 }
 
