@@ -2096,18 +2096,21 @@ async fn exclusive_holders(pool: &PgPool, semaphore: &str) -> sqlx::Result<i64> 
 }
 
 /// The crate's one-statement claim of one slot (`CLAIM_ONE`), as any
-/// client may send it: on a view of the row (`$1` key base, `$2` capacity,
-/// `$3` epoch, read by [`row_view`] earlier); the slot, -1 when given back.
-const FAST_CLAIM: &str = "SELECT CASE WHEN t.slot IS NULL THEN NULL WHEN t.current THEN t.slot \
-          WHEN pg_advisory_unlock($1 + t.slot) THEN -1 ELSE -1 END \
-     FROM (SELECT s.slot, pg_sequence_last_value('pgsemaphore.advisory_epoch') = $3 AS current \
-             FROM (SELECT (SELECT g.s FROM generate_series(0, $2 - 1) AS g(s) \
-                            WHERE pg_try_advisory_lock($1 + g.s) LIMIT 1) AS slot \
-                   OFFSET 0) AS s \
-           OFFSET 0) AS t";
+/// client may send it, from docs/sql-api.md (a unit test of the crate keeps
+/// that block the statement it sends): on a view of the row (`$1` key base,
+/// `$2` capacity, `$3` epoch, read by [`row_view`] earlier); the slot, -1
+/// when given back (and whether the epoch was current).
+fn fast_claim_sql() -> String {
+    let doc = include_str!("../docs/sql-api.md");
+    let start = doc
+        .find("```sql\n-- $1 key_base, $2 capacity, $3 epoch")
+        .expect("docs/sql-api.md shows the one-statement claim");
+    let block = &doc[start + "```sql".len()..];
+    block[..block.find("```").expect("the block ends")].to_owned()
+}
 
 /// A process's view of a semaphore's row, as the crate reads it for
-/// [`FAST_CLAIM`]: key base, capacity, epoch.
+/// [`fast_claim_sql`]: key base, capacity, epoch.
 async fn row_view(pool: &PgPool, semaphore: &str) -> sqlx::Result<(i64, i32, i64)> {
     sqlx::query_as(
         "SELECT key_base, capacity, epoch FROM pgsemaphore.advisory_semaphores WHERE name = $1",
@@ -2117,11 +2120,11 @@ async fn row_view(pool: &PgPool, semaphore: &str) -> sqlx::Result<(i64, i32, i64
     .await
 }
 
-/// [`FAST_CLAIM`] on `view`.
+/// [`fast_claim_sql`] on `view`.
 fn fast_claim(
     view: (i64, i32, i64),
 ) -> sqlx::query::QueryScalar<'static, Postgres, Option<i32>, PgArguments> {
-    sqlx::query_scalar(FAST_CLAIM)
+    sqlx::query_scalar(AssertSqlSafe(fast_claim_sql()))
         .bind(view.0)
         .bind(view.1)
         .bind(view.2)

@@ -772,3 +772,34 @@ impl Sessions {
         Ok(session)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::CLAIM_ONE;
+
+    /// The statement without its comments, in single spaces.
+    fn normalized(sql: &str) -> String {
+        sql.lines()
+            .map(|line| line.split("--").next().unwrap_or(""))
+            .flat_map(str::split_whitespace)
+            .collect::<Vec<_>>()
+            .join(" ")
+            .trim_end_matches(';')
+            .to_owned()
+    }
+
+    /// docs/sql-api.md shows the one-statement claim as the crate sends it
+    /// (tests/security.rs attacks that block): the two must stay one
+    /// statement, apart from the clock the crate reads with it.
+    #[test]
+    fn the_sql_api_shows_the_claim_the_crate_sends() {
+        let doc = include_str!("../../../docs/sql-api.md");
+        let start = doc
+            .find("```sql\n-- $1 key_base, $2 capacity, $3 epoch")
+            .expect("docs/sql-api.md shows the one-statement claim");
+        let block = &doc[start + "```sql".len()..];
+        let block = &block[..block.find("```").expect("the block ends")];
+        let sent = CLAIM_ONE.replace(", clock_timestamp() AS at", "");
+        assert_eq!(normalized(block), normalized(&sent));
+    }
+}
