@@ -144,7 +144,9 @@ pub async fn advisory_workload(ctx: &mut Ctx) -> Res<()> {
             ));
             if redis.is_some() && clients <= 8 {
                 let vs_redis = ours.and_then(|c| c.ratio("vs_redis"));
-                let bar = if clients == 1 { 1.0 } else { 0.5 };
+                // 1 client: the advisory issue's; 8 clients: issue 35's
+                // (it was 0.5x before).
+                let bar = if clients == 1 { 1.0 } else { 0.8 };
                 ctx.report.targets.push(Target::at_least(
                     Workload::Advisory,
                     format!(
